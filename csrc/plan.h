@@ -1,0 +1,61 @@
+// The plan: what plan() writes on the host and run() reads on the device.
+// Plain C layout shared by the planner (csrc/scheduler/), the kernels and fi_backend/workspace.py.
+// Everything is int32 so one host-to-device copy moves it and a kernel reads it without conversion.
+#pragma once
+#include <stdint.h>
+
+// One unit of work of the persistent kernel: query rows [q_begin, q_end) of `request` against that
+// request's KV positions [kv_begin, kv_end) (logical positions within the request's KV, not slots).
+// Query rows are global rows of the step's query tensor. A kernel clips kv_end to the request's
+// actual KV length read on the device (a plan may be made from upper bounds), and an item whose
+// range is then empty yields O = 0, LSE = -inf.
+//
+// partial_base < 0: the item covers the request's whole KV for these rows ("write-through"): results
+// go straight to the output rows.
+// partial_base >= 0: the KV of these rows was split into partial_stride chunks; row r's partial state
+// goes to partial row  partial_base + (r - q_begin) * partial_stride  of the workspace, and the merge
+// combines partial rows [merge_indptr[r], merge_indptr[r + 1]) into output row r.
+typedef struct FiWorkItem {
+  int32_t request;
+  int32_t q_begin;
+  int32_t q_end;
+  int32_t kv_begin;
+  int32_t kv_end;
+  int32_t partial_base;
+  int32_t partial_stride;
+  int32_t chunk;  // index of this KV chunk within its (request, query tile), 0-based
+} FiWorkItem;
+
+// The plan header: a fixed block of int32 at the start of the plan section.
+enum FiPlanHeader {
+  FI_PLAN_NUM_ITEMS = 0,         // work items written
+  FI_PLAN_NUM_ROWS = 1,          // query rows of the step (merge_indptr has NUM_ROWS + 1 entries)
+  FI_PLAN_NUM_PARTIAL_ROWS = 2,  // partial rows used in the workspace
+  FI_PLAN_KV_CHUNK = 3,          // KV chunk size chosen (tokens); 0 when nothing was split
+  FI_PLAN_NUM_REQUESTS = 4,
+  FI_PLAN_NUM_CTAS = 5,          // CTAs the items were spread over (cta_indptr has NUM_CTAS + 1)
+  FI_PLAN_TILE_Q = 6,            // query rows per tile
+  FI_PLAN_NUM_SPLIT_ROWS = 7,    // rows whose KV was split (rows the merge must visit)
+  FI_PLAN_HEADER_INTS = 16
+};
+
+// Plan section layout, in int32 units from its start (every array starts 16-byte aligned):
+//   header        [FI_PLAN_HEADER_INTS]
+//   cta_indptr    [num_ctas + 1]            items of CTA c are items[cta_indptr[c] .. cta_indptr[c + 1])
+//   items         [max_items] FiWorkItem    grouped by CTA, in the order each CTA runs them
+//   merge_indptr  [max_rows + 1]            partial rows of output row r, see FiWorkItem
+//   split_rows    [max_rows]                the rows with partials, ascending (NUM_SPLIT_ROWS of them)
+static inline int64_t fi_align4(int64_t n) { return (n + 3) & ~(int64_t)3; }
+static inline int64_t fi_plan_cta_indptr_offset(void) { return FI_PLAN_HEADER_INTS; }
+static inline int64_t fi_plan_items_offset(int64_t num_ctas) {
+  return fi_plan_cta_indptr_offset() + fi_align4(num_ctas + 1);
+}
+static inline int64_t fi_plan_merge_indptr_offset(int64_t num_ctas, int64_t max_items) {
+  return fi_plan_items_offset(num_ctas) + max_items * (int64_t)(sizeof(FiWorkItem) / 4);
+}
+static inline int64_t fi_plan_split_rows_offset(int64_t num_ctas, int64_t max_items, int64_t max_rows) {
+  return fi_plan_merge_indptr_offset(num_ctas, max_items) + fi_align4(max_rows + 1);
+}
+static inline int64_t fi_plan_ints(int64_t num_ctas, int64_t max_items, int64_t max_rows) {
+  return fi_plan_split_rows_offset(num_ctas, max_items, max_rows) + fi_align4(max_rows);
+}

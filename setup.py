@@ -1,0 +1,38 @@
+"""Build glue that pyproject.toml cannot express: the planner's C++ extension, and csrc/ shipped as data.
+
+csrc/ lives at the top level (framework-free CUDA C++, see DESIGN.md); an installed fi_backend finds
+it at fi_backend/_csrc, a source checkout at ../csrc.
+"""
+import shutil
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
+
+ROOT = Path(__file__).resolve().parent
+
+
+class BuildPyWithCsrc(build_py):
+    def run(self):
+        super().run()
+        dest = Path(self.build_lib) / "fi_backend" / "_csrc"
+        if dest.exists():
+            shutil.rmtree(dest)
+        shutil.copytree(ROOT / "csrc", dest, ignore=shutil.ignore_patterns("*.o", "*.so", "__pycache__"))
+
+
+planner = Extension(
+    "fi_backend._planner",
+    sources=["csrc/scheduler/planner.cc", "csrc/scheduler/planner_py.cc"],
+    include_dirs=["csrc"],
+    extra_compile_args=["-O3", "-std=c++17"],
+    define_macros=[("Py_LIMITED_API", "0x030A0000")],
+    py_limited_api=True,
+    language="c++",
+)
+
+setup(
+    packages=["fi_backend", "fi_backend.kernels", "fi_backend.adapters"],
+    ext_modules=[planner],
+    cmdclass={"build_py": BuildPyWithCsrc},
+)
