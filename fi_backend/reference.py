@@ -424,12 +424,15 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torc
     S = 0 or all states -inf gives o = 0, lse = -inf. Returns float64 on o's device.
     """
     if o.dim() < 3 or o.shape[:-1] != lse.shape:
-        raise ValueError(f"merge_states expects o [N, S, ..., D] and lse [N, S, ...], got {tuple(o.shape)} and {tuple(lse.shape)}")
+        raise ValueError(
+            f"merge_states expects o [N, S, ..., D] and lse [N, S, ...], got {tuple(o.shape)} and {tuple(lse.shape)}"
+        )
     o = o.to(_f64)
     lse = lse.to(device=o.device, dtype=_f64)
     if o.shape[1] == 0:
         shape = (o.shape[0],) + tuple(o.shape[2:])
-        return torch.zeros(shape, dtype=_f64, device=o.device), torch.full(shape[:-1], -math.inf, dtype=_f64, device=o.device)
+        empty_lse = torch.full(shape[:-1], -math.inf, dtype=_f64, device=o.device)
+        return torch.zeros(shape, dtype=_f64, device=o.device), empty_lse
     m = lse.amax(dim=1, keepdim=True)
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # all -inf: any finite shift; weights are 0
     w = torch.exp(lse - m)  # [N, S, ...], in [0, 1]; the largest state has weight exactly 1

@@ -1,0 +1,85 @@
+"""What every GPU benchmark here shares: timing with CUDA events, the copy-rate ceiling, and results JSON.
+
+Results carry device, date, commit, our figure, the anchor's figure from the same run and their ratio.
+The commit comes from `git rev-parse HEAD`, or from FI_COMMIT where the tree travels without .git (the
+GPU machine).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def commit() -> str:
+    env = os.environ.get("FI_COMMIT")
+    if env:
+        return env
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=RESULTS.parent,
+                                       stderr=subprocess.DEVNULL, text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_info() -> dict:
+    import torch
+    p = torch.cuda.get_device_properties(0)
+    return {"name": p.name, "sms": p.multi_processor_count, "l2_bytes": getattr(p, "L2_cache_size", None),
+            "torch": torch.__version__, "cuda": torch.version.cuda}
+
+
+def time_us(fn, *, warmup: int = 10, rep: int = 100, setup=None) -> dict:
+    """Median (and p10/p90) of `rep` timed calls of fn() in microseconds, each between two CUDA events.
+
+    setup(i), when given, runs before call i outside the timed region (e.g. to pick the i-th input set so
+    that rotating sets keeps the L2 cache from flattering anyone).
+    """
+    import torch
+    for i in range(warmup):
+        if setup:
+            setup(i)
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    for i in range(rep):
+        if setup:
+            setup(i)
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    t = sorted(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
+    return {"median_us": statistics.median(t), "p10_us": t[len(t) // 10], "p90_us": t[(9 * len(t)) // 10],
+            "rep": rep}
+
+
+def copy_rate_gbps(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy rate counting bytes read plus written: the bandwidth ceiling we compare to."""
+    import torch
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+    b = torch.empty_like(a)
+    r = time_us(lambda: b.copy_(a), warmup=5, rep=30)
+    return 2 * nbytes / (r["median_us"] * 1e-6) / 1e9
+
+
+def write_result(name: str, payload: dict) -> Path:
+    """Write perf/results/<name>.json (and a copy under $OUT when it is set, for the GPU machine)."""
+    payload = {"benchmark": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "commit": commit(), **payload}
+    text = json.dumps(payload, indent=1, sort_keys=False) + "\n"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(text)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, f"{name}.json").write_text(text)
+    print(f"wrote {path}", file=sys.stderr)
+    return path
