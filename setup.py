@@ -4,6 +4,7 @@ csrc/ lives at the top level (framework-free CUDA C++, see DESIGN.md); an instal
 it at fi_backend/_csrc, a source checkout at ../csrc.
 """
 import shutil
+import sys
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -21,13 +22,16 @@ class BuildPyWithCsrc(build_py):
         shutil.copytree(ROOT / "csrc", dest, ignore=shutil.ignore_patterns("*.o", "*.so", "__pycache__"))
 
 
+# The binding takes arrays through the buffer protocol, which joined the limited API in Python 3.11:
+# stable ABI (abi3, 3.11+) there, the full API on 3.10.
+_ABI3 = sys.version_info >= (3, 11)
 planner = Extension(
     "fi_backend._planner",
     sources=["csrc/scheduler/planner.cc", "csrc/scheduler/planner_py.cc"],
     include_dirs=["csrc"],
     extra_compile_args=["-O3", "-std=c++17"],
-    define_macros=[("Py_LIMITED_API", "0x030A0000")],
-    py_limited_api=True,
+    define_macros=[("Py_LIMITED_API", "0x030B0000")] if _ABI3 else [],
+    py_limited_api=_ABI3,
     language="c++",
 )
 

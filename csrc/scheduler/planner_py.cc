@@ -1,0 +1,175 @@
+// CPython binding of the planner (fi_backend._planner), stable ABI. Arrays come in through the buffer
+// protocol (numpy arrays, memoryviews, ...: anything C-contiguous with int32 items), so nothing is
+// copied and no numpy headers are needed. fi_backend/scheduler.py is the Python face of this module.
+//
+// The buffer protocol joined the limited API in Python 3.11 (PyObject_GetBuffer, Py_buffer), so the
+// stable-ABI build needs Py_LIMITED_API >= 3.11; setup.py builds without the limited API on 3.10.
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#if defined(Py_LIMITED_API) && Py_LIMITED_API + 0 < 0x030B0000
+#error "planner_py.cc needs the buffer protocol: limited API from Python 3.11 (Py_LIMITED_API >= 0x030B0000)"
+#endif
+
+#include <cstddef>
+#include <cstring>
+
+#include "plan.h"
+#include "scheduler/planner.h"
+
+namespace {
+
+// One planner per thread keeps its scratch arrays between calls: a plan in steady state allocates
+// nothing.
+thread_local fi::Planner g_planner;
+
+bool IsInt32Format(const char* format) {
+  if (format == nullptr) return false;  // PyBUF_FORMAT was asked for, so this is unexpected
+  if (format[0] == '@' || format[0] == '=' || format[0] == '<') ++format;
+  if (std::strcmp(format, "i") == 0) return true;
+  return sizeof(long) == 4 && std::strcmp(format, "l") == 0;
+}
+
+// Fills `view` with a C-contiguous int32 buffer of `obj` or sets an exception naming `name`.
+bool GetInt32Buffer(PyObject* obj, const char* name, bool writable, Py_buffer* view) {
+  int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
+  if (PyObject_GetBuffer(obj, view, flags) != 0) {
+    PyErr_Clear();
+    PyErr_Format(PyExc_TypeError, "%s must be a %sC-contiguous int32 array (numpy array or buffer), got %R", name,
+                 writable ? "writable " : "", (PyObject*)Py_TYPE(obj));
+    return false;
+  }
+  if (view->itemsize != 4 || !IsInt32Format(view->format)) {
+    PyErr_Format(PyExc_TypeError, "%s must hold int32 items, got format '%s' with itemsize %zd", name,
+                 view->format ? view->format : "?", view->itemsize);
+    PyBuffer_Release(view);
+    return false;
+  }
+  return true;
+}
+
+struct BufferGuard {
+  Py_buffer* view;
+  ~BufferGuard() {
+    if (view != nullptr) PyBuffer_Release(view);
+  }
+};
+
+PyObject* Plan(PyObject*, PyObject* args) {
+  PyObject *section_obj, *qo_obj, *kv_obj;
+  Py_ssize_t layout_ctas, max_items, max_rows, max_partial_rows, tile_q, num_ctas, min_kv_chunk, kv_chunk_align;
+  int causal;
+  double cost_q, cost_kv;
+  if (!PyArg_ParseTuple(args, "OnnnnOOnnpnndd:plan", &section_obj, &layout_ctas, &max_items, &max_rows,
+                        &max_partial_rows, &qo_obj, &kv_obj, &tile_q, &num_ctas, &causal, &min_kv_chunk,
+                        &kv_chunk_align, &cost_q, &cost_kv))
+    return nullptr;
+
+  Py_buffer section, qo, kv;
+  if (!GetInt32Buffer(section_obj, "section", true, &section)) return nullptr;
+  BufferGuard g1{&section};
+  if (!GetInt32Buffer(qo_obj, "qo_indptr", false, &qo)) return nullptr;
+  BufferGuard g2{&qo};
+  if (!GetInt32Buffer(kv_obj, "kv_lens", false, &kv)) return nullptr;
+  BufferGuard g3{&kv};
+
+  const Py_ssize_t num_requests = kv.len / 4;
+  if (qo.len / 4 != num_requests + 1) {
+    PyErr_Format(PyExc_ValueError, "qo_indptr must have len(kv_lens) + 1 = %zd entries, got %zd", num_requests + 1,
+                 qo.len / 4);
+    return nullptr;
+  }
+
+  fi::PlanInputs in;
+  in.qo_indptr = static_cast<const int32_t*>(qo.buf);
+  in.kv_lens = static_cast<const int32_t*>(kv.buf);
+  in.num_requests = num_requests;
+  in.tile_q = tile_q;
+  in.num_ctas = num_ctas;
+  in.causal = causal != 0;
+  in.min_kv_chunk = min_kv_chunk;
+  in.kv_chunk_align = kv_chunk_align;
+  in.cost_q = cost_q;
+  in.cost_kv = cost_kv;
+  fi::PlanSection out;
+  out.data = static_cast<int32_t*>(section.buf);
+  out.num_ints = section.len / 4;
+  out.num_ctas = layout_ctas;
+  out.max_items = max_items;
+  out.max_rows = max_rows;
+  out.max_partial_rows = max_partial_rows;
+
+  fi::PlanSummary summary;
+  if (g_planner.Plan(in, out, &summary) != fi::PlanStatus::kOk) {
+    PyErr_SetString(PyExc_ValueError, g_planner.error());
+    return nullptr;
+  }
+  return Py_BuildValue("(nnnnnd)", (Py_ssize_t)summary.num_items, (Py_ssize_t)summary.num_rows,
+                       (Py_ssize_t)summary.num_partial_rows, (Py_ssize_t)summary.kv_chunk,
+                       (Py_ssize_t)summary.num_split_rows, summary.makespan);
+}
+
+// The plan.h offsets (int32 units) for a layout, so Python can check its own copy of the formulas.
+PyObject* Layout(PyObject*, PyObject* args) {
+  Py_ssize_t num_ctas, max_items, max_rows;
+  if (!PyArg_ParseTuple(args, "nnn:layout", &num_ctas, &max_items, &max_rows)) return nullptr;
+  return Py_BuildValue("(LLLLL)", (long long)fi_plan_cta_indptr_offset(), (long long)fi_plan_items_offset(num_ctas),
+                       (long long)fi_plan_merge_indptr_offset(num_ctas, max_items),
+                       (long long)fi_plan_split_rows_offset(num_ctas, max_items, max_rows),
+                       (long long)fi_plan_ints(num_ctas, max_items, max_rows));
+}
+
+// FiWorkItem's fields as (name, offset in int32 units), so Python's record layout can be checked.
+PyObject* ItemFields(PyObject*, PyObject*) {
+#define FI_FIELD(f) #f, (Py_ssize_t)(offsetof(FiWorkItem, f) / 4)
+  return Py_BuildValue("((sn)(sn)(sn)(sn)(sn)(sn)(sn)(sn))", FI_FIELD(request), FI_FIELD(q_begin), FI_FIELD(q_end),
+                       FI_FIELD(kv_begin), FI_FIELD(kv_end), FI_FIELD(partial_base), FI_FIELD(partial_stride),
+                       FI_FIELD(chunk));
+#undef FI_FIELD
+}
+
+PyMethodDef kMethods[] = {
+    {"plan", Plan, METH_VARARGS,
+     "plan(section, layout_num_ctas, max_items, max_rows, max_partial_rows, qo_indptr, kv_lens, tile_q, num_ctas, "
+     "causal, min_kv_chunk, kv_chunk_align, cost_q, cost_kv) -> (num_items, num_rows, num_partial_rows, kv_chunk, "
+     "num_split_rows, makespan)\n\nWrites the plan into `section` (int32, csrc/plan.h layout) in place."},
+    {"layout", Layout, METH_VARARGS,
+     "layout(num_ctas, max_items, max_rows) -> (cta_indptr, items, merge_indptr, split_rows, total) offsets in "
+     "int32 units, from csrc/plan.h"},
+    {"item_fields", ItemFields, METH_NOARGS, "item_fields() -> ((name, offset in int32 units), ...) of FiWorkItem"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef kModule = {
+    PyModuleDef_HEAD_INIT, "_planner", "The load-balanced planner (Algorithm 1 of the FlashInfer paper).", -1,
+    kMethods, nullptr, nullptr, nullptr, nullptr,
+};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__planner(void) {
+  PyObject* m = PyModule_Create(&kModule);
+  if (m == nullptr) return nullptr;
+  struct {
+    const char* name;
+    long value;
+  } constants[] = {
+      {"HEADER_INTS", FI_PLAN_HEADER_INTS},
+      {"ITEM_INTS", (long)(sizeof(FiWorkItem) / 4)},
+      {"NUM_ITEMS", FI_PLAN_NUM_ITEMS},
+      {"NUM_ROWS", FI_PLAN_NUM_ROWS},
+      {"NUM_PARTIAL_ROWS", FI_PLAN_NUM_PARTIAL_ROWS},
+      {"KV_CHUNK", FI_PLAN_KV_CHUNK},
+      {"NUM_REQUESTS", FI_PLAN_NUM_REQUESTS},
+      {"NUM_CTAS", FI_PLAN_NUM_CTAS},
+      {"TILE_Q", FI_PLAN_TILE_Q},
+      {"NUM_SPLIT_ROWS", FI_PLAN_NUM_SPLIT_ROWS},
+  };
+  for (const auto& c : constants) {
+    if (PyModule_AddIntConstant(m, c.name, c.value) != 0) {
+      Py_DECREF(m);
+      return nullptr;
+    }
+  }
+  return m;
+}

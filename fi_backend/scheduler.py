@@ -1,0 +1,176 @@
+"""The plan: load-balanced scheduling of a generation step (Algorithm 1 of the FlashInfer paper).
+
+`plan_into` runs the C++ planner (csrc/scheduler/planner.cc, module `fi_backend._planner`) on the step's
+query rows per request (qo_indptr) and KV lengths, and writes the plan in place into a plan section laid
+out as csrc/plan.h describes: header, cta_indptr, work items grouped by CTA, merge_indptr and split_rows.
+`PlanLayout` is the one Python copy of plan.h's offset formulas (tests compare it with the C values).
+
+The planner cuts each request's rows into query tiles of tile_q rows; a (request, tile) pair reads KV
+positions [0, kv_len) (causal, bottom-right aligned: [0, kv_len - q_len + tile_end)). With fewer pairs than
+CTAs, long pairs are split into KV chunks (aligned to kv_chunk_align) so that the items just fill the CTAs;
+items are then assigned heaviest first to the least loaded CTA (cost = cost_q * rows + cost_kv * KV
+tokens). Split items write partial attention states, which the merge combines per row.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from fi_backend import _planner
+
+# Header ints (csrc/plan.h, enum FiPlanHeader).
+HEADER_INTS = 16
+NUM_ITEMS, NUM_ROWS, NUM_PARTIAL_ROWS, KV_CHUNK, NUM_REQUESTS, NUM_CTAS, TILE_Q, NUM_SPLIT_ROWS = range(8)
+# FiWorkItem's int32 fields, in order.
+ITEM_FIELDS = ("request", "q_begin", "q_end", "kv_begin", "kv_end", "partial_base", "partial_stride", "chunk")
+ITEM_INTS = len(ITEM_FIELDS)
+ITEM_DTYPE = np.dtype([(name, np.int32) for name in ITEM_FIELDS])
+
+# Default cost weights. Only their ratio matters. A query row moves its Q in and its O (or partial state)
+# out: about 2 * head_dim values per query head; a KV token moves K and V: 2 * head_dim values per KV head.
+# For multi-head attention that is the same traffic, hence 1 : 1; with a GQA group of g query heads per
+# KV head a row moves g times more, so callers may pass cost_q = g. Compute scales the same way as
+# traffic here because the kernel runs whole query tiles, so each KV token costs a tile's work.
+DEFAULT_COST_Q = 1.0
+DEFAULT_COST_KV = 1.0
+# Smallest KV chunk a split produces: below ~128 tokens the fixed cost of an item (loading the query
+# tile, filling the pipeline, writing and later merging a partial state) outweighs the extra parallelism.
+DEFAULT_MIN_KV_CHUNK = 128
+
+
+def _align4(n: int) -> int:
+    return (n + 3) & ~3
+
+
+@dataclass(frozen=True)
+class PlanLayout:
+    """Offsets of a plan section in int32 units (csrc/plan.h; this is the only Python copy)."""
+
+    num_ctas: int
+    max_items: int
+    max_rows: int
+
+    @property
+    def cta_indptr_offset(self) -> int:
+        return HEADER_INTS
+
+    @property
+    def items_offset(self) -> int:
+        return self.cta_indptr_offset + _align4(self.num_ctas + 1)
+
+    @property
+    def merge_indptr_offset(self) -> int:
+        return self.items_offset + self.max_items * ITEM_INTS
+
+    @property
+    def split_rows_offset(self) -> int:
+        return self.merge_indptr_offset + _align4(self.max_rows + 1)
+
+    @property
+    def num_ints(self) -> int:
+        return self.split_rows_offset + _align4(self.max_rows)
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * self.num_ints
+
+
+class PlanViews:
+    """numpy views of one plan section (a flat int32 array), made once and reused for every plan."""
+
+    def __init__(self, section: np.ndarray, layout: PlanLayout, max_partial_rows: int):
+        if section.dtype != np.int32 or section.ndim != 1 or not section.flags.c_contiguous:
+            raise TypeError(f"section must be a flat C-contiguous int32 array, got {section.dtype} {section.shape}")
+        if section.size < layout.num_ints:
+            raise ValueError(f"section holds {section.size} int32 but {layout} needs {layout.num_ints}")
+        self.section = section
+        self.layout = layout
+        self.max_partial_rows = int(max_partial_rows)
+        L = layout
+        self.header = section[:HEADER_INTS]
+        self.cta_indptr = section[L.cta_indptr_offset:L.cta_indptr_offset + L.num_ctas + 1]
+        self.items = section[L.items_offset:L.merge_indptr_offset].reshape(L.max_items, ITEM_INTS)
+        self.merge_indptr = section[L.merge_indptr_offset:L.merge_indptr_offset + L.max_rows + 1]
+        self.split_rows = section[L.split_rows_offset:L.split_rows_offset + L.max_rows]
+
+    @classmethod
+    def allocate(cls, num_ctas: int, max_items: int, max_rows: int, max_partial_rows: int) -> "PlanViews":
+        """Views over a fresh zeroed host array (tests and benchmarks; the workspace brings its own)."""
+        layout = PlanLayout(num_ctas, max_items, max_rows)
+        return cls(np.zeros(layout.num_ints, dtype=np.int32), layout, max_partial_rows)
+
+
+class PlanInfo(NamedTuple):
+    num_items: int
+    num_rows: int
+    num_partial_rows: int
+    kv_chunk: int        # KV chunk size (tokens) of split pairs; 0 when nothing was split
+    num_split_rows: int
+    makespan: float      # largest accumulated cost of a CTA
+
+
+def _host_int32(x, name: str):
+    """An int32 host array the planner can read through the buffer protocol, without copying."""
+    if type(x) is np.ndarray:
+        return x  # dtype and contiguity are checked by the extension
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor):
+        if x.device.type != "cpu" or x.dtype != torch.int32:
+            raise TypeError(f"{name} must be an int32 CPU tensor, got {x.dtype} on {x.device}")
+        return x.numpy()
+    if isinstance(x, (list, tuple)):
+        return np.asarray(x, dtype=np.int32)
+    return x
+
+
+def plan_into(views: PlanViews, qo_indptr, kv_lens, *, tile_q: int, num_ctas: int, causal: bool = False,
+              min_kv_chunk: int = DEFAULT_MIN_KV_CHUNK, kv_chunk_align: int = 1,
+              cost_q: float = DEFAULT_COST_Q, cost_kv: float = DEFAULT_COST_KV) -> PlanInfo:
+    """Plan one step into `views` in place.
+
+    qo_indptr: int32 [B + 1] (numpy array or CPU tensor), query rows of each request, qo_indptr[0] = 0.
+    kv_lens: int32 [B], KV tokens of each request (its query rows are the last q_len of them).
+    num_ctas: CTAs per KV head the items are spread over (<= the layout's num_ctas; CTAs beyond it get
+    no items). Raises ValueError naming the bound when a capacity (max_items, max_rows, max_partial_rows)
+    would be exceeded or an input is invalid; the section is then left untouched.
+    """
+    L = views.layout
+    out = _planner.plan(views.section, L.num_ctas, L.max_items, L.max_rows, views.max_partial_rows,
+                        _host_int32(qo_indptr, "qo_indptr"), _host_int32(kv_lens, "kv_lens"),
+                        tile_q, num_ctas, causal, min_kv_chunk, kv_chunk_align, cost_q, cost_kv)
+    return PlanInfo._make(out)
+
+
+@dataclass
+class DecodedPlan:
+    """A plan section read back as plain numpy arrays (copies), for tests and debugging."""
+
+    num_items: int
+    num_rows: int
+    num_partial_rows: int
+    kv_chunk: int
+    num_requests: int
+    num_ctas: int
+    tile_q: int
+    num_split_rows: int
+    cta_indptr: np.ndarray    # int32 [num_ctas + 1]
+    items: np.ndarray         # ITEM_DTYPE [num_items], grouped by CTA in run order
+    item_cta: np.ndarray      # int32 [num_items], the CTA running each item
+    merge_indptr: np.ndarray  # int32 [num_rows + 1]
+    split_rows: np.ndarray    # int32 [num_split_rows]
+
+
+def decode_plan(views: PlanViews) -> DecodedPlan:
+    h = [int(v) for v in views.header[:8]]
+    n_items, n_rows, n_ctas, n_split = h[NUM_ITEMS], h[NUM_ROWS], h[NUM_CTAS], h[NUM_SPLIT_ROWS]
+    cta_indptr = views.cta_indptr[:n_ctas + 1].copy()
+    items = views.items[:n_items].copy().view(ITEM_DTYPE).reshape(n_items)
+    item_cta = np.repeat(np.arange(n_ctas, dtype=np.int32), np.diff(cta_indptr))
+    return DecodedPlan(
+        num_items=n_items, num_rows=n_rows, num_partial_rows=h[NUM_PARTIAL_ROWS], kv_chunk=h[KV_CHUNK],
+        num_requests=h[NUM_REQUESTS], num_ctas=n_ctas, tile_q=h[TILE_Q], num_split_rows=n_split,
+        cta_indptr=cta_indptr, items=items, item_cta=item_cta,
+        merge_indptr=views.merge_indptr[:n_rows + 1].copy(), split_rows=views.split_rows[:n_split].copy())

@@ -1,0 +1,125 @@
+"""The workspace: one device buffer in fixed sections, written by plan() and read by run().
+
+Sections, each starting 256-byte aligned, in this order:
+  plan         int32, the plan (csrc/plan.h) for (num_ctas, max_items, max_tokens)
+  partial_o    float32 [max_partial_rows, num_qo_heads, head_dim]  partial attention states of split KV
+  partial_lse  float32 [max_partial_rows, num_qo_heads]
+with max_partial_rows = 2 * num_ctas * max_tile_q, the paper's bound (appendix D). The planner uses at
+most num_ctas * tile_q of them: it splits KV only into <= num_ctas items in all.
+
+max_items = max(num_ctas, max_tokens), which holds for every tile_q >= 1: a plan that splits nothing has
+one item per (request, query tile) pair, and pairs <= query rows <= max_tokens; a plan that splits has
+<= num_ctas items by the choice of the chunk size.
+
+Addresses and sizes never change after construction, so a run() captured in a CUDA graph stays valid
+across plans: a new plan only rewrites the contents of the plan section. plan() writes into a host
+staging buffer (pinned when CUDA is available) through numpy views made once, then issues one
+asynchronous host-to-device copy of the whole plan section on the current stream (it is small: ~330 KiB
+for max_tokens = 8192, and copying all of it means the device always holds exactly what the header
+describes, with no prefix arithmetic to get wrong). Before the next plan overwrites staging it waits on
+an event recorded after that copy, since the copy engine may still be reading it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from fi_backend.scheduler import (DEFAULT_COST_KV, DEFAULT_COST_Q, DEFAULT_MIN_KV_CHUNK, DecodedPlan, PlanInfo,
+                                  PlanLayout, PlanViews, _host_int32, decode_plan, plan_into)
+
+SECTION_ALIGN = 256
+
+
+def _align(n: int, a: int = SECTION_ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+class Workspace:
+    def __init__(self, device, *, max_requests: int, max_tokens: int, num_ctas: int, max_tile_q: int,
+                 num_qo_heads: int, head_dim: int, pin_memory: Optional[bool] = None):
+        self.device = torch.device(device)
+        self.max_requests = _positive_int("max_requests", max_requests)
+        self.max_tokens = _positive_int("max_tokens", max_tokens)
+        self.num_ctas = _positive_int("num_ctas", num_ctas)
+        self.max_tile_q = _positive_int("max_tile_q", max_tile_q)
+        self.num_qo_heads = _positive_int("num_qo_heads", num_qo_heads)
+        self.head_dim = _positive_int("head_dim", head_dim)
+        self.max_items = max(num_ctas, max_tokens)
+        self.max_partial_rows = 2 * num_ctas * max_tile_q
+        self.layout = PlanLayout(num_ctas, self.max_items, max_tokens)
+
+        # Section offsets in bytes.
+        self.plan_offset = 0
+        self.partial_o_offset = _align(self.plan_offset + self.layout.nbytes)
+        partial_o_bytes = 4 * self.max_partial_rows * num_qo_heads * head_dim
+        self.partial_lse_offset = _align(self.partial_o_offset + partial_o_bytes)
+        partial_lse_bytes = 4 * self.max_partial_rows * num_qo_heads
+        self.nbytes = _align(self.partial_lse_offset + partial_lse_bytes)
+
+        self.buffer = torch.zeros(self.nbytes, dtype=torch.uint8, device=self.device)
+        self.plan_section = self.buffer[self.plan_offset:self.plan_offset + self.layout.nbytes].view(torch.int32)
+        self.partial_o = (self.buffer[self.partial_o_offset:self.partial_o_offset + partial_o_bytes]
+                          .view(torch.float32).view(self.max_partial_rows, num_qo_heads, head_dim))
+        self.partial_lse = (self.buffer[self.partial_lse_offset:self.partial_lse_offset + partial_lse_bytes]
+                            .view(torch.float32).view(self.max_partial_rows, num_qo_heads))
+        base = self.buffer.data_ptr()
+        self.plan_ptr = base + self.plan_offset
+        self.partial_o_ptr = base + self.partial_o_offset
+        self.partial_lse_ptr = base + self.partial_lse_offset
+
+        cuda = torch.cuda.is_available()
+        if pin_memory is None:
+            pin_memory = cuda
+        if pin_memory and not cuda:
+            raise ValueError("pin_memory=True needs CUDA, which is not available")
+        self.staging = torch.zeros(self.layout.nbytes, dtype=torch.uint8, pin_memory=bool(pin_memory))
+        self._staging_i32 = self.staging.view(torch.int32)
+        self._views = PlanViews(self._staging_i32.numpy(), self.layout, self.max_partial_rows)
+        self._copy_done = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._copy_pending = False
+
+    def plan(self, qo_indptr, kv_lens, *, tile_q: int, causal: bool = False,
+             min_kv_chunk: int = DEFAULT_MIN_KV_CHUNK, kv_chunk_align: int = 1,
+             cost_q: float = DEFAULT_COST_Q, cost_kv: float = DEFAULT_COST_KV) -> PlanInfo:
+        """Plan a step (see fi_backend.scheduler.plan_into) and copy it into the plan section.
+
+        qo_indptr: int32 [B + 1], kv_lens: int32 [B] (numpy arrays or CPU tensors). Raises ValueError
+        naming the workspace bound a step exceeds (max_requests, max_tokens, max_tile_q).
+        """
+        qo = _host_int32(qo_indptr, "qo_indptr")
+        kv = _host_int32(kv_lens, "kv_lens")
+        if len(kv) > self.max_requests:
+            raise ValueError(f"max_requests={self.max_requests} but the step has {len(kv)} requests")
+        rows = int(qo[-1]) if len(qo) else 0
+        if rows > self.max_tokens:
+            raise ValueError(f"max_tokens={self.max_tokens} but the step has {rows} query rows")
+        if tile_q > self.max_tile_q:
+            raise ValueError(f"max_tile_q={self.max_tile_q} but tile_q={tile_q}")
+        if self._copy_pending:
+            self._copy_done.synchronize()  # the previous copy may still be reading staging
+            self._copy_pending = False
+        info = plan_into(self._views, qo, kv, tile_q=tile_q, num_ctas=self.num_ctas, causal=causal,
+                         min_kv_chunk=min_kv_chunk, kv_chunk_align=kv_chunk_align, cost_q=cost_q, cost_kv=cost_kv)
+        if self._copy_done is None:
+            self.plan_section.copy_(self._staging_i32)
+        else:
+            self.plan_section.copy_(self._staging_i32, non_blocking=True)
+            self._copy_done.record(torch.cuda.current_stream(self.device))
+            self._copy_pending = True
+        return info
+
+    def host_plan(self) -> DecodedPlan:
+        """The last plan as written to staging, decoded (tests and debugging)."""
+        return decode_plan(self._views)
+
+    def __repr__(self) -> str:
+        return (f"Workspace(device={self.device}, nbytes={self.nbytes}, num_ctas={self.num_ctas}, "
+                f"max_items={self.max_items}, max_tokens={self.max_tokens}, "
+                f"max_partial_rows={self.max_partial_rows})")

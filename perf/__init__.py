@@ -1,0 +1,1 @@
+"""Benchmarks: each script prints its figures and, where it says so, writes JSON to perf/results/."""

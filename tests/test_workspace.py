@@ -1,0 +1,176 @@
+"""The workspace: fixed section addresses, plan copies, declared bounds, sizes, no stray writes."""
+import numpy as np
+import pytest
+import torch
+
+from fi_backend import _planner
+from fi_backend import scheduler as S
+from fi_backend.workspace import SECTION_ALIGN, Workspace
+
+SENTINEL = 0xA5
+
+
+def make(device="cpu", **kw):
+    args = dict(max_requests=256, max_tokens=2048, num_ctas=33, max_tile_q=64, num_qo_heads=8, head_dim=128)
+    args.update(kw)
+    return Workspace(device, **args)
+
+
+def random_steps(rng, ws, n):
+    """n steps within ws's bounds: decode 1..max_requests, prefill, mixed; causal or not; random tile_q."""
+    for k in range(n):
+        kind = k % 3
+        if kind == 0:
+            B = int(rng.integers(1, ws.max_requests + 1))
+            kv = rng.integers(1, 8192, B)
+            q = np.ones(B, dtype=np.int64)
+        elif kind == 1:
+            B = int(rng.integers(1, 5))
+            q = rng.integers(1, ws.max_tokens // B + 1, B)
+            kv = q + rng.integers(0, 1000, B)
+        else:
+            B = int(rng.integers(1, 64))
+            kv = rng.integers(1, 4000, B)
+            q = np.minimum(kv, rng.integers(0, ws.max_tokens // B + 1, B))
+        qo = np.concatenate([[0], np.cumsum(q)]).astype(np.int32)
+        tile_q = int(rng.choice([1, 16, ws.max_tile_q]))
+        yield qo, kv.astype(np.int32), dict(tile_q=tile_q, causal=bool(rng.integers(2)),
+                                              kv_chunk_align=int(rng.choice([1, 16])))
+
+
+def test_section_layout_and_sizes():
+    rng = np.random.default_rng()
+    for _ in range(10):
+        c, t, H, D = (int(rng.integers(1, 140)), int(rng.integers(1, 5000)), int(rng.integers(1, 65)),
+                      int(rng.choice([64, 96, 128, 256])))
+        tq = int(rng.integers(1, 129))
+        ws = make(num_ctas=c, max_tokens=t, max_tile_q=tq, num_qo_heads=H, head_dim=D)
+        assert ws.max_items == max(c, t) and ws.num_ctas == c
+        assert ws.plan_section.numel() == _planner.layout(c, ws.max_items, t)[4]
+        assert ws.max_partial_rows == 2 * c * tq
+        assert ws.partial_o.shape == (2 * c * tq, H, D) and ws.partial_o.dtype == torch.float32
+        assert ws.partial_lse.shape == (2 * c * tq, H) and ws.partial_lse.dtype == torch.float32
+        assert (ws.partial_o.numel() + ws.partial_lse.numel()) * 4 == 2 * c * tq * H * (D + 1) * 4
+        base = ws.buffer.data_ptr()
+        ends = []
+        for t_, ptr in ((ws.plan_section, ws.plan_ptr), (ws.partial_o, ws.partial_o_ptr),
+                        (ws.partial_lse, ws.partial_lse_ptr)):
+            assert t_.data_ptr() == ptr and (ptr - base) % SECTION_ALIGN == 0
+            ends.append((ptr - base, ptr - base + t_.numel() * 4))
+        assert ends[0][1] <= ends[1][0] and ends[1][1] <= ends[2][0] and ends[2][1] <= ws.nbytes
+        assert ws.nbytes == ws.buffer.numel() and ws.nbytes % SECTION_ALIGN == 0
+        assert ws.staging.numel() == ws.plan_section.numel() * 4
+
+
+def test_addresses_fixed_and_device_section_equals_staging():
+    rng = np.random.default_rng()
+    ws = make()
+    ptrs = (ws.buffer.data_ptr(), ws.plan_ptr, ws.partial_o_ptr, ws.partial_lse_ptr, ws.staging.data_ptr())
+    for qo, kv, kw in random_steps(rng, ws, 30):
+        info = ws.plan(qo, kv, **kw)
+        assert (ws.buffer.data_ptr(), ws.plan_ptr, ws.partial_o_ptr, ws.partial_lse_ptr,
+                ws.staging.data_ptr()) == ptrs
+        assert (ws.plan_section.data_ptr(), ws.partial_o.data_ptr(), ws.partial_lse.data_ptr()) == ptrs[1:4]
+        assert torch.equal(ws.plan_section.cpu(), ws.staging.view(torch.int32))
+        d = ws.host_plan()
+        assert (d.num_items, d.num_rows, d.num_partial_rows) == (info.num_items, int(qo[-1]), info.num_partial_rows)
+        assert d.num_ctas == ws.num_ctas and info.num_partial_rows <= ws.max_partial_rows
+
+
+def test_decode_batch_sizes_1_to_256_share_addresses():
+    ws = make()
+    rng = np.random.default_rng()
+    ptrs = (ws.plan_ptr, ws.partial_o_ptr, ws.partial_lse_ptr)
+    for B in range(1, 257):
+        qo = np.arange(B + 1, dtype=np.int32)
+        ws.plan(qo, rng.integers(1, 32768, B).astype(np.int32), tile_q=1)
+        assert (ws.plan_ptr, ws.partial_o_ptr, ws.partial_lse_ptr) == ptrs
+    assert torch.equal(ws.plan_section.cpu(), ws.staging.view(torch.int32))
+
+
+def test_plans_never_write_outside_the_plan_section():
+    rng = np.random.default_rng()
+    ws = make(max_tokens=1024, num_ctas=20, max_tile_q=16, num_qo_heads=2, head_dim=64)
+    plan_end = ws.plan_offset + ws.plan_section.numel() * 4
+    ws.buffer[plan_end:] = SENTINEL
+    for qo, kv, kw in random_steps(rng, ws, 60):
+        ws.plan(qo, kv, **kw)
+    assert bool((ws.buffer[plan_end:] == SENTINEL).all())
+
+
+def test_bounds_name_themselves():
+    ws = make(max_requests=8, max_tokens=64, max_tile_q=16)
+    with pytest.raises(ValueError, match="max_requests=8 but the step has 9 requests"):
+        ws.plan(np.arange(10, dtype=np.int32), np.full(9, 5, np.int32), tile_q=1)
+    with pytest.raises(ValueError, match="max_tokens=64 but the step has 65 query rows"):
+        ws.plan(np.array([0, 65], np.int32), np.array([100], np.int32), tile_q=1)
+    with pytest.raises(ValueError, match="max_tile_q=16 but tile_q=17"):
+        ws.plan(np.array([0, 1], np.int32), np.array([100], np.int32), tile_q=17)
+    with pytest.raises(ValueError, match="max_tokens must be an int >= 1"):
+        make(max_tokens=0)
+    # A failed plan leaves the last good plan in place.
+    ws.plan(np.array([0, 3], np.int32), np.array([100], np.int32), tile_q=2)
+    before = ws.plan_section.clone()
+    with pytest.raises(ValueError):
+        ws.plan(np.array([0, 3], np.int32), np.array([2], np.int32), tile_q=2)  # q_len > kv_len
+    assert torch.equal(ws.plan_section, before)
+
+
+def test_max_items_bound_holds_for_every_tile_q():
+    """max_items = max(num_ctas, max_tokens) suffices: fill max_tokens with 1-row requests, tile_q = 1."""
+    rng = np.random.default_rng()
+    for num_ctas, max_tokens in ((64, 16), (8, 300), (33, 33)):
+        ws = make(max_requests=max_tokens, max_tokens=max_tokens, num_ctas=num_ctas, max_tile_q=8)
+        for tile_q in range(1, 9):
+            for B in (1, max_tokens // 2 or 1, max_tokens):
+                qo = np.arange(B + 1, dtype=np.int32)
+                qo[-1] = max_tokens
+                kv = (np.diff(qo) + rng.integers(0, 50000, B)).astype(np.int32)
+                info = ws.plan(qo, kv, tile_q=tile_q, causal=bool(rng.integers(2)), min_kv_chunk=1)
+                assert info.num_items <= ws.max_items
+                assert info.num_partial_rows <= num_ctas * tile_q <= ws.max_partial_rows
+
+
+def test_torch_inputs():
+    ws = make()
+    qo = torch.arange(5, dtype=torch.int32)
+    kv = torch.tensor([10, 2000, 30, 4000], dtype=torch.int32)
+    a = ws.plan(qo, kv, tile_q=1)
+    sa = ws.staging.clone()
+    b = ws.plan(qo.numpy(), kv.numpy(), tile_q=1)
+    assert a == b and torch.equal(sa, ws.staging)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_pin_memory_needs_cuda():
+    assert not make().staging.is_pinned()
+    with pytest.raises(ValueError, match="pin_memory=True needs CUDA"):
+        make(pin_memory=True)
+
+
+@pytest.mark.gpu
+def test_cuda_workspace_copies_each_plan():
+    rng = np.random.default_rng()
+    ws = make("cuda")
+    assert ws.buffer.is_cuda and ws.staging.is_pinned()
+    ptrs = (ws.plan_ptr, ws.partial_o_ptr, ws.partial_lse_ptr)
+    plan_end = ws.plan_section.numel() * 4
+    ws.buffer[plan_end:] = SENTINEL
+    for qo, kv, kw in random_steps(rng, ws, 40):
+        ws.plan(qo, kv, **kw)
+        expect = ws.staging.view(torch.int32).clone()  # staging is only rewritten after the copy finished
+        torch.cuda.current_stream().synchronize()
+        assert torch.equal(ws.plan_section.cpu(), expect)
+        assert (ws.plan_ptr, ws.partial_o_ptr, ws.partial_lse_ptr) == ptrs
+    # Back-to-back plans without synchronizing: each waits on the previous copy before reusing staging.
+    steps = list(random_steps(rng, ws, 20))
+    for qo, kv, kw in steps:
+        ws.plan(qo, kv, **kw)
+    torch.cuda.synchronize()
+    assert torch.equal(ws.plan_section.cpu(), ws.staging.view(torch.int32))
+    assert bool((ws.buffer[plan_end:] == SENTINEL).all())
+    ref = S.PlanViews.allocate(ws.num_ctas, ws.max_items, ws.max_tokens, ws.max_partial_rows)
+    qo, kv, kw = steps[-1]
+    S.plan_into(ref, qo, kv, num_ctas=ws.num_ctas, **kw)
+    d = ws.host_plan()
+    assert np.array_equal(d.items, S.decode_plan(ref).items)
