@@ -1,0 +1,34 @@
+"""Environment variables read by fi-backend, in one place (each is read when used, not at import).
+
+FI_BACKEND_CACHE_DIR        directory of built kernel modules (default: ~/.cache/fi_backend/<version>/<archs>)
+FI_BACKEND_CUDA_ARCH_LIST   architectures to build for, e.g. "90a" or "9.0a;10.0a" (default: the current GPU)
+FI_BACKEND_NVCC             nvcc to use (default: $CUDA_HOME/bin/nvcc, then nvcc on PATH, then /usr/local/cuda)
+FI_BACKEND_JIT              "0": never compile; load only modules already in the cache (any nvcc built them)
+FI_BACKEND_QUIET            "1": no "fi-backend: building ..." lines on stderr
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+CACHE_DIR = "FI_BACKEND_CACHE_DIR"
+CUDA_ARCH_LIST = "FI_BACKEND_CUDA_ARCH_LIST"
+NVCC = "FI_BACKEND_NVCC"
+JIT = "FI_BACKEND_JIT"
+QUIET = "FI_BACKEND_QUIET"
+
+_FALSE = ("0", "false", "no", "off")
+
+
+def get(name: str) -> Optional[str]:
+    """The variable's value, or None when unset or blank."""
+    value = os.environ.get(name, "").strip()
+    return value or None
+
+
+def flag(name: str, default: bool) -> bool:
+    """A boolean variable: unset -> default; "0"/"false"/"no"/"off" -> False; anything else -> True."""
+    value = get(name)
+    if value is None:
+        return default
+    return value.lower() not in _FALSE
