@@ -1,0 +1,675 @@
+"""Plan/run wrappers (the FlashInfer paper's API shape): plan() once per generation step, run() per layer.
+
+    ws = Workspace(device, max_requests=..., max_tokens=..., num_ctas=BatchAttention.recommended_num_ctas(...),
+                   max_tile_q=16, num_qo_heads=32, head_dim=128)
+    attn = BatchAttention(ws, 32, 8, 128, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, page_size=16)
+    attn.plan(qo_indptr_cpu, kv_lens_cpu, bsr)             # once per step (bsr: fi_backend.formats.BSR)
+    out = attn.run(q, kv_cache)                            # once per layer; CUDA-graph capturable
+
+The kernel (csrc/attention/decode.cuh) is persistent with a fixed grid (workspace.num_ctas x
+num_kv_heads * head chunks) and reads everything that depends on the step from device memory: the
+plan section of the workspace and the BSR arrays. So a run() captured in a CUDA graph replays
+correctly after plan() is called again with other lengths or a smaller batch, provided the BSR arrays
+keep their storage (write the new step's indices into the same tensors, as engines do) and plan()
+keeps the same scalar settings (causal, sm_scale, variant scalars): both are checked.
+
+KV cache layouts, addressed by strides (no copies):
+  * one tensor with K and V packed in the last dim, 2 * head_dim: vLLM-style
+    [num_blocks, page_size, num_kv_heads, 2 D] ("NHD") or [num_blocks, num_kv_heads, page_size, 2 D] ("HND");
+  * a (k, v) pair of [num_blocks, page_size, num_kv_heads, D] ("NHD") / [num_blocks, num_kv_heads,
+    page_size, D] ("HND") views (e.g. kv[:, 0], kv[:, 1] of FlashInfer's 5-D layout), or of
+    [num_slots, num_kv_heads, D] (SGLang's k_buffer / v_buffer, page_size 1).
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import Optional
+
+import torch
+
+from . import kernels
+from .formats import BSR
+from .kernels.sets import module_set
+from .variants import DEFAULT, PARAM_TYPES, Variant, VariantError
+from .workspace import Workspace
+
+__all__ = ["BatchAttention", "decode_spec", "DECODE_HEAD_DIMS", "DECODE_Q_DTYPES", "DECODE_KV_DTYPES"]
+
+DECODE_HEAD_DIMS = (64, 128, 256)
+DECODE_Q_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+DECODE_KV_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8_e4m3",
+                    torch.float8_e5m2: "fp8_e5m2"}
+MAX_PAGE_SIZE = 256
+_C_TYPE = {"bf16": "__nv_bfloat16", "fp16": "__half", "fp8_e4m3": "__nv_fp8_e4m3", "fp8_e5m2": "__nv_fp8_e5m2"}
+
+# Error bits of the kernel's error word (csrc/attention/decode.cuh, ErrorBits).
+_ERROR_BITS = {
+    1: "a KV block index (kv_indices entry) outside [0, num_kv_blocks) was met; those tokens were read as zeros",
+    2: "kv_block_start + block offset pointed past the end of kv_indices; those tokens were read as zeros",
+}
+
+
+# ------------------------------------------------------------------------------------ kernel config
+
+# Measured on the H100 (perf notes in the module docstring of csrc/attention/decode.cuh): warps per
+# CTA, 16-token blocks per warp per tile, pipeline stages, by (head_dim, KV bytes per element).
+# Variants with a KeyTransform (RoPE) do more work per tile and prefer two 4-warp CTAs per SM.
+_SHAPES = {
+    (64, 2): (4, 2, 3), (64, 1): (4, 4, 3),
+    (128, 2): (8, 1, 3), (128, 1): (4, 2, 3),
+    (256, 2): (4, 1, 3), (256, 1): (4, 1, 3),
+}
+_SHAPES_KEY_TRANSFORM = {(128, 2): (4, 1, 3)}
+SMEM_PER_SM = 228 * 1024   # Hopper; 227 KiB per CTA at most
+SMEM_PER_CTA = 227 * 1024
+
+
+def _kernel_shape(head_dim: int, kv_bytes: int, group: int, key_transform: bool = False) -> dict:
+    """Kernel shape for a head_dim, KV element size and GQA group: rows (packed rows per tile),
+    hpc (query heads per chunk), warps, sub (16-token blocks per warp per tile), stages.
+
+    Heads per chunk: the largest divisor of the group that fits a 16-row tile (8 rows for head_dim
+    256, where 16 rows exceed the register file); 8-row tiles when the chunk fits (half the P.V work).
+    Warps / tile / stages from _SHAPES: about 8 warps per SM with two ~64 KiB tiles in flight."""
+    max_rows = 8 if head_dim == 256 else 16
+    hpc = max(d for d in range(1, min(group, max_rows) + 1) if group % d == 0)
+    rows = 8 if hpc <= 8 else 16
+    warps, sub, stages = (_SHAPES_KEY_TRANSFORM if key_transform else {}).get((head_dim, kv_bytes),
+                                                                           _SHAPES[(head_dim, kv_bytes)])
+    return {"rows": rows, "hpc": hpc, "warps": warps, "sub": sub, "stages": stages}
+
+
+def _smem_bytes(head_dim: int, kv_bytes: int, shape: dict) -> int:
+    """Shared memory of a kernel shape; mirrors Config::kSmemBytes (decode.cuh)."""
+    record = 80
+    stage = 2 * 16 * shape["sub"] * shape["warps"] * head_dim * kv_bytes + shape["rows"] * head_dim * 2 + record
+    stage = (stage + 127) // 128 * 128
+    return shape["stages"] * stage + shape["warps"] * shape["rows"] * 8 + 16
+
+
+def _blocks_by_smem(head_dim: int, kv_bytes: int, shape: dict) -> int:
+    """CTAs per SM that the kernel's shared memory allows (1 KiB reserved per CTA)."""
+    return max(1, min(4, SMEM_PER_SM // (_smem_bytes(head_dim, kv_bytes, shape) + 1024)))
+
+
+def decode_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, group: int, *,
+                tuning: Optional[dict] = None) -> kernels.ModuleSpec:
+    """The JIT module of the decode kernel for one (variant, head_dim, dtypes, GQA group).
+
+    tuning (benchmarks): overrides of warps / sub / stages, and l2_prefetch (0, 64, 128, 256 bytes)
+    / index_ahead (tiles) compiled in as FI_DECODE_L2_PREFETCH / FI_DECODE_INDEX_AHEAD."""
+    if head_dim not in DECODE_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {DECODE_HEAD_DIMS}, got {head_dim}")
+    kv_bytes = 1 if kv_dtype.startswith("fp8") else 2
+    shape = _kernel_shape(head_dim, kv_bytes, group, key_transform=bool(variant.key_transform))
+    tuning = dict(tuning or {})
+    flags, suffix = [], ""
+    if "l2_prefetch" in tuning:
+        flags.append(f"-DFI_DECODE_L2_PREFETCH={int(tuning['l2_prefetch'])}")
+        suffix += f"_l2{int(tuning.pop('l2_prefetch'))}"
+    if "index_ahead" in tuning:
+        flags.append(f"-DFI_DECODE_INDEX_AHEAD={int(tuning['index_ahead'])}")
+        suffix += f"_ia{int(tuning.pop('index_ahead'))}"
+    unknown = set(tuning) - {"warps", "sub", "stages"}
+    if unknown:
+        raise ValueError(f"unknown decode tuning keys {sorted(unknown)}")
+    shape.update(tuning)
+    smem = _smem_bytes(head_dim, kv_bytes, shape)
+    if smem > SMEM_PER_CTA:
+        raise ValueError(f"decode kernel shape {shape} for head_dim {head_dim} needs {smem} bytes of shared memory; "
+                         f"a CTA may use at most {SMEM_PER_CTA}")
+    params = {
+        "MIN_BLOCKS": str(_blocks_by_smem(head_dim, kv_bytes, shape)),
+        "HEAD_DIM": str(head_dim), "ROWS": str(shape["rows"]), "HEADS_PER_CHUNK": str(shape["hpc"]),
+        "Q_DTYPE": _C_TYPE[q_dtype], "KV_DTYPE": _C_TYPE[kv_dtype], "WARPS": str(shape["warps"]),
+        "STAGES": str(shape["stages"]), "SUB": str(shape["sub"]),
+    }
+    params.update(variant.render())
+    tag = f"{variant.name}_{q_dtype}_{kv_dtype}_d{head_dim}_r{shape['rows']}_h{shape['hpc']}"
+    if tuning or flags:
+        tag += "_w{warps}s{stages}k{sub}".format(**shape) + suffix
+    return kernels.ModuleSpec(family="decode", template="attention/decode_module.cu", params=params, tag=tag,
+                              nvcc_flags=tuple(flags))
+
+
+class _FastDiv(ctypes.Structure):
+    _fields_ = [("d", ctypes.c_uint32), ("m", ctypes.c_uint32), ("s", ctypes.c_uint32)]
+
+
+# ctypes mirror of fi::decode::Params (csrc/attention/decode.cuh); checked against the module's
+# fi_decode_layout offsets when a module is loaded.
+class _DecodeParams(ctypes.Structure):
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("q_stride_row", ctypes.c_int64), ("q_stride_head", ctypes.c_int64),
+        ("out", ctypes.c_void_p), ("out_stride_row", ctypes.c_int64), ("out_stride_head", ctypes.c_int64),
+        ("lse", ctypes.c_void_p), ("lse_stride_row", ctypes.c_int64),
+        ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("kv_stride_block", ctypes.c_int64),
+        ("kv_stride_token", ctypes.c_int64), ("kv_stride_head", ctypes.c_int64),
+        ("num_kv_blocks", ctypes.c_int32), ("page_size", ctypes.c_int32), ("page_div", _FastDiv),
+        ("kv_block_start_int64", ctypes.c_int32),
+        ("kv_indices", ctypes.c_void_p), ("num_kv_indices", ctypes.c_int64), ("kv_block_start", ctypes.c_void_p),
+        ("kv_lens", ctypes.c_void_p), ("qo_indptr", ctypes.c_void_p), ("kv_pos_start", ctypes.c_void_p),
+        ("plan", ctypes.c_void_p), ("items_offset", ctypes.c_int32), ("merge_indptr_offset", ctypes.c_int32),
+        ("partial_o", ctypes.c_void_p), ("partial_lse", ctypes.c_void_p), ("merge_counters", ctypes.c_void_p),
+        ("error_flags", ctypes.c_void_p), ("num_qo_heads", ctypes.c_int32), ("num_head_chunks", ctypes.c_int32),
+        ("logits_scale", ctypes.c_float), ("v_scale", ctypes.c_float), ("causal", ctypes.c_int32),
+    ]
+
+
+_LAYOUT_FIELDS = ("q", "out", "lse", "k", "num_kv_blocks", "page_div", "kv_block_start_int64", "kv_indices",
+                  "kv_pos_start", "plan", "items_offset", "partial_o", "error_flags", "num_qo_heads",
+                  "logits_scale", "causal")
+
+
+def _fastdiv(d: int) -> _FastDiv:
+    s = 0
+    while (1 << s) < d:
+        s += 1
+    m = ((1 << 32) * ((1 << s) - d)) // d + 1
+    return _FastDiv(d, m & 0xFFFFFFFF, s)
+
+
+class _Launcher:
+    """A loaded decode module: its launcher, its ctypes VariantParams type and its kernel shape."""
+
+    def __init__(self, spec: kernels.ModuleSpec, variant: Variant):
+        self.module = kernels.load(spec)
+        self.run = self.module.function(
+            "fi_decode_run", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p])
+        layout_fn = self.module.function("fi_decode_layout", [ctypes.POINTER(ctypes.c_int64), ctypes.c_int])
+        buf = (ctypes.c_int64 * 64)()
+        n = layout_fn(buf, 64)
+        vals = list(buf[:n])
+        self.threads, self.smem_bytes, self.tile, self.rows, self.heads_per_chunk, self.rows_per_tile = vals[:6]
+        self.vparams_type = type(f"VariantParams_{variant.name}", (ctypes.Structure,),
+                                 {"_fields_": variant.ctypes_fields()})
+        expected = [ctypes.sizeof(_DecodeParams), ctypes.sizeof(self.vparams_type)]
+        expected += [getattr(_DecodeParams, f).offset for f in _LAYOUT_FIELDS]
+        expected += [getattr(self.vparams_type, f).offset for f in variant.params]
+        if vals[6:] != expected:
+            raise RuntimeError(f"decode module {self.module.name}: the C parameter layout {vals[6:]} does not match "
+                               f"fi_backend.wrappers' ctypes mirror {expected}; the two must change together")
+        self._occupancy = self.module.function("fi_decode_occupancy", [ctypes.POINTER(ctypes.c_int)])
+
+    def blocks_per_sm(self) -> int:
+        out = ctypes.c_int(0)
+        rc = self._occupancy(ctypes.byref(out))
+        if rc:
+            self.module.check(rc, "fi_decode_occupancy")
+        return max(1, out.value)
+
+
+_launchers: dict = {}
+
+
+def _launcher(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, group: int,
+              tuning: Optional[dict] = None) -> _Launcher:
+    spec = decode_spec(variant, head_dim, q_dtype, kv_dtype, group, tuning=tuning)
+    entry = _launchers.get(spec.memo_key)
+    if entry is None:
+        entry = _Launcher(spec, variant)
+        _launchers[spec.memo_key] = entry
+    return entry
+
+
+class _Bad(Exception):
+    """run()'s fast path met an argument it does not accept; _explain() says which."""
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_CAPTURED = -1  # fi_decode_run's return code for a launch into a capturing stream
+
+
+def _stream(device_index: int) -> int:
+    if _raw_stream is not None:
+        return _raw_stream(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+def _check_index_tensor(name: str, t, device, dtypes=(torch.int32,)) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (got {type(t).__name__})")
+    if t.device != device:
+        raise ValueError(f"{name} must be on the workspace's device {device} (got {t.device})")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {' or '.join(str(d) for d in dtypes)} (got {t.dtype})")
+    if t.dim() != 1 or (t.numel() > 1 and t.stride(0) != 1):
+        raise ValueError(f"{name} must be a contiguous 1-D tensor (got shape {tuple(t.shape)}, strides {t.stride()})")
+
+
+class BatchAttention:
+    """Batch decode attention over the BSR KV format with a plan/run split (see the module docstring).
+
+    workspace      a fi_backend.workspace.Workspace on the GPU (num_ctas: see recommended_num_ctas;
+                   max_tile_q >= 16; num_qo_heads and head_dim as here)
+    num_qo_heads, num_kv_heads, head_dim   head_dim in DECODE_HEAD_DIMS, num_qo_heads % num_kv_heads == 0
+    q_dtype        torch.bfloat16 or torch.float16 (the output has the same dtype)
+    kv_dtype       q_dtype, or torch.float8_e4m3fn / torch.float8_e5m2 (per-tensor k_scale/v_scale in run)
+    page_size      KV block width Bc, 1..256 (1 for token-level tables such as SGLang's)
+    kv_layout      "NHD" ([blocks, page, heads, D]) or "HND" ([blocks, heads, page, D]) for 4-D caches
+    variant        a fi_backend.variants.Variant (default: plain softmax attention)
+    tuning         benchmarks only: kernel-shape overrides, see decode_spec()
+
+    After construction: rows_per_tile (query rows per tile, the planner's tile_q), kv_tile (KV tokens
+    per pipeline stage, the chunk alignment), grid (the fixed launch grid).
+    """
+
+    def __init__(self, workspace: Workspace, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
+                 q_dtype: torch.dtype = torch.bfloat16, kv_dtype: Optional[torch.dtype] = None, page_size: int = 16,
+                 kv_layout: str = "NHD", variant: Variant = DEFAULT, tuning: Optional[dict] = None):
+        if not isinstance(workspace, Workspace):
+            raise TypeError(f"workspace must be a fi_backend.workspace.Workspace (got {type(workspace).__name__})")
+        if workspace.device.type != "cuda":
+            raise ValueError(f"BatchAttention needs a workspace on a CUDA device (got {workspace.device})")
+        for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1 (got {value!r})")
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if head_dim not in DECODE_HEAD_DIMS:
+            raise ValueError(f"head_dim {head_dim} is not supported by the decode kernel; supported: {DECODE_HEAD_DIMS}")
+        if q_dtype not in DECODE_Q_DTYPES:
+            raise TypeError(f"q_dtype must be torch.bfloat16 or torch.float16 (got {q_dtype})")
+        kv_dtype = q_dtype if kv_dtype is None else kv_dtype
+        if kv_dtype not in DECODE_KV_DTYPES or (kv_dtype in DECODE_Q_DTYPES and kv_dtype != q_dtype):
+            raise TypeError(f"kv_dtype must be q_dtype ({q_dtype}), torch.float8_e4m3fn or torch.float8_e5m2 "
+                            f"(got {kv_dtype})")
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or not 1 <= page_size <= MAX_PAGE_SIZE:
+            raise ValueError(f"page_size must be an int in [1, {MAX_PAGE_SIZE}] (got {page_size!r})")
+        if kv_layout not in ("NHD", "HND"):
+            raise ValueError(f"kv_layout must be 'NHD' or 'HND' (got {kv_layout!r})")
+        if not isinstance(variant, Variant):
+            raise TypeError(f"variant must be a fi_backend.variants.Variant (got {type(variant).__name__})")
+        if workspace.num_qo_heads != num_qo_heads or workspace.head_dim != head_dim:
+            # partial_o rows are laid out [row, num_qo_heads, head_dim] by the kernel
+            raise ValueError(f"the workspace's num_qo_heads/head_dim ({workspace.num_qo_heads}, {workspace.head_dim}) "
+                             f"must equal the wrapper's ({num_qo_heads}, {head_dim})")
+        self.workspace = workspace
+        self.device = workspace.buffer.device  # with its index: torch.device("cuda") != "cuda:0"
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.group = num_qo_heads // num_kv_heads
+        self.q_dtype, self.kv_dtype = q_dtype, kv_dtype
+        self.page_size, self.kv_layout, self.variant = page_size, kv_layout, variant
+        self._fp8 = kv_dtype not in DECODE_Q_DTYPES
+
+        self._launcher = _launcher(variant, head_dim, DECODE_Q_DTYPES[q_dtype], DECODE_KV_DTYPES[kv_dtype], self.group,
+                                   tuning)
+        self.rows_per_tile = int(self._launcher.rows_per_tile)  # query rows per tile (the planner's tile_q)
+        self.kv_tile = int(self._launcher.tile)                  # KV tokens per pipeline stage (chunk alignment)
+        if self.rows_per_tile > workspace.max_tile_q:
+            raise ValueError(f"the workspace's max_tile_q={workspace.max_tile_q} is below the kernel's query tile "
+                             f"({self.rows_per_tile} rows); construct the Workspace with max_tile_q >= "
+                             f"{self.rows_per_tile}")
+        self.num_head_chunks = self.group // int(self._launcher.heads_per_chunk)
+        self.grid = (workspace.num_ctas, num_kv_heads * self.num_head_chunks)
+
+        dev = self.device
+        self._error_flags = torch.zeros(4, dtype=torch.int32, device=dev)
+        self._merge_counters = torch.zeros(workspace.max_tokens * self.grid[1], dtype=torch.int32, device=dev)
+        p = _DecodeParams()
+        p.plan = workspace.plan_ptr
+        p.items_offset = workspace.layout.items_offset
+        p.merge_indptr_offset = workspace.layout.merge_indptr_offset
+        p.partial_o = workspace.partial_o_ptr
+        p.partial_lse = workspace.partial_lse_ptr
+        p.merge_counters = self._merge_counters.data_ptr()
+        p.error_flags = self._error_flags.data_ptr()
+        p.num_qo_heads = num_qo_heads
+        p.num_head_chunks = self.num_head_chunks
+        p.page_size = page_size
+        p.page_div = _fastdiv(page_size)
+        p.v_scale = 1.0
+        self._params = p
+        self._params_ref = ctypes.byref(p)
+        self._vparams = self._launcher.vparams_type()
+        self._vparams_ref = ctypes.byref(self._vparams)
+        self._variant_keep = {}   # tensors the variant params point to, kept alive
+        self._planned = False
+        self._num_rows = 0
+        self._sm_scale = 1.0 / math.sqrt(head_dim)
+        self._bsr_ptrs = None
+        self._frozen = None       # (BSR pointers, scalar settings) baked into a captured graph
+        self._kv_obj = None       # the KV cache whose parse is in _params (identity + pointer checked)
+        self._kv_is_tensor, self._kv0, self._kv1, self._kv_ptr = True, None, None, 0
+        self._lse_on = False
+        self._k_scale = self._v_scale = 1.0
+        self._q_shape = torch.Size((0, num_qo_heads, head_dim))
+        self._launch = self._launcher.run
+        self._dev_index = dev.index
+
+    # -------------------------------------------------------------------------------- sizing
+
+    @staticmethod
+    def recommended_num_ctas(device, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
+                             q_dtype: torch.dtype = torch.bfloat16, kv_dtype: Optional[torch.dtype] = None,
+                             variant: Variant = DEFAULT, tuning: Optional[dict] = None) -> int:
+        """CTAs per KV head that fill the GPU once (SMs x resident CTAs / KV-head CTAs): the num_ctas to
+        construct the Workspace with. Builds (or loads) the kernel module to read its occupancy."""
+        device = torch.device(device)
+        kv_dtype = q_dtype if kv_dtype is None else kv_dtype
+        group = num_qo_heads // num_kv_heads
+        launcher = _launcher(variant, head_dim, DECODE_Q_DTYPES[q_dtype], DECODE_KV_DTYPES[kv_dtype], group, tuning)
+        with torch.cuda.device(device):
+            per_sm = launcher.blocks_per_sm()
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+        grid_y = num_kv_heads * (group // int(launcher.heads_per_chunk))
+        return max(1, (sms * per_sm) // grid_y)
+
+    # -------------------------------------------------------------------------------- plan
+
+    def plan(self, qo_indptr, kv_lens, bsr: BSR, *, causal: bool = False, sm_scale: Optional[float] = None,
+             debug: bool = False, **variant_params):
+        """Plan a step: qo_indptr int32 [B + 1] and kv_lens int32 [B] on the CPU (this step's query rows
+        and KV lengths per request), bsr the step's KV as a device BSR with the same rows and lengths
+        (block_width == page_size). Variant parameters by name (see fi_backend.variants). debug=True
+        also checks the BSR on the host (indices in range, lengths agree) and synchronises."""
+        ws = self.workspace
+        if not isinstance(bsr, BSR):
+            raise TypeError(f"bsr must be a fi_backend.formats.BSR (got {type(bsr).__name__})")
+        if bsr.block_width != self.page_size:
+            raise ValueError(f"bsr.block_width ({bsr.block_width}) must equal the wrapper's page_size ({self.page_size})")
+        if bsr.qo_rows is not None:
+            raise ValueError("bsr.qo_rows is not supported by the decode kernel: its row blocks must be the "
+                             "contiguous query rows qo_indptr[i]:qo_indptr[i+1]")
+        dev = self.device
+        _check_index_tensor("bsr.qo_indptr", bsr.qo_indptr, dev)
+        _check_index_tensor("bsr.kv_lens", bsr.kv_lens, dev)
+        _check_index_tensor("bsr.kv_indices", bsr.kv_indices, dev)
+        _check_index_tensor("bsr.kv_block_start", bsr.kv_block_start, dev, (torch.int32, torch.int64))
+        if bsr.kv_pos_start is not None:
+            _check_index_tensor("bsr.kv_pos_start", bsr.kv_pos_start, dev)
+        B = bsr.kv_lens.numel()
+        if bsr.qo_indptr.numel() != B + 1 or bsr.kv_block_start.numel() < B:
+            raise ValueError(f"bsr has {B} row blocks but qo_indptr has {bsr.qo_indptr.numel()} entries "
+                             f"and kv_block_start {bsr.kv_block_start.numel()}")
+        qo_cpu = torch.as_tensor(qo_indptr)
+        kv_cpu = torch.as_tensor(kv_lens)
+        if qo_cpu.device.type != "cpu" or kv_cpu.device.type != "cpu":
+            raise ValueError("qo_indptr and kv_lens passed to plan() must be CPU tensors (the planner runs on "
+                             "the host); the BSR carries their device copies")
+        if qo_cpu.numel() != B + 1 or kv_cpu.numel() != B:
+            raise ValueError(f"qo_indptr ({qo_cpu.numel()} entries) and kv_lens ({kv_cpu.numel()}) must describe "
+                             f"the BSR's {B} row blocks")
+        scale = 1.0 / math.sqrt(self.head_dim) if sm_scale is None else float(sm_scale)
+        values = self.variant.resolve(variant_params, head_dim=self.head_dim, device=dev)
+        if debug:
+            self._debug_check(qo_cpu, kv_cpu, bsr)
+
+        bsr_ptrs = (bsr.qo_indptr.data_ptr(), bsr.kv_lens.data_ptr(), bsr.kv_indices.data_ptr(),
+                    bsr.kv_block_start.data_ptr(), 0 if bsr.kv_pos_start is None else bsr.kv_pos_start.data_ptr())
+        settings = (bool(causal), scale, self._scalar_values(values))
+        if self._frozen is not None and (self._frozen[0] != bsr_ptrs or self._frozen[1] != settings):
+            raise ValueError(
+                "run() was captured in a CUDA graph with other BSR tensors or settings; the graph keeps reading the "
+                "BSR arrays it was captured with and its scalar settings (causal, sm_scale, variant scalars). Write "
+                "the new step's indices and lengths into the same BSR tensors and keep the settings, or capture again "
+                "after calling release_graph()")
+
+        ws.plan(qo_cpu.to(torch.int32), kv_cpu.to(torch.int32), tile_q=self.rows_per_tile, causal=bool(causal),
+                kv_chunk_align=self.kv_tile, cost_q=float(self.kv_tile))
+
+        p = self._params
+        p.kv_indices, p.kv_lens, p.qo_indptr = bsr_ptrs[2], bsr_ptrs[1], bsr_ptrs[0]
+        p.num_kv_indices = bsr.kv_indices.numel()
+        p.kv_block_start = bsr_ptrs[3]
+        p.kv_block_start_int64 = int(bsr.kv_block_start.dtype == torch.int64)
+        p.kv_pos_start = bsr_ptrs[4]
+        p.causal = int(bool(causal))
+        self._sm_scale = scale
+        p.logits_scale = scale * (float(self._k_scale) if self._fp8 else 1.0)
+        self._set_variant_params(values)
+        self._bsr_ptrs = bsr_ptrs
+        self._settings = settings
+        self._num_rows = int(qo_cpu[-1]) if qo_cpu.numel() else 0
+        self._q_shape = torch.Size((self._num_rows, self.num_qo_heads, self.head_dim))
+        self._num_kv_blocks_hint = bsr.num_kv_blocks
+        self._planned = True
+
+    def release_graph(self) -> None:
+        """Forget a captured graph's BSR tensors and settings (after the graph is destroyed)."""
+        self._frozen = None
+
+    @staticmethod
+    def _scalar_values(values: dict) -> tuple:
+        return tuple((k, v if not isinstance(v, torch.Tensor) else v.data_ptr()) for k, v in values.items())
+
+    def _set_variant_params(self, values: dict) -> None:
+        keep = {}
+        for name, ptype in self.variant.params.items():
+            value = values[name]
+            _, _, tdtype = PARAM_TYPES[ptype]
+            if tdtype is None:
+                if isinstance(value, torch.Tensor):
+                    value = value.item()
+                setattr(self._vparams, name, float(value) if ptype == "float" else int(value))
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise VariantError(f"variant parameter {name} must be a torch.Tensor of {tdtype} (got {type(value).__name__})")
+            if value.device != self.device:
+                raise VariantError(f"variant parameter {name} must be on {self.device} (got {value.device})")
+            if value.dtype != getattr(torch, tdtype):
+                raise VariantError(f"variant parameter {name} must have dtype torch.{tdtype} (got {value.dtype})")
+            if not value.is_contiguous():
+                raise VariantError(f"variant parameter {name} must be contiguous")
+            setattr(self._vparams, name, value.data_ptr())
+            keep[name] = value
+        self._variant_keep = keep
+
+    def _debug_check(self, qo_cpu, kv_cpu, bsr: BSR) -> None:
+        torch.cuda.synchronize(self.device)
+        if not torch.equal(bsr.qo_indptr.cpu(), qo_cpu.to(torch.int32)):
+            raise ValueError("debug: bsr.qo_indptr differs from the qo_indptr given to plan()")
+        if not torch.equal(bsr.kv_lens.cpu(), kv_cpu.to(torch.int32)):
+            raise ValueError("debug: bsr.kv_lens differs from the kv_lens given to plan()")
+        starts = bsr.kv_block_start.cpu().to(torch.int64)
+        lens = kv_cpu.to(torch.int64)
+        if (lens < 0).any():
+            raise ValueError(f"debug: negative kv_lens at requests {torch.nonzero(lens < 0).flatten().tolist()[:8]}")
+        nblocks = (lens + self.page_size - 1) // self.page_size
+        n_idx = bsr.kv_indices.numel()
+        bad = torch.nonzero((starts < 0) | (starts + nblocks > n_idx)).flatten().tolist()
+        if bad:
+            raise ValueError(f"debug: row blocks {bad[:8]} need kv_indices entries beyond its {n_idx} entries")
+        if bsr.num_kv_blocks is not None and n_idx:
+            idx = bsr.kv_indices.cpu().to(torch.int64)
+            for i in range(lens.numel()):  # debug path only: per-request loop is fine here
+                used = idx[int(starts[i]):int(starts[i] + nblocks[i])]
+                if used.numel() and (int(used.min()) < 0 or int(used.max()) >= bsr.num_kv_blocks):
+                    raise ValueError(f"debug: row block {i} names KV blocks outside [0, {bsr.num_kv_blocks})")
+
+    # -------------------------------------------------------------------------------- run
+
+    def _kv_views(self, kv_cache):
+        """(k, v, num_blocks, stride_block, stride_token, stride_head) from the accepted layouts."""
+        D = self.head_dim
+        if isinstance(kv_cache, (tuple, list)):
+            if len(kv_cache) != 2:
+                raise ValueError(f"kv_cache as a sequence must be a (k, v) pair (got {len(kv_cache)} tensors)")
+            k, v = kv_cache
+            if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
+                raise TypeError("kv_cache (k, v) must be torch.Tensors")
+            if k.shape != v.shape or k.stride() != v.stride():
+                raise ValueError(f"k and v caches must have the same shape and strides (got {tuple(k.shape)} "
+                                 f"{k.stride()} and {tuple(v.shape)} {v.stride()})")
+            if k.dim() == 3:
+                if self.page_size != 1:
+                    raise ValueError(f"3-D [slots, heads, D] caches need page_size 1 (the wrapper has {self.page_size})")
+                nb, H, Dk = k.shape
+                strides = (k.stride(0), 0, k.stride(1))
+            elif k.dim() == 4:
+                if self.kv_layout == "NHD":
+                    nb, P, H, Dk = k.shape
+                    strides = (k.stride(0), k.stride(1), k.stride(2))
+                else:
+                    nb, H, P, Dk = k.shape
+                    strides = (k.stride(0), k.stride(2), k.stride(1))
+                if P != self.page_size:
+                    raise ValueError(f"the KV cache's page dimension is {P} but page_size is {self.page_size} "
+                                     f"(kv_layout {self.kv_layout})")
+            else:
+                raise ValueError(f"k/v caches must be 4-D ({self.kv_layout}) or 3-D [slots, heads, D] (got {k.dim()}-D)")
+            if Dk != D:
+                raise ValueError(f"the KV cache's head_dim is {Dk}, expected {D}")
+        elif isinstance(kv_cache, torch.Tensor):
+            kv = kv_cache
+            if kv.dim() != 4 or kv.shape[-1] != 2 * D:
+                raise ValueError(f"a single KV cache tensor must be packed [num_blocks, page, heads, 2*head_dim] "
+                                 f"(NHD) or [num_blocks, heads, page, 2*head_dim] (HND) with K then V in the last "
+                                 f"dim (got shape {tuple(kv.shape)})")
+            k, v = kv[..., :D], kv[..., D:]
+            if self.kv_layout == "NHD":
+                nb, P, H, _ = kv.shape
+                strides = (kv.stride(0), kv.stride(1), kv.stride(2))
+            else:
+                nb, H, P, _ = kv.shape
+                strides = (kv.stride(0), kv.stride(2), kv.stride(1))
+            if P != self.page_size:
+                raise ValueError(f"the KV cache's page dimension is {P} but page_size is {self.page_size}")
+        else:
+            raise TypeError(f"kv_cache must be a tensor or a (k, v) pair (got {type(kv_cache).__name__})")
+        if H != self.num_kv_heads:
+            raise ValueError(f"the KV cache has {H} KV heads, expected {self.num_kv_heads}")
+        if k.dtype != self.kv_dtype:
+            raise TypeError(f"the KV cache has dtype {k.dtype}, the wrapper was built for {self.kv_dtype}")
+        if k.device != self.device:
+            raise ValueError(f"the KV cache is on {k.device}, the workspace on {self.device}")
+        if k.stride(-1) != 1:
+            raise ValueError("the KV cache's head_dim must be contiguous (stride 1)")
+        esz = k.element_size()
+        if any((s * esz) % 16 for s in strides) or k.data_ptr() % 16 or v.data_ptr() % 16:
+            raise ValueError(f"the KV cache's rows must be 16-byte aligned (strides {strides} elements of "
+                             f"{esz} bytes, pointers {k.data_ptr() % 16}, {v.data_ptr() % 16} mod 16)")
+        if nb >= 2 ** 31:
+            raise ValueError(f"the KV cache has {nb} blocks; at most 2^31 - 1 are addressable")
+        return k.data_ptr(), v.data_ptr(), nb, strides
+
+    def run(self, q: torch.Tensor, kv_cache, *, out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
+            return_lse: bool = False, k_scale: float = 1.0, v_scale: float = 1.0):
+        """Attention of q [rows, num_qo_heads, head_dim] (rows as planned) against kv_cache.
+
+        out: [rows, num_qo_heads, head_dim] of q's dtype (written in place; allocated when None).
+        lse: float32 [rows, num_qo_heads] to receive the natural-log LSE (or return_lse=True to allocate
+        one). k_scale / v_scale: per-tensor dequantisation scales of fp8 KV. Returns out, or (out, lse).
+        No synchronisation and no allocation when out (and lse) are given; the checks are O(1)."""
+        p = self._params
+        # Fast path: a few attribute reads; anything unexpected goes to _explain(), which names it.
+        try:
+            shape, qs, qptr = q.shape, q.stride(), q.data_ptr()
+            if (shape != self._q_shape or q.dtype is not self.q_dtype or qs[2] != 1 or (qs[0] | qs[1]) & 7
+                    or qptr & 15 or q.device != self.device):
+                raise _Bad
+            if out is None:
+                out = torch.empty(shape, dtype=self.q_dtype, device=self.device)
+                os_, optr = out.stride(), out.data_ptr()
+            else:
+                os_, optr = out.stride(), out.data_ptr()
+                if (out.shape != shape or out.dtype is not self.q_dtype or os_[2] != 1 or (os_[0] | os_[1]) & 7
+                        or optr & 15 or out.device != self.device):
+                    raise _Bad
+        except (_Bad, AttributeError, IndexError, TypeError):
+            self._explain(q, out)
+            raise
+        if lse is None and not return_lse:
+            if self._lse_on:
+                p.lse = None
+                self._lse_on = False
+        else:
+            lse = self._lse_arg(lse, shape[0])
+        if kv_cache is not self._kv_obj or (
+                self._kv_is_tensor and kv_cache.data_ptr() != self._kv_ptr) or (
+                not self._kv_is_tensor and (kv_cache[0] is not self._kv0 or kv_cache[1] is not self._kv1
+                                            or kv_cache[0].data_ptr() != self._kv_ptr)):
+            self._set_kv(kv_cache)
+        p.q = qptr
+        p.q_stride_row = qs[0]
+        p.q_stride_head = qs[1]
+        p.out = optr
+        p.out_stride_row = os_[0]
+        p.out_stride_head = os_[1]
+        if self._fp8 and (k_scale != self._k_scale or v_scale != self._v_scale):
+            self._k_scale, self._v_scale = k_scale, v_scale
+            p.logits_scale = self._sm_scale * float(k_scale)
+            p.v_scale = float(v_scale)
+        rc = self._launch(self._params_ref, self._vparams_ref, self.grid[0], self.grid[1], _stream(self._dev_index))
+        if rc:
+            if rc == _CAPTURED:  # captured into a CUDA graph: pin what the graph reads (see plan())
+                self._frozen = (self._bsr_ptrs, self._settings)
+            else:
+                self._launcher.module.check(rc, "fi_decode_run")
+        return (out, lse) if lse is not None else out
+
+    def _lse_arg(self, lse, rows):
+        if not self.variant.use_softmax:
+            raise ValueError(f"variant {self.variant.name} does not use softmax: its LSE is undefined")
+        if lse is None:
+            lse = torch.empty((rows, self.num_qo_heads), dtype=torch.float32, device=self.device)
+        elif (not isinstance(lse, torch.Tensor) or lse.shape != (rows, self.num_qo_heads) or lse.dtype != torch.float32
+              or lse.device != self.device or lse.stride(1) != 1):
+            raise ValueError(f"lse must be a float32 [{rows}, {self.num_qo_heads}] tensor on {self.device} with "
+                             f"contiguous heads (got {getattr(lse, 'dtype', type(lse).__name__)} "
+                             f"{tuple(getattr(lse, 'shape', ()))})")
+        self._params.lse = lse.data_ptr()
+        self._params.lse_stride_row = lse.stride(0)
+        self._lse_on = True
+        return lse
+
+    def _set_kv(self, kv_cache) -> None:
+        kp, vp, nb, strides = self._kv_views(kv_cache)
+        p = self._params
+        p.k, p.v = kp, vp
+        p.kv_stride_block, p.kv_stride_token, p.kv_stride_head = strides
+        p.num_kv_blocks = nb
+        self._kv_obj = kv_cache
+        self._kv_is_tensor = isinstance(kv_cache, torch.Tensor)
+        if not self._kv_is_tensor:
+            self._kv0, self._kv1 = kv_cache[0], kv_cache[1]
+        self._kv_ptr = kp if self._kv_is_tensor else kv_cache[0].data_ptr()
+
+    def _explain(self, q, out) -> None:
+        """Raise the error that describes why q / out were rejected by run()'s fast path."""
+        if not self._planned:
+            raise RuntimeError("BatchAttention.run() called before plan()")
+        for name, t in (("q", q), ("out", out)):
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor (got {type(t).__name__})")
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device}, the workspace on {self.device}")
+            if t.dtype != self.q_dtype:
+                raise TypeError(f"{name} has dtype {t.dtype}, the wrapper was built for {self.q_dtype}")
+            shape = tuple(t.shape)
+            if len(shape) != 3 or shape[1] != self.num_qo_heads or shape[2] != self.head_dim:
+                raise ValueError(f"{name} must be [rows, {self.num_qo_heads}, {self.head_dim}] (got {shape})")
+            if shape[0] != self._num_rows:
+                raise ValueError(f"{name} has {shape[0]} rows but the plan was made for {self._num_rows} query rows "
+                                 f"(qo_indptr[-1]); call plan() for this step")
+            st = t.stride()
+            if st[2] != 1 or st[0] % 8 or st[1] % 8 or t.data_ptr() % 16:
+                raise ValueError(f"{name} must have a contiguous head_dim and 16-byte aligned rows and heads "
+                                 f"(strides {st}, pointer % 16 = {t.data_ptr() % 16})")
+
+    # -------------------------------------------------------------------------------- errors
+
+    def check_errors(self, *, clear: bool = True) -> None:
+        """Raise RuntimeError if a kernel met an out-of-range KV index since the last check (synchronises)."""
+        flags = int(self._error_flags[0].item())
+        if clear and flags:
+            self._error_flags.zero_()
+        if flags:
+            reasons = [msg for bit, msg in _ERROR_BITS.items() if flags & bit]
+            raise RuntimeError("BatchAttention: " + "; ".join(reasons) + " (check the BSR passed to plan(); "
+                               "plan(..., debug=True) validates it on the host)")
+
+
+@module_set("decode", "decode attention, default variant: head_dim 64/128/256 x bf16/fp16 x (same, fp8 e4m3) KV "
+                      "x GQA group 1/4/8")
+def _decode_set():
+    specs = []
+    for head_dim in DECODE_HEAD_DIMS:
+        for q in ("bf16", "fp16"):
+            for kv in (q, "fp8_e4m3"):
+                for group in (1, 4, 8):
+                    specs.append(decode_spec(DEFAULT, head_dim, q, kv, group))
+    return specs

@@ -1,0 +1,215 @@
+"""Decode attention: fi-backend against FlashInfer 0.6.14 on identical inputs, in one process.
+
+    python -m perf.decode [--quick] [--sections grid,page,uneven] [--name decode_h100]
+
+Anchor: FlashInfer's BatchDecodeWithPagedKVCacheWrapper with use_tensor_cores=True and False, on the same
+q and the same paged KV (FlashInfer's NHD layout [pages, 2, page, Hkv, D]; ours reads its k and v views
+by strides). The bandwidth ceiling is a plain device-to-device copy measured in the same run.
+KV sets are rotated so that the 50 MB L2 flatters no side: each timed call reads another set.
+Bytes counted: every KV byte once, plus q and o.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+
+from perf.common import copy_rate_gbps, device_info, time_us, write_result
+
+HQ, HKV, D = 32, 8, 128
+DTYPE = torch.bfloat16
+L2_ROTATE_BYTES = 256 << 20      # rotate sets until this many bytes separate two reads of one set
+MAX_SET_BYTES = 40 << 30         # skip shapes whose KV does not fit next to everything else
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+class Case:
+    """One batch: lengths, a paged KV pool with `sets` independent KV caches, q, and block tables."""
+
+    def __init__(self, kv_lens, page_size, sets=None, seed=0):
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        self.kv_lens = torch.tensor(kv_lens, dtype=torch.int32)
+        self.B = len(kv_lens)
+        self.page = page_size
+        blocks = (self.kv_lens + page_size - 1) // page_size
+        self.max_blocks = int(blocks.max())
+        self.num_pages = int(blocks.sum())
+        kv_bytes = int(self.kv_lens.sum()) * HKV * D * 2 * 2
+        self.kv_bytes = kv_bytes
+        self.sets = sets or max(1, min(64, math.ceil(L2_ROTATE_BYTES / max(kv_bytes, 1))))
+        # pages of a request are a random permutation of the pool, as in a serving engine's cache
+        perm = torch.randperm(self.num_pages, generator=g).to(torch.int32)
+        table = torch.zeros(self.B, self.max_blocks, dtype=torch.int32)
+        starts = torch.cumsum(blocks, 0) - blocks
+        col = torch.arange(self.max_blocks)
+        used = col[None, :] < blocks[:, None]
+        table[used] = perm[(starts[:, None] + col[None, :])[used]]
+        self.block_table = table.cuda()
+        self.indptr = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(blocks, 0).to(torch.int32)]).cuda()
+        self.indices = perm[(starts[:, None] + col[None, :])[used]].cuda()  # compact CSR for FlashInfer, same order
+        self.last_page_len = (self.kv_lens - (blocks - 1) * page_size).to(torch.int32).cuda()
+        self.caches = [torch.randn(self.num_pages, 2, page_size, HKV, D, dtype=DTYPE, device="cuda")
+                       for _ in range(self.sets)]
+        self.q = torch.randn(self.B, HQ, D, dtype=DTYPE, device="cuda")
+        self.out = torch.empty_like(self.q)
+        self.qo_indptr = torch.arange(self.B + 1, dtype=torch.int32)
+        self.bytes = kv_bytes + 2 * self.q.numel() * self.q.element_size()
+
+
+def ours(case: Case, *, split=True):
+    from fi_backend import formats
+    from fi_backend.workspace import Workspace
+    from fi_backend.wrappers import BatchAttention
+
+    num_ctas = BatchAttention.recommended_num_ctas("cuda", HQ, HKV, D, q_dtype=DTYPE)
+    ws = Workspace("cuda", max_requests=case.B, max_tokens=case.B, num_ctas=num_ctas, max_tile_q=16,
+                   num_qo_heads=HQ, head_dim=D)
+    attn = BatchAttention(ws, HQ, HKV, D, q_dtype=DTYPE, page_size=case.page)
+    bsr = formats.from_block_table(case.block_table, case.kv_lens.cuda(), case.qo_indptr.cuda(), case.page,
+                                   num_kv_blocks=case.num_pages)
+    attn.plan(case.qo_indptr, case.kv_lens, bsr)
+    if not split:  # the same kernel with one work item per request: the plan without KV splitting
+        ws.plan(case.qo_indptr, case.kv_lens, tile_q=attn.rows_per_tile, min_kv_chunk=1 << 30,
+                kv_chunk_align=int(attn.kv_tile), cost_q=float(attn.kv_tile))
+    kv = [(c[:, 0], c[:, 1]) for c in case.caches]
+    state = {"i": 0}
+
+    def setup(i):
+        state["i"] = i % case.sets
+
+    def fn():
+        attn.run(case.q, kv[state["i"]], out=case.out)
+    return fn, setup, ws
+
+
+def flashinfer_fn(case: Case, tensor_cores: bool):
+    import flashinfer
+    buf = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(buf, "NHD", use_tensor_cores=tensor_cores)
+    w.plan(case.indptr, case.indices, case.last_page_len, HQ, HKV, D, case.page,
+           q_data_type=DTYPE, kv_data_type=DTYPE)
+    out = torch.empty_like(case.q)
+    state = {"i": 0}
+
+    def setup(i):
+        state["i"] = i % case.sets
+
+    def fn():
+        w.run(case.q, case.caches[state["i"]], out=out)
+    return fn, setup, out
+
+
+def check_close(case: Case, ours_out, fi_out):
+    err = ((ours_out.float() - fi_out.float()).norm() / fi_out.float().norm()).item()
+    if not err < 2e-2:
+        raise AssertionError(f"ours and FlashInfer disagree: relative difference {err:.3e}")
+    return err
+
+
+def measure(case: Case, rep, *, with_fi=True, split_baseline=False):
+    fn, setup, _ = ours(case)
+    r = {"batch": case.B, "kv_bytes": case.kv_bytes, "bytes": case.bytes, "sets": case.sets, "page_size": case.page}
+    res = time_us(fn, setup=setup, rep=rep)
+    r["ours_us"] = res["median_us"]
+    r["ours_p90_us"] = res["p90_us"]
+    # correctness against FlashInfer on set 0 of this very case
+    setup(0)
+    fn()
+    ours_out = case.out.clone()
+    if split_baseline:
+        fn_ns, setup_ns, _ = ours(case, split=False)
+        r["ours_nosplit_us"] = time_us(fn_ns, setup=setup_ns, rep=rep)["median_us"]
+        r["lb_speedup"] = r["ours_nosplit_us"] / r["ours_us"]
+    if with_fi:
+        for tc in (True, False):
+            key = "fi_tc" if tc else "fi_cuda"
+            f, s, out = flashinfer_fn(case, tc)
+            r[f"{key}_us"] = time_us(f, setup=s, rep=rep)["median_us"]
+            s(0)
+            f()
+            r[f"{key}_rel_diff"] = check_close(case, ours_out, out)
+        r["fi_best_us"] = min(r["fi_tc_us"], r["fi_cuda_us"])
+        r["ratio_fi_best_over_ours"] = r["fi_best_us"] / r["ours_us"]
+    return r
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
+    ap.add_argument("--sections", default="grid,page,uneven")
+    ap.add_argument("--name", default="decode_h100")
+    ap.add_argument("--rep", type=int, default=100)
+    ap.add_argument("--no-flashinfer", action="store_true")
+    a = ap.parse_args(argv)
+    sections = a.sections.split(",")
+    with_fi = not a.no_flashinfer
+    copy = copy_rate_gbps()
+    log(f"copy rate {copy:.0f} GB/s (read + write)")
+    results = {"device": device_info(), "copy_rate_gbps": copy,
+               "shape": {"num_qo_heads": HQ, "num_kv_heads": HKV, "head_dim": D, "dtype": "bf16"}}
+    if with_fi:
+        import flashinfer
+        results["anchor"] = f"flashinfer {flashinfer.__version__} BatchDecodeWithPagedKVCacheWrapper (tensor cores on/off)"
+
+    def finish(r):
+        r["ours_gbps"] = r["bytes"] / (r["ours_us"] * 1e-6) / 1e9
+        r["ours_pct_copy"] = 100 * r["ours_gbps"] / copy
+        return r
+
+    if "grid" in sections:
+        batches = (1, 16, 64) if a.quick else (1, 16, 64, 256)
+        lens = (1024, 4096) if a.quick else (1024, 4096, 16384, 32768)
+        rows = []
+        for b in batches:
+            for L in lens:
+                if b * L * HKV * D * 4 > MAX_SET_BYTES:
+                    continue
+                case = Case([L] * b, 16)
+                r = finish(measure(case, a.rep, with_fi=with_fi))
+                r["kv_len"] = L
+                rows.append(r)
+                msg = f"grid b={b:4d} kv={L:6d}: ours {r['ours_us']:8.1f} us ({r['ours_pct_copy']:5.1f}% copy)"
+                if with_fi:
+                    msg += f"  fi tc {r['fi_tc_us']:8.1f}  fi cuda {r['fi_cuda_us']:8.1f}  ratio {r['ratio_fi_best_over_ours']:.3f}"
+                log(msg)
+                del case
+                torch.cuda.empty_cache()
+        results["grid"] = rows
+    if "page" in sections:
+        rows = []
+        for b, L in ((64, 4096), (16, 16384)) if not a.quick else ((64, 4096),):
+            r16 = finish(measure(Case([L] * b, 16), a.rep, with_fi=False))
+            r1 = finish(measure(Case([L] * b, 1), a.rep, with_fi=False))
+            rows.append({"batch": b, "kv_len": L, "page16_us": r16["ours_us"], "page1_us": r1["ours_us"],
+                         "page1_over_page16": r1["ours_us"] / r16["ours_us"]})
+            log(f"page b={b} kv={L}: page16 {r16['ours_us']:.1f} us, page1 {r1['ours_us']:.1f} us "
+                f"({rows[-1]['page1_over_page16']:.3f}x)")
+        results["page_size"] = rows
+    if "uneven" in sections:
+        from perf.sharegpt import load_trace
+        rows = []
+        skew = [32768] + [512] * 63
+        g = torch.Generator().manual_seed(0)
+        pairs = load_trace(64)
+        # a decode step of ShareGPT requests: each has its prompt plus a random part of its output cached
+        share = [p + 1 + int(torch.randint(0, o, (1,), generator=g)) for p, o in pairs]
+        for name, lens in (("skewed_32k_plus_63x512", skew), ("sharegpt_64", share)):
+            r = finish(measure(Case(lens, 16), a.rep, with_fi=with_fi, split_baseline=True))
+            r["case"] = name
+            rows.append(r)
+            msg = f"uneven {name}: ours {r['ours_us']:.1f} us, no-split {r['ours_nosplit_us']:.1f} us " \
+                  f"(load balance {r['lb_speedup']:.2f}x)"
+            if with_fi:
+                msg += f"  fi best {r['fi_best_us']:.1f} ratio {r['ratio_fi_best_over_ours']:.3f}"
+            log(msg)
+        results["uneven"] = rows
+    write_result(a.name, results)
+
+
+if __name__ == "__main__":
+    main()

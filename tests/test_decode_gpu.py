@@ -1,0 +1,408 @@
+"""GPU tests of the decode kernel (csrc/attention/decode.cuh) through BatchAttention, against the float64
+reference (fi_backend.reference). Fresh random inputs every run; outputs are poisoned with NaN first.
+
+Matrix: the cheap axes (page size {1, 16, 32} x head_dim {64, 128, 256} x group {1, 4, 8}) in full, each
+with a batch from {1, 7, 128} and KV lengths from {1, 17, 1000, 33000} chosen so every value of every
+axis appears; dtypes bf16 / fp16 alternate. Then fp8 KV, every variant (with multi-row "speculative"
+queries and causal masking), the vLLM-packed, HND and SGLang layouts, CUDA-graph replay after a re-plan
+with other lengths and a smaller batch, and the error paths.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+from fi_backend import reference as ref
+from fi_backend import variants as V
+from fi_backend.formats import BSR, from_block_table, from_token_table
+
+pytestmark = pytest.mark.gpu
+
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+DEV = "cuda"
+
+
+def _lazy():
+    from fi_backend.wrappers import BatchAttention
+    from fi_backend.workspace import Workspace
+    return BatchAttention, Workspace
+
+
+def make_wrapper(Hq, Hkv, D, *, q_dtype=torch.bfloat16, kv_dtype=None, page_size=16, kv_layout="NHD",
+                 variant=V.DEFAULT, max_tokens=1024, max_requests=256):
+    BatchAttention, Workspace = _lazy()
+    num_ctas = BatchAttention.recommended_num_ctas(DEV, Hq, Hkv, D, q_dtype=q_dtype, kv_dtype=kv_dtype, variant=variant)
+    ws = Workspace(DEV, max_requests=max_requests, max_tokens=max_tokens, num_ctas=num_ctas, max_tile_q=16,
+                   num_qo_heads=Hq, head_dim=D)
+    return BatchAttention(ws, Hq, Hkv, D, q_dtype=q_dtype, kv_dtype=kv_dtype, page_size=page_size,
+                          kv_layout=kv_layout, variant=variant)
+
+
+def random_kv(num_blocks, page, Hkv, D, dtype, *, layout="NHD", packed=False):
+    """A paged cache in one of the layouts, plus NHD views [blocks, page, Hkv, D] of k and v for the
+    reference. layout "SGL": 3-D [slots, Hkv, D] pair (page must be 1)."""
+    gen_dtype = torch.bfloat16 if dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else dtype
+    def rnd(*shape):
+        return torch.randn(*shape, device=DEV, dtype=torch.float32).to(gen_dtype).to(dtype)
+    if layout == "SGL":
+        k, v = rnd(num_blocks, Hkv, D), rnd(num_blocks, Hkv, D)
+        return (k, v), k.unsqueeze(1), v.unsqueeze(1)
+    if packed:
+        shape = (num_blocks, page, Hkv, 2 * D) if layout == "NHD" else (num_blocks, Hkv, page, 2 * D)
+        kv = rnd(*shape)
+        k, v = kv[..., :D], kv[..., D:]
+        cache = kv
+    else:
+        shape = (num_blocks, page, Hkv, D) if layout == "NHD" else (num_blocks, Hkv, page, D)
+        k, v = rnd(*shape), rnd(*shape)
+        cache = (k, v)
+    if layout == "HND":
+        k, v = k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)
+    return cache, k, v
+
+
+def make_bsr(kv_lens, q_lens, page, *, num_blocks=None, sglang=False):
+    """A vLLM block table (random distinct pages) or an SGLang token table as a device BSR."""
+    B = len(kv_lens)
+    nblk = [(l + page - 1) // page for l in kv_lens]
+    total = sum(nblk)
+    num_blocks = num_blocks or total + 7
+    perm = torch.randperm(num_blocks)[:total].to(torch.int32)
+    qo_indptr = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32)
+    kv_lens_t = torch.tensor(kv_lens, dtype=torch.int32)
+    if sglang:
+        assert page == 1
+        pool_rows, max_len = B + 3, max(max(kv_lens), 1) + 5
+        table = torch.randint(0, num_blocks, (pool_rows, max_len), dtype=torch.int32)
+        rows = torch.randperm(pool_rows)[:B]
+        off = 0
+        for b in range(B):
+            table[rows[b], :kv_lens[b]] = perm[off:off + kv_lens[b]]
+            off += kv_lens[b]
+        bsr = from_token_table(table.to(DEV), rows.to(DEV), kv_lens_t.to(DEV), qo_indptr.to(DEV),
+                               num_kv_slots=num_blocks)
+    else:
+        max_blocks = max(max(nblk), 1) + 2
+        table = torch.full((B, max_blocks), -5, dtype=torch.int32)  # padding past a request is never read
+        off = 0
+        for b in range(B):
+            table[b, :nblk[b]] = perm[off:off + nblk[b]]
+            off += nblk[b]
+        bsr = from_block_table(table.to(DEV), kv_lens_t.to(DEV), qo_indptr.to(DEV), page, num_kv_blocks=num_blocks)
+    return bsr, qo_indptr, kv_lens_t, num_blocks
+
+
+def reference(q, k, v, bsr, **kw):
+    """float64 reference through the BSR; `mask` (list of per-request bool masks) goes per request."""
+    masks = kw.pop("masks", None)
+    if masks is None:
+        return ref.attention_bsr(q, k, v, bsr, **kw)
+    o = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float64, device=q.device)
+    qo = bsr.qo_indptr.tolist()
+    starts, lens = bsr.kv_block_start.tolist(), bsr.kv_lens.tolist()
+    bc = bsr.block_width
+    for i in range(len(lens)):
+        n = (lens[i] + bc - 1) // bc
+        blocks = bsr.kv_indices[starts[i]:starts[i] + n].long()
+        ki = k[blocks].reshape(-1, *k.shape[2:])[:lens[i]]
+        vi = v[blocks].reshape(-1, *v.shape[2:])[:lens[i]]
+        oi, li = ref.attention(q[qo[i]:qo[i + 1]], ki, vi, mask=masks[i].to(q.device), **kw)
+        o[qo[i]:qo[i + 1]] = oi
+        if li is not None:
+            lse[qo[i]:qo[i + 1]] = li
+    return o, (None if kw.get("use_sigmoid") else lse)
+
+
+def check(out, lse, o_ref, lse_ref, tol, what="", lse_tol=None):
+    assert not torch.isnan(out).any(), f"{what}: NaN in the output (a row was not written)"
+    o = out.double()
+    scale = o_ref.abs().amax(dim=-1).clamp_min(1e-3)
+    err = ((o - o_ref).abs().amax(dim=-1) / scale).max().item()
+    assert err < tol, f"{what}: max relative error {err:.3g} >= {tol}"
+    if lse is not None and lse_ref is not None:
+        finite = torch.isfinite(lse_ref)
+        assert torch.equal(torch.isfinite(lse), finite), f"{what}: LSE finiteness differs"
+        lerr = (lse.double()[finite] - lse_ref[finite]).abs().max().item() if finite.any() else 0.0
+        bound = lse_tol if lse_tol is not None else max(tol / 2, 1e-3)
+        assert lerr < bound, f"{what}: LSE error {lerr:.3g} >= {bound}"
+
+
+def run_case(attn, kv_lens, q_lens, *, dtype, kv_dtype=None, layout="NHD", packed=False, causal=False,
+             variant_kw=None, ref_kw=None, k_scale=1.0, v_scale=1.0, tol=None, lse_tol=None, what=""):
+    kv_dtype = kv_dtype or dtype
+    page = attn.page_size
+    sglang = layout == "SGL"
+    bsr, qo_cpu, kv_cpu, nb = make_bsr(kv_lens, q_lens, page, sglang=sglang)
+    cache, k, v = random_kv(nb, page, attn.num_kv_heads, attn.head_dim, kv_dtype, layout=layout, packed=packed)
+    rows = int(qo_cpu[-1])
+    q = (1.5 * torch.randn(rows, attn.num_qo_heads, attn.head_dim, device=DEV)).to(dtype)
+    attn.plan(qo_cpu, kv_cpu, bsr, causal=causal, **(variant_kw or {}))
+    out = torch.full_like(q, float("nan"))
+    use_lse = attn.variant.use_softmax
+    lse = torch.full((rows, attn.num_qo_heads), float("nan"), device=DEV) if use_lse else None
+    attn.run(q, cache, out=out, lse=lse, k_scale=k_scale, v_scale=v_scale)
+    torch.cuda.synchronize()
+    attn.check_errors()
+    rk = dict(ref_kw or {})
+    if kv_dtype != dtype:
+        rk.update(k_scale=k_scale, v_scale=v_scale)
+    o_ref, lse_ref = reference(q, k, v, bsr, causal=causal, **rk)
+    check(out, lse, o_ref, lse_ref, tol or TOL[dtype], what, lse_tol)
+    return out
+
+
+# ------------------------------------------------------------------------------------ the matrix
+
+_PAGES, _DIMS, _GROUPS = (1, 16, 32), (64, 128, 256), (1, 4, 8)
+# (batch, KV lengths): every batch size and every KV length appears; 33000 only with small batches.
+_SHAPES = [
+    (1, [33000]),
+    (7, [1, 17, 1000, 33000, 5, 999, 64]),
+    (128, None),  # lengths drawn from {1, 17, 1000} and a few others
+]
+
+
+@pytest.mark.parametrize("page,D,group", list(itertools.product(_PAGES, _DIMS, _GROUPS)))
+def test_decode_matrix(page, D, group):
+    k = (_PAGES.index(page) + _DIMS.index(D) + _GROUPS.index(group))
+    batch, lens = _SHAPES[k % 3]
+    dtype = (torch.bfloat16, torch.float16)[k % 2]
+    Hkv = 2 if group == 8 else 4
+    if lens is None:
+        lens = [random.choice([1, 17, 1000, random.randint(1, 1200)]) for _ in range(batch)]
+    attn = make_wrapper(Hkv * group, Hkv, D, q_dtype=dtype, page_size=page)
+    run_case(attn, lens, [1] * batch, dtype=dtype, what=f"page={page} D={D} group={group} batch={batch}")
+
+
+def test_big_batch_and_long_sequences():
+    """batch 128 with one 33000-token request (uneven), then 7 long requests (splits + merges)."""
+    attn = make_wrapper(32, 8, 128, page_size=16, max_tokens=256)
+    lens = [random.randint(1, 1100) for _ in range(127)] + [33000]
+    random.shuffle(lens)
+    run_case(attn, lens, [1] * 128, dtype=torch.bfloat16, what="batch 128 + one 33k")
+    run_case(attn, [33000, 20000, 17, 1, 4096, 8191, 12345], [1] * 7, dtype=torch.bfloat16, what="7 long")
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_fp8_kv(kv_dtype, D):
+    attn = make_wrapper(32, 8, D, q_dtype=torch.bfloat16, kv_dtype=kv_dtype, page_size=16)
+    lens = [random.randint(1, 3000) for _ in range(9)] + [17, 1]
+    run_case(attn, lens, [1] * len(lens), dtype=torch.bfloat16, kv_dtype=kv_dtype, k_scale=0.37, v_scale=1.9,
+             what=f"fp8 {kv_dtype} D={D}")
+
+
+def test_fp8_kv_fp16_query_multirow():
+    attn = make_wrapper(16, 4, 128, q_dtype=torch.float16, kv_dtype=torch.float8_e4m3fn, page_size=32)
+    run_case(attn, [700, 45, 2000], [3, 1, 4], dtype=torch.float16, kv_dtype=torch.float8_e4m3fn, causal=True,
+             k_scale=2.0, v_scale=0.5, tol=3e-3, what="fp8 fp16 multirow")
+
+
+# ------------------------------------------------------------------------------------ variants
+
+_VARIANT_NAMES = ["default", "soft_cap", "window", "alibi", "sigmoid", "custom_mask", "rope_llama", "rope_llama31",
+                  "rope_interleave", "soft_cap_window", "rope_window"]
+
+
+def _variant_case(name, Hq):
+    """(name, variant, plan kwargs, reference kwargs) built when a test runs (tensors live on the GPU)."""
+    return next(c for c in _variant_cases(Hq) if c[0] == name)
+
+
+def _variant_cases(Hq):
+    masks_fn = lambda qls, kls: [torch.rand(ql, kl) < 0.7 for ql, kl in zip(qls, kls)]  # noqa: E731
+    cfg31 = ref.RopeConfig(theta=500000.0, llama31=ref.Llama31Scaling())
+    return [
+        ("default", V.DEFAULT, {}, {}),
+        ("soft_cap", V.SOFT_CAP, {"logits_soft_cap": 2.5}, {"logits_soft_cap": 2.5}),
+        ("window", V.SLIDING_WINDOW, {"window_left": 37}, {"window_left": 37}),
+        ("alibi", V.ALIBI, {"alibi_slopes": ref.alibi_slopes(Hq).float().to(DEV)}, {"alibi_slopes": ref.alibi_slopes(Hq)}),
+        ("sigmoid", V.SIGMOID, {"sigmoid_bias": -1.5}, {"use_sigmoid": True, "sigmoid_bias": -1.5}),
+        ("custom_mask", V.CUSTOM_MASK, masks_fn, None),
+        ("rope_llama", V.ROPE, {"rope": ref.RopeConfig(theta=10000.0)}, {"rope": ref.RopeConfig(theta=10000.0)}),
+        ("rope_llama31", V.ROPE, {"rope": cfg31}, {"rope": cfg31}),
+        ("rope_interleave", V.ROPE_INTERLEAVE, {"rope": ref.RopeConfig(interleave=True)},
+         {"rope": ref.RopeConfig(interleave=True)}),
+        ("soft_cap_window", V.BUILTIN_VARIANTS["soft_cap_window"], {"logits_soft_cap": 3.0, "window_left": 100},
+         {"logits_soft_cap": 3.0, "window_left": 100}),
+        ("rope_window", V.BUILTIN_VARIANTS["rope_window"], {"rope": cfg31, "window_left": 0},
+         {"rope": cfg31, "window_left": 0}),
+    ]
+
+
+@pytest.mark.parametrize("name", _VARIANT_NAMES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_variants(name, dtype):
+    Hq, Hkv, D = 16, 4, 128
+    _, variant, vkw, rkw = _variant_case(name, Hq)
+    attn = make_wrapper(Hq, Hkv, D, q_dtype=dtype, page_size=16, variant=variant)
+    kv_lens, q_lens = [1500, 17, 300, 1, 4000], [1, 3, 2, 1, 4]  # speculative rows, causal
+    if callable(vkw):
+        masks = vkw(q_lens, kv_lens)
+        vkw = dict(zip(("mask_packed", "mask_indptr"), V.pack_custom_mask(masks, device=DEV)))
+        rkw = {"masks": masks}
+    # RoPE: the rotated k is rounded to the MMA type once more, so logits (and the LSE) carry its error
+    tol = TOL[dtype] * (2 if "rope" in name else 1)
+    run_case(attn, kv_lens, q_lens, dtype=dtype, causal=True, variant_kw=vkw, ref_kw=rkw, tol=tol,
+             lse_tol=2 * tol if "rope" in name else None, what=f"variant {name} {dtype}")
+
+
+def test_rope_long_positions_fp8():
+    cfg = ref.RopeConfig(theta=500000.0, llama31=ref.Llama31Scaling())
+    attn = make_wrapper(32, 8, 128, kv_dtype=torch.float8_e4m3fn, variant=V.ROPE)
+    run_case(attn, [33000, 9000], [1, 1], dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn,
+             variant_kw={"rope": cfg}, ref_kw={"rope": cfg}, k_scale=0.5, v_scale=1.5, tol=2e-2, what="rope 33k fp8")
+
+
+# ------------------------------------------------------------------------------------ layouts
+
+@pytest.mark.parametrize("layout,packed,page", [("NHD", True, 16), ("HND", True, 16), ("HND", False, 32),
+                                                ("SGL", False, 1), ("NHD", False, 1)])
+def test_layouts(layout, packed, page):
+    attn = make_wrapper(32, 8, 128, page_size=page, kv_layout="HND" if layout == "HND" else "NHD")
+    lens = [random.randint(1, 2500) for _ in range(12)]
+    run_case(attn, lens, [1] * 12, dtype=torch.bfloat16, layout=layout, packed=packed, what=f"layout {layout}")
+
+
+# ------------------------------------------------------------------------------------ CUDA graphs
+
+@pytest.mark.parametrize("name", ["default", "sigmoid", "rope_llama31", "soft_cap_window", "custom_mask", "alibi"])
+def test_cuda_graph_replay_after_replan(name):
+    """Capture run() once, re-plan with other lengths and a smaller batch (written into the same BSR
+    tensors, as engines do), replay, and compare every row with the reference. The graph's q/out views
+    are fixed, so a smaller batch is padded with one request that takes the remaining rows."""
+    Hq, Hkv, D, page = 16, 4, 128, 16
+    _, variant, vkw0, rkw0 = _variant_case(name, Hq)
+    attn = make_wrapper(Hq, Hkv, D, page_size=page, variant=variant, max_tokens=64, max_requests=32)
+    max_B, max_blocks, num_blocks = 24, 260, 24 * 260
+    cache, k, v = random_kv(num_blocks, page, Hkv, D, torch.bfloat16)
+    table = torch.zeros(max_B, max_blocks, dtype=torch.int32, device=DEV)
+    seq_lens = torch.zeros(max_B, dtype=torch.int32, device=DEV)
+    qsl = torch.zeros(max_B + 1, dtype=torch.int32, device=DEV)
+    kbs = torch.arange(max_B, dtype=torch.int32, device=DEV) * max_blocks
+    mask_buf = torch.zeros(1 << 17, dtype=torch.uint8, device=DEV)
+    mask_ptr = torch.zeros(max_B, dtype=torch.int64, device=DEV)
+    rows = 24
+    q_buf = torch.zeros(rows, Hq, D, dtype=torch.bfloat16, device=DEV)
+    out_buf = torch.zeros_like(q_buf)
+
+    def step(q_lens, kv_lens):
+        """Write a step into the persistent buffers and plan it."""
+        B = len(q_lens)
+        assert sum(q_lens) == rows
+        table[:B] = torch.randperm(num_blocks)[: B * max_blocks].view(B, max_blocks).to(torch.int32).to(DEV)
+        seq_lens[:B] = torch.tensor(kv_lens, dtype=torch.int32)
+        qo = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32)
+        qsl[:B + 1] = qo.to(DEV)
+        bsr = BSR(qo_indptr=qsl[:B + 1], kv_indices=table.view(-1), kv_block_start=kbs[:B], kv_lens=seq_lens[:B],
+                  block_width=page, num_kv_blocks=num_blocks)
+        vkw, rkw = vkw0, rkw0
+        if callable(vkw0):
+            masks = vkw0(q_lens, kv_lens)
+            packed, indptr = V.pack_custom_mask(masks, device=DEV)
+            mask_buf[:packed.numel()] = packed
+            mask_ptr[:B] = indptr
+            vkw, rkw = {"mask_packed": mask_buf, "mask_indptr": mask_ptr}, {"masks": masks}
+        attn.plan(qo, torch.tensor(kv_lens, dtype=torch.int32), bsr, causal=True, **vkw)
+        return bsr, rkw
+
+    def lens(B):
+        q_lens = [1] * (B - 3) + [2, 3]
+        q_lens.append(rows - sum(q_lens))  # the padding request takes the remaining rows
+        kv_lens = [random.randint(q, 4000) for q in q_lens]
+        kv_lens[0] = 1
+        return q_lens, kv_lens
+
+    step(*lens(20))
+    q_buf.normal_()
+    attn.run(q_buf, cache, out=out_buf)  # warm-up outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn.run(q_buf, cache, out=out_buf)
+
+    for B1 in (20, 9):  # the captured batch with other lengths, then a smaller batch
+        bsr, rkw = step(*lens(B1))
+        q_buf.normal_()
+        out_buf.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        attn.check_errors()
+        o_ref, _ = reference(q_buf, k, v, bsr, causal=True, **rkw)
+        check(out_buf, None, o_ref, None, TOL[torch.bfloat16] * 2, f"graph replay {name} B={B1}")
+    attn.release_graph()
+
+
+def test_graph_rejects_new_bsr_storage():
+    attn = make_wrapper(8, 8, 64, page_size=16, max_tokens=16, max_requests=16)
+    bsr, qo, kl, nb = make_bsr([40, 50], [1, 1], 16)
+    cache, _, _ = random_kv(nb, 16, 8, 64, torch.bfloat16)
+    attn.plan(qo, kl, bsr)
+    q = torch.randn(2, 8, 64, device=DEV, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    attn.run(q, cache, out=out)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        attn.run(q, cache, out=out)
+    bsr2, qo2, kl2, _ = make_bsr([40, 50], [1, 1], 16, num_blocks=nb)
+    with pytest.raises(ValueError, match="captured in a CUDA graph"):
+        attn.plan(qo2, kl2, bsr2)
+    with pytest.raises(ValueError, match="captured in a CUDA graph"):
+        attn.plan(qo, kl, bsr, causal=True)
+    attn.release_graph()
+    attn.plan(qo2, kl2, bsr2)
+
+
+# ------------------------------------------------------------------------------------ errors
+
+def test_errors():
+    BatchAttention, Workspace = _lazy()
+    ws = Workspace(DEV, max_requests=8, max_tokens=8, num_ctas=8, max_tile_q=16, num_qo_heads=8, head_dim=128)
+    with pytest.raises(ValueError, match="head_dim"):
+        BatchAttention(ws, 8, 8, 96)
+    with pytest.raises(TypeError, match="q_dtype"):
+        BatchAttention(ws, 8, 8, 128, q_dtype=torch.float32)
+    with pytest.raises(TypeError, match="kv_dtype"):
+        BatchAttention(ws, 8, 8, 128, q_dtype=torch.bfloat16, kv_dtype=torch.float16)
+    with pytest.raises(ValueError, match="page_size"):
+        BatchAttention(ws, 8, 8, 128, page_size=300)
+    with pytest.raises(ValueError, match="multiple"):
+        BatchAttention(ws, 8, 3, 128)
+    attn = BatchAttention(ws, 8, 2, 128, page_size=16)
+    bsr, qo, kl, nb = make_bsr([100, 20, 3], [1, 1, 1], 16)
+    cache, _, _ = random_kv(nb, 16, 2, 128, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="before plan"):
+        attn.run(torch.zeros(3, 8, 128, device=DEV, dtype=torch.bfloat16), cache)
+    attn.plan(qo, kl, bsr)
+    q = torch.randn(3, 8, 128, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="dtype"):
+        attn.run(q.half(), cache)
+    with pytest.raises(ValueError, match="rows"):
+        attn.run(q[:2], cache)
+    with pytest.raises(ValueError, match="is on"):
+        attn.run(q.cpu(), cache)
+    with pytest.raises(ValueError, match="KV heads"):
+        attn.run(q, random_kv(nb, 16, 4, 128, torch.bfloat16)[0])
+    with pytest.raises(ValueError, match="page"):
+        attn.run(q, random_kv(nb, 32, 2, 128, torch.bfloat16)[0])
+    with pytest.raises(ValueError, match="block_width"):
+        attn.plan(qo, kl, make_bsr([100, 20, 3], [1, 1, 1], 32)[0])
+    with pytest.raises(V.VariantError, match="no parameter"):
+        attn.plan(qo, kl, bsr, window_left=3)
+    # an out-of-range page id: flagged, never dereferenced, and caught by debug planning
+    bsr.kv_indices[bsr.kv_block_start[0].item() + 2] = nb + 1000
+    attn.plan(qo, kl, bsr)
+    out = torch.full_like(q, float("nan"))
+    attn.run(q, cache, out=out)
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="outside"):
+        attn.check_errors()
+    attn.check_errors()  # cleared
+    assert not torch.isnan(out).any()
+    with pytest.raises(ValueError):
+        attn.plan(qo, kl, bsr, debug=True)

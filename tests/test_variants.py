@@ -1,0 +1,165 @@
+"""Variants (fi_backend/variants.py) on the CPU: rendering, compilation of the decode template with nvcc for
+sm_90a (one session-scoped build cache, a handful of modules), the ctypes/C parameter layout check, and
+clear errors for bad variants. GPU behaviour is in tests/test_decode_gpu.py."""
+from __future__ import annotations
+
+import math
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from fi_backend import kernels
+from fi_backend import reference as ref
+from fi_backend import variants as V
+from fi_backend import wrappers as W
+
+nvcc = pytest.mark.skipif(kernels.find_nvcc() is None, reason="needs nvcc")
+
+# A user variant in the paper's FlashSigmoid style, with scalar and tensor params and an OutputTransform.
+USER = V.Variant(
+    "user_sigmoid_gain",
+    use_softmax=False,
+    params={"scale": "float", "bias": "float32[]", "gain": "float"},
+    logits_transform="return 1.f / (1.f + __expf(-(logits * params.scale + __ldg(params.bias + ctx.qo_head))));",
+    output_transform="return o * params.gain;",
+)
+
+
+@pytest.fixture(scope="session")
+def build_env(tmp_path_factory):
+    """One build cache for the session; architectures fixed to sm_90a (no GPU needed)."""
+    saved = {k: os.environ.get(k) for k in ("FI_BACKEND_CACHE_DIR", "FI_BACKEND_CUDA_ARCH_LIST", "FI_BACKEND_QUIET")}
+    os.environ["FI_BACKEND_CACHE_DIR"] = str(tmp_path_factory.mktemp("fi_cache"))
+    os.environ["FI_BACKEND_CUDA_ARCH_LIST"] = "90a"
+    os.environ["FI_BACKEND_QUIET"] = "1"
+    yield
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+# (variant, head_dim, q dtype, kv dtype, group): every hook kind, a tensor param, no-softmax, fp8 and
+# 16-row tiles each appear once.
+_COMPILED = [
+    (V.DEFAULT, 128, "bf16", "bf16", 4),
+    (V.ROPE, 128, "fp16", "fp16", 8),
+    (V.BUILTIN_VARIANTS["soft_cap_window"], 64, "bf16", "fp8_e4m3", 16),
+    (V.CUSTOM_MASK, 256, "bf16", "bf16", 2),
+    (V.SIGMOID, 128, "bf16", "fp8_e5m2", 1),
+    (USER, 128, "fp16", "fp16", 4),
+]
+
+
+@nvcc
+def test_variants_compile_and_layouts_match(build_env):
+    specs = [W.decode_spec(v, d, q, kv, g) for v, d, q, kv, g in _COMPILED]
+    results = kernels.build_many(specs, archs="90a", jobs=2)
+    failed = [(s.tag, r) for s, r in zip(specs, results) if isinstance(r, Exception)]
+    assert not failed, failed
+    for v, d, q, kv, g in _COMPILED:
+        launcher = W._launcher(v, d, q, kv, g)  # loads the .so and checks the C layout against ctypes
+        assert launcher.threads % 32 == 0 and launcher.smem_bytes <= W.SMEM_PER_CTA
+        assert launcher.rows * 1 >= launcher.heads_per_chunk
+        shape = W._kernel_shape(d, 1 if kv.startswith("fp8") else 2, g, bool(v.key_transform))
+        assert launcher.smem_bytes == W._smem_bytes(d, 1 if kv.startswith("fp8") else 2, shape)
+        assert g % launcher.heads_per_chunk == 0
+
+
+@nvcc
+def test_bad_user_variant_names_the_compiler_error(build_env):
+    bad = V.Variant("bad_user", logits_transform="return logits * undefined_thing;")
+    with pytest.raises(kernels.BuildError, match="undefined_thing"):
+        kernels.build(W.decode_spec(bad, 128, "bf16", "bf16", 4), archs="90a")
+
+
+def test_render_each_builtin():
+    for name, v in V.BUILTIN_VARIANTS.items():
+        r = v.render()
+        assert set(r) == {"VARIANT_PARAMS", "VARIANT_BODY", "VARIANT_LAYOUT"}
+        body = r["VARIANT_BODY"]
+        assert f"kUseSoftmax = {'true' if v.use_softmax else 'false'}" in body
+        for hook, (_, _, flag) in V.HOOKS.items():
+            assert f"{flag} = {'true' if getattr(v, hook) else 'false'}" in body, (name, hook)
+            assert f" {hook}(const VariantParams& params" in body  # every hook is present
+        for pname, ptype in v.params.items():
+            assert f"{V.PARAM_TYPES[ptype][0]} {pname};" in r["VARIANT_PARAMS"]
+            assert f"offsetof(VariantParams, {pname})" in r["VARIANT_LAYOUT"]
+        spec = W.decode_spec(v, 128, "bf16", "bf16", 4)
+        assert "{{" not in kernels.render(spec)
+
+
+def test_combine_chains_in_order():
+    v = V.combine(V.SOFT_CAP, V.ALIBI, V.SLIDING_WINDOW, V.CUSTOM_MASK)
+    body = v.render()["VARIANT_BODY"]
+    chain = body[body.index("float logits_transform(const"):]
+    assert chain.index("logits_transform_0") < chain.index("logits_transform_1")
+    assert "logits_mask_0(params, ctx) && logits_mask_1(params, ctx)" in body
+    assert list(v.params) == ["logits_soft_cap", "alibi_slopes", "window_left", "mask_packed", "mask_indptr"]
+    assert v.use_softmax and V.combine(V.SOFT_CAP, V.SIGMOID).use_softmax is False
+
+
+def test_bad_variants_give_clear_errors():
+    with pytest.raises(V.VariantError, match="name"):
+        V.Variant("has space")
+    with pytest.raises(V.VariantError, match="accepted types"):
+        V.Variant("x", params={"p": "double"})
+    with pytest.raises(V.VariantError, match="C identifier"):
+        V.Variant("x", params={"logits": "float"})
+    with pytest.raises(V.VariantError, match="non-empty"):
+        V.Variant("x", logits_mask="   ")
+    with pytest.raises(V.VariantError, match="reserves"):
+        V.Variant("x", logits_transform="return {{X}};")
+    with pytest.raises(V.VariantError, match="unknown parameter"):
+        V.Variant("x", defaults={"nope": 1})
+    with pytest.raises(V.VariantError, match="more than one"):
+        V.combine(V.SLIDING_WINDOW, V.SLIDING_WINDOW)
+    with pytest.raises(V.VariantError, match="rotary_interleave"):
+        V.combine(V.ROPE, V.Variant("r2", rotary_interleave=True, key_transform="x0 = -x0;"))
+    with pytest.raises(V.VariantError, match="needs parameter 'window_left'"):
+        V.SLIDING_WINDOW.resolve({}, head_dim=128, device="cpu")
+    with pytest.raises(V.VariantError, match="has no parameter"):
+        V.DEFAULT.resolve({"window_left": 3}, head_dim=128, device="cpu")
+    with pytest.raises(V.VariantError, match="ROPE_INTERLEAVE"):
+        V.ROPE.resolve({"rope": ref.RopeConfig(interleave=True)}, head_dim=128, device="cpu")
+    with pytest.raises(ValueError, match="head_dim"):
+        W.decode_spec(V.DEFAULT, 96, "bf16", "bf16", 4)
+    with pytest.raises(ValueError, match="shared memory"):
+        W.decode_spec(V.DEFAULT, 256, "bf16", "bf16", 4, tuning={"warps": 8, "stages": 2})
+    with pytest.raises(ValueError, match="tuning"):
+        W.decode_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={"stagez": 2})
+
+
+@pytest.mark.parametrize("llama31", [None, ref.Llama31Scaling()])
+def test_rope_table_matches_reference(llama31):
+    theta, scale = random.choice([10000.0, 500000.0]), random.choice([1.0, 2.0])
+    cfg = ref.RopeConfig(theta=theta, scale=scale, llama31=llama31)
+    table = V.ROPE.resolve({"rope": cfg}, head_dim=128, device="cpu")["rope_rev_freq"]
+    expect = ref.rope_frequencies(128, cfg) / (2 * math.pi * scale)
+    assert table.dtype == torch.float64
+    torch.testing.assert_close(table, expect, rtol=1e-12, atol=0)
+    again = V.ROPE.resolve({"rope": cfg}, head_dim=128, device="cpu")["rope_rev_freq"]
+    assert again is table  # memoised: a re-plan hands a captured graph the same pointer
+
+
+def test_pack_custom_mask_bits():
+    masks = [torch.rand(random.randint(1, 4), random.randint(1, 40)) < 0.5 for _ in range(5)]
+    packed, indptr = V.pack_custom_mask(masks)
+    bits = np.unpackbits(packed.numpy(), bitorder="little")
+    for m, start in zip(masks, indptr.tolist()):
+        flat = m.reshape(-1).numpy()
+        assert np.array_equal(bits[start:start + flat.size].astype(bool), flat)
+    with pytest.raises(V.VariantError, match="bool"):
+        V.pack_custom_mask([torch.zeros(2, 2)])
+
+
+def test_fastdiv_matches_division():
+    for d in list(range(1, 300)) + [1000, 4096]:
+        f = W._fastdiv(d)
+        n = np.array([0, 1, d - 1, d, d + 1, 12345, 2 ** 31 - 1] + random.sample(range(2 ** 31), 50), dtype=np.uint64)
+        q = (((n * np.uint64(f.m)) >> np.uint64(32)) + n) >> np.uint64(f.s)
+        assert np.array_equal(q, n // np.uint64(d)), d
