@@ -122,8 +122,9 @@ def toy_csrc(tmp_path):
     csrc = tmp_path / "csrc"
     (csrc / "sub").mkdir(parents=True)
     (csrc / "toy.cu").write_text('#include "common.h"\n// {{DTYPE}} {{N}}\n')
-    (csrc / "common.h").write_text("#pragma once\n")
+    (csrc / "common.h").write_text('#pragma once\n#include "sub/other.cuh"\n')
     (csrc / "sub" / "other.cuh").write_text("#pragma once\n")
+    (csrc / "sub" / "host_only.h").write_text("#pragma once\n")   # included by no kernel
     return csrc
 
 
@@ -150,8 +151,11 @@ def test_identity_changes_with_each_input_and_only_then(toy_csrc, monkeypatch):
     (toy_csrc / "toy.cu").write_text('#include "common.h"\n// {{DTYPE}} {{N}}\n')
     assert key() == base
     (toy_csrc / "sub" / "other.cuh").write_text("#pragma once\n// edited\n")
-    changed["header"] = key()
+    changed["header (included transitively)"] = key()
     (toy_csrc / "sub" / "other.cuh").write_text("#pragma once\n")
+    # A header no kernel includes is not part of any module's identity.
+    (toy_csrc / "sub" / "host_only.h").write_text("#pragma once\n// edited\n")
+    assert key() == base
     monkeypatch.setattr(builder, "__version__", "999.0")
     changed["fi_backend version"] = key()
     monkeypatch.undo()

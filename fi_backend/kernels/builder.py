@@ -43,7 +43,6 @@ BASE_FLAGS: Tuple[str, ...] = (
     "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
     "-shared", "--cudart", "static", "-Xlinker", "--exclude-libs,ALL",
 )
-HEADER_SUFFIXES = (".h", ".cuh", ".hpp")
 ArchList = Tuple[str, ...]
 
 
@@ -165,12 +164,34 @@ def cache_dir(archs: ArchList) -> Path:
     return Path.home() / ".cache" / "fi_backend" / __version__ / "_".join(archs)
 
 
-def headers_digest(csrc: Path) -> str:
-    """sha256 over every header under csrc/ (relative path and content): any header change
-    rebuilds every module, which is simpler and safer than tracking includes."""
+_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+
+
+def headers_digest(source: str, source_dir: Path, csrc: Path) -> str:
+    """sha256 over the csrc/ headers the rendered source includes, followed transitively through
+    quoted #include lines (relative path and content). Only what a module can see enters its key, so
+    editing host-only code (csrc/scheduler/) rebuilds no kernel. Quoted includes are resolved as nvcc
+    does with -I csrc: next to the including file first, then under csrc/; angle includes are system
+    headers, covered by the nvcc version in the key."""
     h = hashlib.sha256()
-    for path in sorted(p for p in csrc.rglob("*") if p.suffix in HEADER_SUFFIXES and p.is_file()):
-        h.update(path.relative_to(csrc).as_posix().encode() + b"\0")
+    root = csrc.resolve()
+    seen = set()
+    pending = [(source, source_dir)]
+    while pending:
+        text, here = pending.pop()
+        for name in _INCLUDE.findall(text):
+            for base in (here, root):
+                path = (base / name).resolve()
+                if path.is_file():
+                    break
+            else:
+                continue  # not ours (e.g. a CUDA header written with quotes): the nvcc version covers it
+            if path in seen or root not in path.parents:
+                continue
+            seen.add(path)
+            pending.append((path.read_text(), path.parent))
+    for path in sorted(seen):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0")
         h.update(hashlib.sha256(path.read_bytes()).digest())
     return h.hexdigest()
 
@@ -194,12 +215,12 @@ class ModuleIdentity:
 def module_identity(spec: ModuleSpec, archs: ArchList, nvcc_version_text: Optional[str], *,
                     csrc: Optional[Path] = None) -> ModuleIdentity:
     """The module's cache key: rendered source + csrc headers + flags + archs + nvcc version +
-    fi_backend version (+ spec.key_extra). nvcc_version_text None: only source_key is meaningful."""
+    fi_backend version (+ spec.key_extra); headers: the ones the source includes. nvcc_version_text None: only source_key is meaningful."""
     root = Path(csrc) if csrc is not None else csrc_dir()
     source = render(spec, root)
     flags = module_flags(spec, archs)
     material = {
-        "source": source, "headers": headers_digest(root), "flags": list(flags), "archs": list(archs),
+        "source": source, "headers": headers_digest(source, (root / spec.template).parent, root), "flags": list(flags), "archs": list(archs),
         "fi_backend": __version__, "key_extra": spec.key_extra,
     }
     source_key = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
