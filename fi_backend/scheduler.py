@@ -6,16 +6,22 @@ out as csrc/plan.h describes: header, cta_indptr, work items grouped by CTA, mer
 `PlanLayout` is the one Python copy of plan.h's offset formulas (tests compare it with the C values).
 
 The planner cuts each request's rows into query tiles of tile_q rows; a (request, tile) pair reads KV
-positions [0, kv_len) (causal, bottom-right aligned: [0, kv_len - q_len + tile_end)). With fewer pairs than
-CTAs, long pairs are split into KV chunks (aligned to kv_chunk_align) so that the items just fill the CTAs;
-items are then assigned heaviest first to the least loaded CTA (cost = cost_q * rows + cost_kv * KV
-tokens). Split items write partial attention states, which the merge combines per row.
+positions [0, kv_len) (causal, bottom-right aligned: [0, kv_len - q_len + tile_end)). Items (whole pairs
+or KV chunks of split pairs) are assigned heaviest first to the least loaded CTA (LPT; cost = cost_q *
+rows + cost_kv * KV tokens). Which pairs are split is chosen by search: a candidate (L, s) splits the s
+longest pairs that are longer than L into ceil(len / L) chunks aligned to kv_chunk_align, never more than
+MAX_SPLIT_ITEMS_PER_CTA * num_ctas chunks in all (the workspace's partial-state bound); the planner
+keeps the candidate with the lowest LPT makespan (ties: fewer items) among "no split", the previous
+rule's chunk and a few chunks derived from the longest pair and the fair share of KV per CTA
+(csrc/scheduler/planner.cc, ChooseSplit). When the unsplit plan is already within BALANCED_SLACK of the
+lower bound total cost / num_ctas it is taken without a search. Split items write partial attention
+states, which the merge combines per row.
 """
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -36,9 +42,21 @@ ITEM_DTYPE = np.dtype([(name, np.int32) for name in ITEM_FIELDS])
 # traffic here because the kernel runs whole query tiles, so each KV token costs a tile's work.
 DEFAULT_COST_Q = 1.0
 DEFAULT_COST_KV = 1.0
+# Split items per CTA a plan may have (the workspace's partial rows: 2 * num_ctas * tile_q, appendix D)
+# and the unsplit plan's tolerance over the lower bound below which no chunk search runs.
+MAX_SPLIT_ITEMS_PER_CTA = _planner.MAX_SPLIT_ITEMS_PER_CTA
+BALANCED_SLACK = _planner.BALANCED_SLACK
 # Smallest KV chunk a split produces: below ~128 tokens the fixed cost of an item (loading the query
 # tile, filling the pipeline, writing and later merging a partial state) outweighs the extra parallelism.
 DEFAULT_MIN_KV_CHUNK = 128
+
+
+def max_items_for(max_rows: int, num_ctas: int) -> int:
+    """Work items a plan section needs so that no candidate of the chunk search is ever skipped for room:
+    one per (request, query tile) pair (<= query rows), plus the extra chunks of split pairs (their
+    chunks number <= MAX_SPLIT_ITEMS_PER_CTA * num_ctas in all). With fewer, the search keeps to what
+    fits and may balance worse; the unsplit plan only needs one item per pair."""
+    return max_rows + MAX_SPLIT_ITEMS_PER_CTA * num_ctas
 
 
 def _align4(n: int) -> int:
@@ -110,6 +128,7 @@ class PlanInfo(NamedTuple):
     kv_chunk: int        # KV chunk size (tokens) of split pairs; 0 when nothing was split
     num_split_rows: int
     makespan: float      # largest accumulated cost of a CTA
+    num_split_pairs: int  # (request, query tile) pairs whose KV was split
 
 
 def _host_int32(x, name: str):
@@ -128,19 +147,27 @@ def _host_int32(x, name: str):
 
 def plan_into(views: PlanViews, qo_indptr, kv_lens, *, tile_q: int, num_ctas: int, causal: bool = False,
               min_kv_chunk: int = DEFAULT_MIN_KV_CHUNK, kv_chunk_align: int = 1,
-              cost_q: float = DEFAULT_COST_Q, cost_kv: float = DEFAULT_COST_KV) -> PlanInfo:
+              cost_q: float = DEFAULT_COST_Q, cost_kv: float = DEFAULT_COST_KV,
+              force_kv_chunk: Optional[int] = None, force_split_pairs: Optional[int] = None) -> PlanInfo:
     """Plan one step into `views` in place.
 
     qo_indptr: int32 [B + 1] (numpy array or CPU tensor), query rows of each request, qo_indptr[0] = 0.
     kv_lens: int32 [B], KV tokens of each request (its query rows are the last q_len of them).
     num_ctas: CTAs per KV head the items are spread over (<= the layout's num_ctas; CTAs beyond it get
-    no items). Raises ValueError naming the bound when a capacity (max_items, max_rows, max_partial_rows)
-    would be exceeded or an input is invalid; the section is then left untouched.
+    no items). The chunk search only considers plans that fit the section's capacities, so a step fails
+    only when even the unsplit plan does not fit: ValueError naming the bound (max_items, max_rows), or
+    naming the invalid input; the section is then left untouched.
+    force_kv_chunk / force_split_pairs (tests, tuning): skip the search and plan one candidate. 0 splits
+    nothing; L > 0 (a multiple of kv_chunk_align, >= min_kv_chunk) splits the force_split_pairs longest
+    pairs longer than L (None: as many as MAX_SPLIT_ITEMS_PER_CTA * num_ctas chunks allow). A forced plan
+    that does not fit raises ValueError naming max_items or max_partial_rows.
     """
     L = views.layout
     out = _planner.plan(views.section, L.num_ctas, L.max_items, L.max_rows, views.max_partial_rows,
                         _host_int32(qo_indptr, "qo_indptr"), _host_int32(kv_lens, "kv_lens"),
-                        tile_q, num_ctas, causal, min_kv_chunk, kv_chunk_align, cost_q, cost_kv)
+                        tile_q, num_ctas, causal, min_kv_chunk, kv_chunk_align, cost_q, cost_kv,
+                        -1 if force_kv_chunk is None else force_kv_chunk,
+                        -1 if force_split_pairs is None else force_split_pairs)
     return PlanInfo._make(out)
 
 

@@ -4,12 +4,12 @@ Sections, each starting 256-byte aligned, in this order:
   plan         int32, the plan (csrc/plan.h) for (num_ctas, max_items, max_tokens)
   partial_o    float32 [max_partial_rows, num_qo_heads, head_dim]  partial attention states of split KV
   partial_lse  float32 [max_partial_rows, num_qo_heads]
-with max_partial_rows = 2 * num_ctas * max_tile_q, the paper's bound (appendix D). The planner uses at
-most num_ctas * tile_q of them: it splits KV only into <= num_ctas items in all.
+with max_partial_rows = 2 * num_ctas * max_tile_q, the paper's bound (appendix D): the planner never
+makes more than 2 * num_ctas split items, each of <= tile_q rows.
 
-max_items = max(num_ctas, max_tokens), which holds for every tile_q >= 1: a plan that splits nothing has
-one item per (request, query tile) pair, and pairs <= query rows <= max_tokens; a plan that splits has
-<= num_ctas items by the choice of the chunk size.
+max_items = scheduler.max_items_for(max_tokens, num_ctas) = max_tokens + 2 * num_ctas, which holds for
+every tile_q >= 1: one item per (request, query tile) pair (pairs <= query rows <= max_tokens) plus the
+extra chunks of split pairs, so the planner's chunk search is never cut short for room.
 
 Addresses and sizes never change after construction, so a run() captured in a CUDA graph stays valid
 across plans: a new plan only rewrites the contents of the plan section. plan() writes into a host
@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from fi_backend.scheduler import (DEFAULT_COST_KV, DEFAULT_COST_Q, DEFAULT_MIN_KV_CHUNK, DecodedPlan, PlanInfo,
-                                  PlanLayout, PlanViews, _host_int32, decode_plan, plan_into)
+                                  PlanLayout, PlanViews, _host_int32, decode_plan, max_items_for, plan_into)
 
 SECTION_ALIGN = 256
 
@@ -51,7 +51,7 @@ class Workspace:
         self.max_tile_q = _positive_int("max_tile_q", max_tile_q)
         self.num_qo_heads = _positive_int("num_qo_heads", num_qo_heads)
         self.head_dim = _positive_int("head_dim", head_dim)
-        self.max_items = max(num_ctas, max_tokens)
+        self.max_items = max_items_for(max_tokens, num_ctas)
         self.max_partial_rows = 2 * num_ctas * max_tile_q
         self.layout = PlanLayout(num_ctas, self.max_items, max_tokens)
 

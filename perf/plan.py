@@ -1,11 +1,18 @@
-"""Host time of plan() for decode batches: python -m perf.plan --batch 256 [--json] [--repeat K].
+"""Host time of plan() for decode batches: python -m perf.plan --batch 256 [--json] [--repeat K] [--dist D].
 
 Times the whole Python call (fi_backend.scheduler.plan_into, argument checks and the C++ planner writing
 into a staging buffer) with time.perf_counter_ns, over `repeat` calls after a warm-up, and reports the
-median and p90. Inputs rotate through `sets` random batches (KV lengths uniform in 1..4096, one query
-row each) so the branch predictor cannot learn one input. Also times Workspace.plan, which adds the
-bound checks and the copy into the device plan section (the asynchronous host-to-device copy on a GPU
-machine; a plain memcpy on a CPU-only one).
+median and p90. Inputs rotate through `sets` random batches with one query row each, so the branch
+predictor cannot learn one input. KV lengths (--dist): `uniform` in 1..4096 (the project's bars; such
+batches are balanced unsplit, so the chunk search is skipped), `skewed` (one request of 32768 tokens,
+the others uniform in 1..1023: the search runs) or `sharegpt` (prompt + part of the output of pairs from
+perf/data/sharegpt_trace.json). Also reports how good the plans are: the mean of makespan / makespan of
+the unsplit plan, and how many sets were split. Also times Workspace.plan, which adds the bound checks
+and the copy into the device plan section (the asynchronous host-to-device copy on a GPU machine; a
+plain memcpy on a CPU-only one).
+
+--wrapper plans as the decode wrapper does (query tiles of 16 rows, chunks aligned to a 64-token KV
+tile, cost_q = 64); the default is the planner's own defaults (tile_q = 1, cost_q = cost_kv = 1).
 """
 from __future__ import annotations
 
@@ -45,27 +52,57 @@ def _time(fn, inputs, repeat: int) -> dict:
             "min_us": t[0] / 1e3}
 
 
-def bench(batch: int, num_ctas: int, repeat: int, sets: int, seed: int, workspace: bool = True) -> dict:
+def kv_lengths(dist: str, batch: int, rng: np.random.Generator) -> np.ndarray:
+    if dist == "uniform":
+        kv = rng.integers(1, 4097, batch)
+    elif dist == "skewed":
+        kv = rng.integers(1, 1024, batch)
+        kv[rng.integers(batch)] = 32768
+    elif dist == "sharegpt":
+        from perf.sharegpt import load_trace
+        trace = load_trace()
+        picks = rng.integers(0, len(trace), batch)
+        kv = np.array([trace[i][0] + int(rng.integers(1, trace[i][1] + 1)) for i in picks])
+    else:
+        raise ValueError(f"dist must be one of uniform, skewed, sharegpt, got {dist!r}")
+    return kv.astype(np.int32)
+
+
+def bench(batch: int, num_ctas: int, repeat: int, sets: int, seed: int, workspace: bool = True,
+          dist: str = "uniform", wrapper: bool = False) -> dict:
     rng = np.random.default_rng(seed)
     qo = np.arange(batch + 1, dtype=np.int32)
-    inputs = [(qo, rng.integers(1, 4097, batch).astype(np.int32)) for _ in range(sets)]
-    max_items = max(num_ctas, batch)
-    views = scheduler.PlanViews.allocate(num_ctas, max_items, batch, 2 * num_ctas)
-    plan = _time(lambda q, k: scheduler.plan_into(views, q, k, tile_q=1, num_ctas=num_ctas), inputs, repeat)
-    info = scheduler.plan_into(views, *inputs[0], tile_q=1, num_ctas=num_ctas)
-    out = {"batch": batch, "num_ctas": num_ctas, "plan_us_median": round(plan["median_us"], 2),
+    inputs = [(qo, kv_lengths(dist, batch, rng)) for _ in range(sets)]
+    kw = dict(tile_q=16, kv_chunk_align=64, cost_q=64.0) if wrapper else dict(tile_q=1)
+    tile_q = kw["tile_q"]
+    # Room for every candidate plan: pairs <= batch, plus <= 2 * num_ctas split items.
+    views = scheduler.PlanViews.allocate(num_ctas, scheduler.max_items_for(batch, num_ctas), batch,
+                                         2 * num_ctas * tile_q)
+    plan = _time(lambda q, k: scheduler.plan_into(views, q, k, num_ctas=num_ctas, **kw), inputs, repeat)
+    infos = [scheduler.plan_into(views, q, k, num_ctas=num_ctas, **kw) for q, k in inputs]
+    unsplit = [scheduler.plan_into(views, q, k, num_ctas=num_ctas, force_kv_chunk=0, **kw) for q, k in inputs]
+    info = infos[0]
+    out = {"batch": batch, "num_ctas": num_ctas, "dist": dist, "wrapper_settings": wrapper,
+           "plan_us_median": round(plan["median_us"], 2),
            "plan_us_p90": round(plan["p90_us"], 2), "plan_us_min": round(plan["min_us"], 2),
-           "num_items": info.num_items, "kv_chunk": info.kv_chunk, "repeat": repeat}
+           "num_items": info.num_items, "kv_chunk": info.kv_chunk, "repeat": repeat,
+           "sets_split": sum(i.num_split_pairs > 0 for i in infos), "sets": sets,
+           "makespan_over_unsplit": round(float(np.mean([i.makespan / u.makespan if u.makespan else 1.0
+                                                          for i, u in zip(infos, unsplit)])), 4)}
     if workspace:
         import torch
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        ws = Workspace(device, max_requests=batch, max_tokens=batch, num_ctas=num_ctas, max_tile_q=1,
+        ws = Workspace(device, max_requests=batch, max_tokens=batch, num_ctas=num_ctas, max_tile_q=tile_q,
                        num_qo_heads=32, head_dim=128)
-        w = _time(lambda q, k: ws.plan(q, k, tile_q=1), inputs, repeat)
+        w = _time(lambda q, k: ws.plan(q, k, **kw), inputs, repeat)
+        # The search keeps to the workspace's max_items: fewer splits here than above means the
+        # workspace is sized below scheduler.max_items_for(max_tokens, num_ctas).
+        ws_split = sum(ws.plan(q, k, **kw).num_split_pairs > 0 for q, k in inputs)
         if device == "cuda":
             torch.cuda.synchronize()
         out.update({"workspace_plan_us_median": round(w["median_us"], 2),
-                    "workspace_plan_us_p90": round(w["p90_us"], 2), "workspace_device": device})
+                    "workspace_plan_us_p90": round(w["p90_us"], 2), "workspace_device": device,
+                    "workspace_sets_split": ws_split})
     if batch in BARS_US:
         out["bar_us"] = BARS_US[batch]
     return out
@@ -78,19 +115,24 @@ def main(argv=None) -> None:
     ap.add_argument("--repeat", type=int, default=5000)
     ap.add_argument("--sets", type=int, default=32, help="distinct random batches to rotate through")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dist", choices=["uniform", "skewed", "sharegpt"], default="uniform",
+                    help="KV lengths of the batches (default uniform in 1..4096)")
+    ap.add_argument("--wrapper", action="store_true", help="the decode wrapper's settings (tile_q 16, align 64)")
     ap.add_argument("--json", action="store_true", help="one JSON object per batch, nothing else")
     args = ap.parse_args(argv)
     for batch in args.batch or [256, 1024]:
-        r = bench(batch, args.num_ctas, args.repeat, args.sets, args.seed)
+        r = bench(batch, args.num_ctas, args.repeat, args.sets, args.seed, dist=args.dist, wrapper=args.wrapper)
         if args.json:
             print(json.dumps(r))
             continue
         print(f"batch {batch:5d}  num_ctas {args.num_ctas:4d}: plan median {r['plan_us_median']:7.2f} us  "
               f"p90 {r['plan_us_p90']:7.2f} us  | Workspace.plan ({r['workspace_device']}) median "
-              f"{r['workspace_plan_us_median']:7.2f} us" + (f"  (bar {r['bar_us']:.0f} us)" if "bar_us" in r else ""))
+              f"{r['workspace_plan_us_median']:7.2f} us" + (f"  (bar {r['bar_us']:.0f} us)" if "bar_us" in r else "")
+              + f"  | {r['sets_split']}/{r['sets']} split, makespan / unsplit {r['makespan_over_unsplit']:.3f}")
         for other in (66, 132):  # other grids: 4 or 2 KV heads on 132 SMs
             if other != args.num_ctas:
-                o = bench(batch, other, max(args.repeat // 5, 200), args.sets, args.seed, workspace=False)
+                o = bench(batch, other, max(args.repeat // 5, 200), args.sets, args.seed, workspace=False,
+                          dist=args.dist, wrapper=args.wrapper)
                 print(f"{'':11s}  num_ctas {other:4d}: plan median {o['plan_us_median']:7.2f} us  "
                       f"p90 {o['plan_us_p90']:7.2f} us")
 

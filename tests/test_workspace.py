@@ -45,7 +45,7 @@ def test_section_layout_and_sizes():
                       int(rng.choice([64, 96, 128, 256])))
         tq = int(rng.integers(1, 129))
         ws = make(num_ctas=c, max_tokens=t, max_tile_q=tq, num_qo_heads=H, head_dim=D)
-        assert ws.max_items == max(c, t) and ws.num_ctas == c
+        assert ws.max_items == t + 2 * c and ws.num_ctas == c   # one item per pair, plus split chunks
         assert ws.plan_section.numel() == _planner.layout(c, ws.max_items, t)[4]
         assert ws.max_partial_rows == 2 * c * tq
         assert ws.partial_o.shape == (2 * c * tq, H, D) and ws.partial_o.dtype == torch.float32
@@ -117,7 +117,7 @@ def test_bounds_name_themselves():
 
 
 def test_max_items_bound_holds_for_every_tile_q():
-    """max_items = max(num_ctas, max_tokens) suffices: fill max_tokens with 1-row requests, tile_q = 1."""
+    """max_items = max_tokens + 2 * num_ctas suffices: fill max_tokens with 1-row requests, tile_q = 1."""
     rng = np.random.default_rng()
     for num_ctas, max_tokens in ((64, 16), (8, 300), (33, 33)):
         ws = make(max_requests=max_tokens, max_tokens=max_tokens, num_ctas=num_ctas, max_tile_q=8)
@@ -128,7 +128,7 @@ def test_max_items_bound_holds_for_every_tile_q():
                 kv = (np.diff(qo) + rng.integers(0, 50000, B)).astype(np.int32)
                 info = ws.plan(qo, kv, tile_q=tile_q, causal=bool(rng.integers(2)), min_kv_chunk=1)
                 assert info.num_items <= ws.max_items
-                assert info.num_partial_rows <= num_ctas * tile_q <= ws.max_partial_rows
+                assert info.num_partial_rows <= 2 * num_ctas * tile_q <= ws.max_partial_rows
 
 
 def test_torch_inputs():

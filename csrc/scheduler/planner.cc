@@ -13,6 +13,7 @@ namespace fi {
 namespace {
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t RoundUp(int64_t a, int64_t b) { return CeilDiv(a, b) * b; }
 
 // Order-preserving bits of a finite cost >= 0 (IEEE-754 doubles of one sign sort like their bits).
 uint64_t CostBits(double cost) {
@@ -27,6 +28,91 @@ double LoadOf(uint64_t bits) {
   return load;
 }
 
+// The cost of an item. One out-of-line definition, so the chunk search and the plan it picks add
+// bit-identical doubles whatever the compiler does with multiply-adds at each call site.
+__attribute__((noinline)) double ItemCost(double cost_q, double cost_kv, int64_t rows, int64_t kv) {
+  return cost_q * (double)rows + cost_kv * (double)kv;
+}
+
+// Chunk sizes of a pair of `len` tokens cut into n aligned chunks, as even as alignment allows: the
+// whole units of align are spread evenly (the first `rem` chunks get one more), the last chunk also
+// takes the partial unit. Every chunk is non-empty when n <= ceil(len / align).
+struct ChunkShape {
+  int64_t per, rem, tail;  // chunk c < rem: (per + 1) * align; others per * align; the last + tail
+  ChunkShape(int64_t len, int64_t n, int64_t align)
+      : per(len / align / n), rem(len / align % n), tail(len % align) {}
+  int64_t Size(int64_t c, int64_t n, int64_t align) const {
+    return (per + (c < rem ? 1 : 0)) * align + (c == n - 1 ? tail : 0);
+  }
+};
+
+// Below this many keys a comparison sort beats the radix sort's 256-entry histograms (measured).
+constexpr int64_t kRadixMin = 64;
+
+// LSD radix sort of 64-bit keys, ascending, stable, with `tmp` as scratch of the same size: stride 2
+// sorts (key, index) pairs, stride 1 plain keys. The result may end in either buffer: returns
+// true when it is in `tmp`. Byte digits on which all keys agree are skipped: integer-valued costs leave
+// the low mantissa bytes zero and lengths leave the high bytes equal, so a decode batch takes two or
+// three passes.
+template <int kStride>
+bool RadixSort(uint64_t* key, uint64_t* tmp, int64_t n) {
+  uint64_t varying = 0;  // bits on which some key differs from the first
+  for (int64_t k = 1; k < n; ++k) varying |= key[kStride * k] ^ key[0];
+  uint32_t hist[256];
+  bool swapped = false;
+  for (int d = 0; d < 8; ++d) {
+    const int shift = 8 * d;
+    if (((varying >> shift) & 0xff) == 0) continue;
+    std::memset(hist, 0, sizeof(hist));
+    for (int64_t k = 0; k < n; ++k) ++hist[(key[kStride * k] >> shift) & 0xff];
+    uint32_t sum = 0;
+    for (int b = 0; b < 256; ++b) {
+      const uint32_t c = hist[b];
+      hist[b] = sum;
+      sum += c;
+    }
+    for (int64_t k = 0; k < n; ++k) {
+      const uint64_t v = key[kStride * k];
+      const uint32_t pos = hist[(v >> shift) & 0xff]++;
+      tmp[kStride * pos] = v;
+      if (kStride == 2) tmp[2 * pos + 1] = key[2 * k + 1];
+    }
+    std::swap(key, tmp);
+    swapped = !swapped;
+  }
+  return swapped;
+}
+
+// (load, cta) <- (sib_load, sib_cta) if sib_load < limit. Which sibling wins a tournament level is
+// data-dependent and unpredictable, so this must be a conditional move, never a branch (a branch costs
+// a misprediction on about half of the levels: measured 1.8x slower LPT). Compilers decide that by
+// heuristics that change with the surrounding code, so on x86-64 it is spelled out.
+inline void SelectIfBelow(uint64_t sib_load, int32_t sib_cta, uint64_t limit, uint64_t* load, int32_t* cta) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  uint64_t l = *load;
+  int32_t c = *cta;
+  __asm__("cmpq %[limit], %[sib_load]\n\t"
+          "cmovbq %[sib_load], %[l]\n\t"
+          "cmovbl %[sib_cta], %[c]"
+          : [l] "+r"(l), [c] "+r"(c)
+          : [sib_load] "r"(sib_load), [sib_cta] "r"(sib_cta), [limit] "r"(limit)
+          : "cc");
+  *load = l;
+  *cta = c;
+#else
+  const bool wins = sib_load < limit;
+  *load = wins ? sib_load : *load;
+  *cta = wins ? sib_cta : *cta;
+#endif
+}
+
+// Items, by cost descending, that Planner::StartTree may place: the leading ones with cost > 0, at most m.
+int64_t FirstRound(const double* costs, int64_t n, int32_t m) {
+  int64_t count = 0;
+  while (count < n && count < m && costs[count] > 0.0) ++count;
+  return count;
+}
+
 }  // namespace
 
 PlanStatus Planner::Fail(PlanStatus status, const char* fmt, ...) {
@@ -37,12 +123,262 @@ PlanStatus Planner::Fail(PlanStatus status, const char* fmt, ...) {
   return status;
 }
 
-// Items a chunk size produces: a pair longer than `chunk` becomes ceil(len / chunk) items; every other
-// pair, an empty one included, one item.
+// Items a chunk size produces when every pair longer than it is split: ceil(len / chunk) for those,
+// one for every other pair, an empty one included.
 int64_t Planner::CountItems(int64_t chunk) const {
   int64_t count = 0;
   for (const Pair& p : pairs_) count += p.kv_len > chunk ? CeilDiv(p.kv_len, chunk) : 1;
   return count;
+}
+
+// The smallest chunk (a multiple of align, >= lo) whose full split makes <= max_items items, or 0 when
+// that chunk splits nothing. Needs pairs < max_items (else only "no split" qualifies).
+int64_t Planner::SmallestChunkWithin(int64_t max_items, int64_t lo, int64_t align) const {
+  const int64_t max_len = len_order_.empty() ? 0 : pairs_[len_order_[0]].kv_len;
+  int64_t a = CeilDiv(lo, align);                    // in units of align
+  int64_t b = std::max(a, CeilDiv(max_len, align));  // here every pair is one item: count = pairs
+  while (a < b) {
+    const int64_t mid = a + (b - a) / 2;
+    if (CountItems(mid * align) <= max_items) b = mid; else a = mid + 1;
+  }
+  return a * align < max_len ? a * align : 0;
+}
+
+// Sorts keys_ = (key, index) pairs by key, ascending, stably (keys_tmp_ is scratch).
+void Planner::RadixSortKeys(int64_t n) {
+  keys_tmp_.resize(2 * n);
+  if (RadixSort<2>(keys_.data(), keys_tmp_.data(), n)) keys_.swap(keys_tmp_);
+}
+
+// Longest processing time first: each item, heaviest first, goes to the CTA with the least accumulated
+// cost (ties: lowest index). A winner tree (a tournament) over the CTAs finds it: leaves are the CTAs'
+// loads, padded to a power of two with infinite loads, and each inner node holds the lighter of its two
+// children, the left one on a tie; as a left subtree holds only lower CTA indices than its right
+// sibling, the root is the least loaded CTA with the lowest index, exactly what a binary heap ordered by
+// (load, cta) gives. An update walks from the winner's leaf to the root, comparing with siblings whose
+// addresses are known in advance, so their loads overlap and the chain is one compare and two selects
+// per level (a heap's sift-down chases addresses that each depend on the previous comparison). Loads
+// are kept as the bits of non-negative doubles, which order like the values, so "<=" is "< bits + 1".
+// The load sequence depends only on the sequence of costs, so items of equal cost may come in any order.
+//
+// StartTree does LPT's first round in one go: while a CTA is empty and the items cost > 0, the next item
+// goes to the lowest-indexed empty CTA, so the first `count` (<= m) items land on CTAs 0, 1, ... in
+// order. Their costs become the leaves' loads and the tree is built once, instead of an update per item.
+void Planner::StartTree(int32_t m, const double* first, int64_t count) {
+  int32_t leaves = 1;
+  while (leaves < m) leaves *= 2;
+  leaves_ = leaves;
+  tree_.resize(2 * (size_t)leaves);
+  Slot* tree = tree_.data();  // node t has children 2t, 2t + 1; the leaf of CTA c is node leaves + c
+  for (int32_t c = 0; c < leaves; ++c)
+    tree[leaves + c] = Slot{CostBits(c < count ? first[c] : c < m ? 0.0 : HUGE_VAL), c};
+  for (int32_t t = leaves - 1; t >= 1; --t)
+    tree[t] = tree[2 * t + 1].load < tree[2 * t].load ? tree[2 * t + 1] : tree[2 * t];
+}
+
+// Adds `cost` to the least loaded CTA; returns that CTA and sets *new_load to its new load's bits.
+__attribute__((always_inline)) inline int32_t Planner::Assign(double cost, uint64_t* new_load) {
+  Slot* const tree = tree_.data();
+  const int32_t winner = tree[1].cta;
+  uint64_t load = CostBits(LoadOf(tree[1].load) + cost);
+  *new_load = load;
+  int32_t cta = winner;
+  int32_t t = leaves_ + winner;
+  tree[t].load = load;
+  for (; t > 1; t >>= 1) {
+    const uint64_t sib_load = tree[t ^ 1].load;
+    const int32_t sib_cta = tree[t ^ 1].cta;
+    // The sibling wins if lighter, or equal and on the left (t odd: we are the right child).
+    SelectIfBelow(sib_load, sib_cta, load + (uint64_t)(t & 1), &load, &cta);
+    tree[t >> 1] = Slot{load, cta};
+  }
+  return winner;
+}
+
+// The candidate (chunk, max_pairs): walking the pairs longest first, split each pair longer than chunk
+// into ceil(len / chunk) chunks, and stop at the first pair that is not longer, after max_pairs pairs
+// (max_pairs < 0: no such limit), or at the first pair whose chunks would take the split items past
+// kMaxSplitItemsPerCta * num_ctas. The last stop is what keeps every plan within the workspace: split
+// items <= 2 * num_ctas, each with <= tile_q rows, so partial rows <= 2 * num_ctas * tile_q.
+Planner::Split Planner::WalkSplit(const PlanInputs& in, int64_t chunk, int64_t max_pairs) const {
+  Split s;
+  s.chunk = chunk;
+  const int64_t budget = kMaxSplitItemsPerCta * in.num_ctas;
+  for (const int32_t j : len_order_) {
+    if (s.num_split_pairs == max_pairs) break;
+    const Pair& p = pairs_[j];
+    if (p.kv_len <= chunk) break;
+    const int64_t n = CeilDiv(p.kv_len, chunk);
+    if (s.split_items + n > budget) break;
+    const int64_t rows = p.q_end - p.q_begin;
+    s.split_items += n;
+    s.num_split_pairs += 1;
+    s.partial_rows += rows * n;
+    s.extra_rows += rows * (n - 1);
+  }
+  s.num_items = (int64_t)pairs_.size() + s.split_items - s.num_split_pairs;
+  return s;
+}
+
+// The LPT makespan of a candidate's items: the unsplit pairs (already by cost, descending) merged with
+// the split pairs' chunks (sorted here; there are <= 2 * num_ctas). Gives up, returning +inf, as soon as
+// a CTA's load exceeds `bound` (or reaches it, when `strict`): loads only grow, so the candidate cannot
+// win any more.
+double Planner::EvaluateSplit(const PlanInputs& in, const Split& split, double bound, bool strict) {
+  const int64_t align = in.kv_chunk_align;
+  // The chunks' costs, as complemented bits sorted ascending: costs descending. A pair's chunks have at
+  // most three sizes, so each size's cost is computed once.
+  chunk_keys_.resize(2 * split.split_items);
+  uint64_t* chunk_key = chunk_keys_.data();
+  for (int64_t i = 0; i < split.num_split_pairs; ++i) {
+    const int32_t j = len_order_[i];
+    const Pair& p = pairs_[j];
+    const int64_t n = CeilDiv(p.kv_len, split.chunk), rows = p.q_end - p.q_begin;
+    skip_[rank_[j]] = 1;
+    const ChunkShape shape(p.kv_len, n, align);
+    const uint64_t big = ~CostBits(ItemCost(in.cost_q, in.cost_kv, rows, (shape.per + 1) * align));
+    const uint64_t small = ~CostBits(ItemCost(in.cost_q, in.cost_kv, rows, shape.per * align));
+    for (int64_t c = 0; c < n - 1; ++c) *chunk_key++ = c < shape.rem ? big : small;
+    *chunk_key++ = ~CostBits(ItemCost(in.cost_q, in.cost_kv, rows, shape.Size(n - 1, n, align)));
+  }
+  // Sorted by comparisons when short, by radix (its 256-entry histograms pay off) when long.
+  const uint64_t* chunk = chunk_keys_.data();
+  if (split.split_items < kRadixMin) {
+    std::sort(chunk_keys_.data(), chunk_keys_.data() + split.split_items);
+  } else if (RadixSort<1>(chunk_keys_.data(), chunk_keys_.data() + split.split_items, split.split_items)) {
+    chunk += split.split_items;
+  }
+  const uint64_t limit = CostBits(bound) + (strict ? 0 : 1);  // give up when a load's bits reach this
+  const double* pair_cost = sorted_cost_.data();
+  const uint8_t* skip = skip_.data();
+  const int64_t n_pairs = (int64_t)sorted_cost_.size();
+  const int64_t n_chunks = split.split_items;
+  int64_t i = 0, c = 0;
+  // The items by cost, descending: the unsplit pairs merged with the chunks. Returns false at the end.
+  auto next = [&](double* cost) {
+    while (i < n_pairs && skip[i]) ++i;
+    if (i < n_pairs && (c == n_chunks || pair_cost[i] >= LoadOf(~chunk[c]))) {
+      *cost = pair_cost[i++];
+    } else if (c < n_chunks) {
+      *cost = LoadOf(~chunk[c++]);
+    } else {
+      return false;
+    }
+    return true;
+  };
+  const int32_t m = (int32_t)in.num_ctas;
+  first_round_.resize(m);
+  double cost = 0.0;
+  int64_t count = 0;
+  bool held = false;  // `cost` is an item taken from next() but not yet assigned (a zero cost)
+  while (count < m && next(&cost)) {
+    if (!(cost > 0.0)) {
+      held = true;
+      break;
+    }
+    first_round_[count++] = cost;
+  }
+  StartTree(m, first_round_.data(), count);
+  uint64_t max_load = count > 0 ? CostBits(first_round_[0]) : 0, load = 0;
+  bool gave_up = max_load >= limit;
+  while (!gave_up && (held || next(&cost))) {
+    held = false;
+    Assign(cost, &load);
+    max_load = std::max(max_load, load);
+    gave_up = max_load >= limit;
+  }
+  for (int64_t k = 0; k < split.num_split_pairs; ++k) skip_[rank_[len_order_[k]]] = 0;
+  return gave_up ? HUGE_VAL : LoadOf(max_load);
+}
+
+// Algorithm 1's chunk choice, as a search over candidates (see WalkSplit), in this order:
+//   1. the previous rule's chunk, when pairs < num_ctas: the smallest whose full split makes <= num_ctas
+//      items. Its plan is exactly the previous rule's, and coming first it is always compared, so the
+//      choice is never worse than that rule;
+//   2. total KV / (j * num_ctas), j = 1, 2, 3: chunks near a CTA's fair share (one long request among
+//      short ones: the long one is cut to about the share, the short ones fill in around its chunks);
+//   3. the smallest chunk whose full split makes <= 2 * num_ctas items, when pairs < 2 * num_ctas;
+//   4. longest / k, k = 2 .. 16: the longest pair cut into k (a few long requests, or many equal ones).
+// Each chunk is rounded up to kv_chunk_align and to at least min_kv_chunk, kept if shorter than the
+// longest pair, and tried with the most pairs the split-item budget allows, then with half as many
+// (when the batch is not a multiple of the CTAs, splitting only some pairs balances the last round
+// with fewer items). "No split" is the incumbent. A candidate replaces the best so far if its LPT
+// makespan is lower, or equal with fewer items (fewer partial states to write and merge). Skipped:
+// candidates that do not fit the section's capacities, and candidates that split the same pairs into
+// the same numbers of chunks as an earlier one (the same plan). The search stops as soon as the best
+// is within kBalancedSlack of the lower bound total cost / num_ctas, which keeps large batches (where a
+// split or two already reaches it) to one or two LPT passes. Every candidate's split items are
+// <= 2 * num_ctas by WalkSplit's budget, so every plan fits the workspace's partial rows.
+Planner::Split Planner::ChooseSplit(const PlanInputs& in, const PlanSection& section, double total_cost,
+                                    double unsplit_makespan, double good_enough) {
+  Split best;
+  best.num_items = (int64_t)pairs_.size();
+  double best_makespan = unsplit_makespan;
+  const int64_t n = (int64_t)pairs_.size(), m = in.num_ctas, align = in.kv_chunk_align;
+  const int64_t lo = RoundUp(in.min_kv_chunk, align);
+  const int64_t max_len = pairs_[len_order_[0]].kv_len;
+  if (max_len <= lo) return best;  // no chunk may split anything
+
+  int64_t chunks[1 + 3 + 1 + 15];
+  int num_chunks = 0;
+  auto add = [&](int64_t chunk) {
+    chunk = std::max(lo, RoundUp(chunk, align));
+    if (chunk >= max_len) return;
+    for (int k = 0; k < num_chunks; ++k)
+      if (chunks[k] == chunk) return;
+    chunks[num_chunks++] = chunk;
+  };
+  if (n < m) {
+    const int64_t chunk = SmallestChunkWithin(m, lo, align);
+    if (chunk > 0) add(chunk);
+  }
+  int64_t total_kv = 0;
+  for (const Pair& p : pairs_) total_kv += p.kv_len;
+  for (int64_t j = 1; j <= 3; ++j) add(CeilDiv(total_kv, j * m));
+  if (n < 2 * m) {
+    const int64_t chunk = SmallestChunkWithin(2 * m, lo, align);
+    if (chunk > 0) add(chunk);
+  }
+  for (int64_t k = 2; k <= 16; ++k) add(CeilDiv(max_len, k));
+
+  const double inv_m = 1.0 / (double)m;
+  int num_seen = 0;
+  for (int k = 0; k < num_chunks && best_makespan > good_enough; ++k) {
+    const Split full = WalkSplit(in, chunks[k], -1);
+    for (int variant = 0; variant < 2 && best_makespan > good_enough; ++variant) {
+      Split split = full;
+      if (variant == 1) {
+        if (full.num_split_pairs < 2) break;
+        split = WalkSplit(in, chunks[k], full.num_split_pairs / 2);
+      }
+      if (split.num_split_pairs == 0) break;
+      // The same plan as an earlier candidate: same pairs (a prefix of len_order_), same chunk counts.
+      bool repeat = false;
+      for (int e = 0; e < num_seen && !repeat; ++e) {
+        const Split& o = seen_[e];
+        if (o.num_split_pairs != split.num_split_pairs || o.split_items != split.split_items) continue;
+        repeat = true;
+        for (int64_t i = 0; i < split.num_split_pairs && repeat; ++i) {
+          const int64_t len = pairs_[len_order_[i]].kv_len;
+          repeat = CeilDiv(len, o.chunk) == CeilDiv(len, split.chunk);
+        }
+      }
+      if (repeat) continue;
+      seen_[num_seen++] = split;
+      if (split.num_items > section.max_items || split.partial_rows > section.max_partial_rows) continue;
+      // More (or as many) items than the best so far must beat its makespan; fewer may tie it.
+      const bool strict = split.num_items >= best.num_items;
+      // Cheap bound first: the makespan is >= the candidate's total cost / num_ctas (a margin keeps
+      // rounding from ever discarding a candidate that could win).
+      const double total = total_cost + in.cost_q * (double)split.extra_rows;
+      if (total * inv_m > best_makespan * (1.0 + 1e-9)) continue;
+      const double makespan = EvaluateSplit(in, split, best_makespan, strict);
+      if (makespan == HUGE_VAL) continue;
+      best = split;
+      best_makespan = makespan;
+    }
+  }
+  return best;
 }
 
 PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanSummary* summary) {
@@ -60,6 +396,19 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
   if (!(std::isfinite(in.cost_q) && in.cost_q >= 0.0) || !(std::isfinite(in.cost_kv) && in.cost_kv >= 0.0))
     return Fail(S::kInvalidArgument, "cost_q and cost_kv must be finite and >= 0, got cost_q=%g cost_kv=%g", in.cost_q,
                 in.cost_kv);
+  if (in.force_kv_chunk > 0 && (in.force_kv_chunk % in.kv_chunk_align != 0 || in.force_kv_chunk < in.min_kv_chunk))
+    return Fail(S::kInvalidArgument,
+                "force_kv_chunk must be -1 (search), 0 (no split) or a multiple of kv_chunk_align=%lld that is >= "
+                "min_kv_chunk=%lld, got %lld",
+                (long long)in.kv_chunk_align, (long long)in.min_kv_chunk, (long long)in.force_kv_chunk);
+  if (in.force_kv_chunk < -1)
+    return Fail(S::kInvalidArgument, "force_kv_chunk must be -1 (search), 0 (no split) or a chunk > 0, got %lld",
+                (long long)in.force_kv_chunk);
+  if (in.force_split_pairs < -1 || (in.force_split_pairs >= 0 && in.force_kv_chunk <= 0))
+    return Fail(S::kInvalidArgument,
+                "force_split_pairs must be -1 (as many as the budget allows) or >= 0 with force_kv_chunk > 0, got "
+                "force_split_pairs=%lld with force_kv_chunk=%lld",
+                (long long)in.force_split_pairs, (long long)in.force_kv_chunk);
   if (section.num_ctas < 1 || section.max_items < 0 || section.max_rows < 0 || section.max_partial_rows < 0)
     return Fail(S::kInvalidArgument,
                 "plan section capacities must be num_ctas >= 1 and max_items, max_rows, max_partial_rows >= 0, got "
@@ -93,7 +442,7 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
   // One pass validates each request and appends its pairs (no division: this loop is per request).
   // Rows beyond qo_indptr[B] are refused before their pairs are made, so pairs <= num_rows <= max_rows.
   pairs_.clear();
-  int64_t max_len = 0;
+  double total_cost = 0.0;
   for (int64_t i = 0; i < B; ++i) {
     const int32_t q0 = in.qo_indptr[i];
     const int64_t q_len = (int64_t)in.qo_indptr[i + 1] - q0;
@@ -113,164 +462,155 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
       // Causal, bottom-right aligned: query row j sees keys [0, kv_len - q_len + j], so the tile needs
       // keys [0, kv_len - q_len + tile_end).
       const int64_t len = in.causal ? kv_len - q_len + tile_end : kv_len;
-      pairs_.push_back(Pair{(int32_t)i, (int32_t)(q0 + tile_begin), (int32_t)(q0 + tile_end), (int32_t)len});
-      max_len = std::max(max_len, len);
+      const double cost = ItemCost(in.cost_q, in.cost_kv, tile_end - tile_begin, len);
+      pairs_.push_back(Pair{(int32_t)i, (int32_t)(q0 + tile_begin), (int32_t)(q0 + tile_end), (int32_t)len, cost});
+      total_cost += cost;
     }
   }
   const int64_t num_pairs = (int64_t)pairs_.size();
-
-  // ---- KV chunk size ---------------------------------------------------------------------------
-  // With at least num_ctas pairs every CTA already has work: nothing is split. Otherwise take the
-  // smallest chunk L (a multiple of kv_chunk_align, >= min_kv_chunk) with sum_p max(1, ceil(len_p / L))
-  // <= num_ctas. Consequence: the items of split pairs number <= num_ctas, so the partial rows number
-  // <= num_ctas * tile_q, within the paper's workspace bound 2 * num_ctas * tile_q (appendix D).
-  int64_t chunk = 0;  // 0: nothing split
-  if (num_pairs < in.num_ctas && num_pairs > 0) {
-    const int64_t align = in.kv_chunk_align;
-    int64_t lo = CeilDiv(in.min_kv_chunk, align);      // in units of align
-    int64_t hi = std::max(lo, CeilDiv(max_len, align));  // here every pair is one item: count = num_pairs
-    while (lo < hi) {
-      const int64_t mid = lo + (hi - lo) / 2;
-      if (CountItems(mid * align) <= in.num_ctas) hi = mid; else lo = mid + 1;
-    }
-    if (lo * align < max_len) chunk = lo * align;
-  }
-
-  // ---- counts and capacities (before writing anything) -----------------------------------------
-  int64_t num_items = 0, num_partial_rows = 0, num_split_rows = 0;
-  for (const Pair& p : pairs_) {
-    const int64_t n = chunk > 0 && p.kv_len > chunk ? CeilDiv(p.kv_len, chunk) : 1;
-    num_items += n;
-    if (n > 1) {
-      num_partial_rows += (int64_t)(p.q_end - p.q_begin) * n;
-      num_split_rows += p.q_end - p.q_begin;
-    }
-  }
-  if (num_items > section.max_items)
+  // Every plan has at least one item per pair.
+  if (num_pairs > section.max_items)
     return Fail(S::kCapacityExceeded, "max_items=%lld but the plan needs %lld work items", (long long)section.max_items,
-                (long long)num_items);
-  if (num_partial_rows > section.max_partial_rows)
-    return Fail(S::kCapacityExceeded, "max_partial_rows=%lld but the plan needs %lld partial rows",
-                (long long)section.max_partial_rows, (long long)num_partial_rows);
+                (long long)num_pairs);
 
-  // ---- work items, in creation order (request, tile, chunk) ------------------------------------
+  // ---- the unsplit plan: pairs by cost, descending (ties in creation order), then LPT ----------
+  // Sorting the complemented cost bits ascending sorts the costs descending.
+  const int32_t m = (int32_t)in.num_ctas;
+  keys_.resize(2 * num_pairs);
+  for (int64_t j = 0; j < num_pairs; ++j) {
+    keys_[2 * j] = ~CostBits(pairs_[j].cost);
+    keys_[2 * j + 1] = (uint64_t)j;
+  }
+  RadixSortKeys(num_pairs);
+  cost_order_.resize(num_pairs);
+  sorted_cost_.resize(num_pairs);
+  for (int64_t k = 0; k < num_pairs; ++k) {
+    cost_order_[k] = (int32_t)keys_[2 * k + 1];
+    sorted_cost_[k] = LoadOf(~keys_[2 * k]);
+  }
+  item_cta_.resize(num_pairs);
+  const int64_t unsplit_first = FirstRound(sorted_cost_.data(), num_pairs, m);
+  StartTree(m, sorted_cost_.data(), unsplit_first);
+  uint64_t unsplit_max = unsplit_first > 0 ? CostBits(sorted_cost_[0]) : 0;
+  for (int64_t k = 0; k < unsplit_first; ++k) item_cta_[k] = (int32_t)k;
+  for (int64_t k = unsplit_first; k < num_pairs; ++k) {
+    uint64_t load;
+    item_cta_[k] = Assign(sorted_cost_[k], &load);
+    unsplit_max = std::max(unsplit_max, load);
+  }
+  const double unsplit_makespan = LoadOf(unsplit_max);
+
+  // ---- KV chunks: a fixed candidate, "no split" when already balanced, or the search -----------
+  Split split;  // chunk 0: nothing split
+  split.num_items = num_pairs;
+  const double good_enough = (1.0 + kBalancedSlack) * (total_cost / (double)m);
+  if (num_pairs > 0 && in.force_kv_chunk != 0 && (in.force_kv_chunk > 0 || unsplit_makespan > good_enough)) {
+    // Pairs by KV length, descending, ties in creation order: the order splits are handed out.
+    keys_.resize(2 * num_pairs);
+    for (int64_t j = 0; j < num_pairs; ++j) {
+      keys_[2 * j] = ~(uint64_t)pairs_[j].kv_len;
+      keys_[2 * j + 1] = (uint64_t)j;
+    }
+    RadixSortKeys(num_pairs);
+    len_order_.resize(num_pairs);
+    for (int64_t k = 0; k < num_pairs; ++k) len_order_[k] = (int32_t)keys_[2 * k + 1];
+    chunks_of_.assign(num_pairs, 0);
+    rank_.resize(num_pairs);
+    for (int64_t k = 0; k < num_pairs; ++k) rank_[cost_order_[k]] = (int32_t)k;
+    skip_.assign(num_pairs, 0);
+    if (in.force_kv_chunk > 0) {
+      split = WalkSplit(in, in.force_kv_chunk, in.force_split_pairs);
+      if (split.num_split_pairs == 0) split = Split{0, 0, 0, num_pairs, 0, 0};
+    } else {
+      split = ChooseSplit(in, section, total_cost, unsplit_makespan, good_enough);
+    }
+  }
+  const int64_t chunk = split.chunk;
+  if (split.num_items > section.max_items)
+    return Fail(S::kCapacityExceeded, "max_items=%lld but the plan needs %lld work items", (long long)section.max_items,
+                (long long)split.num_items);
+  if (split.partial_rows > section.max_partial_rows)
+    return Fail(S::kCapacityExceeded, "max_partial_rows=%lld but the plan needs %lld partial rows",
+                (long long)section.max_partial_rows, (long long)split.partial_rows);
+
+  // ---- work items (nothing is written before this point) ---------------------------------------
   int32_t* const base = section.data;
   int32_t* const merge_indptr = base + fi_plan_merge_indptr_offset(section.num_ctas, section.max_items);
   int32_t* const split_rows = base + fi_plan_split_rows_offset(section.num_ctas, section.max_items, section.max_rows);
-  items_.resize(num_items);
-  {
+  const int64_t n_items = split.num_items;
+  int64_t num_split_rows = 0;
+  double makespan = unsplit_makespan;
+  // The items in LPT order: order[k] indexes items_ (split plan) or pairs_ (unsplit plan); the CTA of
+  // the k-th is item_cta_[k].
+  const int32_t* order = cost_order_.data();
+  merge_indptr[0] = 0;
+  if (split.num_split_pairs == 0) {
+    for (int64_t r = 0; r < num_rows; ++r) merge_indptr[r + 1] = 0;
+  } else {
+    for (int64_t i = 0; i < split.num_split_pairs; ++i) {
+      const int32_t j = len_order_[i];
+      chunks_of_[j] = (int32_t)CeilDiv(pairs_[j].kv_len, chunk);
+    }
+    // Creation order (request, tile, chunk).
+    items_.resize(n_items);
     Item* item = items_.data();
     int32_t partial = 0;  // partial rows handed out so far, also merge_indptr at the current row
-    int32_t* split = split_rows;
-    merge_indptr[0] = 0;
+    int32_t* split_row = split_rows;
     const int64_t align = in.kv_chunk_align;
-    for (const Pair& p : pairs_) {
+    for (int64_t j = 0; j < num_pairs; ++j) {
+      const Pair& p = pairs_[j];
       const int32_t rows = p.q_end - p.q_begin;
-      const int64_t n = chunk > 0 && p.kv_len > chunk ? CeilDiv(p.kv_len, chunk) : 1;
-      if (n == 1) {
-        *item++ = Item{FiWorkItem{p.request, p.q_begin, p.q_end, 0, p.kv_len, -1, 1, 0},
-                       in.cost_q * rows + in.cost_kv * p.kv_len};
+      const int64_t n = chunks_of_[j];
+      if (n == 0) {
+        *item++ = Item{FiWorkItem{p.request, p.q_begin, p.q_end, 0, p.kv_len, -1, 1, 0}, p.cost};
         for (int32_t r = p.q_begin; r < p.q_end; ++r) merge_indptr[r + 1] = partial;
         continue;
       }
-      // n chunks with aligned boundaries, as even as alignment allows: the whole units of align are
-      // spread evenly (the first `rem` chunks get one more), the last chunk also takes the partial
-      // unit. Every chunk is non-empty (n <= ceil(len / align)) and <= chunk.
-      const int64_t whole = p.kv_len / align, rem = whole % n, per = whole / n;
+      const ChunkShape shape(p.kv_len, n, align);
       int64_t kv_begin = 0;
       for (int64_t c = 0; c < n; ++c) {
-        const int64_t kv_end = c == n - 1 ? p.kv_len : kv_begin + (per + (c < rem ? 1 : 0)) * align;
+        const int64_t kv_end = kv_begin + shape.Size(c, n, align);
         *item++ = Item{FiWorkItem{p.request, p.q_begin, p.q_end, (int32_t)kv_begin, (int32_t)kv_end,
                                   (int32_t)(partial + c), (int32_t)n, (int32_t)c},
-                       in.cost_q * rows + in.cost_kv * (double)(kv_end - kv_begin)};
+                       ItemCost(in.cost_q, in.cost_kv, rows, kv_end - kv_begin)};
         kv_begin = kv_end;
       }
       // Row r of the pair owns partial rows [partial + (r - q_begin) * n, + n), in chunk order.
       for (int32_t r = p.q_begin; r < p.q_end; ++r) {
         partial += (int32_t)n;
         merge_indptr[r + 1] = partial;
-        *split++ = r;
+        *split_row++ = r;
       }
+      num_split_rows += rows;
     }
-  }
+    for (int64_t i = 0; i < split.num_split_pairs; ++i) chunks_of_[len_order_[i]] = 0;
 
-  // ---- longest processing time first -----------------------------------------------------------
-  // Sort by cost descending, ties in creation order: a stable LSD radix sort on the complemented cost
-  // bits (ascending complement = descending cost), each key followed by its item index. Byte digits on
-  // which all keys agree are skipped: integer-valued costs leave the low mantissa bytes zero, so a
-  // decode batch takes two or three passes instead of eight (and no comparisons at all).
-  const int64_t n_items = num_items;
-  keys_.resize(2 * n_items);
-  keys_tmp_.resize(2 * n_items);
-  uint64_t* key = keys_.data();
-  uint64_t* tmp = keys_tmp_.data();
-  for (int64_t k = 0; k < n_items; ++k) {
-    key[2 * k] = ~CostBits(items_[k].cost);
-    key[2 * k + 1] = (uint64_t)k;
-  }
-  {
-    uint64_t varying = 0;  // bits on which some key differs from the first
-    for (int64_t k = 1; k < n_items; ++k) varying |= key[2 * k] ^ key[0];
-    uint32_t hist[256];
-    for (int d = 0; d < 8; ++d) {
-      const int shift = 8 * d;
-      if (((varying >> shift) & 0xff) == 0) continue;
-      std::memset(hist, 0, sizeof(hist));
-      for (int64_t k = 0; k < n_items; ++k) ++hist[(key[2 * k] >> shift) & 0xff];
-      uint32_t sum = 0;
-      for (int b = 0; b < 256; ++b) {
-        const uint32_t c = hist[b];
-        hist[b] = sum;
-        sum += c;
-      }
-      for (int64_t k = 0; k < n_items; ++k) {
-        const uint64_t v = key[2 * k];
-        const uint32_t pos = hist[(v >> shift) & 0xff]++;
-        tmp[2 * pos] = v;
-        tmp[2 * pos + 1] = key[2 * k + 1];
-      }
-      std::swap(key, tmp);
+    // Items by cost, descending, ties in creation order; then LPT.
+    keys_.resize(2 * n_items);
+    for (int64_t k = 0; k < n_items; ++k) {
+      keys_[2 * k] = ~CostBits(items_[k].cost);
+      keys_[2 * k + 1] = (uint64_t)k;
     }
-  }
-
-  // Each item, heaviest first, to the CTA with the least accumulated cost (ties: lowest index). A winner
-  // tree (a tournament) over the CTAs finds it: leaves are the CTAs' loads, padded to a power of two
-  // with infinite loads, and each inner node holds the lighter of its two children, the left one on a
-  // tie; as a left subtree holds only lower CTA indices than its right sibling, the root is the least
-  // loaded CTA with the lowest index, exactly what a binary heap ordered by (load, cta) gives. An update
-  // walks from the winner's leaf to the root, comparing with siblings whose addresses are known in
-  // advance, so their loads overlap and the chain is one compare and two selects per level (a heap's
-  // sift-down chases addresses that each depend on the previous comparison). Loads are kept as the
-  // bits of non-negative doubles, which order like the values, so "<=" is "< bits + 1".
-  const int32_t m = (int32_t)in.num_ctas;
-  int32_t leaves = 1;
-  while (leaves < m) leaves *= 2;
-  tree_.resize(2 * (size_t)leaves);
-  Slot* tree = tree_.data();  // node t has children 2t, 2t + 1; the leaf of CTA c is node leaves + c
-  for (int32_t c = 0; c < leaves; ++c) tree[leaves + c] = Slot{CostBits(c < m ? 0.0 : HUGE_VAL), c};
-  for (int32_t t = leaves - 1; t >= 1; --t)
-    tree[t] = tree[2 * t + 1].load < tree[2 * t].load ? tree[2 * t + 1] : tree[2 * t];
-  item_cta_.resize(n_items);
-  for (int64_t k = 0; k < n_items; ++k) {
-    const double cost = items_[key[2 * k + 1]].cost;
-    const int32_t winner = tree[1].cta;
-    item_cta_[k] = winner;
-    uint64_t load = CostBits(LoadOf(tree[1].load) + cost);
-    int32_t cta = winner;
-    int32_t t = leaves + winner;
-    tree[t].load = load;
-    for (; t > 1; t >>= 1) {
-      const uint64_t sib_load = tree[t ^ 1].load;
-      const int32_t sib_cta = tree[t ^ 1].cta;
-      // The sibling wins if lighter, or equal and on the left (t odd: we are the right child).
-      const bool sib_wins = sib_load < load + (uint64_t)(t & 1);
-      load = sib_wins ? sib_load : load;
-      cta = sib_wins ? sib_cta : cta;
-      tree[t >> 1] = Slot{load, cta};
+    RadixSortKeys(n_items);
+    cost_order_.resize(n_items);  // reused as the item order (the pairs' order is no longer needed)
+    sorted_cost_.resize(n_items);
+    for (int64_t k = 0; k < n_items; ++k) {
+      cost_order_[k] = (int32_t)keys_[2 * k + 1];
+      sorted_cost_[k] = LoadOf(~keys_[2 * k]);
     }
+    order = cost_order_.data();
+    item_cta_.resize(n_items);
+    const int64_t first = FirstRound(sorted_cost_.data(), n_items, m);
+    StartTree(m, sorted_cost_.data(), first);
+    uint64_t max_load = first > 0 ? CostBits(sorted_cost_[0]) : 0;
+    for (int64_t k = 0; k < first; ++k) item_cta_[k] = (int32_t)k;
+    for (int64_t k = first; k < n_items; ++k) {
+      uint64_t load;
+      item_cta_[k] = Assign(sorted_cost_[k], &load);
+      max_load = std::max(max_load, load);
+    }
+    makespan = LoadOf(max_load);
   }
-  double makespan = 0.0;
-  for (int32_t c = 0; c < m; ++c) makespan = std::max(makespan, LoadOf(tree[leaves + c].load));
 
   // ---- write: header, cta_indptr, items grouped by CTA in assignment order ---------------------
   int32_t* const header = base;
@@ -283,12 +623,19 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
   for (int32_t c = 0; c <= m; ++c) cta_indptr[c] = fill[c];
   // CTAs the layout has beyond num_ctas get no items, so a kernel launched on the full grid is correct.
   for (int64_t c = m + 1; c <= section.num_ctas; ++c) cta_indptr[c] = (int32_t)n_items;
-  for (int64_t k = 0; k < n_items; ++k) out_items[fill[item_cta_[k]]++] = items_[key[2 * k + 1]].work;
+  if (split.num_split_pairs == 0) {
+    for (int64_t k = 0; k < n_items; ++k) {
+      const Pair& p = pairs_[order[k]];
+      out_items[fill[item_cta_[k]]++] = FiWorkItem{p.request, p.q_begin, p.q_end, 0, p.kv_len, -1, 1, 0};
+    }
+  } else {
+    for (int64_t k = 0; k < n_items; ++k) out_items[fill[item_cta_[k]]++] = items_[order[k]].work;
+  }
 
   for (int h = 0; h < FI_PLAN_HEADER_INTS; ++h) header[h] = 0;
   header[FI_PLAN_NUM_ITEMS] = (int32_t)n_items;
   header[FI_PLAN_NUM_ROWS] = (int32_t)num_rows;
-  header[FI_PLAN_NUM_PARTIAL_ROWS] = (int32_t)num_partial_rows;
+  header[FI_PLAN_NUM_PARTIAL_ROWS] = (int32_t)split.partial_rows;
   header[FI_PLAN_KV_CHUNK] = (int32_t)chunk;
   header[FI_PLAN_NUM_REQUESTS] = (int32_t)B;
   header[FI_PLAN_NUM_CTAS] = m;
@@ -297,10 +644,11 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
 
   summary->num_items = n_items;
   summary->num_rows = num_rows;
-  summary->num_partial_rows = num_partial_rows;
+  summary->num_partial_rows = split.partial_rows;
   summary->kv_chunk = chunk;
   summary->num_split_rows = num_split_rows;
   summary->makespan = makespan;
+  summary->num_split_pairs = split.num_split_pairs;
   return S::kOk;
 }
 

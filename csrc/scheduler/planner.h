@@ -3,10 +3,17 @@
 //
 // Input: the step's query rows per request (qo_indptr) and KV lengths. Each request's rows are cut into
 // query tiles of tile_q rows; a (request, tile) "pair" reads KV positions [0, len) where len = kv_len,
-// or with causal masking (bottom-right aligned) len = kv_len - q_len + tile_end. When there are fewer
-// pairs than CTAs, long pairs are split into KV chunks so that the items fill the CTAs; items are then
-// assigned longest-processing-time first to the least loaded CTA. The result is written in place into
-// a plan section laid out as csrc/plan.h describes.
+// or with causal masking (bottom-right aligned) len = kv_len - q_len + tile_end. Long pairs may be split
+// into KV chunks; the items (whole pairs and chunks) are then assigned longest-processing-time first
+// (LPT) to the least loaded CTA, cost = cost_q * rows + cost_kv * KV tokens. The result is written in
+// place into a plan section laid out as csrc/plan.h describes.
+//
+// Which pairs are split, and into what chunks, is a candidate (L, s): walking the pairs by KV length,
+// longest first, each pair longer than L is cut into ceil(len / L) chunks with boundaries aligned to
+// kv_chunk_align, until s pairs are split or the next one would take the split items past
+// 2 * num_ctas (the walk then stops). The planner evaluates the LPT makespan of a small set of
+// candidates, "split nothing" and the previous rule's chunk among them, and keeps the best
+// (planner.cc, ChooseSplit, lists the set and the order of preference).
 #pragma once
 
 #include <cstdint>
@@ -15,6 +22,14 @@
 #include "plan.h"
 
 namespace fi {
+
+// Split items (chunks of split pairs) per CTA a plan may have: the workspace holds
+// kMaxSplitItemsPerCta * num_ctas * tile_q partial rows (the paper's bound, appendix D).
+constexpr int64_t kMaxSplitItemsPerCta = 2;
+// The chunk search stops (and, for the unsplit plan, does not start) once the best plan's makespan is
+// within this fraction above total cost / num_ctas, a lower bound of every candidate's makespan
+// (splitting only adds items' fixed costs): it trades at most 2% of balance for host time.
+constexpr double kBalancedSlack = 0.02;
 
 struct PlanInputs {
   const int32_t* qo_indptr = nullptr;  // [num_requests + 1], qo_indptr[0] == 0, non-decreasing
@@ -27,10 +42,17 @@ struct PlanInputs {
   int64_t kv_chunk_align = 1;  // chunk boundaries are multiples of this (page size or KV tile), >= 1
   double cost_q = 1.0;         // cost of an item = cost_q * rows + cost_kv * KV tokens
   double cost_kv = 1.0;
+  // A fixed candidate instead of the search (tests, tuning): force_kv_chunk = 0 splits nothing; L > 0
+  // (a multiple of kv_chunk_align, >= min_kv_chunk) is the candidate (L, force_split_pairs), where
+  // force_split_pairs < 0 means as many pairs as the 2 * num_ctas split items allow. -1: search.
+  int64_t force_kv_chunk = -1;
+  int64_t force_split_pairs = -1;
 };
 
 // A caller-owned int32 buffer holding one plan section, laid out by csrc/plan.h for
 // (num_ctas, max_items, max_rows). max_partial_rows bounds the workspace's partial attention states.
+// The search only considers candidates that fit these capacities; a step fails with kCapacityExceeded
+// only when not even the unsplit plan fits (or a forced candidate does not).
 struct PlanSection {
   int32_t* data = nullptr;
   int64_t num_ints = 0;  // size of data; must be >= fi_plan_ints(num_ctas, max_items, max_rows)
@@ -47,6 +69,7 @@ struct PlanSummary {
   int64_t kv_chunk = 0;  // 0 when nothing was split
   int64_t num_split_rows = 0;
   double makespan = 0.0;  // the largest accumulated cost of a CTA
+  int64_t num_split_pairs = 0;  // (request, query tile) pairs whose KV was split
 };
 
 enum class PlanStatus { kOk = 0, kInvalidArgument = 1, kCapacityExceeded = 2 };
@@ -69,6 +92,7 @@ class Planner {
     int32_t q_begin;  // global query rows [q_begin, q_end)
     int32_t q_end;
     int32_t kv_len;   // effective KV length of the tile
+    double cost;      // of the pair as one item
   };
   struct Item {
     FiWorkItem work;
@@ -78,15 +102,42 @@ class Planner {
     uint64_t load;  // bits of the accumulated cost (a double >= 0: its bits order like its value)
     int32_t cta;
   };
+  // The pairs a candidate (chunk, max_pairs) splits: the first num_split_pairs of len_order_.
+  struct Split {
+    int64_t chunk = 0;
+    int64_t num_split_pairs = 0;
+    int64_t split_items = 0;     // chunks of the split pairs
+    int64_t num_items = 0;       // all items: unsplit pairs + split_items
+    int64_t partial_rows = 0;    // sum over split pairs of rows * chunks
+    int64_t extra_rows = 0;      // sum over split pairs of rows * (chunks - 1): added fixed cost / cost_q
+  };
 
   PlanStatus Fail(PlanStatus status, const char* fmt, ...);
   int64_t CountItems(int64_t chunk) const;
+  int64_t SmallestChunkWithin(int64_t max_items, int64_t lo, int64_t align) const;
+  Split WalkSplit(const PlanInputs& in, int64_t chunk, int64_t max_pairs) const;
+  double EvaluateSplit(const PlanInputs& in, const Split& split, double bound, bool strict);
+  Split ChooseSplit(const PlanInputs& in, const PlanSection& section, double total_cost, double unsplit_makespan,
+                    double good_enough);
+  void RadixSortKeys(int64_t n);
+  void StartTree(int32_t m, const double* first, int64_t count);
+  inline int32_t Assign(double cost, uint64_t* new_load);
 
   std::vector<Pair> pairs_;
+  std::vector<int32_t> cost_order_;  // pairs by cost descending, ties in creation order
+  std::vector<double> sorted_cost_;  // their costs, in that order
+  std::vector<int32_t> rank_;        // position of each pair in cost_order_
+  std::vector<uint8_t> skip_;        // by position in cost_order_: split in the candidate being evaluated
+  std::vector<int32_t> len_order_;  // pairs by KV length descending, ties in creation order
+  std::vector<int32_t> chunks_of_;  // chunks of each pair in the chosen plan (0: whole)
+  std::vector<uint64_t> chunk_keys_;  // a candidate's chunk costs (complemented bits) and sort scratch
+  Split seen_[2 * (1 + 3 + 1 + 15)];  // candidates the search has considered (ChooseSplit)
   std::vector<Item> items_;        // creation order: request, tile, chunk
   std::vector<uint64_t> keys_;     // sort keys, see planner.cc
   std::vector<uint64_t> keys_tmp_;
   std::vector<Slot> tree_;
+  std::vector<double> first_round_;
+  int32_t leaves_ = 0;
   std::vector<int32_t> item_cta_;  // CTA of each item, in assignment order
   std::vector<int32_t> cta_fill_;
   char error_[512] = {0};

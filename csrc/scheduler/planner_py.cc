@@ -58,11 +58,12 @@ struct BufferGuard {
 PyObject* Plan(PyObject*, PyObject* args) {
   PyObject *section_obj, *qo_obj, *kv_obj;
   Py_ssize_t layout_ctas, max_items, max_rows, max_partial_rows, tile_q, num_ctas, min_kv_chunk, kv_chunk_align;
+  Py_ssize_t force_kv_chunk = -1, force_split_pairs = -1;
   int causal;
   double cost_q, cost_kv;
-  if (!PyArg_ParseTuple(args, "OnnnnOOnnpnndd:plan", &section_obj, &layout_ctas, &max_items, &max_rows,
+  if (!PyArg_ParseTuple(args, "OnnnnOOnnpnndd|nn:plan", &section_obj, &layout_ctas, &max_items, &max_rows,
                         &max_partial_rows, &qo_obj, &kv_obj, &tile_q, &num_ctas, &causal, &min_kv_chunk,
-                        &kv_chunk_align, &cost_q, &cost_kv))
+                        &kv_chunk_align, &cost_q, &cost_kv, &force_kv_chunk, &force_split_pairs))
     return nullptr;
 
   Py_buffer section, qo, kv;
@@ -91,6 +92,8 @@ PyObject* Plan(PyObject*, PyObject* args) {
   in.kv_chunk_align = kv_chunk_align;
   in.cost_q = cost_q;
   in.cost_kv = cost_kv;
+  in.force_kv_chunk = force_kv_chunk;
+  in.force_split_pairs = force_split_pairs;
   fi::PlanSection out;
   out.data = static_cast<int32_t*>(section.buf);
   out.num_ints = section.len / 4;
@@ -104,9 +107,9 @@ PyObject* Plan(PyObject*, PyObject* args) {
     PyErr_SetString(PyExc_ValueError, g_planner.error());
     return nullptr;
   }
-  return Py_BuildValue("(nnnnnd)", (Py_ssize_t)summary.num_items, (Py_ssize_t)summary.num_rows,
+  return Py_BuildValue("(nnnnndn)", (Py_ssize_t)summary.num_items, (Py_ssize_t)summary.num_rows,
                        (Py_ssize_t)summary.num_partial_rows, (Py_ssize_t)summary.kv_chunk,
-                       (Py_ssize_t)summary.num_split_rows, summary.makespan);
+                       (Py_ssize_t)summary.num_split_rows, summary.makespan, (Py_ssize_t)summary.num_split_pairs);
 }
 
 // The plan.h offsets (int32 units) for a layout, so Python can check its own copy of the formulas.
@@ -131,8 +134,10 @@ PyObject* ItemFields(PyObject*, PyObject*) {
 PyMethodDef kMethods[] = {
     {"plan", Plan, METH_VARARGS,
      "plan(section, layout_num_ctas, max_items, max_rows, max_partial_rows, qo_indptr, kv_lens, tile_q, num_ctas, "
-     "causal, min_kv_chunk, kv_chunk_align, cost_q, cost_kv) -> (num_items, num_rows, num_partial_rows, kv_chunk, "
-     "num_split_rows, makespan)\n\nWrites the plan into `section` (int32, csrc/plan.h layout) in place."},
+     "causal, min_kv_chunk, kv_chunk_align, cost_q, cost_kv[, force_kv_chunk=-1, force_split_pairs=-1]) -> "
+     "(num_items, num_rows, num_partial_rows, kv_chunk, num_split_rows, makespan, num_split_pairs)\n\nWrites the "
+     "plan into `section` (int32, csrc/plan.h layout) in place. force_kv_chunk -1 searches for the chunk; 0 splits "
+     "nothing; L > 0 uses the candidate (L, force_split_pairs) (see csrc/scheduler/planner.h)."},
     {"layout", Layout, METH_VARARGS,
      "layout(num_ctas, max_items, max_rows) -> (cta_indptr, items, merge_indptr, split_rows, total) offsets in "
      "int32 units, from csrc/plan.h"},
@@ -164,12 +169,19 @@ PyMODINIT_FUNC PyInit__planner(void) {
       {"NUM_CTAS", FI_PLAN_NUM_CTAS},
       {"TILE_Q", FI_PLAN_TILE_Q},
       {"NUM_SPLIT_ROWS", FI_PLAN_NUM_SPLIT_ROWS},
+      {"MAX_SPLIT_ITEMS_PER_CTA", (long)fi::kMaxSplitItemsPerCta},
   };
   for (const auto& c : constants) {
     if (PyModule_AddIntConstant(m, c.name, c.value) != 0) {
       Py_DECREF(m);
       return nullptr;
     }
+  }
+  PyObject* slack = PyFloat_FromDouble(fi::kBalancedSlack);
+  if (slack == nullptr || PyModule_AddObject(m, "BALANCED_SLACK", slack) != 0) {
+    Py_XDECREF(slack);
+    Py_DECREF(m);
+    return nullptr;
   }
   return m;
 }
