@@ -420,6 +420,7 @@ class BatchAttention:
         p.logits_scale = scale * (float(self._k_scale) if self._fp8 else 1.0)
         self._set_variant_params(values)
         self._bsr_ptrs = bsr_ptrs
+        self._bsr = bsr  # run() reads these tensors by address: keep them alive until the next plan
         self._settings = settings
         self._num_rows = int(qo_cpu[-1]) if qo_cpu.numel() else 0
         self._q_shape = torch.Size((self._num_rows, self.num_qo_heads, self.head_dim))

@@ -31,7 +31,7 @@ def log(msg):
 class Case:
     """One batch: lengths, a paged KV pool with `sets` independent KV caches, q, and block tables."""
 
-    def __init__(self, kv_lens, page_size, sets=None, seed=0):
+    def __init__(self, kv_lens, page_size, sets=None, seed=0, kv_dtype=DTYPE, split_kv=False):
         g = torch.Generator(device="cpu").manual_seed(seed)
         self.kv_lens = torch.tensor(kv_lens, dtype=torch.int32)
         self.B = len(kv_lens)
@@ -39,7 +39,8 @@ class Case:
         blocks = (self.kv_lens + page_size - 1) // page_size
         self.max_blocks = int(blocks.max())
         self.num_pages = int(blocks.sum())
-        kv_bytes = int(self.kv_lens.sum()) * HKV * D * 2 * 2
+        self.kv_dtype = kv_dtype
+        kv_bytes = int(self.kv_lens.sum()) * HKV * D * 2 * torch.tensor([], dtype=kv_dtype).element_size()
         self.kv_bytes = kv_bytes
         self.sets = sets or max(1, min(64, math.ceil(L2_ROTATE_BYTES / max(kv_bytes, 1))))
         # pages of a request are a random permutation of the pool, as in a serving engine's cache
@@ -53,30 +54,38 @@ class Case:
         self.indptr = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(blocks, 0).to(torch.int32)]).cuda()
         self.indices = perm[(starts[:, None] + col[None, :])[used]].cuda()  # compact CSR for FlashInfer, same order
         self.last_page_len = (self.kv_lens - (blocks - 1) * page_size).to(torch.int32).cuda()
-        self.caches = [torch.randn(self.num_pages, 2, page_size, HKV, D, dtype=DTYPE, device="cuda")
-                       for _ in range(self.sets)]
+        # FlashInfer's NHD layout [pages, 2, page, Hkv, D], or split (k, v) caches [pages, page, Hkv, D]
+        shape = (self.num_pages, page_size, HKV, D) if split_kv else (self.num_pages, 2, page_size, HKV, D)
+        make = lambda: torch.randn(shape, dtype=DTYPE, device="cuda").to(kv_dtype)
+        self.caches = [(make(), make()) if split_kv else make() for _ in range(self.sets)]
+        # the same caches as ours reads them: a (k, v) pair of [pages, page, Hkv, D] views
+        self.kv_pairs = [c if split_kv else (c[:, 0], c[:, 1]) for c in self.caches]
         self.q = torch.randn(self.B, HQ, D, dtype=DTYPE, device="cuda")
         self.out = torch.empty_like(self.q)
         self.qo_indptr = torch.arange(self.B + 1, dtype=torch.int32)
         self.bytes = kv_bytes + 2 * self.q.numel() * self.q.element_size()
 
 
-def ours(case: Case, *, split=True):
+def ours(case: Case, *, split=True, variant=None, plan_kw=None):
     from fi_backend import formats
     from fi_backend.workspace import Workspace
     from fi_backend.wrappers import BatchAttention
 
-    num_ctas = BatchAttention.recommended_num_ctas("cuda", HQ, HKV, D, q_dtype=DTYPE)
+    from fi_backend import variants
+    variant = variant or variants.DEFAULT
+    num_ctas = BatchAttention.recommended_num_ctas("cuda", HQ, HKV, D, q_dtype=DTYPE, kv_dtype=case.kv_dtype,
+                                                   variant=variant)
     ws = Workspace("cuda", max_requests=case.B, max_tokens=case.B, num_ctas=num_ctas, max_tile_q=16,
                    num_qo_heads=HQ, head_dim=D)
-    attn = BatchAttention(ws, HQ, HKV, D, q_dtype=DTYPE, page_size=case.page)
+    attn = BatchAttention(ws, HQ, HKV, D, q_dtype=DTYPE, kv_dtype=case.kv_dtype, page_size=case.page,
+                          variant=variant)
     bsr = formats.from_block_table(case.block_table, case.kv_lens.cuda(), case.qo_indptr.cuda(), case.page,
                                    num_kv_blocks=case.num_pages)
-    attn.plan(case.qo_indptr, case.kv_lens, bsr)
+    attn.plan(case.qo_indptr, case.kv_lens, bsr, **(plan_kw or {}))
     if not split:  # the same kernel with one work item per request: the plan without KV splitting
         ws.plan(case.qo_indptr, case.kv_lens, tile_q=attn.rows_per_tile, min_kv_chunk=1 << 30,
                 kv_chunk_align=int(attn.kv_tile), cost_q=float(attn.kv_tile))
-    kv = [(c[:, 0], c[:, 1]) for c in case.caches]
+    kv = case.kv_pairs
     state = {"i": 0}
 
     def setup(i):
@@ -92,7 +101,7 @@ def flashinfer_fn(case: Case, tensor_cores: bool):
     buf = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
     w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(buf, "NHD", use_tensor_cores=tensor_cores)
     w.plan(case.indptr, case.indices, case.last_page_len, HQ, HKV, D, case.page,
-           q_data_type=DTYPE, kv_data_type=DTYPE)
+           q_data_type=DTYPE, kv_data_type=case.kv_dtype)
     out = torch.empty_like(case.q)
     state = {"i": 0}
 
@@ -141,7 +150,7 @@ def measure(case: Case, rep, *, with_fi=True, split_baseline=False):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
-    ap.add_argument("--sections", default="grid,page,uneven")
+    ap.add_argument("--sections", default="grid,page,uneven,rope,fp8")
     ap.add_argument("--name", default="decode_h100")
     ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--no-flashinfer", action="store_true")
@@ -208,7 +217,71 @@ def main(argv=None):
                 msg += f"  fi best {r['fi_best_us']:.1f} ratio {r['ratio_fi_best_over_ours']:.3f}"
             log(msg)
         results["uneven"] = rows
+    if "rope" in sections:
+        results["rope"] = rope_section(a.rep, finish)
+    if "fp8" in sections:
+        rows = []
+        for b, L in ((64, 2048), (64, 4096), (64, 16384)):
+            case = Case([L] * b, 16, kv_dtype=torch.float8_e4m3fn)
+            r = finish(measure(case, a.rep, with_fi=with_fi))
+            r["kv_len"] = L
+            rows.append(r)
+            msg = f"fp8 b={b} kv={L}: ours {r['ours_us']:.1f} us ({r['ours_pct_copy']:.1f}% copy on fp8 bytes)"
+            if with_fi:
+                msg += f"  fi best {r['fi_best_us']:.1f} ratio {r['ratio_fi_best_over_ours']:.3f}"
+            log(msg)
+        results["fp8"] = rows
     write_result(a.name, results)
+
+
+def rope_section(rep, finish):
+    """Fused RoPE (keys rotated in registers as they are loaded) against a separate rotary pass over every
+    cached key (FlashInfer's apply_llama31_rope_pos_ids_inplace) followed by plain attention, both on the
+    same split (k, v) caches [pages, page, Hkv, D] (FlashInfer's rotary needs a flat [tokens, H, D] k).
+    That API rotates a query with as many rows as keys: a 1-head dummy query rides along (1/8 of the
+    K traffic at 8 KV heads), which the JSON notes."""
+    import flashinfer
+    from fi_backend import reference, variants
+    cfg = reference.RopeConfig(theta=500000.0, llama31=reference.Llama31Scaling())
+    rows = []
+    for b, L in ((64, 4096), (16, 16384)):
+        case = Case([L] * b, 16, split_kv=True)
+        fused, fsetup, _ = ours(case, variant=variants.ROPE, plan_kw={"rope": cfg})
+        plain, psetup, _ = ours(case)
+        # the position of the token in every cache slot (page, offset) of the pool
+        blocks = (case.kv_lens.cuda() + case.page - 1) // case.page
+        req = torch.repeat_interleave(torch.arange(case.B, device="cuda"), blocks)
+        first = torch.cumsum(blocks, 0) - blocks
+        blk = torch.arange(case.num_pages, device="cuda") - first[req]
+        page_pos = torch.empty(case.num_pages, dtype=torch.int64, device="cuda")
+        page_pos[case.indices.long()] = blk * case.page
+        pos = (page_pos[:, None] + torch.arange(case.page, device="cuda")[None, :]).reshape(-1).to(torch.int32)
+        dummy_q = torch.randn(pos.numel(), 1, D, dtype=DTYPE, device="cuda")
+        state = {"i": 0}
+
+        def separate():
+            k = case.caches[state["i"]][0]
+            flashinfer.apply_llama31_rope_pos_ids_inplace(
+                dummy_q, k.view(-1, HKV, D), pos, rope_scale=8.0, rope_theta=cfg.theta,
+                low_freq_factor=1.0, high_freq_factor=4.0, old_context_len=8192)
+            plain()
+
+        def setup(i):
+            state["i"] = i % case.sets
+            psetup(i)
+        t_fused = time_us(fused, setup=fsetup, rep=rep)["median_us"]
+        t_plain = time_us(plain, setup=psetup, rep=rep)["median_us"]
+        t_sep = time_us(separate, setup=setup, rep=rep)["median_us"]
+        r = {"batch": b, "kv_len": L, "fused_us": t_fused, "plain_attention_us": t_plain,
+             "separate_rotary_plus_attention_us": t_sep, "speedup_fused_over_separate": t_sep / t_fused,
+             "note": "separate rotary = flashinfer.apply_llama31_rope_pos_ids_inplace over all cached keys, "
+                     "with a 1-head dummy query of as many rows (its API needs one)"}
+        rows.append(r)
+        log(f"rope b={b} kv={L}: fused {t_fused:.1f} us, plain {t_plain:.1f} us, rotary+attention {t_sep:.1f} us "
+            f"(fused {r['speedup_fused_over_separate']:.2f}x faster)")
+        del case
+        torch.cuda.empty_cache()
+    return rows
 
 
 if __name__ == "__main__":

@@ -406,3 +406,27 @@ def test_errors():
     assert not torch.isnan(out).any()
     with pytest.raises(ValueError):
         attn.plan(qo, kl, bsr, debug=True)
+
+
+def test_plan_keeps_its_bsr_alive():
+    """run() reads the BSR by address: the wrapper must hold the tensors it planned with, even when the
+    caller's BSR (built from temporaries) is dropped and its memory is offered to new allocations."""
+    attn = make_wrapper(32, 8, 128, page_size=16)
+    kv_lens = [4096, 17, 1000, 2500]
+    bsr, qo_cpu, kv_cpu, nb = make_bsr(kv_lens, [1] * len(kv_lens), 16)
+    fields = {f: getattr(bsr, f) for f in ("qo_indptr", "kv_indices", "kv_block_start", "kv_lens")}
+    kept = BSR(**{f: t.clone() for f, t in fields.items()}, block_width=16, num_kv_blocks=nb)
+    # the caller's BSR holds the only references to its tensors
+    bsr = BSR(**{f: t.clone() for f, t in fields.items()}, block_width=16, num_kv_blocks=nb)
+    del fields
+    cache, k, v = random_kv(nb, 16, 8, 128, torch.bfloat16)
+    q = torch.randn(len(kv_lens), 32, 128, device=DEV, dtype=torch.bfloat16)
+    attn.plan(qo_cpu, kv_cpu, bsr)
+    del bsr
+    junk = [torch.full((n,), -7, dtype=torch.int32, device=DEV) for n in (8, 16, 64, 256, 1024) for _ in range(8)]
+    out = torch.full_like(q, float("nan"))
+    attn.run(q, cache, out=out)
+    torch.cuda.synchronize()
+    del junk
+    o_ref, _ = ref.attention_bsr(q, k, v, kept)
+    check(out, None, o_ref, None, TOL[torch.bfloat16], "BSR dropped by the caller after plan()")
