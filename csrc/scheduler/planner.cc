@@ -161,6 +161,30 @@ void Planner::RadixSortKeys(int64_t n) {
 // are kept as the bits of non-negative doubles, which order like the values, so "<=" is "< bits + 1".
 // The load sequence depends only on the sequence of costs, so items of equal cost may come in any order.
 //
+// LPT over the n entries whose keys_ hold (~CostBits(cost), creation index): sorts them by cost,
+// descending, ties in creation order (cost_order_, sorted_cost_), gives each to the least-loaded of
+// m CTAs (item_cta_, in that order), and returns the makespan.
+double Planner::SortAndAssign(int64_t n, int32_t m) {
+  RadixSortKeys(n);
+  cost_order_.resize(n);
+  sorted_cost_.resize(n);
+  for (int64_t k = 0; k < n; ++k) {
+    cost_order_[k] = (int32_t)keys_[2 * k + 1];
+    sorted_cost_[k] = LoadOf(~keys_[2 * k]);
+  }
+  item_cta_.resize(n);
+  const int64_t first = FirstRound(sorted_cost_.data(), n, m);
+  StartTree(m, sorted_cost_.data(), first);
+  uint64_t max_load = first > 0 ? CostBits(sorted_cost_[0]) : 0;
+  for (int64_t k = 0; k < first; ++k) item_cta_[k] = (int32_t)k;
+  for (int64_t k = first; k < n; ++k) {
+    uint64_t load;
+    item_cta_[k] = Assign(sorted_cost_[k], &load);
+    max_load = std::max(max_load, load);
+  }
+  return LoadOf(max_load);
+}
+
 // StartTree does LPT's first round in one go: while a CTA is empty and the items cost > 0, the next item
 // goes to the lowest-indexed empty CTA, so the first `count` (<= m) items land on CTAs 0, 1, ... in
 // order. Their costs become the leaves' loads and the tree is built once, instead of an update per item.
@@ -481,24 +505,7 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
     keys_[2 * j] = ~CostBits(pairs_[j].cost);
     keys_[2 * j + 1] = (uint64_t)j;
   }
-  RadixSortKeys(num_pairs);
-  cost_order_.resize(num_pairs);
-  sorted_cost_.resize(num_pairs);
-  for (int64_t k = 0; k < num_pairs; ++k) {
-    cost_order_[k] = (int32_t)keys_[2 * k + 1];
-    sorted_cost_[k] = LoadOf(~keys_[2 * k]);
-  }
-  item_cta_.resize(num_pairs);
-  const int64_t unsplit_first = FirstRound(sorted_cost_.data(), num_pairs, m);
-  StartTree(m, sorted_cost_.data(), unsplit_first);
-  uint64_t unsplit_max = unsplit_first > 0 ? CostBits(sorted_cost_[0]) : 0;
-  for (int64_t k = 0; k < unsplit_first; ++k) item_cta_[k] = (int32_t)k;
-  for (int64_t k = unsplit_first; k < num_pairs; ++k) {
-    uint64_t load;
-    item_cta_[k] = Assign(sorted_cost_[k], &load);
-    unsplit_max = std::max(unsplit_max, load);
-  }
-  const double unsplit_makespan = LoadOf(unsplit_max);
+  const double unsplit_makespan = SortAndAssign(num_pairs, m);
 
   // ---- KV chunks: a fixed candidate, "no split" when already balanced, or the search -----------
   Split split;  // chunk 0: nothing split
@@ -591,25 +598,8 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
       keys_[2 * k] = ~CostBits(items_[k].cost);
       keys_[2 * k + 1] = (uint64_t)k;
     }
-    RadixSortKeys(n_items);
-    cost_order_.resize(n_items);  // reused as the item order (the pairs' order is no longer needed)
-    sorted_cost_.resize(n_items);
-    for (int64_t k = 0; k < n_items; ++k) {
-      cost_order_[k] = (int32_t)keys_[2 * k + 1];
-      sorted_cost_[k] = LoadOf(~keys_[2 * k]);
-    }
+    makespan = SortAndAssign(n_items, m);  // cost_order_ now holds the item order (pairs' no longer needed)
     order = cost_order_.data();
-    item_cta_.resize(n_items);
-    const int64_t first = FirstRound(sorted_cost_.data(), n_items, m);
-    StartTree(m, sorted_cost_.data(), first);
-    uint64_t max_load = first > 0 ? CostBits(sorted_cost_[0]) : 0;
-    for (int64_t k = 0; k < first; ++k) item_cta_[k] = (int32_t)k;
-    for (int64_t k = first; k < n_items; ++k) {
-      uint64_t load;
-      item_cta_[k] = Assign(sorted_cost_[k], &load);
-      max_load = std::max(max_load, load);
-    }
-    makespan = LoadOf(max_load);
   }
 
   // ---- write: header, cta_indptr, items grouped by CTA in assignment order ---------------------

@@ -120,6 +120,7 @@ class Planner {
   Split ChooseSplit(const PlanInputs& in, const PlanSection& section, double total_cost, double unsplit_makespan,
                     double good_enough);
   void RadixSortKeys(int64_t n);
+  double SortAndAssign(int64_t n, int32_t m);
   void StartTree(int32_t m, const double* first, int64_t count);
   inline int32_t Assign(double cost, uint64_t* new_load);
 
