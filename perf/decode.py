@@ -154,7 +154,11 @@ def main(argv=None):
     ap.add_argument("--name", default="decode_h100")
     ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--report", metavar="JSON", help="only write the markdown table of a results JSON")
     a = ap.parse_args(argv)
+    if a.report:
+        write_report(a.report)
+        return
     sections = a.sections.split(",")
     with_fi = not a.no_flashinfer
     copy = copy_rate_gbps()
@@ -231,7 +235,49 @@ def main(argv=None):
                 msg += f"  fi best {r['fi_best_us']:.1f} ratio {r['ratio_fi_best_over_ours']:.3f}"
             log(msg)
         results["fp8"] = rows
-    write_result(a.name, results)
+    write_report(write_result(a.name, results))
+
+
+def write_report(json_path):
+    """perf/results/<name>.md: the tables a reader wants from the JSON (same figures, nothing recomputed
+    but percentages and ratios)."""
+    import json
+    from pathlib import Path
+    r = json.loads(Path(json_path).read_text())
+    fi = "anchor" in r
+    lines = [f"# Decode attention, {r['device']['name']}, {r['date'][:10]}, commit {r['commit'][:12]}", "",
+             f"32 query / 8 KV heads, head_dim 128, bf16, page 16 unless noted; median of CUDA-event timings, "
+             f"KV sets rotated past L2. Copy rate {r['copy_rate_gbps']:.0f} GB/s (read + write). "
+             f"Anchor: {r.get('anchor', 'none')}. ratio = FlashInfer's best path / ours (> 1: ours faster).", ""]
+    if "grid" in r:
+        lines += ["| batch | KV | ours us | % copy | FI tensor-core us | FI CUDA-core us | ratio |", "|---|---|---|---|---|---|---|"]
+        for x in r["grid"]:
+            lines.append(f"| {x['batch']} | {x['kv_len']} | {x['ours_us']:.1f} | {x['ours_pct_copy']:.1f} | "
+                         + (f"{x['fi_tc_us']:.1f} | {x['fi_cuda_us']:.1f} | {x['ratio_fi_best_over_ours']:.3f} |" if fi else "| | |"))
+        lines.append("")
+    if "uneven" in r:
+        lines += ["| uneven batch | ours us | one item per request us | load-balance speedup | FI best us | ratio |",
+                  "|---|---|---|---|---|---|"]
+        for x in r["uneven"]:
+            lines.append(f"| {x['case']} | {x['ours_us']:.1f} | {x['ours_nosplit_us']:.1f} | {x['lb_speedup']:.2f} | "
+                         + (f"{x['fi_best_us']:.1f} | {x['ratio_fi_best_over_ours']:.3f} |" if fi else "| |"))
+        lines.append("")
+    if "page_size" in r:
+        lines += ["| batch | KV | page 16 us | page 1 us | page 1 / page 16 |", "|---|---|---|---|---|"]
+        lines += [f"| {x['batch']} | {x['kv_len']} | {x['page16_us']:.1f} | {x['page1_us']:.1f} | {x['page1_over_page16']:.3f} |"
+                  for x in r["page_size"]] + [""]
+    if "rope" in r:
+        lines += ["| batch | KV | fused RoPE us | plain attention us | rotary pass + attention us | fused speedup |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {x['batch']} | {x['kv_len']} | {x['fused_us']:.1f} | {x['plain_attention_us']:.1f} | "
+                  f"{x['separate_rotary_plus_attention_us']:.1f} | {x['speedup_fused_over_separate']:.2f} |" for x in r["rope"]] + [""]
+    if "fp8" in r:
+        lines += ["| fp8 e4m3 KV: batch | KV | ours us | % copy (fp8 bytes) | FI best us | ratio |", "|---|---|---|---|---|---|"]
+        lines += [f"| {x['batch']} | {x['kv_len']} | {x['ours_us']:.1f} | {x['ours_pct_copy']:.1f} | "
+                  + (f"{x['fi_best_us']:.1f} | {x['ratio_fi_best_over_ours']:.3f} |" if fi else "| |") for x in r["fp8"]] + [""]
+    out = Path(json_path).with_suffix(".md")
+    out.write_text("\n".join(lines))
+    log(f"wrote {out}")
 
 
 def rope_section(rep, finish):
