@@ -41,11 +41,20 @@ def time_us(fn, *, warmup: int = 10, rep: int = 100, setup=None) -> dict:
     setup(i), when given, runs before call i outside the timed region (e.g. to pick the i-th input set so
     that rotating sets keeps the L2 cache from flattering anyone).
     """
+    import time
+
     import torch
-    for i in range(warmup):
+    # Warm up for at least `warmup` calls and 200 ms: an idle H100 sits at 345 MHz, and a few short
+    # calls end before its clocks rise (seen: first small shapes of a process timed 1.5-2x slow).
+    t_end = time.perf_counter() + 0.2
+    i = 0
+    while i < warmup or time.perf_counter() < t_end:
         if setup:
             setup(i)
         fn()
+        i += 1
+        if i % 16 == 0:
+            torch.cuda.synchronize()
     torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]

@@ -66,6 +66,9 @@ class Case:
         self.bytes = kv_bytes + 2 * self.q.numel() * self.q.element_size()
 
 
+TUNING = None   # kernel-shape override for tuning runs (--tuning), see fi_backend.wrappers.decode_spec
+
+
 def ours(case: Case, *, split=True, variant=None, plan_kw=None):
     from fi_backend import formats
     from fi_backend.workspace import Workspace
@@ -74,11 +77,11 @@ def ours(case: Case, *, split=True, variant=None, plan_kw=None):
     from fi_backend import variants
     variant = variant or variants.DEFAULT
     num_ctas = BatchAttention.recommended_num_ctas("cuda", HQ, HKV, D, q_dtype=DTYPE, kv_dtype=case.kv_dtype,
-                                                   variant=variant)
+                                                   variant=variant, tuning=TUNING)
     ws = Workspace("cuda", max_requests=case.B, max_tokens=case.B, num_ctas=num_ctas, max_tile_q=16,
                    num_qo_heads=HQ, head_dim=D)
     attn = BatchAttention(ws, HQ, HKV, D, q_dtype=DTYPE, kv_dtype=case.kv_dtype, page_size=case.page,
-                          variant=variant)
+                          variant=variant, tuning=TUNING)
     bsr = formats.from_block_table(case.block_table, case.kv_lens.cuda(), case.qo_indptr.cuda(), case.page,
                                    num_kv_blocks=case.num_pages)
     attn.plan(case.qo_indptr, case.kv_lens, bsr, **(plan_kw or {}))
@@ -155,7 +158,13 @@ def main(argv=None):
     ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--report", metavar="JSON", help="only write the markdown table of a results JSON")
+    ap.add_argument("--tuning", help='kernel-shape override as JSON, e.g. \'{"warps": 4, "sub": 1, "stages": 3}\'')
+    ap.add_argument("--grid", help="grid shapes as batch:kv,... (default: the full grid)")
     a = ap.parse_args(argv)
+    global TUNING
+    if a.tuning:
+        import json
+        TUNING = json.loads(a.tuning)
     if a.report:
         write_report(a.report)
         return
@@ -163,7 +172,7 @@ def main(argv=None):
     with_fi = not a.no_flashinfer
     copy = copy_rate_gbps()
     log(f"copy rate {copy:.0f} GB/s (read + write)")
-    results = {"device": device_info(), "copy_rate_gbps": copy,
+    results = {"device": device_info(), "copy_rate_gbps": copy, "tuning": TUNING,
                "shape": {"num_qo_heads": HQ, "num_kv_heads": HKV, "head_dim": D, "dtype": "bf16"}}
     if with_fi:
         import flashinfer
@@ -177,21 +186,23 @@ def main(argv=None):
     if "grid" in sections:
         batches = (1, 16, 64) if a.quick else (1, 16, 64, 256)
         lens = (1024, 4096) if a.quick else (1024, 4096, 16384, 32768)
+        shapes = [(b, L) for b in batches for L in lens]
+        if a.grid:
+            shapes = [tuple(int(x) for x in item.split(":")) for item in a.grid.split(",")]
         rows = []
-        for b in batches:
-            for L in lens:
-                if b * L * HKV * D * 4 > MAX_SET_BYTES:
-                    continue
-                case = Case([L] * b, 16)
-                r = finish(measure(case, a.rep, with_fi=with_fi))
-                r["kv_len"] = L
-                rows.append(r)
-                msg = f"grid b={b:4d} kv={L:6d}: ours {r['ours_us']:8.1f} us ({r['ours_pct_copy']:5.1f}% copy)"
-                if with_fi:
-                    msg += f"  fi tc {r['fi_tc_us']:8.1f}  fi cuda {r['fi_cuda_us']:8.1f}  ratio {r['ratio_fi_best_over_ours']:.3f}"
-                log(msg)
-                del case
-                torch.cuda.empty_cache()
+        for b, L in shapes:
+            if b * L * HKV * D * 4 > MAX_SET_BYTES:
+                continue
+            case = Case([L] * b, 16)
+            r = finish(measure(case, a.rep, with_fi=with_fi))
+            r["kv_len"] = L
+            rows.append(r)
+            msg = f"grid b={b:4d} kv={L:6d}: ours {r['ours_us']:8.1f} us ({r['ours_pct_copy']:5.1f}% copy)"
+            if with_fi:
+                msg += f"  fi tc {r['fi_tc_us']:8.1f}  fi cuda {r['fi_cuda_us']:8.1f}  ratio {r['ratio_fi_best_over_ours']:.3f}"
+            log(msg)
+            del case
+            torch.cuda.empty_cache()
         results["grid"] = rows
     if "page" in sections:
         rows = []
