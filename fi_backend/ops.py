@@ -75,6 +75,19 @@ def _s_ok(t, shape, device_index: int) -> bool:
             and t.get_device() == device_index and (t.is_contiguous() or _rows_contiguous(t)))
 
 
+def _outputs(out, out_lse, shape, lse_shape, dtype, device, index):
+    """The caller's out / out_lse after checking them, or new tensors where None was given."""
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=device)
+    elif not _v_ok(out, shape, dtype, index):
+        _explain("out", out, shape, device, dtype, False)
+    if out_lse is None:
+        out_lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
+    elif not _s_ok(out_lse, lse_shape, index):
+        _explain("out_lse", out_lse, lse_shape, device, dtype, True)
+    return out, out_lse
+
+
 def _explain(name: str, t, shape, device: torch.device, dtype, lse: bool) -> None:
     """Raise the error saying why `t` was refused (called only after a fast check failed)."""
     if not isinstance(t, torch.Tensor):
@@ -137,14 +150,7 @@ def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor, s_b: to
         for name, t, lse in (("v_a", v_a, False), ("v_b", v_b, False), ("s_a", s_a, True), ("s_b", s_b, True)):
             if not (_s_ok(t, lse_shape, index) if lse else _v_ok(t, shape, dtype, index)):
                 _explain(name, t, lse_shape if lse else shape, v_a.device, dtype, lse)
-    if out is None:
-        out = torch.empty(shape, dtype=dtype, device=v_a.device)
-    elif not _v_ok(out, shape, dtype, index):
-        _explain("out", out, shape, v_a.device, dtype, False)
-    if out_lse is None:
-        out_lse = torch.empty(lse_shape, dtype=torch.float32, device=v_a.device)
-    elif not _s_ok(out_lse, lse_shape, index):
-        _explain("out_lse", out_lse, lse_shape, v_a.device, dtype, True)
+    out, out_lse = _outputs(out, out_lse, shape, lse_shape, dtype, v_a.device, index)
     if seq == 0 or heads == 0:
         return out, out_lse
     module, fn, _ = _merge_launchers(dtype)
@@ -170,14 +176,7 @@ def merge_states(v: torch.Tensor, s: torch.Tensor, *, out: Optional[torch.Tensor
     if not _s_ok(s, shape[:3], index):
         _explain("s", s, shape[:3], v.device, dtype, True)
     out_shape, lse_shape = torch.Size((seq, heads, head_dim)), torch.Size((seq, heads))
-    if out is None:
-        out = torch.empty(out_shape, dtype=dtype, device=v.device)
-    elif not _v_ok(out, out_shape, dtype, index):
-        _explain("out", out, out_shape, v.device, dtype, False)
-    if out_lse is None:
-        out_lse = torch.empty(lse_shape, dtype=torch.float32, device=v.device)
-    elif not _s_ok(out_lse, lse_shape, index):
-        _explain("out_lse", out_lse, lse_shape, v.device, dtype, True)
+    out, out_lse = _outputs(out, out_lse, out_shape, lse_shape, dtype, v.device, index)
     if seq == 0 or heads == 0:
         return out, out_lse
     module, _, fn = _merge_launchers(dtype)

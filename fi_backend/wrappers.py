@@ -481,6 +481,20 @@ class BatchAttention:
 
     # -------------------------------------------------------------------------------- run
 
+    def _paged_dims(self, t):
+        """(num_blocks, heads, last dim, (stride_block, stride_token, stride_head)) of a 4-D paged
+        tensor in the wrapper's kv_layout, checking its page dimension."""
+        if self.kv_layout == "NHD":
+            nb, P, H, last = t.shape
+            strides = (t.stride(0), t.stride(1), t.stride(2))
+        else:
+            nb, H, P, last = t.shape
+            strides = (t.stride(0), t.stride(2), t.stride(1))
+        if P != self.page_size:
+            raise ValueError(f"the KV cache's page dimension is {P} but page_size is {self.page_size} "
+                             f"(kv_layout {self.kv_layout})")
+        return nb, H, last, strides
+
     def _kv_views(self, kv_cache):
         """(k, v, num_blocks, stride_block, stride_token, stride_head) from the accepted layouts."""
         D = self.head_dim
@@ -499,15 +513,7 @@ class BatchAttention:
                 nb, H, Dk = k.shape
                 strides = (k.stride(0), 0, k.stride(1))
             elif k.dim() == 4:
-                if self.kv_layout == "NHD":
-                    nb, P, H, Dk = k.shape
-                    strides = (k.stride(0), k.stride(1), k.stride(2))
-                else:
-                    nb, H, P, Dk = k.shape
-                    strides = (k.stride(0), k.stride(2), k.stride(1))
-                if P != self.page_size:
-                    raise ValueError(f"the KV cache's page dimension is {P} but page_size is {self.page_size} "
-                                     f"(kv_layout {self.kv_layout})")
+                nb, H, Dk, strides = self._paged_dims(k)
             else:
                 raise ValueError(f"k/v caches must be 4-D ({self.kv_layout}) or 3-D [slots, heads, D] (got {k.dim()}-D)")
             if Dk != D:
@@ -519,14 +525,7 @@ class BatchAttention:
                                  f"(NHD) or [num_blocks, heads, page, 2*head_dim] (HND) with K then V in the last "
                                  f"dim (got shape {tuple(kv.shape)})")
             k, v = kv[..., :D], kv[..., D:]
-            if self.kv_layout == "NHD":
-                nb, P, H, _ = kv.shape
-                strides = (kv.stride(0), kv.stride(1), kv.stride(2))
-            else:
-                nb, H, P, _ = kv.shape
-                strides = (kv.stride(0), kv.stride(2), kv.stride(1))
-            if P != self.page_size:
-                raise ValueError(f"the KV cache's page dimension is {P} but page_size is {self.page_size}")
+            nb, H, _, strides = self._paged_dims(kv)
         else:
             raise TypeError(f"kv_cache must be a tensor or a (k, v) pair (got {type(kv_cache).__name__})")
         if H != self.num_kv_heads:

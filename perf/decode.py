@@ -123,7 +123,7 @@ def check_close(case: Case, ours_out, fi_out):
     return err
 
 
-def measure(case: Case, rep, *, with_fi=True, split_baseline=False):
+def measure(case: Case, rep, copy_gbps, *, with_fi=True, split_baseline=False):
     fn, setup, _ = ours(case)
     r = {"batch": case.B, "kv_bytes": case.kv_bytes, "bytes": case.bytes, "sets": case.sets, "page_size": case.page}
     res = time_us(fn, setup=setup, rep=rep)
@@ -147,7 +147,28 @@ def measure(case: Case, rep, *, with_fi=True, split_baseline=False):
             r[f"{key}_rel_diff"] = check_close(case, ours_out, out)
         r["fi_best_us"] = min(r["fi_tc_us"], r["fi_cuda_us"])
         r["ratio_fi_best_over_ours"] = r["fi_best_us"] / r["ours_us"]
+    r["ours_gbps"] = r["bytes"] / (r["ours_us"] * 1e-6) / 1e9
+    r["ours_pct_copy"] = 100 * r["ours_gbps"] / copy_gbps
     return r
+
+
+def uniform_rows(label, shapes, rep, copy_gbps, with_fi, **case_kw):
+    """measure() over batches of equal lengths, (batch, kv_len) each, logging one line per shape."""
+    rows = []
+    for b, L in shapes:
+        if b * L * HKV * D * 4 > MAX_SET_BYTES:
+            continue
+        case = Case([L] * b, 16, **case_kw)
+        r = measure(case, rep, copy_gbps, with_fi=with_fi)
+        r["kv_len"] = L
+        rows.append(r)
+        msg = f"{label} b={b:4d} kv={L:6d}: ours {r['ours_us']:8.1f} us ({r['ours_pct_copy']:5.1f}% copy)"
+        if with_fi:
+            msg += f"  fi tc {r['fi_tc_us']:8.1f}  fi cuda {r['fi_cuda_us']:8.1f}  ratio {r['ratio_fi_best_over_ours']:.3f}"
+        log(msg)
+        del case
+        torch.cuda.empty_cache()
+    return rows
 
 
 def main(argv=None):
@@ -178,37 +199,18 @@ def main(argv=None):
         import flashinfer
         results["anchor"] = f"flashinfer {flashinfer.__version__} BatchDecodeWithPagedKVCacheWrapper (tensor cores on/off)"
 
-    def finish(r):
-        r["ours_gbps"] = r["bytes"] / (r["ours_us"] * 1e-6) / 1e9
-        r["ours_pct_copy"] = 100 * r["ours_gbps"] / copy
-        return r
-
     if "grid" in sections:
         batches = (1, 16, 64) if a.quick else (1, 16, 64, 256)
         lens = (1024, 4096) if a.quick else (1024, 4096, 16384, 32768)
         shapes = [(b, L) for b in batches for L in lens]
         if a.grid:
             shapes = [tuple(int(x) for x in item.split(":")) for item in a.grid.split(",")]
-        rows = []
-        for b, L in shapes:
-            if b * L * HKV * D * 4 > MAX_SET_BYTES:
-                continue
-            case = Case([L] * b, 16)
-            r = finish(measure(case, a.rep, with_fi=with_fi))
-            r["kv_len"] = L
-            rows.append(r)
-            msg = f"grid b={b:4d} kv={L:6d}: ours {r['ours_us']:8.1f} us ({r['ours_pct_copy']:5.1f}% copy)"
-            if with_fi:
-                msg += f"  fi tc {r['fi_tc_us']:8.1f}  fi cuda {r['fi_cuda_us']:8.1f}  ratio {r['ratio_fi_best_over_ours']:.3f}"
-            log(msg)
-            del case
-            torch.cuda.empty_cache()
-        results["grid"] = rows
+        results["grid"] = uniform_rows("grid", shapes, a.rep, copy, with_fi)
     if "page" in sections:
         rows = []
         for b, L in ((64, 4096), (16, 16384)) if not a.quick else ((64, 4096),):
-            r16 = finish(measure(Case([L] * b, 16), a.rep, with_fi=False))
-            r1 = finish(measure(Case([L] * b, 1), a.rep, with_fi=False))
+            r16 = measure(Case([L] * b, 16), a.rep, copy, with_fi=False)
+            r1 = measure(Case([L] * b, 1), a.rep, copy, with_fi=False)
             rows.append({"batch": b, "kv_len": L, "page16_us": r16["ours_us"], "page1_us": r1["ours_us"],
                          "page1_over_page16": r1["ours_us"] / r16["ours_us"]})
             log(f"page b={b} kv={L}: page16 {r16['ours_us']:.1f} us, page1 {r1['ours_us']:.1f} us "
@@ -223,7 +225,7 @@ def main(argv=None):
         # a decode step of ShareGPT requests: each has its prompt plus a random part of its output cached
         share = [p + 1 + int(torch.randint(0, o, (1,), generator=g)) for p, o in pairs]
         for name, lens in (("skewed_32k_plus_63x512", skew), ("sharegpt_64", share)):
-            r = finish(measure(Case(lens, 16), a.rep, with_fi=with_fi, split_baseline=True))
+            r = measure(Case(lens, 16), a.rep, copy, with_fi=with_fi, split_baseline=True)
             r["case"] = name
             rows.append(r)
             msg = f"uneven {name}: ours {r['ours_us']:.1f} us, no-split {r['ours_nosplit_us']:.1f} us " \
@@ -233,19 +235,10 @@ def main(argv=None):
             log(msg)
         results["uneven"] = rows
     if "rope" in sections:
-        results["rope"] = rope_section(a.rep, finish)
-    if "fp8" in sections:
-        rows = []
-        for b, L in ((64, 2048), (64, 4096), (64, 16384)):
-            case = Case([L] * b, 16, kv_dtype=torch.float8_e4m3fn)
-            r = finish(measure(case, a.rep, with_fi=with_fi))
-            r["kv_len"] = L
-            rows.append(r)
-            msg = f"fp8 b={b} kv={L}: ours {r['ours_us']:.1f} us ({r['ours_pct_copy']:.1f}% copy on fp8 bytes)"
-            if with_fi:
-                msg += f"  fi best {r['fi_best_us']:.1f} ratio {r['ratio_fi_best_over_ours']:.3f}"
-            log(msg)
-        results["fp8"] = rows
+        results["rope"] = rope_section(a.rep)
+    if "fp8" in sections:  # % copy counts fp8 bytes
+        results["fp8"] = uniform_rows("fp8", ((64, 2048), (64, 4096), (64, 16384)), a.rep, copy, with_fi,
+                                      kv_dtype=torch.float8_e4m3fn)
     write_report(write_result(a.name, results))
 
 
@@ -291,7 +284,7 @@ def write_report(json_path):
     log(f"wrote {out}")
 
 
-def rope_section(rep, finish):
+def rope_section(rep):
     """Fused RoPE (keys rotated in registers as they are loaded) against a separate rotary pass over every
     cached key (FlashInfer's apply_llama31_rope_pos_ids_inplace) followed by plain attention, both on the
     same split (k, v) caches [pages, page, Hkv, D] (FlashInfer's rotary needs a flat [tokens, H, D] k).
