@@ -34,11 +34,11 @@ from .kernels.sets import module_set
 from .variants import DEFAULT, PARAM_TYPES, Variant, VariantError
 from .workspace import Workspace
 
-__all__ = ["BatchAttention", "decode_spec", "DECODE_HEAD_DIMS", "DECODE_Q_DTYPES", "DECODE_KV_DTYPES"]
+__all__ = ["BatchAttention", "decode_spec", "prefill_spec", "KERNELS", "HEAD_DIMS", "Q_DTYPES", "KV_DTYPES"]
 
-DECODE_HEAD_DIMS = (64, 128, 256)
-DECODE_Q_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-DECODE_KV_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8_e4m3",
+HEAD_DIMS = (64, 128, 256)
+Q_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+KV_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8_e4m3",
                     torch.float8_e5m2: "fp8_e5m2"}
 MAX_PAGE_SIZE = 256
 _C_TYPE = {"bf16": "__nv_bfloat16", "fp16": "__half", "fp8_e4m3": "__nv_fp8_e4m3", "fp8_e5m2": "__nv_fp8_e5m2"}
@@ -99,8 +99,8 @@ def decode_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, gr
 
     tuning (benchmarks): overrides of warps / sub / stages, and l2_prefetch (0, 64, 128, 256 bytes)
     / index_ahead (tiles) compiled in as FI_DECODE_L2_PREFETCH / FI_DECODE_INDEX_AHEAD."""
-    if head_dim not in DECODE_HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {DECODE_HEAD_DIMS}, got {head_dim}")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
     kv_bytes = 1 if kv_dtype.startswith("fp8") else 2
     shape = _kernel_shape(head_dim, kv_bytes, group, key_transform=bool(variant.key_transform))
     tuning = dict(tuning or {})
@@ -119,27 +119,86 @@ def decode_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, gr
     if smem > SMEM_PER_CTA:
         raise ValueError(f"decode kernel shape {shape} for head_dim {head_dim} needs {smem} bytes of shared memory; "
                          f"a CTA may use at most {SMEM_PER_CTA}")
-    params = {
-        "MIN_BLOCKS": str(_blocks_by_smem(head_dim, kv_bytes, shape)),
-        "HEAD_DIM": str(head_dim), "ROWS": str(shape["rows"]), "HEADS_PER_CHUNK": str(shape["hpc"]),
-        "Q_DTYPE": _C_TYPE[q_dtype], "KV_DTYPE": _C_TYPE[kv_dtype], "WARPS": str(shape["warps"]),
-        "STAGES": str(shape["stages"]), "SUB": str(shape["sub"]),
-    }
-    params.update(variant.render())
+    config = ", ".join([str(head_dim), str(shape["rows"]), str(shape["hpc"]), _C_TYPE[q_dtype], _C_TYPE[kv_dtype],
+                        str(shape["warps"]), str(shape["stages"]), str(shape["sub"])])
     tag = f"{variant.name}_{q_dtype}_{kv_dtype}_d{head_dim}_r{shape['rows']}_h{shape['hpc']}"
     if tuning or flags:
         tag += "_w{warps}s{stages}k{sub}".format(**shape) + suffix
-    return kernels.ModuleSpec(family="decode", template="attention/decode_module.cu", params=params, tag=tag,
+    return _attention_spec("decode", variant, config, _blocks_by_smem(head_dim, kv_bytes, shape), tag, flags)
+
+
+# Prefill (csrc/attention/prefill.cuh): warps (16 packed query rows each), KV tokens per stage, stages,
+# by (head_dim, KV bytes per element). 128-row query tiles halve the KV traffic of 64-row ones; at this
+# length of tile a causal 16k prefill moves about as many bytes from L2 as it does MMA work.
+_PREFILL_SHAPES = {
+    (64, 2): (8, 128, 3), (64, 1): (8, 128, 3),
+    (128, 2): (8, 64, 3), (128, 1): (8, 64, 3),
+    (256, 2): (8, 32, 3), (256, 1): (8, 32, 3),
+}
+PREFILL_MAX_HEADS_PER_CHUNK = 16
+
+
+def _prefill_shape(head_dim: int, kv_bytes: int, group: int) -> dict:
+    """Prefill kernel shape: hpc (query heads per chunk: the largest divisor of the group up to 16, so a
+    short query's group fills the tile), warps, tile (KV tokens per stage), stages."""
+    hpc = max(d for d in range(1, min(group, PREFILL_MAX_HEADS_PER_CHUNK) + 1) if group % d == 0)
+    warps, tile, stages = _PREFILL_SHAPES[(head_dim, kv_bytes)]
+    return {"hpc": hpc, "warps": warps, "tile": tile, "stages": stages}
+
+
+def _prefill_smem_bytes(head_dim: int, kv_bytes: int, shape: dict) -> int:
+    """Shared memory of a prefill shape; mirrors prefill::Config::kSmemBytes."""
+    record = 80
+    stage = (2 * shape["tile"] * head_dim * kv_bytes + record + 127) // 128 * 128
+    convert = 2 * shape["tile"] * head_dim * 2 if kv_bytes == 1 else 0
+    return shape["stages"] * stage + convert + 16 * shape["warps"] * 4
+
+
+def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, group: int, *,
+                 tuning: Optional[dict] = None) -> kernels.ModuleSpec:
+    """The JIT module of the prefill kernel for one (variant, head_dim, dtypes, GQA group).
+    tuning (benchmarks): overrides of warps / tile / stages."""
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+    kv_bytes = 1 if kv_dtype.startswith("fp8") else 2
+    shape = _prefill_shape(head_dim, kv_bytes, group)
+    tuning = dict(tuning or {})
+    unknown = set(tuning) - {"warps", "tile", "stages"}
+    if unknown:
+        raise ValueError(f"unknown prefill tuning keys {sorted(unknown)}")
+    shape.update(tuning)
+    smem = _prefill_smem_bytes(head_dim, kv_bytes, shape)
+    if smem > SMEM_PER_CTA:
+        raise ValueError(f"prefill kernel shape {shape} for head_dim {head_dim} needs {smem} bytes of shared "
+                         f"memory; a CTA may use at most {SMEM_PER_CTA}")
+    config = ", ".join([str(head_dim), str(shape["hpc"]), _C_TYPE[q_dtype], _C_TYPE[kv_dtype], str(shape["warps"]),
+                        str(shape["tile"]), str(shape["stages"])])
+    tag = f"{variant.name}_{q_dtype}_{kv_dtype}_d{head_dim}_h{shape['hpc']}"
+    if tuning:
+        tag += "_w{warps}t{tile}s{stages}".format(**shape)
+    # MIN_BLOCKS 1: the register budget is the kernel's (~170 at head_dim 128); occupancy follows from it.
+    return _attention_spec("prefill", variant, config, 1, tag, [])
+
+
+def _attention_spec(kernel: str, variant: Variant, config: str, min_blocks: int, tag: str,
+                    flags: list) -> kernels.ModuleSpec:
+    params = {"KERNEL": kernel, "CONFIG": config, "MIN_BLOCKS": str(min_blocks)}
+    params.update(variant.render())
+    return kernels.ModuleSpec(family=kernel, template="attention/attention_module.cu", params=params, tag=tag,
                               nvcc_flags=tuple(flags))
+
+
+_SPECS = {"decode": decode_spec, "prefill": prefill_spec}
+KERNELS = tuple(_SPECS)
 
 
 class _FastDiv(ctypes.Structure):
     _fields_ = [("d", ctypes.c_uint32), ("m", ctypes.c_uint32), ("s", ctypes.c_uint32)]
 
 
-# ctypes mirror of fi::decode::Params (csrc/attention/decode.cuh); checked against the module's
-# fi_decode_layout offsets when a module is loaded.
-class _DecodeParams(ctypes.Structure):
+# ctypes mirror of fi::attn::Params (csrc/attention/shared.cuh); checked against the module's
+# fi_attention_layout offsets when a module is loaded.
+class _Params(ctypes.Structure):
     _fields_ = [
         ("q", ctypes.c_void_p), ("q_stride_row", ctypes.c_int64), ("q_stride_head", ctypes.c_int64),
         ("out", ctypes.c_void_p), ("out_stride_row", ctypes.c_int64), ("out_stride_head", ctypes.c_int64),
@@ -171,32 +230,32 @@ def _fastdiv(d: int) -> _FastDiv:
 
 
 class _Launcher:
-    """A loaded decode module: its launcher, its ctypes VariantParams type and its kernel shape."""
+    """A loaded attention module: its launcher, its ctypes VariantParams type and its kernel shape."""
 
     def __init__(self, spec: kernels.ModuleSpec, variant: Variant):
         self.module = kernels.load(spec)
         self.run = self.module.function(
-            "fi_decode_run", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p])
-        layout_fn = self.module.function("fi_decode_layout", [ctypes.POINTER(ctypes.c_int64), ctypes.c_int])
+            "fi_attention_run", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p])
+        layout_fn = self.module.function("fi_attention_layout", [ctypes.POINTER(ctypes.c_int64), ctypes.c_int])
         buf = (ctypes.c_int64 * 64)()
         n = layout_fn(buf, 64)
         vals = list(buf[:n])
         self.threads, self.smem_bytes, self.tile, self.rows, self.heads_per_chunk, self.rows_per_tile = vals[:6]
         self.vparams_type = type(f"VariantParams_{variant.name}", (ctypes.Structure,),
                                  {"_fields_": variant.ctypes_fields()})
-        expected = [ctypes.sizeof(_DecodeParams), ctypes.sizeof(self.vparams_type)]
-        expected += [getattr(_DecodeParams, f).offset for f in _LAYOUT_FIELDS]
+        expected = [ctypes.sizeof(_Params), ctypes.sizeof(self.vparams_type)]
+        expected += [getattr(_Params, f).offset for f in _LAYOUT_FIELDS]
         expected += [getattr(self.vparams_type, f).offset for f in variant.params]
         if vals[6:] != expected:
-            raise RuntimeError(f"decode module {self.module.name}: the C parameter layout {vals[6:]} does not match "
+            raise RuntimeError(f"attention module {self.module.name}: the C parameter layout {vals[6:]} does not match "
                                f"fi_backend.wrappers' ctypes mirror {expected}; the two must change together")
-        self._occupancy = self.module.function("fi_decode_occupancy", [ctypes.POINTER(ctypes.c_int)])
+        self._occupancy = self.module.function("fi_attention_occupancy", [ctypes.POINTER(ctypes.c_int)])
 
     def blocks_per_sm(self) -> int:
         out = ctypes.c_int(0)
         rc = self._occupancy(ctypes.byref(out))
         if rc:
-            self.module.check(rc, "fi_decode_occupancy")
+            self.module.check(rc, "fi_attention_occupancy")
         return max(1, out.value)
 
 
@@ -204,8 +263,8 @@ _launchers: dict = {}
 
 
 def _launcher(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, group: int,
-              tuning: Optional[dict] = None) -> _Launcher:
-    spec = decode_spec(variant, head_dim, q_dtype, kv_dtype, group, tuning=tuning)
+              tuning: Optional[dict] = None, kernel: str = "decode") -> _Launcher:
+    spec = _SPECS[kernel](variant, head_dim, q_dtype, kv_dtype, group, tuning=tuning)
     entry = _launchers.get(spec.memo_key)
     if entry is None:
         entry = _Launcher(spec, variant)
@@ -218,7 +277,7 @@ class _Bad(Exception):
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-_CAPTURED = -1  # fi_decode_run's return code for a launch into a capturing stream
+_CAPTURED = -1  # fi_attention_run's return code for a launch into a capturing stream
 
 
 def _stream(device_index: int) -> int:
@@ -239,17 +298,21 @@ def _check_index_tensor(name: str, t, device, dtypes=(torch.int32,)) -> None:
 
 
 class BatchAttention:
-    """Batch decode attention over the BSR KV format with a plan/run split (see the module docstring).
+    """Batch attention over the BSR KV format with a plan/run split (see the module docstring).
 
     workspace      a fi_backend.workspace.Workspace on the GPU (num_ctas: see recommended_num_ctas;
                    max_tile_q >= 16; num_qo_heads and head_dim as here)
-    num_qo_heads, num_kv_heads, head_dim   head_dim in DECODE_HEAD_DIMS, num_qo_heads % num_kv_heads == 0
+    num_qo_heads, num_kv_heads, head_dim   head_dim in HEAD_DIMS, num_qo_heads % num_kv_heads == 0
     q_dtype        torch.bfloat16 or torch.float16 (the output has the same dtype)
     kv_dtype       q_dtype, or torch.float8_e4m3fn / torch.float8_e5m2 (per-tensor k_scale/v_scale in run)
     page_size      KV block width Bc, 1..256 (1 for token-level tables such as SGLang's)
     kv_layout      "NHD" ([blocks, page, heads, D]) or "HND" ([blocks, heads, page, D]) for 4-D caches
     variant        a fi_backend.variants.Variant (default: plain softmax attention)
-    tuning         benchmarks only: kernel-shape overrides, see decode_spec()
+    kernel         "decode": split-KV kernel for steps where queries are a row or a few per request (it
+                   runs any batch correctly, but re-reads KV for every 16 packed rows); "prefill":
+                   FlashAttention-2-style kernel with 128-row query tiles for prefill, append, chunked
+                   prefill and mixed prefill + decode batches
+    tuning         benchmarks only: kernel-shape overrides, see decode_spec() / prefill_spec()
 
     After construction: rows_per_tile (query rows per tile, the planner's tile_q), kv_tile (KV tokens
     per pipeline stage, the chunk alignment), grid (the fixed launch grid).
@@ -257,7 +320,10 @@ class BatchAttention:
 
     def __init__(self, workspace: Workspace, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
                  q_dtype: torch.dtype = torch.bfloat16, kv_dtype: Optional[torch.dtype] = None, page_size: int = 16,
-                 kv_layout: str = "NHD", variant: Variant = DEFAULT, tuning: Optional[dict] = None):
+                 kv_layout: str = "NHD", variant: Variant = DEFAULT, kernel: str = "decode",
+                 tuning: Optional[dict] = None):
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS} (got {kernel!r})")
         if not isinstance(workspace, Workspace):
             raise TypeError(f"workspace must be a fi_backend.workspace.Workspace (got {type(workspace).__name__})")
         if workspace.device.type != "cuda":
@@ -267,12 +333,12 @@ class BatchAttention:
                 raise ValueError(f"{name} must be an int >= 1 (got {value!r})")
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-        if head_dim not in DECODE_HEAD_DIMS:
-            raise ValueError(f"head_dim {head_dim} is not supported by the decode kernel; supported: {DECODE_HEAD_DIMS}")
-        if q_dtype not in DECODE_Q_DTYPES:
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim {head_dim} is not supported; supported: {HEAD_DIMS}")
+        if q_dtype not in Q_DTYPES:
             raise TypeError(f"q_dtype must be torch.bfloat16 or torch.float16 (got {q_dtype})")
         kv_dtype = q_dtype if kv_dtype is None else kv_dtype
-        if kv_dtype not in DECODE_KV_DTYPES or (kv_dtype in DECODE_Q_DTYPES and kv_dtype != q_dtype):
+        if kv_dtype not in KV_DTYPES or (kv_dtype in Q_DTYPES and kv_dtype != q_dtype):
             raise TypeError(f"kv_dtype must be q_dtype ({q_dtype}), torch.float8_e4m3fn or torch.float8_e5m2 "
                             f"(got {kv_dtype})")
         if isinstance(page_size, bool) or not isinstance(page_size, int) or not 1 <= page_size <= MAX_PAGE_SIZE:
@@ -291,10 +357,11 @@ class BatchAttention:
         self.group = num_qo_heads // num_kv_heads
         self.q_dtype, self.kv_dtype = q_dtype, kv_dtype
         self.page_size, self.kv_layout, self.variant = page_size, kv_layout, variant
-        self._fp8 = kv_dtype not in DECODE_Q_DTYPES
+        self._fp8 = kv_dtype not in Q_DTYPES
 
-        self._launcher = _launcher(variant, head_dim, DECODE_Q_DTYPES[q_dtype], DECODE_KV_DTYPES[kv_dtype], self.group,
-                                   tuning)
+        self.kernel = kernel
+        self._launcher = _launcher(variant, head_dim, Q_DTYPES[q_dtype], KV_DTYPES[kv_dtype], self.group,
+                                   tuning, kernel)
         self.rows_per_tile = int(self._launcher.rows_per_tile)  # query rows per tile (the planner's tile_q)
         self.kv_tile = int(self._launcher.tile)                  # KV tokens per pipeline stage (chunk alignment)
         if self.rows_per_tile > workspace.max_tile_q:
@@ -302,12 +369,15 @@ class BatchAttention:
                              f"({self.rows_per_tile} rows); construct the Workspace with max_tile_q >= "
                              f"{self.rows_per_tile}")
         self.num_head_chunks = self.group // int(self._launcher.heads_per_chunk)
+        # Planner cost of a query row, in KV tokens: decode items cost a tile of KV per row tile; a prefill
+        # item's fixed work (its Q tile, its epilogue) is about two KV tiles for a whole 128-row tile.
+        self._cost_q = float(self.kv_tile) if kernel == "decode" else 2.0 * self.kv_tile / self.rows_per_tile
         self.grid = (workspace.num_ctas, num_kv_heads * self.num_head_chunks)
 
         dev = self.device
         self._error_flags = torch.zeros(4, dtype=torch.int32, device=dev)
         self._merge_counters = torch.zeros(workspace.max_tokens * self.grid[1], dtype=torch.int32, device=dev)
-        p = _DecodeParams()
+        p = _Params()
         p.plan = workspace.plan_ptr
         p.items_offset = workspace.layout.items_offset
         p.merge_indptr_offset = workspace.layout.merge_indptr_offset
@@ -343,13 +413,13 @@ class BatchAttention:
     @staticmethod
     def recommended_num_ctas(device, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
                              q_dtype: torch.dtype = torch.bfloat16, kv_dtype: Optional[torch.dtype] = None,
-                             variant: Variant = DEFAULT, tuning: Optional[dict] = None) -> int:
+                             variant: Variant = DEFAULT, kernel: str = "decode", tuning: Optional[dict] = None) -> int:
         """CTAs per KV head that fill the GPU once (SMs x resident CTAs / KV-head CTAs): the num_ctas to
         construct the Workspace with. Builds (or loads) the kernel module to read its occupancy."""
         device = torch.device(device)
         kv_dtype = q_dtype if kv_dtype is None else kv_dtype
         group = num_qo_heads // num_kv_heads
-        launcher = _launcher(variant, head_dim, DECODE_Q_DTYPES[q_dtype], DECODE_KV_DTYPES[kv_dtype], group, tuning)
+        launcher = _launcher(variant, head_dim, Q_DTYPES[q_dtype], KV_DTYPES[kv_dtype], group, tuning, kernel)
         with torch.cuda.device(device):
             per_sm = launcher.blocks_per_sm()
             sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -370,7 +440,7 @@ class BatchAttention:
         if bsr.block_width != self.page_size:
             raise ValueError(f"bsr.block_width ({bsr.block_width}) must equal the wrapper's page_size ({self.page_size})")
         if bsr.qo_rows is not None:
-            raise ValueError("bsr.qo_rows is not supported by the decode kernel: its row blocks must be the "
+            raise ValueError("bsr.qo_rows is not supported by the attention kernels yet: row blocks must be the "
                              "contiguous query rows qo_indptr[i]:qo_indptr[i+1]")
         dev = self.device
         _check_index_tensor("bsr.qo_indptr", bsr.qo_indptr, dev)
@@ -407,7 +477,7 @@ class BatchAttention:
                 "after calling release_graph()")
 
         ws.plan(qo_cpu.to(torch.int32), kv_cpu.to(torch.int32), tile_q=self.rows_per_tile, causal=bool(causal),
-                kv_chunk_align=self.kv_tile, cost_q=float(self.kv_tile))
+                kv_chunk_align=self.kv_tile, cost_q=self._cost_q)
 
         p = self._params
         p.kv_indices, p.kv_lens, p.qo_indptr = bsr_ptrs[2], bsr_ptrs[1], bsr_ptrs[0]
@@ -596,7 +666,7 @@ class BatchAttention:
             if rc == _CAPTURED:  # captured into a CUDA graph: pin what the graph reads (see plan())
                 self._frozen = (self._bsr_ptrs, self._settings)
             else:
-                self._launcher.module.check(rc, "fi_decode_run")
+                self._launcher.module.check(rc, "fi_attention_run")
         return (out, lse) if lse is not None else out
 
     def _lse_arg(self, lse, rows):
@@ -663,11 +733,18 @@ class BatchAttention:
                                "plan(..., debug=True) validates it on the host)")
 
 
+@module_set("prefill", "prefill attention, default variant: head_dim 64/128/256 x bf16/fp16 x (same, fp8 e4m3) "
+                       "KV x GQA group 1/4/8")
+def _prefill_set():
+    return [prefill_spec(DEFAULT, d, q, kv, g) for d in HEAD_DIMS for q in ("bf16", "fp16") for kv in (q, "fp8_e4m3")
+            for g in (1, 4, 8)]
+
+
 @module_set("decode", "decode attention, default variant: head_dim 64/128/256 x bf16/fp16 x (same, fp8 e4m3) KV "
                       "x GQA group 1/4/8")
 def _decode_set():
     specs = []
-    for head_dim in DECODE_HEAD_DIMS:
+    for head_dim in HEAD_DIMS:
         for q in ("bf16", "fp16"):
             for kv in (q, "fp8_e4m3"):
                 for group in (1, 4, 8):

@@ -17,21 +17,12 @@
 // only useful rows (n = 8 per mma). fp8 KV is converted to fp16 in registers (exact); the k dimension
 // of Q.K^T is permuted to match the fp8 ldmatrix layout, and the m dimension of O^T likewise.
 //
-// Loader. All threads gather a tile's K and V rows through the BSR indices (page = kv_indices
-// [block_start + pos / Bc], slot = pos % Bc) into a kStages-deep ring of shared-memory stages with
-// 16-byte cp.async; page ids of the next tile are prefetched into registers while the current one is
-// issued. The loader walks the CTA's whole item list, so the next item's first tiles (and its query
-// tile, into the stage's Q slot) are in flight while the current item finishes. Each stage carries a
-// record (which item, which tokens, first/last tile) that the compute side reads: compute never
-// touches the plan itself.
+// Loader: csrc/attention/shared.cuh (the query tile rides in each stage's Q slot).
 //
 // Splits. An item with partial_base >= 0 writes partial states (float32 O, natural-log LSE) to the
 // workspace; the CTA that completes the last chunk of a row (per-row arrival counters, reset by that
 // CTA, so the kernel leaves them zeroed for the next launch and CUDA-graph replay) merges the row's
 // partial states into the output. No second launch.
-//
-// Bounds. KV indices outside [0, num_kv_blocks) and kv_indices offsets outside the array are never
-// dereferenced: the tokens read as zeros and a bit is set in error_flags (ErrorBits).
 //
 // Performance (H100, 32/8 heads, D 128, bf16, page 16; the shape table is _SHAPES in
 // fi_backend/wrappers.py). Decode is bound by bytes in flight: what mattered in the measurements
@@ -48,117 +39,12 @@
 
 #include <type_traits>
 
-#include "../plan.h"
-#include "ptx.cuh"
-#include "variant.cuh"
+#include "shared.cuh"
 
 namespace fi {
 namespace decode {
 
-enum ErrorBits : int32_t {
-  kErrPageOutOfRange = 1,   // a kv_indices entry outside [0, num_kv_blocks)
-  kErrIndexOutOfRange = 2,  // kv_block_start + block beyond kv_indices
-};
-
-// L2 prefetch size of the KV copies and how many tiles ahead kv_indices lines are prefetched into
-// L2 (the page ids of the next tile are then L2 hits). Overridable with -D for tuning runs.
-#ifndef FI_DECODE_L2_PREFETCH
-#define FI_DECODE_L2_PREFETCH 128
-#endif
-#ifndef FI_DECODE_INDEX_AHEAD
-#define FI_DECODE_INDEX_AHEAD 4
-#endif
-
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-
-template <class T>
-struct KvType;
-template <>
-struct KvType<__nv_bfloat16> {
-  static constexpr int kBytes = 2;
-  static constexpr bool kFp8 = false, kE5m2 = false, kMmaBf16 = true;
-};
-template <>
-struct KvType<__half> {
-  static constexpr int kBytes = 2;
-  static constexpr bool kFp8 = false, kE5m2 = false, kMmaBf16 = false;
-};
-template <>
-struct KvType<__nv_fp8_e4m3> {
-  static constexpr int kBytes = 1;
-  static constexpr bool kFp8 = true, kE5m2 = false, kMmaBf16 = false;
-};
-template <>
-struct KvType<__nv_fp8_e5m2> {
-  static constexpr int kBytes = 1;
-  static constexpr bool kFp8 = true, kE5m2 = true, kMmaBf16 = false;
-};
-
-// Everything a launch reads; filled by the launcher from the wrapper's argument block.
-struct Params {
-  // Query [rows, num_qo_heads, D] (D contiguous) and output of the same shape, storage type DQ.
-  const void* q;
-  int64_t q_stride_row, q_stride_head;
-  void* out;
-  int64_t out_stride_row, out_stride_head;
-  float* lse;  // [rows, num_qo_heads] natural log, or null
-  int64_t lse_stride_row;
-  // KV cache: element (block, slot, head, d) at base + block * stride_block + slot * stride_token +
-  // head * stride_head + d (elements), the same strides for k and v.
-  const void* k;
-  const void* v;
-  int64_t kv_stride_block, kv_stride_token, kv_stride_head;
-  int32_t num_kv_blocks;
-  int32_t page_size;
-  ptx::FastDiv page_div;
-  int32_t kv_block_start_int64;  // kv_block_start is int64 (else int32)
-  // BSR (fi_backend.formats.BSR)
-  const int32_t* kv_indices;
-  int64_t num_kv_indices;
-  const void* kv_block_start;
-  const int32_t* kv_lens;
-  const int32_t* qo_indptr;
-  const int32_t* kv_pos_start;  // or null: positions start at 0
-  // Plan section and workspace
-  const int32_t* plan;
-  int32_t items_offset;         // fi_plan_items_offset(num_ctas), int32 units
-  int32_t merge_indptr_offset;  // fi_plan_merge_indptr_offset(num_ctas, max_items)
-  float* partial_o;             // [max_partial_rows, num_qo_heads, D]
-  float* partial_lse;           // [max_partial_rows, num_qo_heads]
-  int32_t* merge_counters;      // [max_rows * gridDim.y], zero between launches
-  int32_t* error_flags;         // ErrorBits, or null
-  int32_t num_qo_heads;
-  int32_t num_head_chunks;      // gridDim.y / num_kv_heads
-  float logits_scale;           // sm_scale * k_scale
-  float v_scale;
-  int32_t causal;
-};
-
-// One (sub-)item as both sides of the CTA see it.
-struct Work {
-  int32_t request;
-  int32_t row0;          // first query row of this sub-tile
-  int32_t nrows;         // query rows in it (<= kRowsPerTile)
-  int32_t q_idx0;        // row0 - qo_indptr[request]
-  int32_t q_len, kv_len;
-  int32_t pos_off;       // logical position of KV token 0
-  int32_t kv_lo, kv_hi;  // KV tokens to read, [kv_lo, kv_hi) (after clipping)
-  int32_t ntiles;
-  int32_t partial_base, partial_stride, item_q_begin;
-  int32_t pad_;
-  int64_t block_start;   // offset of the request's first KV block in kv_indices
-};
-
-enum RecordFlags : int32_t { kFirst = 1, kLast = 2, kEnd = 4 };
-
-struct alignas(16) TileRecord {
-  Work w;
-  int32_t tile_kv_begin;  // KV token index of the tile's row 0
-  int32_t n_valid;        // rows of the tile that hold KV tokens of the item (<= 0: none)
-  int32_t flags;
-  int32_t pad_;
-};
+using namespace attn;  // Params, Work, TileRecord, Loader, ... (shared.cuh)
 
 template <int kHeadDim_, int kRows_, int kHeadsPerChunk_, class DQ_, class DKV_, int kWarps_, int kStages_,
           int kSub_ = 1>
@@ -175,6 +61,7 @@ struct Config {
   static constexpr int kSub = kSub_;  // 16-token blocks per warp per tile
   static constexpr int kTile = 16 * kSub * kWarps;
   static constexpr bool kFp8 = KV::kFp8;
+  static constexpr bool kFragFp8 = kFp8;  // Q.K^T k dimension in the fp8 ldmatrix order
   static constexpr bool kMmaBf16 = KV::kMmaBf16;
   static constexpr bool kQBf16 = sizeof(DQ) == 2 && !std::is_same<DQ, __half>::value;
   static constexpr int kRowBytes = kHeadDim * KV::kBytes;
@@ -205,30 +92,10 @@ struct Config {
   static_assert(kKSteps % 2 == 0, "k steps come in pairs");
 };
 
-// 16-byte chunk `chunk` of tile row `row`, XOR-swizzled so that ldmatrix's 8 rows hit 8 distinct
-// bank groups (rows of 64 bytes pair up two rows per 128-byte line).
-template <int kChunksPerRow>
-__device__ __forceinline__ int swizzle(int row, int chunk) {
-  if constexpr (kChunksPerRow >= 8) {
-    return chunk ^ (row & 7);
-  } else {
-    return chunk ^ ((row >> 1) & 3);
-  }
-}
-
-// Dimension of element e of register j (of a k step / m tile) held by lane group c (k layout of Q.K^T).
-template <bool kFp8>
-__device__ __forceinline__ int k_dim(int step, int j, int e, int c) {
-  return kFp8 ? 16 * step + 4 * c + 2 * j + e : 16 * step + 2 * c + 8 * j + e;
-}
 // Dimension of O^T row half `half` (0: c0/c1, 1: c2/c3) of m tile mt held by lane g.
 template <bool kFp8>
 __device__ __forceinline__ int o_dim(int mt, int half, int g) {
   return kFp8 ? 16 * mt + 2 * g + half : 16 * mt + g + 8 * half;
-}
-
-__device__ __forceinline__ void report(int32_t* flags, int32_t bit) {
-  if (flags != nullptr) atomicOr(flags, bit);
 }
 
 template <class Cfg, class Variant, class VariantParams>
@@ -249,164 +116,9 @@ struct Kernel {
   static constexpr bool kBf16 = Cfg::kMmaBf16;
   static constexpr bool kTwoN = kRows == 16;  // second n tile of packed rows in P.V
 
-  // ------------------------------------------------------------------ plan reading (loader side)
-
-  // Fill w for row sub-tile `sub` of plan item `item`; returns the item's number of sub-tiles.
-  static __device__ __forceinline__ int begin_work(const Params& p, const VariantParams& vp, int item, int sub,
-                                                   Work& w) {
-    const int4* raw = reinterpret_cast<const int4*>(p.plan + p.items_offset) + 2 * item;
-    const int4 a = __ldg(raw), b = __ldg(raw + 1);
-    // FiWorkItem: request, q_begin, q_end, kv_begin | kv_end, partial_base, partial_stride, chunk
-    const int req = a.x, q_begin = a.y, q_end = a.z, kv_begin = a.w, kv_end = b.x;
-    const int nsub = (q_end - q_begin + kRowsPerTile - 1) / kRowsPerTile;
-    if (nsub <= 0) return 0;
-    w.request = req;
-    w.kv_len = __ldg(p.kv_lens + req);
-    const int qs = __ldg(p.qo_indptr + req);
-    w.q_len = __ldg(p.qo_indptr + req + 1) - qs;
-    w.pos_off = p.kv_pos_start != nullptr ? __ldg(p.kv_pos_start + req) : 0;
-    w.block_start = p.kv_block_start_int64 ? __ldg(static_cast<const int64_t*>(p.kv_block_start) + req)
-                                           : (int64_t)__ldg(static_cast<const int32_t*>(p.kv_block_start) + req);
-    w.item_q_begin = q_begin;
-    w.partial_base = b.y;
-    w.partial_stride = b.z;
-    w.row0 = q_begin + sub * kRowsPerTile;
-    w.nrows = min(kRowsPerTile, q_end - w.row0);
-    w.q_idx0 = w.row0 - qs;
-    int lo = max(kv_begin, 0), hi = min(kv_end, w.kv_len);
-    const int q_pos_min = w.pos_off + w.kv_len - w.q_len + w.q_idx0;  // row0's position
-    const int q_pos_max = q_pos_min + w.nrows - 1;
-    if (p.causal) hi = min(hi, q_pos_max - w.pos_off + 1);
-    if constexpr (Variant::kHasKvRange) {
-      int plo = w.pos_off + lo, phi = w.pos_off + hi;
-      Variant::kv_range(vp, q_pos_min, q_pos_max, plo, phi);
-      lo = max(lo, plo - w.pos_off);
-      hi = min(hi, phi - w.pos_off);
-    }
-    if (hi < lo) hi = lo;
-    w.kv_lo = lo;
-    w.kv_hi = hi;
-    w.ntiles = max(1, (hi - lo + kTile - 1) / kTile);
-    w.pad_ = 0;
-    return nsub;
-  }
-
-  struct Cursor {
-    int item, item_end, sub, nsub, tile;
-    bool done;
-    Work w;
-  };
-
-  static __device__ __forceinline__ void seek_item(const Params& p, const VariantParams& vp, Cursor& cur) {
-    while (cur.item < cur.item_end) {
-      cur.nsub = begin_work(p, vp, cur.item, 0, cur.w);
-      if (cur.nsub > 0) break;
-      ++cur.item;
-    }
-    cur.sub = 0;
-    cur.tile = 0;
-    cur.done = cur.item >= cur.item_end;
-  }
-
-  static __device__ __forceinline__ void advance(const Params& p, const VariantParams& vp, Cursor& cur) {
-    if (cur.done) return;
-    if (++cur.tile < cur.w.ntiles) return;
-    cur.tile = 0;
-    if (++cur.sub < cur.nsub) {
-      begin_work(p, vp, cur.item, cur.sub, cur.w);
-      return;
-    }
-    ++cur.item;
-    seek_item(p, vp, cur);
-  }
-
-  // Page ids of this thread's rows of the cursor's tile: page[r] (INT_MIN: index outside kv_indices)
-  // and slot[r] (< 0: not a KV token of the item; nothing is loaded).
-  static __device__ __forceinline__ void prefetch_pages(const Params& p, const Cursor& cur, int (&page)[kTPT],
-                                                        int (&slot)[kTPT]) {
-    const int row_base = threadIdx.x / Cfg::kChunksPerRow;
-    const int tile_begin = cur.w.kv_lo + cur.tile * kTile;
-    const int n_valid = cur.done ? 0 : cur.w.kv_hi - tile_begin;
-#pragma unroll
-    for (int r = 0; r < kTPT; ++r) {
-      const int row = row_base + r * Cfg::kRowsPerRound;
-      page[r] = -1;
-      slot[r] = -1;
-      if (row < n_valid) {
-        int blk, s;
-        ptx::divmod(p.page_div, tile_begin + row, blk, s);
-        const int64_t idx = cur.w.block_start + blk;
-        slot[r] = s;
-        page[r] = (idx >= 0 && idx < p.num_kv_indices) ? __ldg(p.kv_indices + idx) : INT32_MIN;
-      }
-    }
-    // kv_indices of a tile FI_DECODE_INDEX_AHEAD tiles on: into L2 now, so that its page-id loads
-    // (one tile ahead of its copies) do not wait on DRAM. 32 ids per 128-byte line.
-    if constexpr (FI_DECODE_INDEX_AHEAD > 0) {
-      const int ahead_begin = tile_begin + FI_DECODE_INDEX_AHEAD * kTile;
-      if (!cur.done && threadIdx.x < 8 && ahead_begin < cur.w.kv_hi) {
-        int b0, b1, s0;
-        ptx::divmod(p.page_div, ahead_begin, b0, s0);
-        ptx::divmod(p.page_div, min(ahead_begin + kTile, cur.w.kv_hi) - 1, b1, s0);
-        const int64_t first = (cur.w.block_start + b0) & ~int64_t(31);
-        const int64_t line = first + 32 * threadIdx.x;
-        if (line <= cur.w.block_start + b1 && line < p.num_kv_indices) ptx::prefetch_l2(p.kv_indices + line);
-      }
-    }
-  }
-
-  // Issue the cursor's tile into stage `st`: record, Q slot (first tile of a sub-item), K and V rows.
-  static __device__ __forceinline__ void issue(const Params& p, uint8_t* stage, const Cursor& cur,
-                                               const int (&page)[kTPT], const int (&slot)[kTPT], int kv_head) {
-    const int tid = threadIdx.x;
-    TileRecord* rec = reinterpret_cast<TileRecord*>(stage + 2 * Cfg::kKvTileBytes + Cfg::kQSlotBytes);
-    if (cur.done) {
-      if (tid == 0) rec->flags = kEnd;
-      return;
-    }
-    const int tile_begin = cur.w.kv_lo + cur.tile * kTile;
-    if (tid == 0) {
-      rec->w = cur.w;
-      rec->tile_kv_begin = tile_begin;
-      rec->n_valid = cur.w.kv_hi - tile_begin;
-      rec->flags = (cur.tile == 0 ? kFirst : 0) | (cur.tile == cur.w.ntiles - 1 ? kLast : 0);
-    }
-    if (cur.tile == 0) {  // query tile: packed row pr = local row * kHPC + local head, zeros past nrows
-      constexpr int kChunksQ = kHeadDim * 2 / 16;
-      const uint32_t qslot = ptx::smem_u32(stage + 2 * Cfg::kKvTileBytes);
-      const int head0 = blockIdx.y * kHPC;
-#pragma unroll
-      for (int i = tid; i < kRows * kChunksQ; i += kThreads) {
-        const int pr = i / kChunksQ, ch = i % kChunksQ;
-        const int r = pr / kHPC, h = pr % kHPC;
-        const bool ok = pr < Cfg::kPackedRows && r < cur.w.nrows;
-        const DQ* src = static_cast<const DQ*>(p.q) + (ok ? (int64_t)(cur.w.row0 + r) * p.q_stride_row +
-                                                              (int64_t)(head0 + h) * p.q_stride_head + ch * 8
-                                                        : 0);
-        ptx::cp_async_16(qslot + i * 16, src, ok);
-      }
-    }
-    const uint32_t ks = ptx::smem_u32(stage), vs = ks + Cfg::kKvTileBytes;
-    const int row_base = tid / Cfg::kChunksPerRow, chunk = tid % Cfg::kChunksPerRow;
-    const char* kbase = static_cast<const char*>(p.k);
-    const char* vbase = static_cast<const char*>(p.v);
-    const int64_t head_off = (int64_t)kv_head * p.kv_stride_head;
-#pragma unroll
-    for (int r = 0; r < kTPT; ++r) {
-      const int row = row_base + r * Cfg::kRowsPerRound;
-      bool ok = slot[r] >= 0;
-      if (ok && (page[r] < 0 || page[r] >= p.num_kv_blocks)) {
-        report(p.error_flags, page[r] == INT32_MIN ? kErrIndexOutOfRange : kErrPageOutOfRange);
-        ok = false;
-      }
-      const int64_t off = ok ? ((int64_t)page[r] * p.kv_stride_block + (int64_t)slot[r] * p.kv_stride_token +
-                                head_off) * Cfg::KV::kBytes + chunk * 16
-                             : 0;
-      const uint32_t dst = row * Cfg::kRowBytes + swizzle<Cfg::kChunksPerRow>(row, chunk) * 16;
-      ptx::cp_async_16<FI_DECODE_L2_PREFETCH>(ks + dst, kbase + off, ok);
-      ptx::cp_async_16<FI_DECODE_L2_PREFETCH>(vs + dst, vbase + off, ok);
-    }
-  }
+  using L = Loader<Cfg, Variant, VariantParams>;
+  using E = Epilogue<Cfg, Variant, VariantParams>;
+  using Cursor = typename L::Cursor;
 
   // ------------------------------------------------------------------ compute side
 
@@ -448,7 +160,7 @@ struct Kernel {
         }
       if constexpr (Variant::kHasQueryTransform) {
         const RotaryCtx ctx{ri[hf].q_pos, ri[hf].qo_head, w.request};
-        rotate_pairs(vp, x, ctx, c, /*is_key=*/false);
+        E::rotate_pairs(vp, x, ctx, c, /*is_key=*/false);
       }
 #pragma unroll
       for (int s = 0; s < kKSteps; ++s)
@@ -465,37 +177,6 @@ struct Kernel {
     if constexpr (!kTwoN) {
 #pragma unroll
       for (int s = 0; s < kKSteps; ++s) qa[s][1] = qa[s][3] = 0u;
-    }
-  }
-
-  // Query/KeyTransform over the pairs one lane holds: (d, d + D/2) sit in k steps s and s + kKSteps/2
-  // at the same slot; interleaved pairs (2i, 2i + 1) are the two halves of one register.
-  static __device__ __forceinline__ void rotate_pairs(const VariantParams& vp, float (&x)[kKSteps][2][2],
-                                                      const RotaryCtx& ctx, int c, bool is_key) {
-    if constexpr (Variant::kRotaryInterleave) {
-#pragma unroll
-      for (int s = 0; s < kKSteps; ++s)
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int i = k_dim<kFp8>(s, j, 0, c) / 2;
-          if (is_key)
-            Variant::key_transform(vp, x[s][j][0], x[s][j][1], i, ctx);
-          else
-            Variant::query_transform(vp, x[s][j][0], x[s][j][1], i, ctx);
-        }
-    } else {
-#pragma unroll
-      for (int s = 0; s < kKSteps / 2; ++s)
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int i = k_dim<kFp8>(s, j, e, c);
-            if (is_key)
-              Variant::key_transform(vp, x[s][j][e], x[s + kKSteps / 2][j][e], i, ctx);
-            else
-              Variant::query_transform(vp, x[s][j][e], x[s + kKSteps / 2][j][e], i, ctx);
-          }
     }
   }
 
@@ -556,65 +237,6 @@ struct Kernel {
 
   // ------------------------------------------------------------------ epilogue
 
-  // Final O (8 consecutive dims of one packed row) -> output or partial rows.
-  static __device__ __forceinline__ void store_out(const Params& p, const VariantParams& vp, int q_row, int qo_head,
-                                                   int d0, const float (&o)[8]) {
-    DQ* dst = static_cast<DQ*>(p.out) + (int64_t)q_row * p.out_stride_row + (int64_t)qo_head * p.out_stride_head + d0;
-    uint32_t packed[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float lo = o[2 * i], hi = o[2 * i + 1];
-      if constexpr (Variant::kHasOutputTransform) {
-        lo = Variant::output_transform(vp, lo, OutputCtx{q_row, qo_head, d0 + 2 * i});
-        hi = Variant::output_transform(vp, hi, OutputCtx{q_row, qo_head, d0 + 2 * i + 1});
-      }
-      packed[i] = ptx::pack2<Cfg::kQBf16>(lo, hi);
-    }
-    *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-  }
-
-  // Merge the partial states of `q_row` (all chunks written, fences done) for this CTA's heads.
-  static __device__ __forceinline__ void merge_row(const Params& p, const VariantParams& vp, int q_row) {
-    const int32_t* mi = p.plan + p.merge_indptr_offset;
-    const int j0 = __ldcg(mi + q_row), j1 = __ldcg(mi + q_row + 1);
-    constexpr int kVecs = kHeadDim / 8;
-    for (int i = threadIdx.x; i < kHPC * kVecs; i += kThreads) {
-      const int h = i / kVecs, d0 = (i % kVecs) * 8;
-      const int qo_head = blockIdx.y * kHPC + h;
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      float mx = -INFINITY;
-      // Unrolled so that several partial states' loads are in flight (this runs on the kernel's tail).
-      if constexpr (Variant::kUseSoftmax) {
-#pragma unroll 4
-        for (int j = j0; j < j1; ++j) mx = fmaxf(mx, __ldcg(p.partial_lse + (int64_t)j * p.num_qo_heads + qo_head));
-      }
-      float den = 0.f;
-#pragma unroll 4
-      for (int j = j0; j < j1; ++j) {
-        float wgt = 1.f;
-        if constexpr (Variant::kUseSoftmax) {
-          const float l = __ldcg(p.partial_lse + (int64_t)j * p.num_qo_heads + qo_head);
-          wgt = l == -INFINITY ? 0.f : __expf(l - mx);
-          den += wgt;
-          if (wgt == 0.f) continue;  // empty state: its O is never read
-        }
-        const float4* src = reinterpret_cast<const float4*>(
-            p.partial_o + ((int64_t)j * p.num_qo_heads + qo_head) * kHeadDim + d0);
-        const float4 u = __ldcg(src), v = __ldcg(src + 1);
-        acc[0] += wgt * u.x; acc[1] += wgt * u.y; acc[2] += wgt * u.z; acc[3] += wgt * u.w;
-        acc[4] += wgt * v.x; acc[5] += wgt * v.y; acc[6] += wgt * v.z; acc[7] += wgt * v.w;
-      }
-      if constexpr (Variant::kUseSoftmax) {
-        const float inv = den > 0.f ? 1.f / den : 0.f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] *= inv;
-        if (p.lse != nullptr && d0 == 0)
-          p.lse[(int64_t)q_row * p.lse_stride_row + qo_head] = den > 0.f ? mx + logf(den) : -INFINITY;
-      }
-      store_out(p, vp, q_row, qo_head, d0, acc);
-    }
-  }
-
   // ------------------------------------------------------------------ the kernel
 
   static __device__ __forceinline__ void run(const Params& p, const VariantParams& vp, uint8_t* smem) {
@@ -625,20 +247,20 @@ struct Kernel {
     Cursor cur;
     cur.item = __ldg(cta_indptr + blockIdx.x);
     cur.item_end = __ldg(cta_indptr + blockIdx.x + 1);
-    seek_item(p, vp, cur);
+    L::seek_item(p, vp, cur);
     if (cur.done) return;
 
     float2* md = reinterpret_cast<float2*>(smem + kStages * Cfg::kStageBytes);  // [warp][row] (m, d)
     int* merge_mask = reinterpret_cast<int*>(smem + kStages * Cfg::kStageBytes + Cfg::kMdBytes);
 
     int page[kTPT], slot[kTPT];
-    prefetch_pages(p, cur, page, slot);
+    L::prefetch_pages(p, cur, page, slot);
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
-      issue(p, smem + s * Cfg::kStageBytes, cur, page, slot, kv_head);
+      L::issue(p, smem + s * Cfg::kStageBytes, cur, page, slot, kv_head);
       ptx::cp_async_commit();
-      advance(p, vp, cur);
-      prefetch_pages(p, cur, page, slot);
+      L::advance(p, vp, cur);
+      L::prefetch_pages(p, cur, page, slot);
     }
 
     // Online-softmax state of the rows this lane holds: S rows g (and g + 8); O^T columns 2c, 2c + 1.
@@ -653,10 +275,10 @@ struct Kernel {
       uint8_t* stage = smem + st * Cfg::kStageBytes;
       ptx::cp_async_wait<kStages - 2>();
       __syncthreads();
-      issue(p, smem + ((j + kStages - 1) % kStages) * Cfg::kStageBytes, cur, page, slot, kv_head);
+      L::issue(p, smem + ((j + kStages - 1) % kStages) * Cfg::kStageBytes, cur, page, slot, kv_head);
       ptx::cp_async_commit();
-      advance(p, vp, cur);
-      prefetch_pages(p, cur, page, slot);
+      L::advance(p, vp, cur);
+      L::prefetch_pages(p, cur, page, slot);
 
       const TileRecord* rec = reinterpret_cast<const TileRecord*>(stage + 2 * Cfg::kKvTileBytes + Cfg::kQSlotBytes);
       const int flags = rec->flags;
@@ -704,7 +326,7 @@ struct Kernel {
                 x[st2][jj][1] = f.y;
               }
             const int kv_idx = tile_begin + tb + 8 * nt + g;
-            rotate_pairs(vp, x, RotaryCtx{w.pos_off + kv_idx, kv_head, w.request}, c, /*is_key=*/true);
+            E::rotate_pairs(vp, x, RotaryCtx{w.pos_off + kv_idx, kv_head, w.request}, c, /*is_key=*/true);
 #pragma unroll
             for (int st2 = 0; st2 < kKSteps; ++st2)
 #pragma unroll
@@ -909,7 +531,7 @@ struct Kernel {
         for (int e = 0; e < 8; ++e) acc[e] *= scale;
         const int d0 = pass * kPassDim + dl;
         if (!split) {
-          store_out(p, vp, q_row, qo_head, d0, acc);
+          E::store_out(p, vp, q_row, qo_head, d0, acc);
           if (Variant::kUseSoftmax && p.lse != nullptr && d0 == 0)
             p.lse[(int64_t)q_row * p.lse_stride_row + qo_head] = lse_val;
         } else {
@@ -945,7 +567,7 @@ struct Kernel {
     if (mask) {
       __threadfence();
       for (int r = 0; r < nrows; ++r)
-        if (mask & (1 << r)) merge_row(p, vp, row0 + r);
+        if (mask & (1 << r)) E::merge_row(p, vp, row0 + r);
     }
   }
 };

@@ -1,17 +1,18 @@
-// Decode attention module template (rendered by fi_backend/variants.py + fi_backend/kernels): one
-// (head_dim, packed rows, heads per chunk, dtypes, variant) instantiation of csrc/attention/decode.cuh.
+// Attention module template (rendered by fi_backend/wrappers.py + variants.py + kernels): one kernel
+// (KERNEL: decode, csrc/attention/decode.cuh, or prefill, csrc/attention/prefill.cuh) for one shape
+// (CONFIG: head_dim, heads per chunk, dtypes, warps, tiles, stages) and one variant.
 //
 // Exports
-//   fi_decode_run(const Params*, const VariantParams*, grid_x, grid_y, stream) -> cudaError_t, or -1
+//   fi_attention_run(const Params*, const VariantParams*, grid_x, grid_y, stream) -> cudaError_t, or -1
 //       when the launch succeeded into a stream that is being captured (the caller then pins what the
 //       graph will read)
-//   fi_decode_layout(int64_t* out, int n) -> number of values: sizes and field offsets of Params and
+//   fi_attention_layout(int64_t* out, int n) -> number of values: sizes and field offsets of Params and
 //       VariantParams and the kernel shape, so the Python side can check its ctypes mirror
-//   fi_decode_occupancy(int* blocks_per_sm) -> cudaError_t (needs a device)
+//   fi_attention_occupancy(int* blocks_per_sm) -> cudaError_t (needs a device)
 #include <stddef.h>
 
 #include "common.h"
-#include "attention/decode.cuh"
+#include "attention/{{KERNEL}}.cuh"
 
 // Hooks a variant does not use are rendered (so the template always compiles) but never referenced.
 #pragma nv_diag_suppress 177
@@ -28,13 +29,12 @@ struct Variant {
 {{VARIANT_BODY}}
 };
 
-using Cfg = fi::decode::Config<{{HEAD_DIM}}, {{ROWS}}, {{HEADS_PER_CHUNK}}, {{Q_DTYPE}}, {{KV_DTYPE}}, {{WARPS}},
-                               {{STAGES}}, {{SUB}}>;
-using Impl = fi::decode::Kernel<Cfg, Variant, VariantParams>;
+using Cfg = fi::{{KERNEL}}::Config<{{CONFIG}}>;
+using Impl = fi::{{KERNEL}}::Kernel<Cfg, Variant, VariantParams>;
 
 // MIN_BLOCKS: CTAs per SM that shared memory allows; the register budget follows from it.
 __global__ void __launch_bounds__(Cfg::kThreads, {{MIN_BLOCKS}})
-    decode_kernel(const __grid_constant__ fi::decode::Params p, const __grid_constant__ VariantParams vp) {
+    attention_kernel(const __grid_constant__ fi::attn::Params p, const __grid_constant__ VariantParams vp) {
   extern __shared__ __align__(128) uint8_t smem[];
   Impl::run(p, vp, smem);
 }
@@ -47,38 +47,38 @@ int configure() {
   FI_CUDA_TRY(cudaGetDevice(&dev));
   const unsigned long long bit = dev < 64 ? (1ull << dev) : 0ull;
   if (bit && (g_configured & bit)) return 0;
-  FI_CUDA_TRY(cudaFuncSetAttribute(decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
+  FI_CUDA_TRY(cudaFuncSetAttribute(attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes));
   g_configured |= bit;
   return 0;
 }
 
 }  // namespace
 
-FI_EXPORT int fi_decode_run(const fi::decode::Params* p, const VariantParams* vp, int32_t grid_x, int32_t grid_y,
+FI_EXPORT int fi_attention_run(const fi::attn::Params* p, const VariantParams* vp, int32_t grid_x, int32_t grid_y,
                             void* stream) {
   FI_REQUIRE(p != nullptr && vp != nullptr && grid_x >= 1 && grid_y >= 1 && grid_y <= 65535);
   const int rc = configure();
   if (rc) return rc;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   FI_CUDA_TRY(cudaStreamIsCapturing((cudaStream_t)stream, &capture));
-  decode_kernel<<<dim3(grid_x, grid_y), dim3(Cfg::kThreads), Cfg::kSmemBytes, (cudaStream_t)stream>>>(*p, *vp);
+  attention_kernel<<<dim3(grid_x, grid_y), dim3(Cfg::kThreads), Cfg::kSmemBytes, (cudaStream_t)stream>>>(*p, *vp);
   const int err = (int)cudaGetLastError();
   return err ? err : (capture == cudaStreamCaptureStatusActive ? -1 : 0);
 }
 
-#define FI_PARAMS_FIELD(name) out[i++] = (int64_t)offsetof(fi::decode::Params, name)
+#define FI_PARAMS_FIELD(name) out[i++] = (int64_t)offsetof(fi::attn::Params, name)
 
-FI_EXPORT int fi_decode_layout(int64_t* out, int n) {
+FI_EXPORT int fi_attention_layout(int64_t* out, int n) {
   int64_t tmp[64];
   int i = 0;
   if (out == nullptr || n < 64) out = tmp;
   out[i++] = Cfg::kThreads;
   out[i++] = Cfg::kSmemBytes;
   out[i++] = Cfg::kTile;
-  out[i++] = Cfg::kRows;
+  out[i++] = Cfg::kPackedRows;
   out[i++] = Cfg::kHeadsPerChunk;
   out[i++] = Cfg::kRowsPerTile;
-  out[i++] = (int64_t)sizeof(fi::decode::Params);
+  out[i++] = (int64_t)sizeof(fi::attn::Params);
   out[i++] = (int64_t)sizeof(VariantParams);
   FI_PARAMS_FIELD(q);
   FI_PARAMS_FIELD(out);
@@ -100,10 +100,10 @@ FI_EXPORT int fi_decode_layout(int64_t* out, int n) {
   return i;
 }
 
-FI_EXPORT int fi_decode_occupancy(int* blocks_per_sm) {
+FI_EXPORT int fi_attention_occupancy(int* blocks_per_sm) {
   FI_REQUIRE(blocks_per_sm != nullptr);
   const int rc = configure();
   if (rc) return rc;
-  return (int)cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, decode_kernel, Cfg::kThreads,
+  return (int)cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, attention_kernel, Cfg::kThreads,
                                                             Cfg::kSmemBytes);
 }

@@ -1,0 +1,53 @@
+"""Build, on a machine with nvcc and no GPU, every attention module the GPU tests and benchmarks load, into
+$FI_BACKEND_CACHE_DIR (then pack it for the GPU machine: see .ci/gpu). Usage:
+    FI_BACKEND_CACHE_DIR=$PWD/.fi_cache FI_BACKEND_CUDA_ARCH_LIST=90a python3 .ci/prebuild.py [--jobs N]
+Keep in step with tests/test_decode_gpu.py, tests/test_prefill_gpu.py and perf/."""
+import argparse
+import itertools
+import sys
+import time
+
+sys.path.insert(0, ".")
+from fi_backend import kernels, variants as V  # noqa: E402
+from fi_backend.kernels.sets import specs_of  # noqa: E402
+from fi_backend.wrappers import decode_spec, prefill_spec  # noqa: E402
+
+_VARIANTS = ("default", "soft_cap", "window", "alibi", "sigmoid", "custom_mask", "rope", "rope_interleave",
+             "soft_cap_window", "rope_window")
+
+
+def specs():
+    out = list(specs_of(["merge"]))
+    for spec_fn in (decode_spec, prefill_spec):
+        add = lambda v, D, q, kv, g: out.append(spec_fn(v, D, q, kv, g))  # noqa: E731
+        for D, g, q in itertools.product((64, 128, 256), (1, 4, 8), ("bf16", "fp16")):
+            add(V.DEFAULT, D, q, q, g)
+        for kv, D in itertools.product(("fp8_e4m3", "fp8_e5m2"), (64, 128, 256)):
+            add(V.DEFAULT, D, "bf16", kv, 4)
+        add(V.DEFAULT, 128, "fp16", "fp8_e4m3", 4)
+        add(V.DEFAULT, 128, "bf16", "fp8_e4m3", 8)
+        for name, q in itertools.product(_VARIANTS, ("bf16", "fp16")):
+            add(V.BUILTIN_VARIANTS[name], 128, q, q, 4)
+        for name in ("soft_cap", "window", "alibi", "default"):
+            add(V.BUILTIN_VARIANTS[name], 128, "bf16", "bf16", 1)
+        add(V.ROPE, 128, "bf16", "fp8_e4m3", 4)
+        add(V.ROPE, 128, "bf16", "bf16", 4)
+    seen, uniq = set(), []
+    for s in out:
+        if s.memo_key not in seen:
+            seen.add(s.memo_key)
+            uniq.append(s)
+    return uniq
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--jobs", type=int, default=2)
+    a = ap.parse_args()
+    todo = specs()
+    t = time.time()
+    res = kernels.build_many(todo, archs="90a", jobs=a.jobs,
+                             on_done=lambda s, r: print(s.tag, r, flush=True) if isinstance(r, Exception) else None)
+    failed = sum(isinstance(r, Exception) for r in res)
+    print(f"{len(todo)} modules in {time.time() - t:.0f} s, {failed} failed")
+    sys.exit(1 if failed else 0)

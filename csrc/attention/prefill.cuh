@@ -1,0 +1,483 @@
+// Persistent prefill / append attention over the BSR KV format, driven by the plan (csrc/plan.h):
+// FlashAttention-2 on tensor cores for query tiles of many rows, sharing the decode kernel's loader,
+// plan reading, variant hooks and split merge (csrc/attention/shared.cuh).
+//
+// Grid (num_ctas, num_kv_heads * num_head_chunks), fixed, as for decode: CTA (c, y) runs work queue c
+// of the plan for KV head y / num_head_chunks and its kHeadsPerChunk query heads (head-group fusion:
+// a query tile of kTileRows = 16 * kWarps "packed rows", packed row = local row * kHPC + local head,
+// so short queries of a GQA group fill the tile and each KV tile is loaded once for all its heads).
+//
+// Tiles. Warp w owns packed rows [16 w, 16 w + 16) of the query tile and the whole KV tile (kTile
+// tokens per stage): no cross-warp reduction. mma.sync m16n8k16, fp32 accumulators:
+//   S [16 x kTile] = Q [16 x D] . K^T     A = Q (registers, loaded once per sub-item), B = K (ldmatrix)
+//   O [16 x D]    += P [16 x kTile] . V    A = P (the C fragment of S, repacked), B = V (ldmatrix.trans)
+// MMAs run in the query's type. fp8 KV and key transforms (RoPE) go through one pass over the landed
+// tile: fp8 is converted exactly into a 16-bit copy (e4m3 and e5m2 are exact in bf16 and fp16), a
+// KeyTransform rotates K in fp32 in that pass; the per-tensor scales fold into the logits scale and
+// the output.
+//
+// Masks. Causal tiles past a warp's last row are skipped (the loader already stops at the sub-item's
+// last row); the per-element mask runs only on tiles that need it: the diagonal of a causal tile, the
+// last partial tile, or a variant with a LogitsMask.
+#pragma once
+
+#include <math.h>
+#include <stdint.h>
+
+#include <type_traits>
+
+#include "shared.cuh"
+
+namespace fi {
+namespace prefill {
+
+using namespace attn;  // Params, Work, TileRecord, Loader, Epilogue (shared.cuh)
+
+template <int kHeadDim_, int kHeadsPerChunk_, class DQ_, class DKV_, int kWarps_, int kTileKv_, int kStages_>
+struct Config {
+  using DQ = DQ_;
+  using DKV = DKV_;
+  using KV = KvType<DKV>;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadsPerChunk = kHeadsPerChunk_;
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kStages = kStages_;
+  static constexpr int kTile = kTileKv_;  // KV tokens per stage
+  static constexpr int kTileRows = 16 * kWarps;
+  static constexpr int kRowsPerTile = kTileRows / kHeadsPerChunk;  // query rows per sub-item
+  static constexpr int kPackedRows = kRowsPerTile * kHeadsPerChunk;
+  static constexpr int kRows = 0;        // no query slot in the stages: warps load their Q rows
+  static constexpr int kQSlotBytes = 0;
+  static constexpr bool kFp8 = KV::kFp8;
+  static constexpr bool kFragFp8 = false;  // MMAs see 16-bit K/V in natural order
+  static constexpr bool kQBf16 = sizeof(DQ) == 2 && !std::is_same<DQ, __half>::value;
+  static constexpr bool kMmaBf16 = kQBf16;
+  static constexpr int kKSteps = kHeadDim / 16;
+  static constexpr int kRowBytes = kHeadDim * KV::kBytes;
+  static constexpr int kChunksPerRow = kRowBytes / 16;
+  static constexpr int kRowsPerRound = kThreads / kChunksPerRow;
+  static constexpr int kTokensPerThread = kTile / kRowsPerRound;
+  static constexpr int kKvTileBytes = kTile * kRowBytes;
+  static constexpr int kCRowBytes = kHeadDim * 2;  // the 16-bit copy of a converted tile
+  static constexpr int kCChunksPerRow = kCRowBytes / 16;
+  static constexpr int kCTileBytes = kTile * kCRowBytes;
+  static constexpr int kStageBytes = (2 * kKvTileBytes + (int)sizeof(TileRecord) + 127) / 128 * 128;
+  static constexpr int kConvertBytes = kFp8 ? 2 * kCTileBytes : 0;
+  static constexpr int kFlagBytes = kTileRows * 4;  // rows whose split merge this CTA owns
+  static constexpr int kSmemBytes = kStages * kStageBytes + kConvertBytes + kFlagBytes;
+
+  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim must be 64, 128 or 256");
+  static_assert(kStages >= 2, "the pipeline needs at least two stages");
+  static_assert(kHeadsPerChunk >= 1 && kHeadsPerChunk <= kTileRows, "heads per chunk must fit in a tile");
+  static_assert(kTile % 16 == 0 && kTile >= 16, "KV tile of 16-token blocks");
+  static_assert(kThreads % kChunksPerRow == 0 && kTile % kRowsPerRound == 0, "loader shape");
+  static_assert(kChunksPerRow >= 4, "rows of at least 64 bytes");
+};
+
+template <class Cfg, class Variant, class VariantParams>
+struct Kernel {
+  using DQ = typename Cfg::DQ;
+  using L = Loader<Cfg, Variant, VariantParams>;
+  using E = Epilogue<Cfg, Variant, VariantParams>;
+  using Cursor = typename L::Cursor;
+  static constexpr int kThreads = Cfg::kThreads;
+  static constexpr int kTile = Cfg::kTile;
+  static constexpr int kStages = Cfg::kStages;
+  static constexpr int kHeadDim = Cfg::kHeadDim;
+  static constexpr int kHPC = Cfg::kHeadsPerChunk;
+  static constexpr int kKSteps = Cfg::kKSteps;
+  static constexpr int kDTiles = kHeadDim / 8;  // n tiles of O
+  static constexpr int kNTiles = kTile / 8;     // n tiles of S
+  static constexpr int kTPT = Cfg::kTokensPerThread;
+  static constexpr bool kFp8 = Cfg::kFp8;
+  static constexpr bool kBf16 = Cfg::kMmaBf16;
+  static constexpr bool kConvert = kFp8 || Variant::kHasKeyTransform;
+
+  struct RowInfo {  // packed rows g and g + 8 of the warp
+    int q_row, q_idx, q_pos, qo_head, climit;
+    bool valid;
+  };
+
+  static __device__ __forceinline__ RowInfo row_info(const Work& w, int pr) {
+    RowInfo ri;
+    const int r = pr / kHPC;
+    ri.q_row = w.row0 + r;
+    ri.q_idx = w.q_idx0 + r;
+    ri.q_pos = w.pos_off + w.kv_len - w.q_len + ri.q_idx;
+    ri.qo_head = blockIdx.y * kHPC + pr % kHPC;
+    ri.climit = w.kv_len - w.q_len + ri.q_idx;  // causal (bottom-right): kv_idx <= climit
+    ri.valid = pr < Cfg::kPackedRows && r < w.nrows;
+    return ri;
+  }
+
+  // Q fragments of this warp's rows straight from global memory (once per sub-item), QueryTransform in
+  // fp32. Register layout of the m16n8k16 A fragment: a0/a2 rows g, a1/a3 rows g + 8.
+  static __device__ __forceinline__ void load_q(const Params& p, const VariantParams& vp, const Work& w,
+                                                const RowInfo (&ri)[2], uint32_t (&qa)[kKSteps][4]) {
+    const int c = threadIdx.x & 3;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      float x[kKSteps][2][2];
+      const DQ* src = static_cast<const DQ*>(p.q) + (int64_t)ri[hf].q_row * p.q_stride_row +
+                      (int64_t)ri[hf].qo_head * p.q_stride_head;
+#pragma unroll
+      for (int s = 0; s < kKSteps; ++s)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const uint32_t u = ri[hf].valid ? __ldg(reinterpret_cast<const uint32_t*>(src + k_dim<false>(s, j, 0, c))) : 0u;
+          const float2 f = ptx::unpack2<Cfg::kQBf16>(u);
+          x[s][j][0] = f.x;
+          x[s][j][1] = f.y;
+        }
+      if constexpr (Variant::kHasQueryTransform) {
+        if (ri[hf].valid) E::rotate_pairs(vp, x, RotaryCtx{ri[hf].q_pos, ri[hf].qo_head, w.request}, c, false);
+      }
+#pragma unroll
+      for (int s = 0; s < kKSteps; ++s)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) qa[s][2 * j + hf] = ptx::pack2<kBf16>(x[s][j][0], x[s][j][1]);
+    }
+  }
+
+  // ------------------------------------------------------------------ fp8 / KeyTransform pass
+
+  // 8 consecutive dims [8 dc, 8 dc + 8) of tile row `row` as floats.
+  static __device__ __forceinline__ void read8(const uint8_t* tile, int row, int dc, float (&x)[8]) {
+    uint32_t w[4];
+    if constexpr (kFp8) {
+      const uint2 u = *reinterpret_cast<const uint2*>(
+          tile + row * Cfg::kRowBytes + swizzle<Cfg::kChunksPerRow>(row, dc >> 1) * 16 + (dc & 1) * 8);
+      w[0] = ptx::fp8x2_to_f16x2<Cfg::KV::kE5m2>(u.x);
+      w[1] = ptx::fp8x2_to_f16x2<Cfg::KV::kE5m2>(u.x >> 16);
+      w[2] = ptx::fp8x2_to_f16x2<Cfg::KV::kE5m2>(u.y);
+      w[3] = ptx::fp8x2_to_f16x2<Cfg::KV::kE5m2>(u.y >> 16);
+    } else {
+      const uint4 u = *reinterpret_cast<const uint4*>(tile + row * Cfg::kRowBytes +
+                                                      swizzle<Cfg::kChunksPerRow>(row, dc) * 16);
+      w[0] = u.x, w[1] = u.y, w[2] = u.z, w[3] = u.w;
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 f = ptx::unpack2<kFp8 ? false : kBf16>(w[k]);
+      x[2 * k] = f.x;
+      x[2 * k + 1] = f.y;
+    }
+  }
+
+  static __device__ __forceinline__ void write8(uint8_t* tile, int row, int dc, const float (&x)[8]) {
+    const uint4 u = make_uint4(ptx::pack2<kBf16>(x[0], x[1]), ptx::pack2<kBf16>(x[2], x[3]),
+                               ptx::pack2<kBf16>(x[4], x[5]), ptx::pack2<kBf16>(x[6], x[7]));
+    *reinterpret_cast<uint4*>(tile + row * Cfg::kCRowBytes + swizzle<Cfg::kCChunksPerRow>(row, dc) * 16) = u;
+  }
+
+  // The landed tile's K (and V for fp8) as 16-bit rows in the MMA type, K rotated by the KeyTransform:
+  // into cbuf for fp8, in place otherwise. Every row is converted (rows past the item's tokens hold the
+  // loader's zeros), so masked rows are finite zeros and P.V never meets garbage.
+  static __device__ __forceinline__ void convert_tile(const VariantParams& vp, uint8_t* stage, uint8_t* cbuf,
+                                                      const TileRecord* rec, int kv_head) {
+    constexpr int kUnits = kHeadDim / 16;  // a unit: dims [8 u, 8 u + 8) and the same + D/2
+    const int pos0 = rec->w.pos_off + rec->tile_kv_begin, request = rec->w.request;
+    for (int idx = threadIdx.x; idx < kTile * kUnits; idx += kThreads) {
+      const int row = idx / kUnits, dc = idx % kUnits;
+#pragma unroll
+      for (int which = 0; which < (kFp8 ? 2 : 1); ++which) {  // 0: K, 1: V (16-bit V is used in place)
+        const uint8_t* src = stage + which * Cfg::kKvTileBytes;
+        uint8_t* dst = kFp8 ? cbuf + which * Cfg::kCTileBytes : stage;
+        float a[8], b[8];
+        read8(src, row, dc, a);
+        read8(src, row, dc + kUnits, b);
+        if constexpr (Variant::kHasKeyTransform) {
+          if (which == 0) {
+            const RotaryCtx ctx{pos0 + row, kv_head, request};
+            if constexpr (Variant::kRotaryInterleave) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                Variant::key_transform(vp, a[2 * e], a[2 * e + 1], 4 * dc + e, ctx);
+                Variant::key_transform(vp, b[2 * e], b[2 * e + 1], 4 * (dc + kUnits) + e, ctx);
+              }
+            } else {
+#pragma unroll
+              for (int e = 0; e < 8; ++e) Variant::key_transform(vp, a[e], b[e], 8 * dc + e, ctx);
+            }
+          }
+        }
+        write8(dst, row, dc, a);
+        write8(dst, row, dc + kUnits, b);
+      }
+    }
+  }
+
+  // ------------------------------------------------------------------ one KV tile of one warp
+
+  static __device__ __forceinline__ void compute_tile(const Params& p, const VariantParams& vp, uint32_t ks,
+                                                      uint32_t vs, const Work& w, int tile_begin, int n_valid,
+                                                      int kv_head, const RowInfo (&ri)[2], bool need_mask,
+                                                      const uint32_t (&qa)[kKSteps][4], float (&m_run)[2],
+                                                      float (&d_run)[2], float (&o)[kDTiles][4]) {
+    const int lane = threadIdx.x & 31, c = lane & 3, mi = lane >> 3, r8 = lane & 7;
+    constexpr int kRowB = kConvert ? Cfg::kCRowBytes : Cfg::kRowBytes;
+    constexpr int kChunks = kRowB / 16;
+    // ---- S = Q K^T: one ldmatrix.x4 gives the B fragments of two n tiles for one k step
+    float s[kNTiles][4];
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
+#pragma unroll
+    for (int kstep = 0; kstep < kKSteps; ++kstep) {
+#pragma unroll
+      for (int np = 0; np < kNTiles / 2; ++np) {
+        const int row = 16 * np + ((mi >> 1) << 3) + r8;
+        uint32_t r[4];
+        ptx::ldmatrix_x4(r, ks + row * kRowB + swizzle<kChunks>(row, 2 * kstep + (mi & 1)) * 16);
+        ptx::mma_16816<kBf16>(s[2 * np], qa[kstep][0], qa[kstep][1], qa[kstep][2], qa[kstep][3], r[0], r[1]);
+        ptx::mma_16816<kBf16>(s[2 * np + 1], qa[kstep][0], qa[kstep][1], qa[kstep][2], qa[kstep][3], r[2], r[3]);
+      }
+    }
+
+    // ---- logits: scale, LogitsTransform, LogitsMask (natural units); log2 units for softmax
+    const float scale_log2 = p.logits_scale * kLog2e;
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hf = e >> 1;
+        const int t = 8 * nt + 2 * c + (e & 1);
+        const int kv_idx = tile_begin + t;
+        bool ok = true;
+        if (need_mask) {
+          ok = ri[hf].valid && t < n_valid;
+          if (p.causal) ok = ok && kv_idx <= ri[hf].climit;
+        }
+        LogitsCtx ctx;
+        if constexpr (Variant::kHasLogitsMask || Variant::kHasLogitsTransform) {
+          ctx = LogitsCtx{w.request, ri[hf].q_row, ri[hf].q_idx, ri[hf].q_pos, kv_idx, w.pos_off + kv_idx,
+                          ri[hf].qo_head, kv_head, w.q_len, w.kv_len};
+        }
+        if constexpr (Variant::kHasLogitsMask) ok = ok && Variant::logits_mask(vp, ctx);
+        float y;
+        if constexpr (Variant::kUseSoftmax) {
+          if constexpr (Variant::kHasLogitsTransform)
+            y = ok ? Variant::logits_transform(vp, s[nt][e] * p.logits_scale, ctx) * kLog2e : -INFINITY;
+          else
+            y = ok ? s[nt][e] * scale_log2 : -INFINITY;
+          mx[hf] = fmaxf(mx[hf], y);
+        } else {
+          if constexpr (Variant::kHasLogitsTransform)
+            y = ok ? Variant::logits_transform(vp, s[nt][e] * p.logits_scale, ctx) : 0.f;
+          else
+            y = ok ? s[nt][e] * p.logits_scale : 0.f;
+        }
+        s[nt][e] = y;
+      }
+
+    // ---- online softmax of rows g (hf 0) and g + 8 (hf 1); a row lives in the 4 lanes of a quad
+    if constexpr (Variant::kUseSoftmax) {
+      float alpha[2];
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 1));
+        mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 2));
+        const float m_new = fmaxf(m_run[hf], mx[hf]);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;
+        alpha[hf] = ptx::exp2(m_run[hf] - m_use);
+        m_run[hf] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pe = ptx::exp2(s[nt][2 * hf + e] - m_use);
+            s[nt][2 * hf + e] = pe;
+            sum += pe;
+          }
+        d_run[hf] = d_run[hf] * alpha[hf] + sum;  // per lane; the quad's sum is taken at the end
+      }
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        o[dt][0] *= alpha[0];
+        o[dt][1] *= alpha[0];
+        o[dt][2] *= alpha[1];
+        o[dt][3] *= alpha[1];
+      }
+    }
+
+    // ---- O += P V: P's A fragment is S's C fragment of two n tiles; V's B fragments by ldmatrix.trans
+#pragma unroll
+    for (int kk = 0; kk < kTile / 16; ++kk) {
+      const uint32_t a0 = ptx::pack2<kBf16>(s[2 * kk][0], s[2 * kk][1]);
+      const uint32_t a1 = ptx::pack2<kBf16>(s[2 * kk][2], s[2 * kk][3]);
+      const uint32_t a2 = ptx::pack2<kBf16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      const uint32_t a3 = ptx::pack2<kBf16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      const int row = 16 * kk + ((mi & 1) << 3) + r8;
+#pragma unroll
+      for (int dp = 0; dp < kDTiles / 2; ++dp) {
+        uint32_t r[4];
+        ptx::ldmatrix_x4_trans(r, vs + row * kRowB + swizzle<kChunks>(row, 2 * dp + (mi >> 1)) * 16);
+        ptx::mma_16816<kBf16>(o[2 * dp], a0, a1, a2, a3, r[0], r[1]);
+        ptx::mma_16816<kBf16>(o[2 * dp + 1], a0, a1, a2, a3, r[2], r[3]);
+      }
+    }
+  }
+
+  // ------------------------------------------------------------------ the kernel
+
+  static __device__ __forceinline__ void run(const Params& p, const VariantParams& vp, uint8_t* smem) {
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
+    const int kv_head = blockIdx.y / p.num_head_chunks;
+    const int32_t* cta_indptr = p.plan + FI_PLAN_HEADER_INTS;
+
+    Cursor cur;
+    cur.item = __ldg(cta_indptr + blockIdx.x);
+    cur.item_end = __ldg(cta_indptr + blockIdx.x + 1);
+    L::seek_item(p, vp, cur);
+    if (cur.done) return;
+
+    uint8_t* cbuf = smem + kStages * Cfg::kStageBytes;
+    int* merge_flags = reinterpret_cast<int*>(cbuf + Cfg::kConvertBytes);
+
+    int page[kTPT], slot[kTPT];
+    L::prefetch_pages(p, cur, page, slot);
+#pragma unroll
+    for (int st = 0; st < kStages - 1; ++st) {
+      L::issue(p, smem + st * Cfg::kStageBytes, cur, page, slot, kv_head);
+      ptx::cp_async_commit();
+      L::advance(p, vp, cur);
+      L::prefetch_pages(p, cur, page, slot);
+    }
+
+    float m_run[2], d_run[2], o[kDTiles][4];
+    uint32_t qa[kKSteps][4];
+    RowInfo ri[2];
+    bool warp_active = false;
+    int warp_climit_lo = 0, warp_climit_hi = 0;  // causal limits of the warp's first and last real row
+
+    for (int j = 0;; ++j) {
+      uint8_t* stage = smem + (j % kStages) * Cfg::kStageBytes;
+      ptx::cp_async_wait<kStages - 2>();
+      __syncthreads();
+      L::issue(p, smem + ((j + kStages - 1) % kStages) * Cfg::kStageBytes, cur, page, slot, kv_head);
+      ptx::cp_async_commit();
+      L::advance(p, vp, cur);
+      L::prefetch_pages(p, cur, page, slot);
+
+      const TileRecord* rec = reinterpret_cast<const TileRecord*>(stage + 2 * Cfg::kKvTileBytes);
+      const int flags = rec->flags;
+      if (flags & kEnd) break;
+      const Work& w = rec->w;
+      if (flags & kFirst) {
+        ri[0] = row_info(w, 16 * warp + g);
+        ri[1] = row_info(w, 16 * warp + g + 8);
+        const int first_pr = 16 * warp;
+        const int last_r = min((16 * warp + 15) / kHPC, w.nrows - 1);
+        warp_active = first_pr < Cfg::kPackedRows && first_pr / kHPC < w.nrows;
+        warp_climit_lo = w.kv_len - w.q_len + w.q_idx0 + first_pr / kHPC;
+        warp_climit_hi = w.kv_len - w.q_len + w.q_idx0 + last_r;
+        if (warp_active) load_q(p, vp, w, ri, qa);
+        m_run[0] = m_run[1] = -INFINITY;
+        d_run[0] = d_run[1] = 0.f;
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o[dt][e] = 0.f;
+      }
+
+      uint32_t ks = ptx::smem_u32(stage), vs = ks + Cfg::kKvTileBytes;
+      if constexpr (kConvert) {
+        convert_tile(vp, stage, cbuf, rec, kv_head);
+        __syncthreads();
+        if constexpr (kFp8) {
+          ks = ptx::smem_u32(cbuf);
+          vs = ks + Cfg::kCTileBytes;
+        }
+      }
+      const int tile_begin = rec->tile_kv_begin, n_valid = rec->n_valid;
+      // Causal: a tile wholly past the warp's last row is skipped; one wholly before its first row needs
+      // no mask, nor does a full tile without a LogitsMask.
+      const bool live = warp_active && n_valid > 0 && (!p.causal || tile_begin <= warp_climit_hi);
+      if (live) {
+        const bool need_mask = Variant::kHasLogitsMask || n_valid < kTile ||
+                               (p.causal && tile_begin + kTile - 1 > warp_climit_lo) ||
+                               16 * warp + 16 > Cfg::kPackedRows || (16 * warp + 15) / kHPC >= w.nrows;
+        compute_tile(p, vp, ks, vs, w, tile_begin, n_valid, kv_head, ri, need_mask, qa, m_run, d_run, o);
+      }
+
+      if (flags & kLast) finish(p, vp, w, ri, m_run, d_run, o, merge_flags);
+    }
+  }
+
+  // End of a sub-item: normalise this warp's rows and write them out, or write partial states and merge
+  // the rows whose last chunk this CTA completed.
+  static __device__ __forceinline__ void finish(const Params& p, const VariantParams& vp, const Work& w,
+                                                const RowInfo (&ri)[2], float (&m_run)[2], float (&d_run)[2],
+                                                float (&o)[kDTiles][4], int* merge_flags) {
+    const int c = threadIdx.x & 3;
+    const int row0 = w.row0, nrows = w.nrows, item_q_begin = w.item_q_begin;
+    const int partial_base = w.partial_base, partial_stride = w.partial_stride;
+    const bool split = partial_base >= 0;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      d_run[hf] += __shfl_xor_sync(0xffffffffu, d_run[hf], 1);
+      d_run[hf] += __shfl_xor_sync(0xffffffffu, d_run[hf], 2);
+      if (!ri[hf].valid) continue;
+      float scale = p.v_scale, lse_val = 0.f;
+      if constexpr (Variant::kUseSoftmax) {
+        const float den = d_run[hf];
+        scale = den > 0.f ? p.v_scale / den : 0.f;
+        lse_val = den > 0.f ? (m_run[hf] + __log2f(den)) * kLn2 : -INFINITY;
+      }
+      const int q_row = ri[hf].q_row, qo_head = ri[hf].qo_head;
+      if (!split) {
+        DQ* dst = static_cast<DQ*>(p.out) + (int64_t)q_row * p.out_stride_row + (int64_t)qo_head * p.out_stride_head;
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          const int d = 8 * dt + 2 * c;
+          float lo = o[dt][2 * hf] * scale, hi = o[dt][2 * hf + 1] * scale;
+          if constexpr (Variant::kHasOutputTransform) {
+            lo = Variant::output_transform(vp, lo, OutputCtx{q_row, qo_head, d});
+            hi = Variant::output_transform(vp, hi, OutputCtx{q_row, qo_head, d + 1});
+          }
+          *reinterpret_cast<uint32_t*>(dst + d) = ptx::pack2<Cfg::kQBf16>(lo, hi);
+        }
+        if (Variant::kUseSoftmax && p.lse != nullptr && c == 0)
+          p.lse[(int64_t)q_row * p.lse_stride_row + qo_head] = lse_val;
+      } else {
+        const int64_t prow = partial_base + (int64_t)(q_row - item_q_begin) * partial_stride;
+        float* dst = p.partial_o + (prow * p.num_qo_heads + qo_head) * kHeadDim;
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt)
+          __stcg(reinterpret_cast<float2*>(dst + 8 * dt + 2 * c),
+                 make_float2(o[dt][2 * hf] * scale, o[dt][2 * hf + 1] * scale));
+        if (c == 0) __stcg(p.partial_lse + prow * p.num_qo_heads + qo_head, lse_val);
+      }
+    }
+    if (!split) return;
+
+    // Arrival (threadfence reduction pattern): the CTA that writes a row's last chunk merges the row.
+    __threadfence();
+    __syncthreads();
+    const int32_t* mi = p.plan + p.merge_indptr_offset;
+    for (int r = threadIdx.x; r < nrows; r += kThreads) {
+      const int q_row = row0 + r;
+      const int chunks = __ldg(mi + q_row + 1) - __ldg(mi + q_row);
+      int32_t* counter = p.merge_counters + (int64_t)q_row * gridDim.y + blockIdx.y;
+      const bool last = atomicAdd(counter, 1) == chunks - 1;
+      if (last) *counter = 0;  // nobody else touches it in this launch: leave it zeroed for the next
+      merge_flags[r] = last;
+    }
+    __syncthreads();
+    bool any = false;
+    for (int r = 0; r < nrows; ++r) any |= merge_flags[r] != 0;
+    if (any) {
+      __threadfence();
+      for (int r = 0; r < nrows; ++r)
+        if (merge_flags[r]) E::merge_row(p, vp, row0 + r);
+    }
+    __syncthreads();  // merge_flags are reused by the next split sub-item
+  }
+};
+
+}  // namespace prefill
+}  // namespace fi

@@ -1,0 +1,224 @@
+"""GPU tests of the prefill kernel (csrc/attention/prefill.cuh) through BatchAttention(kernel="prefill"),
+against the float64 reference. Fresh random inputs every run; outputs poisoned with NaN first.
+
+Matrix: page size {1, 16} x head_dim {64, 128, 256} x group {1, 4, 8} in full, each with a batch whose
+query lengths come from {1, 3, 17, 128, 1000} and KV lengths from {q_len, q_len + 1000, 16000}, chosen so
+every value of every axis appears; bf16 / fp16 alternate. Then non-causal, fp8 KV, every variant, ragged
+KV (this step's K/V as a page-1 BSR), ragged + paged prefix merged as attention states, mixed prefill +
+decode batches in one plan, CUDA-graph replay after a re-plan, and the errors.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from fi_backend import variants as V
+from fi_backend.formats import BSR, from_ragged
+
+from attention_cases import (_VARIANT_NAMES, DEV, TOL, _variant_case, check, make_bsr, make_wrapper, random_kv,
+                             reference, run_case)
+
+pytestmark = pytest.mark.gpu
+
+_Q_LENS = (1, 3, 17, 128, 1000)
+
+
+def prefill(Hq, Hkv, D, **kw):
+    kw.setdefault("max_tokens", 8192)
+    return make_wrapper(Hq, Hkv, D, kernel="prefill", **kw)
+
+
+def _batch(k: int):
+    """Query and KV lengths of case k: every query length, every KV kind, one 16000 (long) pair."""
+    q_lens, kv_lens = [], []
+    for i, ql in enumerate(_Q_LENS):
+        kind = (i + k) % 3
+        q_lens.append(ql)
+        kv_lens.append(ql if kind == 0 else ql + 1000 if kind == 1 else 16000)
+    return q_lens, kv_lens
+
+
+_PAGES, _DIMS, _GROUPS = (1, 16), (64, 128, 256), (1, 4, 8)
+
+
+@pytest.mark.parametrize("page,D,group", list(itertools.product(_PAGES, _DIMS, _GROUPS)))
+def test_prefill_matrix(page, D, group):
+    k = _PAGES.index(page) + _DIMS.index(D) + _GROUPS.index(group)
+    dtype = (torch.bfloat16, torch.float16)[k % 2]
+    Hkv = 2
+    q_lens, kv_lens = _batch(k)
+    attn = prefill(Hkv * group, Hkv, D, q_dtype=dtype, page_size=page)
+    run_case(attn, kv_lens, q_lens, dtype=dtype, causal=True,
+             what=f"page={page} D={D} group={group} q={q_lens} kv={kv_lens}")
+
+
+def test_non_causal_and_long():
+    attn = prefill(8, 8, 128, page_size=16)
+    run_case(attn, [16000, 1500, 128], [1000, 200, 128], dtype=torch.bfloat16, causal=False, what="non-causal")
+    run_case(attn, [16000], [4000], dtype=torch.bfloat16, causal=True, what="one long causal")
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_fp8_kv(kv_dtype, D):
+    attn = prefill(16, 4, D, kv_dtype=kv_dtype, page_size=16)
+    run_case(attn, [1200, 17, 3000, 128], [1000, 17, 3, 128], dtype=torch.bfloat16, kv_dtype=kv_dtype, causal=True,
+             k_scale=0.37, v_scale=1.9, what=f"fp8 {kv_dtype} D={D}")
+
+
+@pytest.mark.parametrize("name", _VARIANT_NAMES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_variants(name, dtype):
+    Hq, Hkv, D = 16, 4, 128
+    _, variant, vkw, rkw = _variant_case(name, Hq)
+    attn = prefill(Hq, Hkv, D, q_dtype=dtype, page_size=16, variant=variant)
+    q_lens, kv_lens = [1, 3, 17, 128, 300], [1500, 3, 1017, 4000, 300]
+    if callable(vkw):
+        masks = vkw(q_lens, kv_lens)
+        vkw = dict(zip(("mask_packed", "mask_indptr"), V.pack_custom_mask(masks, device=DEV)))
+        rkw = {"masks": masks}
+    tol = TOL[dtype] * (2 if "rope" in name else 1)
+    run_case(attn, kv_lens, q_lens, dtype=dtype, causal=True, variant_kw=vkw, ref_kw=rkw, tol=tol,
+             lse_tol=2 * tol if "rope" in name else None, what=f"variant {name} {dtype}")
+
+
+def test_rope_fp8():
+    import fi_backend.reference as ref
+    cfg = ref.RopeConfig(theta=500000.0, llama31=ref.Llama31Scaling())
+    attn = prefill(32, 8, 128, kv_dtype=torch.float8_e4m3fn, variant=V.ROPE)
+    run_case(attn, [9000, 300], [500, 300], dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn, causal=True,
+             variant_kw={"rope": cfg}, ref_kw={"rope": cfg}, k_scale=0.5, v_scale=1.5, tol=2e-2, what="rope fp8")
+
+
+@pytest.mark.parametrize("layout,packed,page", [("NHD", True, 16), ("HND", True, 16), ("SGL", False, 1)])
+def test_layouts(layout, packed, page):
+    attn = prefill(32, 8, 128, page_size=page, kv_layout="HND" if layout == "HND" else "NHD")
+    run_case(attn, [2000, 300, 17], [700, 300, 5], dtype=torch.bfloat16, causal=True, layout=layout, packed=packed,
+             what=f"layout {layout}")
+
+
+def test_mixed_prefill_and_decode():
+    """What engines send with chunked prefill: many decode rows and a few long queries in one plan."""
+    attn = prefill(32, 8, 128, page_size=16)
+    q_lens = [1] * 60 + [1000, 3, 17, 512]
+    kv_lens = [random.randint(1, 5000) for _ in range(60)] + [3000, 3, 4000, 512]
+    run_case(attn, kv_lens, q_lens, dtype=torch.bfloat16, causal=True, what="mixed")
+
+
+def _ragged_case(attn, q_lens, kv_lens, dtype):
+    """K/V of this step contiguous per request ([total, Hkv, D]) as a page-1 BSR."""
+    Hkv, D = attn.num_kv_heads, attn.head_dim
+    total = sum(kv_lens)
+    k = torch.randn(total, Hkv, D, device=DEV).to(dtype)
+    v = torch.randn(total, Hkv, D, device=DEV).to(dtype)
+    kv_indptr = torch.tensor([0] + list(itertools.accumulate(kv_lens)), dtype=torch.int32, device=DEV)
+    qo = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32)
+    bsr = from_ragged(kv_indptr, qo.to(DEV), num_kv_tokens=total)
+    return k, v, bsr, qo
+
+
+def test_ragged_kv():
+    attn = prefill(16, 4, 128, page_size=1)
+    q_lens, kv_lens = [1000, 17, 128, 3], [1000, 1017, 128, 3]
+    k, v, bsr, qo = _ragged_case(attn, q_lens, kv_lens, torch.bfloat16)
+    q = torch.randn(sum(q_lens), 16, 128, device=DEV).to(torch.bfloat16)
+    attn.plan(qo, torch.tensor(kv_lens, dtype=torch.int32), bsr, causal=True)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[0], 16), float("nan"), device=DEV)
+    attn.run(q, (k.unsqueeze(1), v.unsqueeze(1)), out=out, lse=lse)
+    torch.cuda.synchronize()
+    o_ref, lse_ref = reference(q, k.unsqueeze(1), v.unsqueeze(1), bsr, causal=True)
+    check(out, lse, o_ref, lse_ref, TOL[torch.bfloat16], "ragged")
+
+
+def test_ragged_plus_paged_prefix_merged():
+    """New tokens ragged (causal among themselves) + the cached prefix paged (all visible), merged as
+    attention states with ops.merge_state: equal to causal attention over prefix + new tokens."""
+    from fi_backend import ops
+    from fi_backend import reference as ref
+    Hq, Hkv, D, page = 16, 4, 128, 16
+    q_lens, prefix = [300, 17, 128], [1000, 40, 0]
+    paged = prefill(Hq, Hkv, D, page_size=page)
+    ragged = prefill(Hq, Hkv, D, page_size=1)
+    bsr_p, qo_cpu, kvp_cpu, nb = make_bsr(prefix, q_lens, page)
+    cache, kp, vp = random_kv(nb, page, Hkv, D, torch.bfloat16)
+    k_new, v_new, bsr_r, _ = _ragged_case(ragged, q_lens, q_lens, torch.bfloat16)
+    q = torch.randn(sum(q_lens), Hq, D, device=DEV).to(torch.bfloat16)
+    paged.plan(qo_cpu, kvp_cpu, bsr_p, causal=False)
+    ragged.plan(qo_cpu, torch.tensor(q_lens, dtype=torch.int32), bsr_r, causal=True)
+    o1, s1 = paged.run(q, cache, return_lse=True)
+    o2, s2 = ragged.run(q, (k_new.unsqueeze(1), v_new.unsqueeze(1)), return_lse=True)
+    out = torch.full_like(q, float("nan"))
+    ops.merge_state(o1, s1, o2, s2, out=out)
+    torch.cuda.synchronize()
+    # reference: each request's prefix pages followed by its new tokens, causal bottom-right
+    qo, starts = qo_cpu.tolist(), bsr_p.kv_block_start.tolist()
+    o_ref = torch.zeros(q.shape, dtype=torch.float64, device=DEV)
+    koff = 0
+    for i, (ql, pl) in enumerate(zip(q_lens, prefix)):
+        blocks = bsr_p.kv_indices[starts[i]:starts[i] + (pl + page - 1) // page].long()
+        ki = torch.cat([kp[blocks].reshape(-1, Hkv, D)[:pl], k_new[koff:koff + ql]])
+        vi = torch.cat([vp[blocks].reshape(-1, Hkv, D)[:pl], v_new[koff:koff + ql]])
+        koff += ql
+        o_ref[qo[i]:qo[i + 1]], _ = ref.attention(q[qo[i]:qo[i + 1]], ki, vi, causal=True)
+    check(out, None, o_ref, None, TOL[torch.bfloat16], "ragged + paged merged")
+
+
+def test_cuda_graph_replay_after_replan():
+    """Capture once, re-plan with other lengths and a smaller batch in the same BSR tensors, replay."""
+    Hq, Hkv, D, page = 16, 4, 128, 16
+    attn = prefill(Hq, Hkv, D, page_size=page, max_tokens=2048, max_requests=16)
+    max_B, max_blocks = 8, 200
+    num_blocks = max_B * max_blocks
+    cache, k, v = random_kv(num_blocks, page, Hkv, D, torch.bfloat16)
+    table = torch.zeros(max_B, max_blocks, dtype=torch.int32, device=DEV)
+    seq_lens = torch.zeros(max_B, dtype=torch.int32, device=DEV)
+    qsl = torch.zeros(max_B + 1, dtype=torch.int32, device=DEV)
+    kbs = torch.arange(max_B, dtype=torch.int32, device=DEV) * max_blocks
+    rows = 1500
+    q_buf = torch.zeros(rows, Hq, D, dtype=torch.bfloat16, device=DEV)
+    out_buf = torch.zeros_like(q_buf)
+
+    def step(B):
+        q_lens = [random.randint(1, 200) for _ in range(B - 1)]
+        q_lens.append(rows - sum(q_lens))
+        kv_lens = [ql + random.randint(0, 1500) for ql in q_lens]
+        table[:B] = torch.randperm(num_blocks)[: B * max_blocks].view(B, max_blocks).to(torch.int32).to(DEV)
+        seq_lens[:B] = torch.tensor(kv_lens, dtype=torch.int32)
+        qo = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32)
+        qsl[:B + 1] = qo.to(DEV)
+        bsr = BSR(qo_indptr=qsl[:B + 1], kv_indices=table.view(-1), kv_block_start=kbs[:B], kv_lens=seq_lens[:B],
+                  block_width=page, num_kv_blocks=num_blocks)
+        attn.plan(qo, torch.tensor(kv_lens, dtype=torch.int32), bsr, causal=True)
+        return bsr
+
+    step(8)
+    q_buf.normal_()
+    attn.run(q_buf, cache, out=out_buf)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn.run(q_buf, cache, out=out_buf)
+    for B in (8, 3):
+        bsr = step(B)
+        q_buf.normal_()
+        out_buf.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        attn.check_errors()
+        o_ref, _ = reference(q_buf, k, v, bsr, causal=True)
+        check(out_buf, None, o_ref, None, TOL[torch.bfloat16], f"prefill graph replay B={B}")
+    attn.release_graph()
+
+
+def test_workspace_tile_too_small():
+    from fi_backend.workspace import Workspace
+    from fi_backend.wrappers import BatchAttention
+    ws = Workspace(DEV, max_requests=8, max_tokens=64, num_ctas=4, max_tile_q=16, num_qo_heads=8, head_dim=128)
+    with pytest.raises(ValueError, match="max_tile_q"):
+        BatchAttention(ws, 8, 8, 128, kernel="prefill")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        BatchAttention(ws, 8, 8, 128, kernel="flash")
