@@ -4,13 +4,17 @@
 //
 // Grid (num_ctas, num_kv_heads * num_head_chunks), fixed, as for decode: CTA (c, y) runs work queue c
 // of the plan for KV head y / num_head_chunks and its kHeadsPerChunk query heads (head-group fusion:
-// a query tile of kTileRows = 16 * kWarps "packed rows", packed row = local row * kHPC + local head,
-// so short queries of a GQA group fill the tile and each KV tile is loaded once for all its heads).
+// a query tile of kTileRows = 16 * kMFrags * kWarps "packed rows", packed row = local row * kHPC +
+// local head, so short queries of a GQA group fill the tile and each KV tile is loaded once for all
+// its heads).
 //
-// Tiles. Warp w owns packed rows [16 w, 16 w + 16) of the query tile and the whole KV tile (kTile
-// tokens per stage): no cross-warp reduction. mma.sync m16n8k16, fp32 accumulators:
-//   S [16 x kTile] = Q [16 x D] . K^T     A = Q (registers, loaded once per sub-item), B = K (ldmatrix)
+// Tiles. Warp w owns packed rows [16 kMF w, 16 kMF (w + 1)) of the query tile (kMF m fragments) and
+// the whole KV tile (kTile tokens per stage): no cross-warp reduction. mma.sync m16n8k16, fp32 acc.:
+//   S [16 x kTile] = Q [16 x D] . K^T     A = Q (ldmatrix from the CTA's Q buffer), B = K (ldmatrix)
 //   O [16 x D]    += P [16 x kTile] . V    A = P (the C fragment of S, repacked), B = V (ldmatrix.trans)
+// Shared-memory reads bound this loop: every warp reads the whole K and V tile, so two m fragments
+// per warp (each K/V fragment feeds two MMAs) halve them against one; 4 warps x 32 rows is the
+// FlashAttention-2 shape. Q lives in shared memory (its registers would not fit beside two O tiles).
 // MMAs run in the query's type. fp8 KV and key transforms (RoPE) go through one pass over the landed
 // tile: fp8 is converted exactly into a 16-bit copy (e4m3 and e5m2 are exact in bf16 and fp16), a
 // KeyTransform rotates K in fp32 in that pass; the per-tensor scales fold into the logits scale and
@@ -33,7 +37,8 @@ namespace prefill {
 
 using namespace attn;  // Params, Work, TileRecord, Loader, Epilogue (shared.cuh)
 
-template <int kHeadDim_, int kHeadsPerChunk_, class DQ_, class DKV_, int kWarps_, int kTileKv_, int kStages_>
+template <int kHeadDim_, int kHeadsPerChunk_, class DQ_, class DKV_, int kWarps_, int kMFrags_, int kTileKv_,
+          int kStages_>
 struct Config {
   using DQ = DQ_;
   using DKV = DKV_;
@@ -44,7 +49,8 @@ struct Config {
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kStages = kStages_;
   static constexpr int kTile = kTileKv_;  // KV tokens per stage
-  static constexpr int kTileRows = 16 * kWarps;
+  static constexpr int kMFrags = kMFrags_;  // 16-row m fragments per warp
+  static constexpr int kTileRows = 16 * kMFrags * kWarps;
   static constexpr int kRowsPerTile = kTileRows / kHeadsPerChunk;  // query rows per sub-item
   static constexpr int kPackedRows = kRowsPerTile * kHeadsPerChunk;
   static constexpr int kRows = 0;        // no query slot in the stages: warps load their Q rows
@@ -64,8 +70,11 @@ struct Config {
   static constexpr int kCTileBytes = kTile * kCRowBytes;
   static constexpr int kStageBytes = (2 * kKvTileBytes + (int)sizeof(TileRecord) + 127) / 128 * 128;
   static constexpr int kConvertBytes = kFp8 ? 2 * kCTileBytes : 0;
+  static constexpr int kQRowBytes = kHeadDim * 2;  // the query tile, [kTileRows][D], swizzled
+  static constexpr int kQChunksPerRow = kQRowBytes / 16;
+  static constexpr int kQBytes = kTileRows * kQRowBytes;
   static constexpr int kFlagBytes = kTileRows * 4;  // rows whose split merge this CTA owns
-  static constexpr int kSmemBytes = kStages * kStageBytes + kConvertBytes + kFlagBytes;
+  static constexpr int kSmemBytes = kStages * kStageBytes + kQBytes + kConvertBytes + kFlagBytes;
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim must be 64, 128 or 256");
   static_assert(kStages >= 2, "the pipeline needs at least two stages");
@@ -87,6 +96,7 @@ struct Kernel {
   static constexpr int kHeadDim = Cfg::kHeadDim;
   static constexpr int kHPC = Cfg::kHeadsPerChunk;
   static constexpr int kKSteps = Cfg::kKSteps;
+  static constexpr int kMF = Cfg::kMFrags;
   static constexpr int kDTiles = kHeadDim / 8;  // n tiles of O
   static constexpr int kNTiles = kTile / 8;     // n tiles of S
   static constexpr int kTPT = Cfg::kTokensPerThread;
@@ -94,7 +104,7 @@ struct Kernel {
   static constexpr bool kBf16 = Cfg::kMmaBf16;
   static constexpr bool kConvert = kFp8 || Variant::kHasKeyTransform;
 
-  struct RowInfo {  // packed rows g and g + 8 of the warp
+  struct RowInfo {  // a packed row of the sub-item
     int q_row, q_idx, q_pos, qo_head, climit;
     bool valid;
   };
@@ -111,33 +121,40 @@ struct Kernel {
     return ri;
   }
 
-  // Q fragments of this warp's rows straight from global memory (once per sub-item), QueryTransform in
-  // fp32. Register layout of the m16n8k16 A fragment: a0/a2 rows g, a1/a3 rows g + 8.
+  // This warp's query rows from global memory into its slice of the Q buffer (row-major, swizzled 16-byte
+  // chunks, zeros for padding rows), QueryTransform applied in fp32 on the way. Lanes read the pairs of
+  // the A-fragment layout, where (d, d + D/2) pairs meet in one lane (see Epilogue::rotate_pairs).
   static __device__ __forceinline__ void load_q(const Params& p, const VariantParams& vp, const Work& w,
-                                                const RowInfo (&ri)[2], uint32_t (&qa)[kKSteps][4]) {
-    const int c = threadIdx.x & 3;
+                                                uint8_t* qbuf) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
 #pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
+    for (int h16 = 0; h16 < 2 * kMF; ++h16) {  // rows g + 8 h16 of the warp's 16 kMF rows
+      const int pr = 16 * kMF * warp + 8 * h16 + g;
+      const RowInfo ri = row_info(w, pr);
       float x[kKSteps][2][2];
-      const DQ* src = static_cast<const DQ*>(p.q) + (int64_t)ri[hf].q_row * p.q_stride_row +
-                      (int64_t)ri[hf].qo_head * p.q_stride_head;
+      const DQ* src = static_cast<const DQ*>(p.q) + (int64_t)ri.q_row * p.q_stride_row + (int64_t)ri.qo_head * p.q_stride_head;
 #pragma unroll
       for (int s = 0; s < kKSteps; ++s)
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          const uint32_t u = ri[hf].valid ? __ldg(reinterpret_cast<const uint32_t*>(src + k_dim<false>(s, j, 0, c))) : 0u;
+          const uint32_t u = ri.valid ? __ldg(reinterpret_cast<const uint32_t*>(src + k_dim<false>(s, j, 0, c))) : 0u;
           const float2 f = ptx::unpack2<Cfg::kQBf16>(u);
           x[s][j][0] = f.x;
           x[s][j][1] = f.y;
         }
       if constexpr (Variant::kHasQueryTransform) {
-        if (ri[hf].valid) E::rotate_pairs(vp, x, RotaryCtx{ri[hf].q_pos, ri[hf].qo_head, w.request}, c, false);
+        if (ri.valid) E::rotate_pairs(vp, x, RotaryCtx{ri.q_pos, ri.qo_head, w.request}, c, false);
       }
 #pragma unroll
       for (int s = 0; s < kKSteps; ++s)
 #pragma unroll
-        for (int j = 0; j < 2; ++j) qa[s][2 * j + hf] = ptx::pack2<kBf16>(x[s][j][0], x[s][j][1]);
+        for (int j = 0; j < 2; ++j) {
+          const int d = k_dim<false>(s, j, 0, c);
+          *reinterpret_cast<uint32_t*>(qbuf + pr * Cfg::kQRowBytes + swizzle<Cfg::kQChunksPerRow>(pr, d >> 3) * 16 +
+                                       (d & 7) * 2) = ptx::pack2<kBf16>(x[s][j][0], x[s][j][1]);
+        }
     }
+    __syncwarp();
   }
 
   // ------------------------------------------------------------------ fp8 / KeyTransform pass
@@ -210,114 +227,148 @@ struct Kernel {
 
   // ------------------------------------------------------------------ one KV tile of one warp
 
-  static __device__ __forceinline__ void compute_tile(const Params& p, const VariantParams& vp, uint32_t ks,
-                                                      uint32_t vs, const Work& w, int tile_begin, int n_valid,
-                                                      int kv_head, const RowInfo (&ri)[2], bool need_mask,
-                                                      const uint32_t (&qa)[kKSteps][4], float (&m_run)[2],
-                                                      float (&d_run)[2], float (&o)[kDTiles][4]) {
-    const int lane = threadIdx.x & 31, c = lane & 3, mi = lane >> 3, r8 = lane & 7;
+  // The warp's rows: m fragment mf holds packed rows 16 (kMF warp + mf) + g (+ 8); S and O in C-fragment
+  // layout (c0/c1: row g, c2/c3: row g + 8). Masks use each row's limits, computed here from the record.
+  static __device__ __forceinline__ void compute_tile(const Params& p, const VariantParams& vp, uint32_t qs,
+                                                      uint32_t ks, uint32_t vs, const Work& w, int tile_begin,
+                                                      int n_valid, int kv_head, bool need_mask, float (&m_run)[kMF][2],
+                                                      float (&d_run)[kMF][2], float (&o)[kMF][kDTiles][4]) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c = lane & 3, mi = lane >> 3, r8 = lane & 7;
     constexpr int kRowB = kConvert ? Cfg::kCRowBytes : Cfg::kRowBytes;
     constexpr int kChunks = kRowB / 16;
-    // ---- S = Q K^T: one ldmatrix.x4 gives the B fragments of two n tiles for one k step
-    float s[kNTiles][4];
+    // ---- S = Q K^T: Q's A fragments by ldmatrix from the Q buffer; one ldmatrix.x4 of K gives the B
+    // fragments of two n tiles for one k step, used by every m fragment
+    float s[kMF][kNTiles][4];
 #pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt)
+    for (int mf = 0; mf < kMF; ++mf)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mf][nt][e] = 0.f;
 #pragma unroll
     for (int kstep = 0; kstep < kKSteps; ++kstep) {
+      uint32_t qa[kMF][4];
+#pragma unroll
+      for (int mf = 0; mf < kMF; ++mf) {
+        const int row = 16 * (kMF * warp + mf) + (lane & 15);
+        ptx::ldmatrix_x4(qa[mf], qs + row * Cfg::kQRowBytes + swizzle<Cfg::kQChunksPerRow>(row, 2 * kstep + (lane >> 4)) * 16);
+      }
 #pragma unroll
       for (int np = 0; np < kNTiles / 2; ++np) {
         const int row = 16 * np + ((mi >> 1) << 3) + r8;
         uint32_t r[4];
         ptx::ldmatrix_x4(r, ks + row * kRowB + swizzle<kChunks>(row, 2 * kstep + (mi & 1)) * 16);
-        ptx::mma_16816<kBf16>(s[2 * np], qa[kstep][0], qa[kstep][1], qa[kstep][2], qa[kstep][3], r[0], r[1]);
-        ptx::mma_16816<kBf16>(s[2 * np + 1], qa[kstep][0], qa[kstep][1], qa[kstep][2], qa[kstep][3], r[2], r[3]);
+#pragma unroll
+        for (int mf = 0; mf < kMF; ++mf) {
+          ptx::mma_16816<kBf16>(s[mf][2 * np], qa[mf][0], qa[mf][1], qa[mf][2], qa[mf][3], r[0], r[1]);
+          ptx::mma_16816<kBf16>(s[mf][2 * np + 1], qa[mf][0], qa[mf][1], qa[mf][2], qa[mf][3], r[2], r[3]);
+        }
       }
     }
 
     // ---- logits: scale, LogitsTransform, LogitsMask (natural units); log2 units for softmax
     const float scale_log2 = p.logits_scale * kLog2e;
-    float mx[2] = {-INFINITY, -INFINITY};
+    const int g = lane >> 2;
 #pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int hf = e >> 1;
-        const int t = 8 * nt + 2 * c + (e & 1);
-        const int kv_idx = tile_begin + t;
-        bool ok = true;
-        if (need_mask) {
-          ok = ri[hf].valid && t < n_valid;
-          if (p.causal) ok = ok && kv_idx <= ri[hf].climit;
-        }
-        LogitsCtx ctx;
-        if constexpr (Variant::kHasLogitsMask || Variant::kHasLogitsTransform) {
-          ctx = LogitsCtx{w.request, ri[hf].q_row, ri[hf].q_idx, ri[hf].q_pos, kv_idx, w.pos_off + kv_idx,
-                          ri[hf].qo_head, kv_head, w.q_len, w.kv_len};
-        }
-        if constexpr (Variant::kHasLogitsMask) ok = ok && Variant::logits_mask(vp, ctx);
-        float y;
-        if constexpr (Variant::kUseSoftmax) {
-          if constexpr (Variant::kHasLogitsTransform)
-            y = ok ? Variant::logits_transform(vp, s[nt][e] * p.logits_scale, ctx) * kLog2e : -INFINITY;
-          else
-            y = ok ? s[nt][e] * scale_log2 : -INFINITY;
-          mx[hf] = fmaxf(mx[hf], y);
-        } else {
-          if constexpr (Variant::kHasLogitsTransform)
-            y = ok ? Variant::logits_transform(vp, s[nt][e] * p.logits_scale, ctx) : 0.f;
-          else
-            y = ok ? s[nt][e] * p.logits_scale : 0.f;
-        }
-        s[nt][e] = y;
-      }
-
-    // ---- online softmax of rows g (hf 0) and g + 8 (hf 1); a row lives in the 4 lanes of a quad
-    if constexpr (Variant::kUseSoftmax) {
-      float alpha[2];
+    for (int mf = 0; mf < kMF; ++mf) {
+      float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 1));
-        mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 2));
-        const float m_new = fmaxf(m_run[hf], mx[hf]);
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;
-        alpha[hf] = ptx::exp2(m_run[hf] - m_use);
-        m_run[hf] = m_new;
-        float sum = 0.f;
+        RowInfo ri;
+        if (need_mask) ri = row_info(w, 16 * (kMF * warp + mf) + 8 * hf + g);
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float pe = ptx::exp2(s[nt][2 * hf + e] - m_use);
-            s[nt][2 * hf + e] = pe;
-            sum += pe;
+          for (int e2 = 0; e2 < 2; ++e2) {
+            const int e = 2 * hf + e2;
+            const int t = 8 * nt + 2 * c + e2;
+            const int kv_idx = tile_begin + t;
+            bool ok = true;
+            LogitsCtx ctx;
+            if (need_mask) {
+              ok = ri.valid && t < n_valid;
+              if (p.causal) ok = ok && kv_idx <= ri.climit;
+              if constexpr (Variant::kHasLogitsMask || Variant::kHasLogitsTransform) {
+                ctx = LogitsCtx{w.request, ri.q_row, ri.q_idx, ri.q_pos, kv_idx, w.pos_off + kv_idx,
+                                ri.qo_head, kv_head, w.q_len, w.kv_len};
+              }
+              if constexpr (Variant::kHasLogitsMask) ok = ok && Variant::logits_mask(vp, ctx);
+            } else if constexpr (Variant::kHasLogitsTransform) {
+              const RowInfo r2 = row_info(w, 16 * (kMF * warp + mf) + 8 * hf + g);
+              ctx = LogitsCtx{w.request, r2.q_row, r2.q_idx, r2.q_pos, kv_idx, w.pos_off + kv_idx, r2.qo_head, kv_head,
+                              w.q_len, w.kv_len};
+            }
+            const float x = s[mf][nt][e];
+            float y;
+            if constexpr (Variant::kUseSoftmax) {
+              if constexpr (Variant::kHasLogitsTransform)
+                y = ok ? Variant::logits_transform(vp, x * p.logits_scale, ctx) * kLog2e : -INFINITY;
+              else
+                y = ok ? x * scale_log2 : -INFINITY;
+              mx[hf] = fmaxf(mx[hf], y);
+            } else {
+              if constexpr (Variant::kHasLogitsTransform)
+                y = ok ? Variant::logits_transform(vp, x * p.logits_scale, ctx) : 0.f;
+              else
+                y = ok ? x * p.logits_scale : 0.f;
+            }
+            s[mf][nt][e] = y;
           }
-        d_run[hf] = d_run[hf] * alpha[hf] + sum;  // per lane; the quad's sum is taken at the end
       }
+
+      // ---- online softmax of rows g (hf 0) and g + 8 (hf 1); a row lives in the 4 lanes of a quad
+      if constexpr (Variant::kUseSoftmax) {
+        float alpha[2];
 #pragma unroll
-      for (int dt = 0; dt < kDTiles; ++dt) {
-        o[dt][0] *= alpha[0];
-        o[dt][1] *= alpha[0];
-        o[dt][2] *= alpha[1];
-        o[dt][3] *= alpha[1];
+        for (int hf = 0; hf < 2; ++hf) {
+          mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 1));
+          mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 2));
+          const float m_new = fmaxf(m_run[mf][hf], mx[hf]);
+          const float m_use = m_new == -INFINITY ? 0.f : m_new;
+          alpha[hf] = ptx::exp2(m_run[mf][hf] - m_use);
+          m_run[mf][hf] = m_new;
+          float sum = 0.f;
+#pragma unroll
+          for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float pe = ptx::exp2(s[mf][nt][2 * hf + e] - m_use);
+              s[mf][nt][2 * hf + e] = pe;
+              sum += pe;
+            }
+          d_run[mf][hf] = d_run[mf][hf] * alpha[hf] + sum;  // per lane; the quad's sum is taken at the end
+        }
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          o[mf][dt][0] *= alpha[0];
+          o[mf][dt][1] *= alpha[0];
+          o[mf][dt][2] *= alpha[1];
+          o[mf][dt][3] *= alpha[1];
+        }
       }
     }
 
     // ---- O += P V: P's A fragment is S's C fragment of two n tiles; V's B fragments by ldmatrix.trans
 #pragma unroll
     for (int kk = 0; kk < kTile / 16; ++kk) {
-      const uint32_t a0 = ptx::pack2<kBf16>(s[2 * kk][0], s[2 * kk][1]);
-      const uint32_t a1 = ptx::pack2<kBf16>(s[2 * kk][2], s[2 * kk][3]);
-      const uint32_t a2 = ptx::pack2<kBf16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      const uint32_t a3 = ptx::pack2<kBf16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      uint32_t a[kMF][4];
+#pragma unroll
+      for (int mf = 0; mf < kMF; ++mf) {
+        a[mf][0] = ptx::pack2<kBf16>(s[mf][2 * kk][0], s[mf][2 * kk][1]);
+        a[mf][1] = ptx::pack2<kBf16>(s[mf][2 * kk][2], s[mf][2 * kk][3]);
+        a[mf][2] = ptx::pack2<kBf16>(s[mf][2 * kk + 1][0], s[mf][2 * kk + 1][1]);
+        a[mf][3] = ptx::pack2<kBf16>(s[mf][2 * kk + 1][2], s[mf][2 * kk + 1][3]);
+      }
       const int row = 16 * kk + ((mi & 1) << 3) + r8;
 #pragma unroll
       for (int dp = 0; dp < kDTiles / 2; ++dp) {
         uint32_t r[4];
         ptx::ldmatrix_x4_trans(r, vs + row * kRowB + swizzle<kChunks>(row, 2 * dp + (mi >> 1)) * 16);
-        ptx::mma_16816<kBf16>(o[2 * dp], a0, a1, a2, a3, r[0], r[1]);
-        ptx::mma_16816<kBf16>(o[2 * dp + 1], a0, a1, a2, a3, r[2], r[3]);
+#pragma unroll
+        for (int mf = 0; mf < kMF; ++mf) {
+          ptx::mma_16816<kBf16>(o[mf][2 * dp], a[mf][0], a[mf][1], a[mf][2], a[mf][3], r[0], r[1]);
+          ptx::mma_16816<kBf16>(o[mf][2 * dp + 1], a[mf][0], a[mf][1], a[mf][2], a[mf][3], r[2], r[3]);
+        }
       }
     }
   }
@@ -325,7 +376,7 @@ struct Kernel {
   // ------------------------------------------------------------------ the kernel
 
   static __device__ __forceinline__ void run(const Params& p, const VariantParams& vp, uint8_t* smem) {
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2;
+    const int warp = threadIdx.x >> 5;
     const int kv_head = blockIdx.y / p.num_head_chunks;
     const int32_t* cta_indptr = p.plan + FI_PLAN_HEADER_INTS;
 
@@ -335,8 +386,10 @@ struct Kernel {
     L::seek_item(p, vp, cur);
     if (cur.done) return;
 
-    uint8_t* cbuf = smem + kStages * Cfg::kStageBytes;
+    uint8_t* qbuf = smem + kStages * Cfg::kStageBytes;
+    uint8_t* cbuf = qbuf + Cfg::kQBytes;
     int* merge_flags = reinterpret_cast<int*>(cbuf + Cfg::kConvertBytes);
+    const uint32_t qs = ptx::smem_u32(qbuf);
 
     int page[kTPT], slot[kTPT];
     L::prefetch_pages(p, cur, page, slot);
@@ -348,11 +401,8 @@ struct Kernel {
       L::prefetch_pages(p, cur, page, slot);
     }
 
-    float m_run[2], d_run[2], o[kDTiles][4];
-    uint32_t qa[kKSteps][4];
-    RowInfo ri[2];
-    bool warp_active = false;
-    int warp_climit_lo = 0, warp_climit_hi = 0;  // causal limits of the warp's first and last real row
+    float m_run[kMF][2], d_run[kMF][2], o[kMF][kDTiles][4];
+    constexpr int kWarpRows = 16 * kMF;
 
     for (int j = 0;; ++j) {
       uint8_t* stage = smem + (j % kStages) * Cfg::kStageBytes;
@@ -367,21 +417,21 @@ struct Kernel {
       const int flags = rec->flags;
       if (flags & kEnd) break;
       const Work& w = rec->w;
+      // The warp's real rows: packed rows [first_pr, first_pr + kWarpRows) clipped to the sub-item.
+      const int first_pr = kWarpRows * warp;
+      const int last_r = min((first_pr + kWarpRows - 1) / kHPC, w.nrows - 1);
+      const bool warp_active = first_pr < Cfg::kPackedRows && first_pr / kHPC < w.nrows;
       if (flags & kFirst) {
-        ri[0] = row_info(w, 16 * warp + g);
-        ri[1] = row_info(w, 16 * warp + g + 8);
-        const int first_pr = 16 * warp;
-        const int last_r = min((16 * warp + 15) / kHPC, w.nrows - 1);
-        warp_active = first_pr < Cfg::kPackedRows && first_pr / kHPC < w.nrows;
-        warp_climit_lo = w.kv_len - w.q_len + w.q_idx0 + first_pr / kHPC;
-        warp_climit_hi = w.kv_len - w.q_len + w.q_idx0 + last_r;
-        if (warp_active) load_q(p, vp, w, ri, qa);
-        m_run[0] = m_run[1] = -INFINITY;
-        d_run[0] = d_run[1] = 0.f;
+        if (warp_active) load_q(p, vp, w, qbuf);
 #pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt)
+        for (int mf = 0; mf < kMF; ++mf) {
+          m_run[mf][0] = m_run[mf][1] = -INFINITY;
+          d_run[mf][0] = d_run[mf][1] = 0.f;
 #pragma unroll
-          for (int e = 0; e < 4; ++e) o[dt][e] = 0.f;
+          for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[mf][dt][e] = 0.f;
+        }
       }
 
       uint32_t ks = ptx::smem_u32(stage), vs = ks + Cfg::kKvTileBytes;
@@ -394,65 +444,70 @@ struct Kernel {
         }
       }
       const int tile_begin = rec->tile_kv_begin, n_valid = rec->n_valid;
-      // Causal: a tile wholly past the warp's last row is skipped; one wholly before its first row needs
-      // no mask, nor does a full tile without a LogitsMask.
-      const bool live = warp_active && n_valid > 0 && (!p.causal || tile_begin <= warp_climit_hi);
+      // Causal: a tile wholly past the warp's last row is skipped; one wholly at or before its first row
+      // needs no mask, nor does a full tile without a LogitsMask (padding rows compute on zero queries
+      // and are never written).
+      const int climit_lo = w.kv_len - w.q_len + w.q_idx0 + first_pr / kHPC;
+      const int climit_hi = w.kv_len - w.q_len + w.q_idx0 + last_r;
+      const bool live = warp_active && n_valid > 0 && (!p.causal || tile_begin <= climit_hi);
       if (live) {
         const bool need_mask = Variant::kHasLogitsMask || n_valid < kTile ||
-                               (p.causal && tile_begin + kTile - 1 > warp_climit_lo) ||
-                               16 * warp + 16 > Cfg::kPackedRows || (16 * warp + 15) / kHPC >= w.nrows;
-        compute_tile(p, vp, ks, vs, w, tile_begin, n_valid, kv_head, ri, need_mask, qa, m_run, d_run, o);
+                               (p.causal && tile_begin + kTile - 1 > climit_lo);
+        compute_tile(p, vp, qs, ks, vs, w, tile_begin, n_valid, kv_head, need_mask, m_run, d_run, o);
       }
 
-      if (flags & kLast) finish(p, vp, w, ri, m_run, d_run, o, merge_flags);
+      if (flags & kLast) finish(p, vp, w, m_run, d_run, o, merge_flags);
     }
   }
 
   // End of a sub-item: normalise this warp's rows and write them out, or write partial states and merge
   // the rows whose last chunk this CTA completed.
   static __device__ __forceinline__ void finish(const Params& p, const VariantParams& vp, const Work& w,
-                                                const RowInfo (&ri)[2], float (&m_run)[2], float (&d_run)[2],
-                                                float (&o)[kDTiles][4], int* merge_flags) {
-    const int c = threadIdx.x & 3;
+                                                float (&m_run)[kMF][2], float (&d_run)[kMF][2],
+                                                float (&o)[kMF][kDTiles][4], int* merge_flags) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int row0 = w.row0, nrows = w.nrows, item_q_begin = w.item_q_begin;
     const int partial_base = w.partial_base, partial_stride = w.partial_stride;
     const bool split = partial_base >= 0;
 #pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      d_run[hf] += __shfl_xor_sync(0xffffffffu, d_run[hf], 1);
-      d_run[hf] += __shfl_xor_sync(0xffffffffu, d_run[hf], 2);
-      if (!ri[hf].valid) continue;
-      float scale = p.v_scale, lse_val = 0.f;
-      if constexpr (Variant::kUseSoftmax) {
-        const float den = d_run[hf];
-        scale = den > 0.f ? p.v_scale / den : 0.f;
-        lse_val = den > 0.f ? (m_run[hf] + __log2f(den)) * kLn2 : -INFINITY;
-      }
-      const int q_row = ri[hf].q_row, qo_head = ri[hf].qo_head;
-      if (!split) {
-        DQ* dst = static_cast<DQ*>(p.out) + (int64_t)q_row * p.out_stride_row + (int64_t)qo_head * p.out_stride_head;
+    for (int mf = 0; mf < kMF; ++mf)
 #pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt) {
-          const int d = 8 * dt + 2 * c;
-          float lo = o[dt][2 * hf] * scale, hi = o[dt][2 * hf + 1] * scale;
-          if constexpr (Variant::kHasOutputTransform) {
-            lo = Variant::output_transform(vp, lo, OutputCtx{q_row, qo_head, d});
-            hi = Variant::output_transform(vp, hi, OutputCtx{q_row, qo_head, d + 1});
-          }
-          *reinterpret_cast<uint32_t*>(dst + d) = ptx::pack2<Cfg::kQBf16>(lo, hi);
+      for (int hf = 0; hf < 2; ++hf) {
+        d_run[mf][hf] += __shfl_xor_sync(0xffffffffu, d_run[mf][hf], 1);
+        d_run[mf][hf] += __shfl_xor_sync(0xffffffffu, d_run[mf][hf], 2);
+        const RowInfo ri = row_info(w, 16 * (kMF * warp + mf) + 8 * hf + g);
+        if (!ri.valid) continue;
+        float scale = p.v_scale, lse_val = 0.f;
+        if constexpr (Variant::kUseSoftmax) {
+          const float den = d_run[mf][hf];
+          scale = den > 0.f ? p.v_scale / den : 0.f;
+          lse_val = den > 0.f ? (m_run[mf][hf] + __log2f(den)) * kLn2 : -INFINITY;
         }
-        if (Variant::kUseSoftmax && p.lse != nullptr && c == 0)
-          p.lse[(int64_t)q_row * p.lse_stride_row + qo_head] = lse_val;
-      } else {
-        const int64_t prow = partial_base + (int64_t)(q_row - item_q_begin) * partial_stride;
-        float* dst = p.partial_o + (prow * p.num_qo_heads + qo_head) * kHeadDim;
+        const int q_row = ri.q_row, qo_head = ri.qo_head;
+        if (!split) {
+          DQ* dst = static_cast<DQ*>(p.out) + (int64_t)q_row * p.out_stride_row + (int64_t)qo_head * p.out_stride_head;
 #pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt)
-          __stcg(reinterpret_cast<float2*>(dst + 8 * dt + 2 * c),
-                 make_float2(o[dt][2 * hf] * scale, o[dt][2 * hf + 1] * scale));
-        if (c == 0) __stcg(p.partial_lse + prow * p.num_qo_heads + qo_head, lse_val);
+          for (int dt = 0; dt < kDTiles; ++dt) {
+            const int d = 8 * dt + 2 * c;
+            float lo = o[mf][dt][2 * hf] * scale, hi = o[mf][dt][2 * hf + 1] * scale;
+            if constexpr (Variant::kHasOutputTransform) {
+              lo = Variant::output_transform(vp, lo, OutputCtx{q_row, qo_head, d});
+              hi = Variant::output_transform(vp, hi, OutputCtx{q_row, qo_head, d + 1});
+            }
+            *reinterpret_cast<uint32_t*>(dst + d) = ptx::pack2<Cfg::kQBf16>(lo, hi);
+          }
+          if (Variant::kUseSoftmax && p.lse != nullptr && c == 0)
+            p.lse[(int64_t)q_row * p.lse_stride_row + qo_head] = lse_val;
+        } else {
+          const int64_t prow = partial_base + (int64_t)(q_row - item_q_begin) * partial_stride;
+          float* dst = p.partial_o + (prow * p.num_qo_heads + qo_head) * kHeadDim;
+#pragma unroll
+          for (int dt = 0; dt < kDTiles; ++dt)
+            __stcg(reinterpret_cast<float2*>(dst + 8 * dt + 2 * c),
+                   make_float2(o[mf][dt][2 * hf] * scale, o[mf][dt][2 * hf + 1] * scale));
+          if (c == 0) __stcg(p.partial_lse + prow * p.num_qo_heads + qo_head, lse_val);
+        }
       }
-    }
     if (!split) return;
 
     // Arrival (threadfence reduction pattern): the CTA that writes a row's last chunk merges the row.

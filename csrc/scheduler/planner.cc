@@ -477,10 +477,12 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
                   (long long)(q_len < 0 ? i + 1 : B), in.qo_indptr[q_len < 0 ? i + 1 : B]);
     if (kv_len < 0)
       return Fail(S::kInvalidArgument, "kv_lens must be >= 0, got kv_lens[%lld]=%lld", (long long)i, (long long)kv_len);
-    if (q_len > kv_len)
+    // Causal alignment needs the query to be a suffix of the KV; without it a query may be longer than
+    // the KV it reads (e.g. new tokens against their cached prefix alone, merged with a second pass).
+    if (in.causal && q_len > kv_len)
       return Fail(S::kInvalidArgument,
-                  "request %lld has q_len=%lld > kv_len=%lld (its query must be a suffix of its KV)", (long long)i,
-                  (long long)q_len, (long long)kv_len);
+                  "request %lld has q_len=%lld > kv_len=%lld (causal: its query must be a suffix of its KV)",
+                  (long long)i, (long long)q_len, (long long)kv_len);
     for (int64_t tile_begin = 0; tile_begin < q_len; tile_begin += in.tile_q) {
       const int64_t tile_end = std::min(q_len, tile_begin + in.tile_q);  // relative to the request's first row
       // Causal, bottom-right aligned: query row j sees keys [0, kv_len - q_len + j], so the tile needs
