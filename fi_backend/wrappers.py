@@ -161,12 +161,14 @@ def _prefill_smem_bytes(head_dim: int, kv_bytes: int, shape: dict) -> int:
 def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, group: int, *,
                  tuning: Optional[dict] = None) -> kernels.ModuleSpec:
     """The JIT module of the prefill kernel for one (variant, head_dim, dtypes, GQA group).
-    tuning (benchmarks): overrides of warps / mfrags / tile / stages."""
+    tuning (benchmarks): overrides of warps / mfrags / tile / stages, and min_blocks (CTAs per SM the
+    register budget is cut for; default 1: the kernel's own need)."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
     kv_bytes = 1 if kv_dtype.startswith("fp8") else 2
     shape = _prefill_shape(head_dim, kv_bytes, group)
     tuning = dict(tuning or {})
+    min_blocks = int(tuning.pop("min_blocks", 1))
     unknown = set(tuning) - {"warps", "mfrags", "tile", "stages"}
     if unknown:
         raise ValueError(f"unknown prefill tuning keys {sorted(unknown)}")
@@ -180,8 +182,9 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     tag = f"{variant.name}_{q_dtype}_{kv_dtype}_d{head_dim}_h{shape['hpc']}"
     if tuning:
         tag += "_w{warps}m{mfrags}t{tile}s{stages}".format(**shape)
-    # MIN_BLOCKS 1: the register budget is the kernel's (~170 at head_dim 128); occupancy follows from it.
-    return _attention_spec("prefill", variant, config, 1, tag, [])
+    if min_blocks != 1:
+        tag += f"_b{min_blocks}"
+    return _attention_spec("prefill", variant, config, min_blocks, tag, [])
 
 
 def _attention_spec(kernel: str, variant: Variant, config: str, min_blocks: int, tag: str,

@@ -229,10 +229,14 @@ struct Kernel {
 
   // The warp's rows: m fragment mf holds packed rows 16 (kMF warp + mf) + g (+ 8); S and O in C-fragment
   // layout (c0/c1: row g, c2/c3: row g + 8). Masks use each row's limits, computed here from the record.
+  // kMask: the per-element mask runs (else the tile is full, visible to every row, and the softmax works
+  // on raw logits with the scale folded into its exponent: one FFMA per element).
+  template <bool kMask>
   static __device__ __forceinline__ void compute_tile(const Params& p, const VariantParams& vp, uint32_t qs,
                                                       uint32_t ks, uint32_t vs, const Work& w, int tile_begin,
-                                                      int n_valid, int kv_head, bool need_mask, float (&m_run)[kMF][2],
+                                                      int n_valid, int kv_head, float (&m_run)[kMF][2],
                                                       float (&d_run)[kMF][2], float (&o)[kMF][kDTiles][4]) {
+    constexpr bool kRaw = !kMask && !Variant::kHasLogitsTransform;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c = lane & 3, mi = lane >> 3, r8 = lane & 7;
     constexpr int kRowB = kConvert ? Cfg::kCRowBytes : Cfg::kRowBytes;
     constexpr int kChunks = kRowB / 16;
@@ -275,7 +279,7 @@ struct Kernel {
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         RowInfo ri;
-        if (need_mask) ri = row_info(w, 16 * (kMF * warp + mf) + 8 * hf + g);
+        if constexpr (kMask) ri = row_info(w, 16 * (kMF * warp + mf) + 8 * hf + g);
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
@@ -285,7 +289,7 @@ struct Kernel {
             const int kv_idx = tile_begin + t;
             bool ok = true;
             LogitsCtx ctx;
-            if (need_mask) {
+            if constexpr (kMask) {
               ok = ri.valid && t < n_valid;
               if (p.causal) ok = ok && kv_idx <= ri.climit;
               if constexpr (Variant::kHasLogitsMask || Variant::kHasLogitsTransform) {
@@ -303,6 +307,8 @@ struct Kernel {
             if constexpr (Variant::kUseSoftmax) {
               if constexpr (Variant::kHasLogitsTransform)
                 y = ok ? Variant::logits_transform(vp, x * p.logits_scale, ctx) * kLog2e : -INFINITY;
+              else if constexpr (kRaw)
+                y = x;
               else
                 y = ok ? x * scale_log2 : -INFINITY;
               mx[hf] = fmaxf(mx[hf], y);
@@ -318,12 +324,13 @@ struct Kernel {
 
       // ---- online softmax of rows g (hf 0) and g + 8 (hf 1); a row lives in the 4 lanes of a quad
       if constexpr (Variant::kUseSoftmax) {
+        const float sl = kRaw ? scale_log2 : 1.f;  // raw logits -> log2 units
         float alpha[2];
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
           mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 1));
           mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 2));
-          const float m_new = fmaxf(m_run[mf][hf], mx[hf]);
+          const float m_new = fmaxf(m_run[mf][hf], mx[hf] * sl);
           const float m_use = m_new == -INFINITY ? 0.f : m_new;
           alpha[hf] = ptx::exp2(m_run[mf][hf] - m_use);
           m_run[mf][hf] = m_new;
@@ -332,18 +339,21 @@ struct Kernel {
           for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              const float pe = ptx::exp2(s[mf][nt][2 * hf + e] - m_use);
+              const float pe = ptx::exp2(fmaf(s[mf][nt][2 * hf + e], sl, -m_use));
               s[mf][nt][2 * hf + e] = pe;
               sum += pe;
             }
           d_run[mf][hf] = d_run[mf][hf] * alpha[hf] + sum;  // per lane; the quad's sum is taken at the end
         }
+        // Once a row's maximum settles, alpha is 1: skip the rescale when it is for all of the warp's rows.
+        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt) {
-          o[mf][dt][0] *= alpha[0];
-          o[mf][dt][1] *= alpha[0];
-          o[mf][dt][2] *= alpha[1];
-          o[mf][dt][3] *= alpha[1];
+          for (int dt = 0; dt < kDTiles; ++dt) {
+            o[mf][dt][0] *= alpha[0];
+            o[mf][dt][1] *= alpha[0];
+            o[mf][dt][2] *= alpha[1];
+            o[mf][dt][3] *= alpha[1];
+          }
         }
       }
     }
@@ -451,9 +461,13 @@ struct Kernel {
       const int climit_hi = w.kv_len - w.q_len + w.q_idx0 + last_r;
       const bool live = warp_active && n_valid > 0 && (!p.causal || tile_begin <= climit_hi);
       if (live) {
+        // (a non-positive scale would break the raw-logit maximum: it takes the masked path)
         const bool need_mask = Variant::kHasLogitsMask || n_valid < kTile ||
-                               (p.causal && tile_begin + kTile - 1 > climit_lo);
-        compute_tile(p, vp, qs, ks, vs, w, tile_begin, n_valid, kv_head, need_mask, m_run, d_run, o);
+                               (p.causal && tile_begin + kTile - 1 > climit_lo) || !(p.logits_scale > 0.f);
+        if (need_mask)
+          compute_tile<true>(p, vp, qs, ks, vs, w, tile_begin, n_valid, kv_head, m_run, d_run, o);
+        else
+          compute_tile<false>(p, vp, qs, ks, vs, w, tile_begin, n_valid, kv_head, m_run, d_run, o);
       }
 
       if (flags & kLast) finish(p, vp, w, m_run, d_run, o, merge_flags);
