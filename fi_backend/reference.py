@@ -9,7 +9,9 @@ What is defined here, in the FlashInfer paper's words:
     causal, sliding window and custom masks as the LogitsMask), applied in the order `attention` documents;
   * the attention state (O, LSE) of one request, LSE in natural log;
   * the merge of attention states, O = (e^a O_a + e^b O_b) / (e^a + e^b), LSE = log(e^a + e^b);
-  * batches over ragged tensors (`batch_attention`) and over the BSR KV format (`attention_bsr`).
+  * batches over ragged tensors (`batch_attention`) and over the BSR KV format (`attention_bsr`);
+  * the KV write path: appending tokens to a paged KV cache by slot (`append_paged_kv_cache`), with the
+    fp8 conversion stored = saturate(x / scale).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ __all__ = [
     "attention_bsr",
     "merge_state",
     "merge_states",
+    "append_paged_kv_cache",
 ]
 
 _f64 = torch.float64
@@ -442,3 +445,73 @@ def merge_states(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torc
     out_lse = m.squeeze(1) + torch.log(den)  # log(0) = -inf when every state is -inf
     safe = torch.where(den > 0, den, torch.ones_like(den))
     return num / safe[..., None], out_lse
+
+
+# -------------------------------------------------------------------------------------- KV append
+
+_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def _cache_pages(t: torch.Tensor, kv_layout: str, packed_half: Optional[int] = None) -> torch.Tensor:
+    """A view [num_blocks, page, heads, D] of one side of a cache (NHD order), writable in place."""
+    if packed_half is not None:
+        D = t.shape[-1] // 2
+        t = t[..., :D] if packed_half == 0 else t[..., D:]
+    if t.dim() == 3:
+        return t[:, None]
+    if kv_layout not in ("NHD", "HND"):
+        raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+    return t if kv_layout == "NHD" else t.transpose(1, 2)
+
+
+def _stored(x: torch.Tensor, dtype: torch.dtype, scale) -> torch.Tensor:
+    """x as the cache stores it: a copy, or saturate(x / scale) rounded to nearest-even fp8."""
+    if dtype == x.dtype:
+        return x
+    if dtype not in _FP8_MAX:
+        raise ValueError(f"a {x.dtype} key is stored as {x.dtype}, torch.float8_e4m3fn or torch.float8_e5m2, "
+                         f"not {dtype}")
+    # The kernel holds the scale in fp32. float64 x / scale then rounds to the same fp32 value as an
+    # fp32 division (53 >= 2 * 24 + 2), and torch converts to fp8 through fp32: the kernel's fp32
+    # divide + cvt.rn.satfinite, bit for bit.
+    scale = torch.as_tensor(1.0 if scale is None else scale).to(device=x.device, dtype=torch.float32)
+    scale = scale.reshape(()).to(_f64)
+    y = (x.to(_f64) / scale).to(torch.float32)
+    m = _FP8_MAX[dtype]
+    return y.clamp(-m, m).to(dtype)  # clamp keeps NaN; +-inf saturate like satfinite
+
+
+def append_paged_kv_cache(key, value, kv_cache, slot_mapping, *, kv_layout="NHD", k_scale=None, v_scale=None):
+    """The cache after appending tokens: a clone of kv_cache (same structure) with token t < n of key /
+    value [num_tokens, heads, D] written at slot s = slot_mapping[t] (n = len(slot_mapping)): block
+    s // page, offset s % page. Slots < 0 (padding) and >= num_blocks * page are skipped.
+
+    kv_cache: one packed [num_blocks, page, heads, 2 D] ("NHD") / [num_blocks, heads, page, 2 D] ("HND")
+    tensor (K then V in the last dim), or a (k, v) pair of 4-D NHD / HND or 3-D [num_slots, heads, D]
+    tensors. A cache of key's dtype stores a copy; an fp8 cache (float8_e4m3fn / float8_e5m2) stores
+    saturate(x / scale) rounded to nearest even (k_scale for K, v_scale for V: None = 1.0, a float or
+    a 1-element tensor). Slots should be distinct: which of two tokens lands in one slot is unspecified.
+    """
+    slots = torch.as_tensor(slot_mapping).to(torch.int64)
+    n = slots.numel()
+    if key.shape != value.shape or key.dim() != 3 or n > key.shape[0]:
+        raise ValueError(f"key and value must be [num_tokens, heads, D] of one shape with num_tokens >= "
+                         f"len(slot_mapping) = {n} (got {tuple(key.shape)} and {tuple(value.shape)})")
+    if isinstance(kv_cache, torch.Tensor):
+        out = kv_cache.clone()
+        sides = (_cache_pages(out, kv_layout, 0), _cache_pages(out, kv_layout, 1))
+    else:
+        out = tuple(t.clone() for t in kv_cache)
+        sides = tuple(_cache_pages(t, kv_layout) for t in out)
+    num_blocks, page = sides[0].shape[:2]
+    slots = slots.to(sides[0].device)
+    keep = (slots >= 0) & (slots < num_blocks * page)
+    s = slots[keep]
+    rows = torch.nonzero(keep).flatten()
+    for side, x, scale in ((sides[0], key, k_scale), (sides[1], value, v_scale)):
+        if side.shape[2:] != x.shape[1:]:
+            raise ValueError(f"the cache holds [heads, D] = {list(side.shape[2:])} per token but key/value "
+                             f"rows are {list(x.shape[1:])}")
+        vals = _stored(x[:n].to(side.device)[rows], side.dtype, scale)
+        side[s // page, s % page] = vals
+    return out

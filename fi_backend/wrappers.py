@@ -30,6 +30,7 @@ import torch
 
 from . import kernels
 from .formats import BSR
+from .kv_cache import parse_paged_kv_cache
 from .kernels.sets import module_set
 from .variants import DEFAULT, PARAM_TYPES, Variant, VariantError
 from .workspace import Workspace
@@ -558,68 +559,18 @@ class BatchAttention:
 
     # -------------------------------------------------------------------------------- run
 
-    def _paged_dims(self, t):
-        """(num_blocks, heads, last dim, (stride_block, stride_token, stride_head)) of a 4-D paged
-        tensor in the wrapper's kv_layout, checking its page dimension."""
-        if self.kv_layout == "NHD":
-            nb, P, H, last = t.shape
-            strides = (t.stride(0), t.stride(1), t.stride(2))
-        else:
-            nb, H, P, last = t.shape
-            strides = (t.stride(0), t.stride(2), t.stride(1))
-        if P != self.page_size:
-            raise ValueError(f"the KV cache's page dimension is {P} but page_size is {self.page_size} "
-                             f"(kv_layout {self.kv_layout})")
-        return nb, H, last, strides
-
     def _kv_views(self, kv_cache):
-        """(k, v, num_blocks, stride_block, stride_token, stride_head) from the accepted layouts."""
-        D = self.head_dim
-        if isinstance(kv_cache, (tuple, list)):
-            if len(kv_cache) != 2:
-                raise ValueError(f"kv_cache as a sequence must be a (k, v) pair (got {len(kv_cache)} tensors)")
-            k, v = kv_cache
-            if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
-                raise TypeError("kv_cache (k, v) must be torch.Tensors")
-            if k.shape != v.shape or k.stride() != v.stride():
-                raise ValueError(f"k and v caches must have the same shape and strides (got {tuple(k.shape)} "
-                                 f"{k.stride()} and {tuple(v.shape)} {v.stride()})")
-            if k.dim() == 3:
-                if self.page_size != 1:
-                    raise ValueError(f"3-D [slots, heads, D] caches need page_size 1 (the wrapper has {self.page_size})")
-                nb, H, Dk = k.shape
-                strides = (k.stride(0), 0, k.stride(1))
-            elif k.dim() == 4:
-                nb, H, Dk, strides = self._paged_dims(k)
-            else:
-                raise ValueError(f"k/v caches must be 4-D ({self.kv_layout}) or 3-D [slots, heads, D] (got {k.dim()}-D)")
-            if Dk != D:
-                raise ValueError(f"the KV cache's head_dim is {Dk}, expected {D}")
-        elif isinstance(kv_cache, torch.Tensor):
-            kv = kv_cache
-            if kv.dim() != 4 or kv.shape[-1] != 2 * D:
-                raise ValueError(f"a single KV cache tensor must be packed [num_blocks, page, heads, 2*head_dim] "
-                                 f"(NHD) or [num_blocks, heads, page, 2*head_dim] (HND) with K then V in the last "
-                                 f"dim (got shape {tuple(kv.shape)})")
-            k, v = kv[..., :D], kv[..., D:]
-            nb, H, _, strides = self._paged_dims(kv)
-        else:
-            raise TypeError(f"kv_cache must be a tensor or a (k, v) pair (got {type(kv_cache).__name__})")
-        if H != self.num_kv_heads:
-            raise ValueError(f"the KV cache has {H} KV heads, expected {self.num_kv_heads}")
-        if k.dtype != self.kv_dtype:
-            raise TypeError(f"the KV cache has dtype {k.dtype}, the wrapper was built for {self.kv_dtype}")
-        if k.device != self.device:
-            raise ValueError(f"the KV cache is on {k.device}, the workspace on {self.device}")
-        if k.stride(-1) != 1:
-            raise ValueError("the KV cache's head_dim must be contiguous (stride 1)")
-        esz = k.element_size()
-        if any((s * esz) % 16 for s in strides) or k.data_ptr() % 16 or v.data_ptr() % 16:
-            raise ValueError(f"the KV cache's rows must be 16-byte aligned (strides {strides} elements of "
-                             f"{esz} bytes, pointers {k.data_ptr() % 16}, {v.data_ptr() % 16} mod 16)")
-        if nb >= 2 ** 31:
-            raise ValueError(f"the KV cache has {nb} blocks; at most 2^31 - 1 are addressable")
-        return k.data_ptr(), v.data_ptr(), nb, strides
+        """(k_ptr, v_ptr, num_blocks, (stride_block, stride_token, stride_head)) of the accepted layouts."""
+        kv = parse_paged_kv_cache(kv_cache, self.kv_layout, head_dim=self.head_dim, page_size=self.page_size)
+        if kv.num_heads != self.num_kv_heads:
+            raise ValueError(f"the KV cache has {kv.num_heads} KV heads, expected {self.num_kv_heads}")
+        if kv.dtype != self.kv_dtype:
+            raise TypeError(f"the KV cache has dtype {kv.dtype}, the wrapper was built for {self.kv_dtype}")
+        if kv.device != self.device:
+            raise ValueError(f"the KV cache is on {kv.device}, the workspace on {self.device}")
+        if kv.num_blocks >= 2 ** 31:
+            raise ValueError(f"the KV cache has {kv.num_blocks} blocks; at most 2^31 - 1 are addressable")
+        return kv.k_ptr, kv.v_ptr, kv.num_blocks, kv.strides
 
     def run(self, q: torch.Tensor, kv_cache, *, out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
             return_lse: bool = False, k_scale: float = 1.0, v_scale: float = 1.0):

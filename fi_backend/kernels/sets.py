@@ -82,3 +82,28 @@ def merge_spec(dtype: str) -> ModuleSpec:
 @module_set("merge", "attention-state merge (merge_state, merge_states) for bf16, fp16, fp32")
 def _merge_set() -> List[ModuleSpec]:
     return [merge_spec(d) for d in MERGE_DTYPES]
+
+
+# ----------------------------------------------------------------------------- append (KV write)
+
+APPEND_KEY_DTYPES = ("bf16", "fp16")
+APPEND_CACHE_DTYPES = ("same", "fp8_e4m3", "fp8_e5m2")
+
+
+def append_spec(key_dtype: str, cache_dtype: str) -> ModuleSpec:
+    """The paged KV-cache append module (fi_append_paged_kv_cache, fi_append_errors) for keys/values
+    stored as `key_dtype` written into a cache of `cache_dtype` (== key_dtype, or an fp8 format)."""
+    if key_dtype not in APPEND_KEY_DTYPES:
+        raise ValueError(f"append kernels support key dtype {', '.join(APPEND_KEY_DTYPES)} (got {key_dtype!r})")
+    if cache_dtype not in (key_dtype, "fp8_e4m3", "fp8_e5m2"):
+        raise ValueError(f"append kernels write a {key_dtype} key into a cache of {key_dtype}, fp8_e4m3 or "
+                         f"fp8_e5m2 (got {cache_dtype!r})")
+    return ModuleSpec(family="append_kv", template="append_kv.cu",
+                      params={"KEY_DTYPE": DTYPE_C[key_dtype], "CACHE_DTYPE": DTYPE_C[cache_dtype]},
+                      tag=f"{key_dtype}_{cache_dtype}")
+
+
+@module_set("append", "paged KV-cache append (KV write path): bf16/fp16 keys into same-dtype, fp8 e4m3 or "
+                      "fp8 e5m2 caches")
+def _append_set() -> List[ModuleSpec]:
+    return [append_spec(k, k if c == "same" else c) for k in APPEND_KEY_DTYPES for c in APPEND_CACHE_DTYPES]
