@@ -1,0 +1,598 @@
+"""fi-backend as vLLM 0.26's attention backend: `vllm serve MODEL --attention-backend CUSTOM`.
+
+How vLLM finds it. pyproject.toml declares `register` below as an entry point of the group
+`vllm.general_plugins`; vLLM calls it in every process it starts, and it registers the class path
+BACKEND_CLASS_PATH as AttentionBackendEnum.CUSTOM. When a user selects CUSTOM, vLLM imports this
+module and reads FiAttentionBackend from it. The three vLLM classes (FiAttentionBackend,
+FiAttentionMetadataBuilder, FiAttentionImpl) subclass vLLM's abstract classes, so they are made on
+first access (module __getattr__), from the plain classes _Backend, _MetadataBuilder and _Impl defined
+here: importing this module, and calling register(), imports nothing of vLLM's beyond its registry.
+
+The vLLM concepts, one class each:
+  _Backend          what vLLM asks before it allocates anything: KV-cache shape (K and V packed in the
+                    last dim, [num_blocks, block_size, num_kv_heads, 2 * head_size], read by strides),
+                    supported head sizes / dtypes / block sizes, and why a model is refused.
+  _MetadataBuilder  one per attention group: turns the step's CommonAttentionMetadata into a BSR over
+                    vLLM's own persistent tensors and calls plan() once per step (_StepPlanner). Every
+                    layer of the group then runs with that plan.
+  _Impl             one per layer: writes the step's K/V into the paged cache (do_kv_cache_update) and
+                    runs attention into vLLM's preallocated output.
+
+Two kernels, each with its own wrapper and workspace: the decode kernel for steps where every request
+has one query token, and the prefill kernel (FlashAttention-2 style, any mix of query lengths) for
+every other step, mixed prefill + decode included (one plan, one launch per layer).
+
+CUDA graphs: AttentionCGSupport.UNIFORM_BATCH. vLLM captures uniform batches (pure decode, or
+1 + k tokens per request with speculative decoding) in full graphs and runs mixed batches piecewise,
+attention eager. A captured run() stays correct after later plans because the plan lives in fixed
+workspace sections and the BSR arrays are vLLM's persistent buffers (query_start_loc, seq_lens,
+block tables) plus kv_block_start, which is allocated here once and sliced. Padded requests of a
+captured batch have no query rows and a KV length of 0, so they read nothing and write nothing; the
+output rows of padding tokens are left as they are (vLLM discards them).
+
+No GPU-to-CPU synchronisation per step: the plan is made from query_start_loc_cpu and
+seq_lens_cpu_upper_bound (an upper bound is enough: the kernels read the true lengths from seq_lens on
+the device and clip to them; the schedule is at worst slightly pessimistic).
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from fi_backend import ops as _ops
+from fi_backend import variants as _variants
+from fi_backend.formats import BSR
+
+__all__ = ["register", "BACKEND_NAME", "BACKEND_CLASS_PATH", "FiAttentionMetadata", "layer_variant", "plan_counts",
+           "check_errors"]
+
+BACKEND_NAME = "CUSTOM"                                # vLLM 0.26 has no other way to add a backend name
+BACKEND_CLASS_PATH = f"{__name__}.FiAttentionBackend"  # what register() hands to vLLM's register_backend
+ENTRY_POINT_GROUP = "vllm.general_plugins"
+
+HEAD_SIZES = (64, 128, 256)                            # the kernels' (fi_backend.wrappers.HEAD_DIMS)
+DTYPES = (torch.bfloat16, torch.float16)
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3")  # "fp8" is e4m3 on CUDA
+MAX_BLOCK_SIZE = 256                                   # the kernels' largest page (KV block width Bc)
+COMPUTE_CAPABILITY = (9, 0)                            # kernels are built for sm_90a (H100 / H200)
+# Largest query tile of each kernel: a workspace holds 2 * num_ctas * max_tile_q partial rows.
+_MAX_TILE_Q = {"decode": 16, "prefill": 128}
+_FP8_DTYPE = torch.float8_e4m3fn
+
+_VLLM_CLASSES = ("FiAttentionBackend", "FiAttentionMetadataBuilder", "FiAttentionImpl")
+# A child of vLLM's "vllm" logger, so messages go through vLLM's handler and level.
+_log = logging.getLogger("vllm.fi_backend")
+_logged_active = False
+_PLAN_COUNTS = {"decode": 0, "prefill": 0}
+_wrappers = weakref.WeakSet()   # every BatchAttention this process made, for check_errors()
+_define_lock = threading.Lock()  # the vLLM classes are made once: vLLM compares them by identity
+
+
+# ------------------------------------------------------------------------------------ registration
+
+def register() -> None:
+    """Register fi-backend as AttentionBackendEnum.CUSTOM (vLLM's `vllm.general_plugins` hook).
+
+    Idempotent and cheap (vLLM calls it in every process, sometimes twice); silent unless it fails.
+    Without vLLM installed it raises ImportError: only vLLM calls it. With a vLLM that has no CUSTOM
+    slot, or whose CUSTOM slot another plugin already took, it logs a warning and leaves vLLM as it
+    is, so an installed but unused fi-backend never stops vLLM from starting."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ImportError("fi_backend.adapters.vllm.register() is vLLM's plugin hook (entry point group "
+                          f"{ENTRY_POINT_GROUP}); it needs vLLM 0.26 installed, and vllm is not importable")
+    try:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    except ImportError as e:
+        _log.warning("fi-backend: not registered: this vLLM has no attention-backend registry "
+                     "(vllm.v1.attention.backends.registry: %s); fi-backend supports vLLM 0.26", e)
+        return
+    custom = getattr(AttentionBackendEnum, BACKEND_NAME, None)
+    if custom is None:
+        _log.warning("fi-backend: not registered: this vLLM's AttentionBackendEnum has no %s member; "
+                     "fi-backend supports vLLM 0.26", BACKEND_NAME)
+        return
+    if custom.is_overridden():
+        current = custom.get_path()
+        if current != BACKEND_CLASS_PATH:
+            _log.warning("fi-backend: not registered: AttentionBackendEnum.%s is already registered to %s "
+                         "by another plugin", BACKEND_NAME, current)
+        return
+    register_backend(custom, BACKEND_CLASS_PATH)
+
+
+def __getattr__(name: str) -> Any:
+    """Make the vLLM classes on first access (this is how vLLM's resolve_obj_by_qualname reaches them)."""
+    if name in _VLLM_CLASSES:
+        with _define_lock:
+            if name not in globals():
+                _define_vllm_classes()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _define_vllm_classes() -> None:
+    try:
+        from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl,
+                                               AttentionMetadataBuilder)
+    except ImportError as e:
+        raise ImportError(f"{__name__}.{{{', '.join(_VLLM_CLASSES)}}} subclass vLLM's attention classes and need "
+                          f"vLLM 0.26 installed ({e})") from e
+    made = {
+        "FiAttentionBackend": (_Backend, AttentionBackend, {}),
+        "FiAttentionMetadataBuilder": (_MetadataBuilder, AttentionMetadataBuilder,
+                                       {"_cudagraph_support": AttentionCGSupport.UNIFORM_BATCH}),
+        "FiAttentionImpl": (_Impl, AttentionImpl, {}),
+    }
+    for name, (ours, theirs, extra) in made.items():
+        # Ours first in the MRO, so it overrides vLLM's defaults; __module__ and the type() name make
+        # the qualified name vLLM stores and re-imports BACKEND_CLASS_PATH-style paths by.
+        globals()[name] = type(name, (ours, theirs), {"__module__": __name__, "__doc__": ours.__doc__, **extra})
+
+
+def _vllm_class(name: str) -> type:
+    return globals()[name] if name in globals() else __getattr__(name)
+
+
+def plan_counts() -> dict:
+    """Plans made in this process per kernel, {"decode": n, "prefill": m} (tests and debugging)."""
+    return dict(_PLAN_COUNTS)
+
+
+def check_errors() -> None:
+    """Raise RuntimeError if an fi-backend kernel of this process met an out-of-range KV block index or
+    KV slot since the last check. Synchronises the GPU: for tests and debugging, never per step."""
+    for wrapper in list(_wrappers):
+        wrapper.check_errors()
+    _ops.check_append_errors()
+
+
+def _log_active(settings: "_GroupSettings", page_size: int, num_layers: int) -> None:
+    global _logged_active
+    if not _logged_active:
+        _logged_active = True
+        _log.info("fi-backend attention is active (vLLM backend %s): %d layers, %d query / %d KV heads, head_dim %d, "
+                  "page %d, KV %s, variant %s; decode + prefill kernels, one plan per step; CUDA graphs for "
+                  "uniform (decode) batches", BACKEND_NAME, num_layers, settings.num_qo_heads, settings.num_kv_heads,
+                  settings.head_dim, page_size, settings.kv_cache_dtype, settings.variant.name)
+
+
+# ------------------------------------------------------------------------------------ variants
+
+def layer_variant(alibi_slopes=None, sliding_window: Optional[int] = None, logits_soft_cap: Optional[float] = None):
+    """(variant, plan parameters) of a vLLM attention layer's settings.
+
+    sliding_window is vLLM's: a query attends to itself and the sliding_window - 1 tokens before it,
+    i.e. fi_backend's window_left = sliding_window - 1. logits_soft_cap None or 0 means none (as in
+    FlashAttention). ALiBi slopes are kept as a tuple (the builder puts them on the device once)."""
+    parts, params = [], {}
+    if logits_soft_cap:
+        parts.append(_variants.SOFT_CAP)
+        params["logits_soft_cap"] = float(logits_soft_cap)
+    if alibi_slopes is not None:
+        parts.append(_variants.ALIBI)
+        params["alibi_slopes"] = tuple(float(s) for s in (alibi_slopes.tolist() if isinstance(alibi_slopes, torch.Tensor)
+                                                           else alibi_slopes))
+    if sliding_window is not None:
+        if int(sliding_window) < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        parts.append(_variants.SLIDING_WINDOW)
+        params["window_left"] = int(sliding_window) - 1
+    if not parts:
+        return _variants.DEFAULT, params
+    return (parts[0] if len(parts) == 1 else _variants.combine(*parts)), params
+
+
+# ------------------------------------------------------------------------------------ per-step plan
+
+@dataclass
+class FiAttentionMetadata:
+    """One step's attention metadata, shared by every layer of an attention group."""
+
+    wrapper: Any                 # the BatchAttention planned for this step (decode or prefill kernel)
+    num_rows: int                # query rows the plan covers; rows past it are CUDA-graph padding
+    num_actual_tokens: int       # as vLLM counts them (may include padding)
+    max_query_len: int
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+class _StepPlanner:
+    """The per-step half of the metadata builder: CommonAttentionMetadata -> BSR -> plan().
+
+    It only reads vLLM's metadata fields, so it is tested without vLLM. The BSR is made of views: the
+    engine's query_start_loc (qo_indptr), seq_lens (kv_lens) and block table (kv_indices, a flat view
+    over the table's whole buffer), and kv_block_start, this planner's own arange(rows) * row_stride
+    made once per block-table buffer. Their addresses never change between steps, which is what a
+    captured run() needs (the wrapper refuses a plan with other addresses after a capture)."""
+
+    def __init__(self, decode, prefill, *, page_size: int, sm_scale: float, variant_params: dict,
+                 debug: bool = False):
+        self.decode, self.prefill = decode, prefill
+        self.page_size = page_size
+        self.sm_scale = sm_scale
+        self.variant_params = variant_params
+        self.debug = debug
+        self._table_key = None      # (data_ptr, row stride) of the block-table buffer bound below
+        self._kv_indices = None
+        self._kv_block_start = None
+
+    def plan(self, cm) -> FiAttentionMetadata:
+        if cm.causal is not True:
+            raise NotImplementedError(f"fi-backend runs causal decoder attention only (got causal={cm.causal!r})")
+        n = cm.num_reqs
+        qo_cpu = cm.query_start_loc_cpu[: n + 1]
+        kv_cpu = getattr(cm, "seq_lens_cpu_upper_bound", None)
+        if kv_cpu is not None:
+            kv_cpu = kv_cpu[:n]
+        else:  # an upper bound without a sync: every request at the step's longest context
+            kv_cpu = torch.full((n,), cm.max_seq_len, dtype=torch.int32)
+        if cm.max_query_len <= 1:
+            kernel, wrapper = "decode", self.decode
+        else:
+            kernel, wrapper = "prefill", self.prefill
+        table = cm.block_table_tensor
+        if self._table_key != (table.data_ptr(), table.stride(0)):
+            self._bind_block_table(table)
+        bsr = BSR(qo_indptr=cm.query_start_loc, kv_indices=self._kv_indices, kv_block_start=self._kv_block_start[:n],
+                  kv_lens=cm.seq_lens, block_width=self.page_size)
+        wrapper.plan(qo_cpu, kv_cpu, bsr, causal=True, sm_scale=self.sm_scale, debug=self.debug, **self.variant_params)
+        _PLAN_COUNTS[kernel] += 1
+        return FiAttentionMetadata(wrapper=wrapper, num_rows=int(qo_cpu[n]), num_actual_tokens=cm.num_actual_tokens,
+                                   max_query_len=cm.max_query_len, query_start_loc=cm.query_start_loc,
+                                   seq_lens=cm.seq_lens, block_table=table, slot_mapping=cm.slot_mapping)
+
+    def _bind_block_table(self, table: torch.Tensor) -> None:
+        """Flat kv_indices over the table's buffer from its first row on, and its row starts (once)."""
+        if table.dtype != torch.int32 or table.dim() != 2:
+            raise TypeError(f"vLLM's block table must be a 2-D int32 tensor, got {table.dtype} {tuple(table.shape)}")
+        if table.shape[1] > 1 and table.stride(1) != 1:
+            raise ValueError(f"vLLM's block table must have contiguous rows, got strides {table.stride()}")
+        row_stride = table.stride(0)
+        span = table.untyped_storage().nbytes() // table.element_size() - table.storage_offset()
+        rows = max(span // max(row_stride, 1), table.shape[0])
+        starts = torch.arange(rows, dtype=torch.int64, device=table.device) * row_stride
+        self._kv_indices = table.as_strided((span,), (1,))
+        self._kv_block_start = starts.to(torch.int32) if rows * row_stride < 2 ** 31 else starts
+        self._table_key = (table.data_ptr(), row_stride)
+
+
+def _make_wrapper(kernel: str, *, device, num_qo_heads: int, num_kv_heads: int, head_dim: int, q_dtype, kv_dtype,
+                  page_size: int, variant, max_requests: int, max_rows: int):
+    """A BatchAttention of one kernel with its own workspace, sized once for the engine's limits."""
+    from fi_backend.workspace import Workspace
+    from fi_backend.wrappers import BatchAttention
+    num_ctas = BatchAttention.recommended_num_ctas(device, num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype,
+                                                   kv_dtype=kv_dtype, variant=variant, kernel=kernel)
+    ws = Workspace(device, max_requests=max_requests, max_tokens=max_rows, num_ctas=num_ctas,
+                   max_tile_q=_MAX_TILE_Q[kernel], num_qo_heads=num_qo_heads, head_dim=head_dim)
+    wrapper = BatchAttention(ws, num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype,
+                             page_size=page_size, kv_layout="NHD", variant=variant, kernel=kernel)
+    _wrappers.add(wrapper)
+    return wrapper
+
+
+@dataclass(frozen=True)
+class _GroupSettings:
+    """What every layer of an attention group must share, since they share one plan."""
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    sm_scale: float
+    kv_cache_dtype: str
+    plan_params: tuple          # sorted (name, value) pairs; ALiBi slopes as a tuple of floats
+    variant: Any = field(compare=False)   # determined by plan_params' names (layer_variant)
+
+
+def _group_settings(impls: dict) -> _GroupSettings:
+    """The settings of an attention group's layers {name: impl}; ValueError naming the layers that differ."""
+    if not impls:
+        raise ValueError("fi-backend found no attention layers for this attention group")
+    groups: dict = {}
+    for name, impl in impls.items():
+        if not isinstance(impl, _Impl):
+            raise TypeError(f"layer {name} uses {type(impl).__name__}, not fi-backend's impl: all layers of an "
+                            f"attention group must use the {BACKEND_NAME} backend")
+        groups.setdefault(impl.group_settings(), []).append(name)
+    if len(groups) > 1:
+        detail = "; ".join(f"{', '.join(names[:3])}{' ...' if len(names) > 3 else ''}: {s}"
+                           for s, names in groups.items())
+        raise ValueError("fi-backend plans once per step for all layers of an attention group, so they must share "
+                         "heads, head size, scale, KV-cache dtype, sliding window, soft-cap and ALiBi slopes; "
+                         f"these differ: {detail}")
+    return next(iter(groups))
+
+
+def _kv_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    if kv_cache_dtype in ("fp8", "fp8_e4m3"):
+        return _FP8_DTYPE
+    return {"auto": model_dtype, "bfloat16": torch.bfloat16, "float16": torch.float16}[kv_cache_dtype]
+
+
+# ------------------------------------------------------------------------------------ AttentionBackend
+
+class _Backend:
+    """fi-backend's AttentionBackend for vLLM 0.26 (selected as CUSTOM)."""
+
+    supported_dtypes = list(DTYPES)
+    supported_kv_cache_dtypes = list(KV_CACHE_DTYPES)
+    forward_includes_kv_cache_update = False   # vLLM calls _Impl.do_kv_cache_update before forward
+    # Variants the impl turns vLLM's layer settings into (fi_backend.variants); sliding window is also
+    # what vLLM asks through supports_sliding_window.
+    supports_logits_soft_cap = True
+    supports_alibi = True
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls():
+        return _vllm_class("FiAttentionImpl")
+
+    @staticmethod
+    def get_builder_cls():
+        return _vllm_class("FiAttentionMetadataBuilder")
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple:
+        """K and V packed in the last dim: [num_blocks, block_size, num_kv_heads, 2 * head_size].
+        The kernels and the append op address it by strides, so no copy is ever made."""
+        if not 1 <= block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"fi-backend supports block sizes 1..{MAX_BLOCK_SIZE}, got {block_size}")
+        if head_size not in HEAD_SIZES:
+            raise ValueError(f"fi-backend supports head sizes {HEAD_SIZES}, got {head_size}")
+        if cache_dtype_str not in KV_CACHE_DTYPES:
+            raise ValueError(f"fi-backend supports KV-cache dtypes {KV_CACHE_DTYPES}, got {cache_dtype_str!r}")
+        return (num_blocks, block_size, num_kv_heads, 2 * head_size)
+
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple:
+        """Physical order of get_kv_cache_shape's dims. Blocks first always (vLLM may then put several
+        layers in one allocation, block-major); tokens-then-heads (NHD) unless vLLM's KV-cache layout
+        is HND (VLLM_KV_CACHE_LAYOUT or a KV connector), which the kernels read by strides as well."""
+        from vllm.v1.attention.backends.utils import get_kv_cache_layout
+        hnd = get_kv_cache_layout() == "HND"
+        if include_num_layers_dimension:  # logical (layers, blocks, tokens, heads, 2D)
+            return (1, 3, 0, 2, 4) if hnd else (1, 0, 2, 3, 4)
+        return (0, 2, 1, 3) if hnd else (0, 1, 2, 3)
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list:
+        # Any size 1..256, largest first (vLLM picks the largest that divides its manager block).
+        return list(range(MAX_BLOCK_SIZE, 0, -1))
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list:
+        return list(HEAD_SIZES)
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        return head_size in HEAD_SIZES
+
+    @classmethod
+    def supports_dtype(cls, dtype: torch.dtype) -> bool:
+        return dtype in DTYPES
+
+    @classmethod
+    def supports_block_size(cls, block_size: Optional[int]) -> bool:
+        return block_size is None or 1 <= block_size <= MAX_BLOCK_SIZE
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, kv_cache_dtype: Optional[str]) -> bool:
+        return kv_cache_dtype is None or kv_cache_dtype in KV_CACHE_DTYPES
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == "decoder"
+
+    @classmethod
+    def supports_compute_capability(cls, capability) -> bool:
+        return (capability.major, capability.minor) == COMPUTE_CAPABILITY
+
+    @classmethod
+    def supports_kv_connector(cls) -> bool:
+        return False   # not tested with fi-backend (disaggregated prefill, KV offloading): refused, not guessed
+
+    @classmethod
+    def validate_configuration(cls, head_size: int, dtype: torch.dtype, kv_cache_dtype: Optional[str],
+                               block_size: Optional[int], use_mla: bool, has_sink: bool, use_sparse: bool,
+                               use_mm_prefix: bool, use_per_head_quant_scales: bool, device_capability,
+                               attn_type: str, has_sliding_window: bool = False, use_non_causal: bool = False,
+                               use_batch_invariant: bool = False, use_kv_connector: bool = False,
+                               use_pcp: bool = False, **other) -> list:
+        """Why vLLM must not use fi-backend for this layer, one reason per problem ([] = supported)."""
+        reasons = []
+        if use_mla:
+            reasons.append("MLA (multi-head latent attention) is not supported: fi-backend runs multi-head and "
+                           "grouped-query attention")
+        if not cls.supports_head_size(head_size):
+            reasons.append(f"head size {head_size} is not supported (fi-backend: {', '.join(map(str, HEAD_SIZES))})")
+        if not cls.supports_dtype(dtype):
+            reasons.append(f"model dtype {dtype} is not supported (fi-backend: bfloat16, float16)")
+        if not cls.supports_kv_cache_dtype(kv_cache_dtype):
+            reasons.append(f"kv_cache_dtype {kv_cache_dtype!r} is not supported (fi-backend: "
+                           f"{', '.join(KV_CACHE_DTYPES)}; fp8 means e4m3 with per-tensor scales)")
+        elif kv_cache_dtype in ("bfloat16", "float16") and dtype in DTYPES and str(dtype) != f"torch.{kv_cache_dtype}":
+            reasons.append(f"kv_cache_dtype {kv_cache_dtype} with model dtype {dtype} is not supported: the kernels "
+                           "read KV in the query's dtype or in fp8")
+        if not cls.supports_block_size(block_size):
+            reasons.append(f"block size {block_size} is not supported (fi-backend: 1..{MAX_BLOCK_SIZE})")
+        if not cls.supports_attn_type(attn_type):
+            reasons.append(f"attention type {getattr(attn_type, 'value', attn_type)} is not supported: fi-backend "
+                           "runs decoder self-attention only (no encoder, encoder-only or cross-attention)")
+        if use_non_causal:
+            reasons.append("non-causal (bidirectional) decoder attention is not supported")
+        if has_sink:
+            reasons.append("attention sinks are not supported")
+        if use_sparse:
+            reasons.append("sparse attention is not supported")
+        if use_mm_prefix:
+            reasons.append("PrefixLM bidirectional attention over multimodal tokens is not supported")
+        if use_per_head_quant_scales:
+            reasons.append("per-head KV-cache quantization scales are not supported (per-tensor fp8 scales only)")
+        if not cls.supports_compute_capability(device_capability):
+            cap = f"{device_capability.major}.{device_capability.minor}"
+            reasons.append(f"compute capability {cap} is not supported: fi-backend's kernels are built for "
+                           "Hopper (sm_90a: H100, H200)")
+        if use_batch_invariant:
+            reasons.append("VLLM_BATCH_INVARIANT is not supported: the plan splits KV by batch composition")
+        if use_kv_connector:
+            reasons.append("KV connectors (disaggregated prefill, KV offloading) are not supported yet")
+        if use_pcp:
+            reasons.append("prefill context parallelism is not supported")
+        reasons += [f"{k}={v!r} is not supported (not known to fi-backend's vLLM 0.26 adapter)"
+                    for k, v in sorted(other.items()) if v]
+        return reasons
+
+
+# ------------------------------------------------------------------------------------ AttentionMetadataBuilder
+
+class _MetadataBuilder:
+    """fi-backend's AttentionMetadataBuilder: one plan per step for all layers of an attention group."""
+
+    reorder_batch_threshold = None      # the prefill kernel takes any mix of query lengths in any order
+    supports_update_block_table = False
+
+    def __init__(self, kv_cache_spec, layer_names: list, vllm_config, device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+        layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, layer_names)
+        s = _group_settings({name: layer.impl for name, layer in layers.items()})
+        if (kv_cache_spec.num_kv_heads, kv_cache_spec.head_size) != (s.num_kv_heads, s.head_dim):
+            raise ValueError(f"the KV-cache spec has {kv_cache_spec.num_kv_heads} KV heads of size "
+                             f"{kv_cache_spec.head_size}; the layers have {s.num_kv_heads} of size {s.head_dim}")
+        sched = vllm_config.scheduler_config
+        q_dtype = vllm_config.model_config.dtype
+        common = dict(device=device, num_qo_heads=s.num_qo_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                      q_dtype=q_dtype, kv_dtype=_kv_torch_dtype(s.kv_cache_dtype, q_dtype),
+                      page_size=kv_cache_spec.block_size, variant=s.variant, max_requests=sched.max_num_seqs)
+        # A decode step has one query row per request; any other step at most max_num_batched_tokens.
+        decode = _make_wrapper("decode", max_rows=sched.max_num_seqs, **common)
+        prefill = _make_wrapper("prefill", max_rows=max(sched.max_num_batched_tokens, sched.max_num_seqs), **common)
+        params = dict(s.plan_params)
+        if "alibi_slopes" in params:  # a device tensor made once: captured graphs read it by address
+            params["alibi_slopes"] = torch.tensor(params["alibi_slopes"], dtype=torch.float32, device=device)
+        self._step = _StepPlanner(decode, prefill, page_size=kv_cache_spec.block_size, sm_scale=s.sm_scale,
+                                  variant_params=params, debug=os.environ.get("FI_BACKEND_VLLM_DEBUG") == "1")
+        _log_active(s, kv_cache_spec.block_size, len(layers))
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
+        # UNIFORM_BATCH, not ALWAYS: mixed batches run piecewise with attention eager (see the module docstring).
+        return cls._cudagraph_support
+
+    def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False) -> FiAttentionMetadata:
+        if common_prefix_len:
+            raise NotImplementedError("fi-backend does not run vLLM's cascade attention (use_cascade_attention is False)")
+        return self._step.plan(common_attn_metadata)
+
+    def build_for_cudagraph_capture(self, common_attn_metadata) -> FiAttentionMetadata:
+        # The same plan as any step: run() captured now keeps reading the fixed workspace sections and
+        # the persistent BSR buffers, so it replays correctly after every later plan of its wrapper.
+        return self.build(0, common_attn_metadata)
+
+    def use_cascade_attention(self, *args, **kwargs) -> bool:
+        # vLLM's cascade takes one prefix common to the whole batch; fi-backend's composable formats
+        # (a shared-prefix BSR with Br > 1 plus a per-request suffix BSR, merged by attention state)
+        # are the better form of it, but they need a second plan and launch per layer that is not wired
+        # here yet. Llama runs on vLLM's V2 model runner, which never asks; the V1 runner gets False.
+        return False
+
+
+# ------------------------------------------------------------------------------------ AttentionImpl
+
+class _Impl:
+    """fi-backend's AttentionImpl: one per layer; KV append and attention against the group's plan."""
+
+    can_return_lse_for_decode = False
+    supports_quant_query_input = False   # the query stays in the model's dtype, also with fp8 KV
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, alibi_slopes=None,
+                 sliding_window: Optional[int] = None, kv_cache_dtype: str = "auto",
+                 logits_soft_cap: Optional[float] = None, attn_type: str = "decoder",
+                 kv_sharing_target_layer_name: Optional[str] = None, sinks: Optional[torch.Tensor] = None, **other):
+        if attn_type != "decoder":
+            raise NotImplementedError(f"fi-backend runs decoder self-attention only, got attention type {attn_type}")
+        if head_size not in HEAD_SIZES:
+            raise ValueError(f"fi-backend supports head sizes {HEAD_SIZES}, got {head_size}")
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"fi-backend supports KV-cache dtypes {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+        if sinks is not None:
+            raise NotImplementedError("fi-backend does not support attention sinks")
+        unknown = sorted(k for k, v in other.items() if v not in (None, False, -1))
+        if unknown:
+            raise NotImplementedError(f"fi-backend does not support the attention arguments {unknown}")
+        if getattr(self, "dcp_world_size", 1) > 1:  # set by vLLM's AttentionImplBase.__new__
+            raise NotImplementedError("fi-backend does not support decode context parallelism")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+        self.num_heads, self.head_size, self.num_kv_heads = num_heads, head_size, num_kv_heads
+        self.scale = float(scale)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+        self.alibi_slopes = alibi_slopes
+        self.variant, self.plan_params = layer_variant(alibi_slopes, sliding_window, logits_soft_cap)
+        if "alibi_slopes" in self.plan_params and len(self.plan_params["alibi_slopes"]) != num_heads:
+            raise ValueError(f"alibi_slopes has {len(self.plan_params['alibi_slopes'])} entries, expected num_heads "
+                             f"= {num_heads}")
+        self._fp8 = kv_cache_dtype.startswith("fp8")
+        self._kv_src = self._kv_view = None   # vLLM's cache tensor and its fp8 view, made once
+
+    def group_settings(self) -> _GroupSettings:
+        return _GroupSettings(self.num_heads, self.num_kv_heads, self.head_size, self.scale, self.kv_cache_dtype,
+                              tuple(sorted(self.plan_params.items())), self.variant)
+
+    def _kv(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The cache as the kernels take it: vLLM stores fp8 as uint8, viewed once as float8_e4m3fn."""
+        if kv_cache is not self._kv_src:
+            self._kv_src = kv_cache
+            self._kv_view = kv_cache.view(_FP8_DTYPE) if self._fp8 and kv_cache.dtype != _FP8_DTYPE else kv_cache
+        return self._kv_view
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: Optional[FiAttentionMetadata], output: torch.Tensor,
+                output_scale: Optional[torch.Tensor] = None,
+                output_block_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Attention of query [tokens, heads, head_size] into vLLM's output [tokens, heads, head_size]."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fi-backend does not fuse output quantization into attention")
+        if attn_metadata is None:   # vLLM's memory-profiling run: no metadata, no KV cache yet
+            return output.fill_(0)
+        n = attn_metadata.num_rows
+        if query.shape[0] != n:   # rows past the plan are padding (CUDA-graph batch sizes); slicing costs
+            query, out = query[:n], output[:n]   # host time in eager mode, so only when needed
+        else:
+            out = output
+        # k/v scales as floats: vLLM's per-tensor fp8 dequantisation (ignored for 16-bit caches).
+        attn_metadata.wrapper.run(query, self._kv(kv_cache), out=out, k_scale=layer._k_scale_float,
+                                  v_scale=layer._v_scale_float)
+        return output
+
+    def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> None:
+        """Write this step's K/V [tokens, kv_heads, head_size] at slot_mapping (-1 = padding, skipped)."""
+        if kv_cache.numel() == 0:   # dummy runs before vLLM binds the caches
+            return
+        # fp8: the scales as vLLM's device tensors, so a captured graph reads their current values.
+        _ops.append_paged_kv_cache(key, value, self._kv(kv_cache), slot_mapping, kv_layout="NHD",
+                                   k_scale=layer._k_scale if self._fp8 else None,
+                                   v_scale=layer._v_scale if self._fp8 else None)

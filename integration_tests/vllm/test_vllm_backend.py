@@ -1,0 +1,363 @@
+"""vLLM 0.26 end to end with `attention_backend="CUSTOM"` (fi-backend), on the GPU machine.
+
+    source /tmp/vllm-env.sh                      # vLLM 0.26 importable (../shared/device/ENGINES.md)
+    python3 -m pytest -q integration_tests/vllm  # not collected by the default run (testpaths = tests)
+
+Model: Llama-3.1-8B's shapes (32 query / 8 KV heads, head_dim 128, GQA 4) with FI_VLLM_TEST_LAYERS
+layers (default 4) and vLLM's dummy weights, which are then redrawn in place (_redraw_weights): vLLM's
+dummy weights (uniform +-1e-3, norms included) make attention contribute almost nothing to the
+residual stream, so logprobs would agree whatever attention computed. Redrawn with unit-variance
+activations (norm weights 1, matrices N(0, 1/fan_in)), attention logits are O(1) and each layer's
+attention output is as large as its input: a wrong mask, block or length moves logprobs by O(1).
+
+Each engine runs in its own process (this file run as a script; two engines in one process fail), in
+process with its worker (VLLM_ENABLE_V1_MULTIPROCESSING=0) so it can redraw weights, read CUDA memory
+and the adapter's counters. Engines: FLASH_ATTN (FlashAttention-3), TRITON_ATTN and CUSTOM eager, CUSTOM
+with CUDA graphs, and a sliding-window variant of the model (FLASH_ATTN and CUSTOM). Prefix caching and
+chunked prefill (512-token steps) are on in all of them.
+
+Tolerance. Two correct attention kernels differ by rounding only (bf16 inputs and P, fp32
+accumulation in another order, split-KV merges); the FLASH_ATTN vs TRITON_ATTN difference on the same
+workload measures that noise. CUSTOM must stay within 2x that noise plus a small floor (0.02 max,
+0.002 mean, in nats) of FLASH_ATTN, and CUSTOM with CUDA graphs within the same bound of CUSTOM eager
+(torch.compile changes the rounding of the other ops too). Greedy generations are compared until
+the first differing token, which must be a near-tie: each side's token in the other's top 5.
+
+Results (one JSON per engine and per test) go to $OUT if set, else integration_tests/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYERS = int(os.environ.get("FI_VLLM_TEST_LAYERS", "4"))
+RESULTS = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "integration_tests" / "results"
+ENGINE_TIMEOUT_S = int(os.environ.get("FI_VLLM_TEST_ENGINE_TIMEOUT", "480"))
+# Llama-3.1-8B's config.json (../shared/models/llama-3.1-8b), used when that file is not beside the checkout.
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128009, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False,
+    "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "vocab_size": 128256,
+}
+WINDOW = 64      # the sliding-window model: layers alternate sliding (64 tokens) and full attention
+ENGINE_ARGS = dict(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
+                   gpu_memory_utilization=0.5, enable_prefix_caching=True, enable_chunked_prefill=True,
+                   max_num_batched_tokens=512, max_num_seqs=16, seed=0)
+CAPTURE_SIZES = [1, 2, 4, 8, 16]   # max_num_seqs 16: every decode batch replays a captured graph
+MAX_FLOOR, MEAN_FLOOR = 0.02, 0.002
+
+
+# ------------------------------------------------------------------------------------ the engine process
+
+def _llama_config() -> dict:
+    for candidate in (os.environ.get("FI_VLLM_TEST_CONFIG"), ROOT.parent / "shared/models/llama-3.1-8b/config.json",
+                      ROOT / "shared/models/llama-3.1-8b/config.json"):
+        if candidate and Path(candidate).is_file():
+            return json.loads(Path(candidate).read_text())
+    return dict(LLAMA_31_8B)
+
+
+def make_model_dir(kind: str) -> str:
+    """A model folder with only config.json (dummy weights, no tokenizer), in /tmp."""
+    config = _llama_config()
+    config["num_hidden_layers"] = LAYERS
+    if kind == "window":
+        config["sliding_window"] = WINDOW
+        config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(LAYERS)]
+    path = Path(tempfile.mkdtemp(prefix=f"fi-vllm-{kind}-"))
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return str(path)
+
+
+def _redraw_weights(model) -> int:
+    """Unit-variance activations (see the module docstring); deterministic per parameter name, in place
+    (CUDA graphs and compiled code keep reading the same storage)."""
+    import torch
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:   # Llama's 1-D parameters are its RMSNorm weights (no biases)
+                p.fill_(1.0)
+                continue
+            gen = torch.Generator(device=p.device)
+            gen.manual_seed(zlib.crc32(name.encode()))
+            gain = 4.0 if "lm_head" in name else 1.0   # sharper next-token distributions
+            p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype) * (gain / math.sqrt(p.shape[1])))
+    return sum(p.numel() for p in model.parameters())
+
+
+def _tokens(rng: random.Random, n: int) -> list:
+    return [rng.randrange(1000, 120000) for _ in range(n)]
+
+
+def _top(logprobs: dict) -> dict:
+    return {str(t): float(lp.logprob) for t, lp in logprobs.items()}
+
+
+def workload_logprobs(llm) -> dict:
+    """Prompt logprobs of mixed-length prompts (1300 tokens: chunked over 3 steps), first-token top-5
+    logprobs of prompts that hit the prefix cache, and greedy generations (mixed prefill + decode steps,
+    then pure decode steps)."""
+    from vllm import SamplingParams, TokensPrompt
+    rng = random.Random(1234)
+    prompts = [_tokens(rng, n) for n in (3, 17, 64, 200, 511, 1300)]
+    sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    prompt_lp = [[float(d[t].logprob) for t, d in zip(p[1:], o.prompt_logprobs[1:])] for p, o in zip(prompts, outs)]
+
+    # Prompt-logprob requests never read the prefix cache; these requests fill it (or hit it) first,
+    # so that the next ones hit it with cached prefixes of 192 to 1296 tokens.
+    sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[3:]], sp, use_tqdm=False)
+    hits = [prompts[5][:800] + _tokens(rng, 40), prompts[4][:496] + _tokens(rng, 5), prompts[3] + _tokens(rng, 1),
+            prompts[5][:1296] + _tokens(rng, 3)]
+    sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in hits], sp, use_tqdm=False)
+    first = [_top(o.outputs[0].logprobs[0]) for o in outs]
+    cached = [o.num_cached_tokens for o in outs]
+
+    gen_prompts = [_tokens(rng, n) for n in (5, 33, 100, 257, 400, 640, 900, 1200)]
+    sp = SamplingParams(max_tokens=48, temperature=0.0, logprobs=5, ignore_eos=True, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in gen_prompts], sp, use_tqdm=False)
+    gens = [{"tokens": list(o.outputs[0].token_ids), "logprobs": [_top(d) for d in o.outputs[0].logprobs]}
+            for o in outs]
+    return {"prompt_logprobs": prompt_lp, "prefix_hit_first_token": first, "prefix_hit_cached_tokens": cached,
+            "generations": gens}
+
+
+def workload_long(llm, rounds: int = 3) -> dict:
+    """Three rounds of 40 requests (prompts 8..600 tokens, 16..320 sampled tokens each) through 16 batch
+    slots: the batch fills, mixes prefill chunks with decodes, and drains over hundreds of steps. CUDA
+    memory is read after each round (rounds 2 and 3 see the same prefix-cache state)."""
+    import torch
+    from vllm import SamplingParams, TokensPrompt
+    rng = random.Random(99)
+    lens = [rng.randrange(8, 600) for _ in range(40)]
+    out_lens = [rng.randrange(16, 320) for _ in range(39)] + [320]
+    prompts = [TokensPrompt(prompt_token_ids=_tokens(rng, n)) for n in lens]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, detokenize=False) for m in out_lens]
+    memory, seconds = [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds.append(time.perf_counter() - t0)
+        got = [len(o.outputs[0].token_ids) for o in outs]
+        if got != out_lens:
+            raise AssertionError(f"generated lengths {got} != requested {out_lens}")
+        torch.cuda.synchronize()
+        gc.collect()
+        memory.append({"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
+                       "free": torch.cuda.mem_get_info()[0]})
+    return {"rounds": rounds, "requests": len(prompts), "tokens_per_round": sum(out_lens),
+            "max_steps_lower_bound": max(out_lens), "memory": memory, "seconds": seconds}
+
+
+def run_engine(backend: str, graphs: bool, model: str, workloads: list, out: str) -> None:
+    import torch
+    import vllm
+    from vllm import LLM
+    record = {"backend": backend, "graphs": graphs, "model": json.loads(Path(model, "config.json").read_text()),
+              "vllm": vllm.__version__, "torch": torch.__version__, "device": torch.cuda.get_device_name()}
+    if backend == "CUSTOM":
+        from importlib.metadata import entry_points
+        import fi_backend
+        installed = any(ep.value == "fi_backend.adapters.vllm:register"
+                        for ep in entry_points(group="vllm.general_plugins"))
+        record.update(fi_backend=fi_backend.__version__, entry_point_installed=installed)
+        if not installed:   # a source checkout: register by hand (the engine runs in this process)
+            from fi_backend.adapters.vllm import register
+            register()
+    kwargs = dict(ENGINE_ARGS)
+    if graphs:
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": CAPTURE_SIZES}
+    else:
+        kwargs["enforce_eager"] = True
+    t0 = time.perf_counter()
+    llm = LLM(model=model, attention_backend=backend, **kwargs)
+    record["engine_start_s"] = time.perf_counter() - t0
+    record["cudagraph_mode"] = str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)
+    record["parameters"] = llm.apply_model(_redraw_weights)[0]
+    for name in workloads:
+        t0 = time.perf_counter()
+        record[name] = {"logprobs": workload_logprobs, "long": workload_long}[name](llm)
+        record[name + "_s"] = time.perf_counter() - t0
+    if backend == "CUSTOM":
+        from fi_backend.adapters import vllm as adapter
+        record["plan_counts"] = adapter.plan_counts()
+        adapter.check_errors()   # raises if a kernel met an out-of-range KV index or slot
+    Path(out).write_text(json.dumps(record))
+
+
+# ------------------------------------------------------------------------------------ comparisons
+
+def _logprob_diffs(ref: dict, test: dict) -> list:
+    """|difference| of every prompt logprob and of the first-token top-5 logprobs both runs report."""
+    diffs = []
+    for a, b in zip(ref["prompt_logprobs"], test["prompt_logprobs"], strict=True):
+        diffs += [abs(x - y) for x, y in zip(a, b, strict=True)]
+    for a, b in zip(ref["prefix_hit_first_token"], test["prefix_hit_first_token"], strict=True):
+        diffs += [abs(a[t] - b[t]) for t in a.keys() & b.keys()]
+    return diffs
+
+
+def _generation_diffs(ref: dict, test: dict) -> tuple:
+    """Logprob differences of greedy generations up to their first differing token (a near-tie: each
+    token in the other's top 5). Returns (diffs, tokens compared, tokens generated)."""
+    diffs, compared, total = [], 0, 0
+    for i, (a, b) in enumerate(zip(ref["generations"], test["generations"], strict=True)):
+        total += len(a["tokens"])
+        for step, (ta, tb, la, lb) in enumerate(zip(a["tokens"], b["tokens"], a["logprobs"], b["logprobs"])):
+            if ta != tb:
+                assert str(tb) in la and str(ta) in lb, (
+                    f"generation {i} step {step}: tokens {ta} vs {tb} are not a near-tie (top-5 {la} vs {lb})")
+                break
+            diffs.append(abs(la[str(ta)] - lb[str(tb)]))
+            compared += 1
+    return diffs, compared, total
+
+
+def _stats(diffs: list) -> dict:
+    return {"max": max(diffs, default=0.0), "mean": sum(diffs) / max(len(diffs), 1), "n": len(diffs)}
+
+
+def _bound(noise: dict) -> dict:
+    return {"max": 2 * noise["max"] + MAX_FLOOR, "mean": 2 * noise["mean"] + MEAN_FLOOR}
+
+
+def _write(name: str, record: dict) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"vllm_{name}.json").write_text(json.dumps(record, indent=1))
+
+
+# ------------------------------------------------------------------------------------ tests
+
+@pytest.fixture(scope="module")
+def engines():
+    pytest.importorskip("vllm")
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    models, done = {}, {}
+
+    def get(backend: str, graphs: bool = False, kind: str = "llama", workloads=("logprobs",)) -> dict:
+        key = (backend, graphs, kind, tuple(workloads))
+        if key not in done:
+            if kind not in models:
+                models[kind] = make_model_dir(kind)
+            label = f"{kind}_{backend.lower()}_{'graphs' if graphs else 'eager'}"
+            RESULTS.mkdir(parents=True, exist_ok=True)
+            out = RESULTS / f"vllm_engine_{label}.json"
+            env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                       PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+            cmd = [sys.executable, __file__, "--backend", backend, "--model", models[kind], "--out", str(out),
+                   "--workloads", ",".join(workloads)] + (["--graphs"] if graphs else [])
+            t0 = time.perf_counter()
+            proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
+            (RESULTS / f"vllm_engine_{label}.log").write_text(proc.stdout + proc.stderr)
+            assert proc.returncode == 0, f"{label} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}"
+            done[key] = json.loads(out.read_text())
+            done[key]["wall_s"] = time.perf_counter() - t0
+        return done[key]
+
+    return get
+
+
+def _noise(engines) -> dict:
+    """FLASH_ATTN vs TRITON_ATTN on the Llama workload: what rounding alone moves."""
+    fa, triton = engines("FLASH_ATTN")["logprobs"], engines("TRITON_ATTN")["logprobs"]
+    noise = _stats(_logprob_diffs(fa, triton))
+    gen, _, _ = _generation_diffs(fa, triton)
+    return {"logprobs": noise, "generation": _stats(gen) if gen else None}
+
+
+@pytest.mark.gpu
+def test_prompt_logprobs_match_flash_attn(engines):
+    fa, custom = engines("FLASH_ATTN")["logprobs"], engines("CUSTOM")["logprobs"]
+    noise = _noise(engines)
+    bound = _bound(noise["logprobs"])
+    got = _stats(_logprob_diffs(fa, custom))
+    gen, compared, total = _generation_diffs(fa, custom)
+    values = [x for lp in fa["prompt_logprobs"] for x in lp]
+    mean = sum(values) / len(values)
+    spread = math.sqrt(sum((x - mean) ** 2 for x in values) / len(values))
+    _write("prompt_logprobs", {"noise_triton_vs_fa": noise, "bound": bound, "custom_vs_fa": got,
+                               "generation": {**_stats(gen), "compared": compared, "generated": total},
+                               "fa_prompt_logprob_std": spread, "cached_tokens": custom["prefix_hit_cached_tokens"]})
+    assert min(custom["prefix_hit_cached_tokens"]) >= 16, "the prefix-cache prompts did not hit the cache"
+    assert spread > 0.5, "degenerate model: prompt logprobs too uniform to tell attention apart"
+    assert got["max"] <= bound["max"] and got["mean"] <= bound["mean"], (got, bound)
+    assert max(gen, default=0.0) <= bound["max"], (gen, bound)
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_match_eager(engines):
+    eager = engines("CUSTOM")
+    graphs = engines("CUSTOM", graphs=True, workloads=("logprobs", "long"))
+    assert "FULL" in graphs["cudagraph_mode"], graphs["cudagraph_mode"]
+    assert graphs["plan_counts"]["decode"] > 0 and graphs["plan_counts"]["prefill"] > 0
+    bound = _bound(_noise(engines)["logprobs"])
+    got = _stats(_logprob_diffs(eager["logprobs"], graphs["logprobs"]))
+    gen, compared, total = _generation_diffs(eager["logprobs"], graphs["logprobs"])
+    _write("cuda_graphs", {"cudagraph_mode": graphs["cudagraph_mode"], "bound": bound, "graphs_vs_eager": got,
+                           "generation": {**_stats(gen), "compared": compared, "generated": total},
+                           "plan_counts": graphs["plan_counts"]})
+    assert got["max"] <= bound["max"] and got["mean"] <= bound["mean"], (got, bound)
+    assert max(gen, default=0.0) <= bound["max"], (gen, bound)
+
+
+@pytest.mark.gpu
+def test_long_generation_no_errors_no_leak(engines):
+    run = engines("CUSTOM", graphs=True, workloads=("logprobs", "long"))
+    long = run["long"]
+    mem = long["memory"]
+    growth = mem[-1]["allocated"] - mem[1]["allocated"]
+    free_drop = mem[0]["free"] - mem[-1]["free"]
+    _write("long_generation", {**long, "allocated_growth_round2_to_3": growth, "free_drop_round1_to_3": free_drop,
+                               "plan_counts": run["plan_counts"]})
+    assert long["max_steps_lower_bound"] >= 300
+    assert growth <= 8 << 20, f"CUDA memory allocated grew by {growth} bytes between identical rounds"
+    assert free_drop <= 128 << 20, f"free GPU memory dropped by {free_drop} bytes over the rounds"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(os.environ.get("FI_VLLM_TEST_VARIANTS", "1") == "0", reason="FI_VLLM_TEST_VARIANTS=0")
+def test_sliding_window_matches_flash_attn(engines):
+    """Layers alternate sliding (64-token window) and full attention: two KV-cache groups, two builders,
+    the window variant. Same bound as the Llama test (same shapes and weight scale)."""
+    fa, custom = engines("FLASH_ATTN", kind="window")["logprobs"], engines("CUSTOM", kind="window")["logprobs"]
+    bound = _bound(_noise(engines)["logprobs"])
+    got = _stats(_logprob_diffs(fa, custom))
+    gen, compared, total = _generation_diffs(fa, custom)
+    _write("sliding_window", {"window": WINDOW, "bound": bound, "custom_vs_fa": got,
+                              "generation": {**_stats(gen), "compared": compared, "generated": total}})
+    assert got["max"] <= bound["max"] and got["mean"] <= bound["mean"], (got, bound)
+    assert max(gen, default=0.0) <= bound["max"], (gen, bound)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="one vLLM engine run (used by the tests above)")
+    parser.add_argument("--backend", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--workloads", default="logprobs")
+    parser.add_argument("--graphs", action="store_true")
+    a = parser.parse_args()
+    run_engine(a.backend, a.graphs, a.model, a.workloads.split(","), a.out)

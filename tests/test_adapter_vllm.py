@@ -1,0 +1,635 @@
+"""fi_backend.adapters.vllm on a machine without vLLM (and without a GPU).
+
+What runs here: the package imports without vLLM; the entry point is declared; register() and the
+lazily made vLLM classes, against a small stand-in for vLLM 0.26's registry and base classes (written
+from vLLM's source, only the parts the adapter touches); the backend's shape, stride order and refusal
+reasons; variant selection; and the whole per-step data path (CommonAttentionMetadata -> BSR -> plan
+-> KV append -> attention into vLLM's output) with a reference wrapper in place of the kernels, checked
+in float64 against attention written out here from vLLM's definitions. The real engine runs in
+integration_tests/vllm/ on the GPU machine.
+"""
+import abc
+import enum
+import importlib
+import importlib.machinery
+import importlib.util
+import math
+import pickle
+import subprocess
+import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import fi_backend.ops
+from fi_backend import reference, variants
+from fi_backend.adapters import vllm as adapter
+
+ROOT = Path(__file__).resolve().parents[1]
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+# ------------------------------------------------------------------------------------ import and entry point
+
+def test_imports_without_vllm():
+    """Importing the package and the adapter must not import vLLM (vLLM loads us, not the reverse)."""
+    code = ("import sys, fi_backend, fi_backend.adapters, fi_backend.adapters.vllm as a; "
+            "assert callable(a.register); assert 'vllm' not in sys.modules, sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_entry_point_declared():
+    tomllib = pytest.importorskip("tomllib")   # Python 3.11+
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    group = meta["project"]["entry-points"][adapter.ENTRY_POINT_GROUP]
+    assert group == {"fi_backend": "fi_backend.adapters.vllm:register"}
+    module, attr = group["fi_backend"].split(":")
+    assert getattr(importlib.import_module(module), attr) is adapter.register
+    assert adapter.BACKEND_CLASS_PATH == "fi_backend.adapters.vllm.FiAttentionBackend"
+
+
+@pytest.mark.skipif(HAVE_VLLM, reason="vLLM is installed here")
+def test_register_without_vllm_raises_import_error():
+    with pytest.raises(ImportError, match="needs vLLM 0.26 installed"):
+        adapter.register()
+
+
+@pytest.mark.skipif(HAVE_VLLM, reason="vLLM is installed here")
+def test_vllm_classes_without_vllm_raise_import_error():
+    with pytest.raises(ImportError, match="need vLLM 0.26 installed"):
+        adapter.FiAttentionBackend  # noqa: B018
+    with pytest.raises(AttributeError):
+        adapter.NoSuchThing  # noqa: B018
+
+
+def test_head_sizes_match_the_kernels():
+    from fi_backend.wrappers import HEAD_DIMS
+    assert adapter.HEAD_SIZES == HEAD_DIMS
+
+
+# ------------------------------------------------------------------------------------ a stand-in for vLLM 0.26
+
+@pytest.fixture
+def stub_vllm(monkeypatch):
+    """vllm.v1.attention.backends.registry, vllm.v1.attention.backend and get_kv_cache_layout, reduced to
+    what the adapter uses, with vLLM 0.26's semantics (registry.py, backend.py)."""
+    made = {name: vars(adapter).pop(name) for name in adapter._VLLM_CLASSES if name in vars(adapter)}
+
+    def module(name):
+        m = types.ModuleType(name)
+        m.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        monkeypatch.setitem(sys.modules, name, m)
+        return m
+
+    for name in ("vllm", "vllm.v1", "vllm.v1.attention", "vllm.v1.attention.backends"):
+        module(name)
+    overrides = {}
+    calls = []
+
+    class AttentionBackendEnum(enum.Enum):
+        FLASH_ATTN = "vllm.v1.attention.backends.flash_attn.FlashAttentionBackend"
+        CUSTOM = None
+
+        def get_path(self):
+            path = overrides.get(self, self.value)
+            if not path:
+                raise ValueError(f"Backend {self.name} must be registered before use.")
+            return path
+
+        def is_overridden(self):
+            return self in overrides
+
+    def register_backend(backend, class_path=None, is_mamba=False):
+        calls.append((backend, class_path))
+        overrides[backend] = class_path
+        return lambda x: x
+
+    registry = module("vllm.v1.attention.backends.registry")
+    registry.AttentionBackendEnum, registry.register_backend = AttentionBackendEnum, register_backend
+
+    class AttentionCGSupport(enum.Enum):
+        ALWAYS, UNIFORM_BATCH, UNIFORM_SINGLE_TOKEN_DECODE, NEVER = 3, 2, 1, 0
+
+    class AttentionBackend(abc.ABC):
+        forward_includes_kv_cache_update = True
+
+        @staticmethod
+        @abc.abstractmethod
+        def get_name(): ...
+
+        @staticmethod
+        @abc.abstractmethod
+        def get_impl_cls(): ...
+
+        @staticmethod
+        @abc.abstractmethod
+        def get_builder_cls(): ...
+
+        @staticmethod
+        @abc.abstractmethod
+        def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"): ...
+
+        @classmethod
+        def full_cls_name(cls):
+            return (cls.__module__, cls.__qualname__)
+
+    class AttentionMetadataBuilder(abc.ABC):
+        _cudagraph_support = AttentionCGSupport.NEVER
+
+        @abc.abstractmethod
+        def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+            self.kv_cache_spec, self.layer_names, self.vllm_config, self.device = (
+                kv_cache_spec, layer_names, vllm_config, device)
+
+        @abc.abstractmethod
+        def build(self, common_prefix_len, common_attn_metadata, fast_build=False): ...
+
+    class AttentionImpl(abc.ABC):
+        def __new__(cls, *args, **kwargs):
+            self = super().__new__(cls)
+            self.dcp_world_size, self.dcp_rank = 1, 0
+            return self
+
+        @abc.abstractmethod
+        def __init__(self, *args, **kwargs): ...
+
+        @abc.abstractmethod
+        def forward(self, *args, **kwargs): ...
+
+    backend = module("vllm.v1.attention.backend")
+    for cls in (AttentionCGSupport, AttentionBackend, AttentionMetadataBuilder, AttentionImpl):
+        setattr(backend, cls.__name__, cls)
+    layout = ["NHD"]
+    module("vllm.v1.attention.backends.utils").get_kv_cache_layout = lambda: layout[0]
+
+    yield SimpleNamespace(overrides=overrides, calls=calls, Enum=AttentionBackendEnum, CG=AttentionCGSupport,
+                          layout=layout, AttentionBackend=AttentionBackend, AttentionImpl=AttentionImpl,
+                          AttentionMetadataBuilder=AttentionMetadataBuilder)
+    for name in adapter._VLLM_CLASSES:  # made from the stand-in: forget them
+        vars(adapter).pop(name, None)
+    vars(adapter).update(made)
+
+
+def test_register_is_idempotent_and_silent(stub_vllm, caplog):
+    adapter.register()
+    adapter.register()
+    assert stub_vllm.calls == [(stub_vllm.Enum.CUSTOM, adapter.BACKEND_CLASS_PATH)]
+    assert stub_vllm.Enum.CUSTOM.get_path() == adapter.BACKEND_CLASS_PATH
+    assert not caplog.records
+
+
+def test_register_leaves_another_plugins_custom_backend(stub_vllm, caplog):
+    stub_vllm.overrides[stub_vllm.Enum.CUSTOM] = "other.plugin.Backend"
+    adapter.register()
+    assert stub_vllm.Enum.CUSTOM.get_path() == "other.plugin.Backend"
+    assert not stub_vllm.calls
+    assert "already registered to other.plugin.Backend" in caplog.text
+
+
+def test_register_warns_on_a_vllm_without_custom(stub_vllm, monkeypatch, caplog):
+    class NoCustom(enum.Enum):
+        FLASH_ATTN = "x"
+    monkeypatch.setattr(sys.modules["vllm.v1.attention.backends.registry"], "AttentionBackendEnum", NoCustom)
+    adapter.register()
+    assert not stub_vllm.calls
+    assert "has no CUSTOM member" in caplog.text
+
+
+def test_vllm_classes_resolve_by_class_path(stub_vllm):
+    """What vLLM does with the registered path: import the module, getattr the class, then again by
+    full_cls_name(); the builder and impl classes come from the backend."""
+    module_name, cls_name = adapter.BACKEND_CLASS_PATH.rsplit(".", 1)
+    backend = getattr(importlib.import_module(module_name), cls_name)
+    assert issubclass(backend, stub_vllm.AttentionBackend) and not backend.__abstractmethods__
+    assert backend.get_name() == "CUSTOM"
+    assert ".".join(backend.full_cls_name()) == adapter.BACKEND_CLASS_PATH
+    assert pickle.loads(pickle.dumps(backend)) is backend
+    assert backend.forward_includes_kv_cache_update is False
+    builder = backend.get_builder_cls()
+    assert issubclass(builder, stub_vllm.AttentionMetadataBuilder) and not builder.__abstractmethods__
+    assert builder._cudagraph_support is stub_vllm.CG.UNIFORM_BATCH
+    assert builder.get_cudagraph_support(None, None) is stub_vllm.CG.UNIFORM_BATCH
+    impl = backend.get_impl_cls()(32, 128, 128 ** -0.5, 8, None, None, "auto", None, "decoder", None)
+    assert isinstance(impl, stub_vllm.AttentionImpl) and isinstance(impl, adapter._Impl)
+    assert adapter.FiAttentionImpl is backend.get_impl_cls()
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_kv_cache_layout_as_vllm_allocates_it(stub_vllm, layout):
+    """vLLM allocates the physical shape (logical dims in stride order) and permutes it back."""
+    stub_vllm.layout[0] = layout
+    B = adapter._Backend
+    shape = B.get_kv_cache_shape(10, 16, 8, 128)
+    assert shape == (10, 16, 8, 256)
+    for layers in (False, True):
+        full = (3, *shape) if layers else shape
+        order = B.get_kv_cache_stride_order(include_num_layers_dimension=layers)
+        assert sorted(order) == list(range(len(full)))
+        phys = torch.empty([full[i] for i in order])
+        logical = phys.permute(*[order.index(i) for i in range(len(order))])
+        per_layer = logical[1] if layers else logical
+        assert per_layer.shape == shape
+        strides = per_layer.stride()
+        assert strides[3] == 1 and strides[0] == max(strides)      # blocks outermost, K|V contiguous
+        if layout == "NHD":
+            assert strides[1] > strides[2]                           # [block, token, head, 2D]
+        else:
+            assert strides[2] > strides[1]                           # [block, head, token, 2D]
+        if layers:  # blocks first: layers live inside a block
+            assert phys.stride(0) == max(phys.stride()) and order[0] == 1
+
+
+def test_kv_cache_shape_refuses_what_the_kernels_cannot_read():
+    B = adapter._Backend
+    with pytest.raises(ValueError, match="block sizes 1..256"):
+        B.get_kv_cache_shape(10, 512, 8, 128)
+    with pytest.raises(ValueError, match="head sizes"):
+        B.get_kv_cache_shape(10, 16, 8, 96)
+    with pytest.raises(ValueError, match="KV-cache dtypes"):
+        B.get_kv_cache_shape(10, 16, 8, 128, "fp8_e5m2")
+    assert B.get_kv_cache_shape(7, 1, 2, 64, "fp8") == (7, 1, 2, 128)
+
+
+# ------------------------------------------------------------------------------------ refusal reasons
+
+H100 = SimpleNamespace(major=9, minor=0)
+LLAMA = dict(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=16, use_mla=False,
+             has_sink=False, use_sparse=False, use_mm_prefix=False, use_per_head_quant_scales=False,
+             device_capability=H100, attn_type="decoder", has_sliding_window=False, use_non_causal=False,
+             use_batch_invariant=False, use_kv_connector=False, use_pcp=False)
+
+
+@pytest.mark.parametrize("change", [
+    {}, {"kv_cache_dtype": "fp8"}, {"kv_cache_dtype": "fp8_e4m3"}, {"kv_cache_dtype": None},
+    {"kv_cache_dtype": "bfloat16"}, {"dtype": torch.float16, "kv_cache_dtype": "float16"}, {"head_size": 64},
+    {"head_size": 256}, {"block_size": 1}, {"block_size": 256}, {"block_size": 48}, {"block_size": None},
+    {"has_sliding_window": True},
+])
+def test_supported_configurations(change):
+    assert adapter._Backend.validate_configuration(**{**LLAMA, **change}) == []
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"use_mla": True}, "MLA"),
+    ({"head_size": 96}, "head size 96"),
+    ({"dtype": torch.float32}, "model dtype torch.float32"),
+    ({"kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype 'fp8_e5m2'"),
+    ({"kv_cache_dtype": "float16"}, "kv_cache_dtype float16 with model dtype torch.bfloat16"),
+    ({"block_size": 512}, "block size 512"),
+    ({"attn_type": "encoder"}, "attention type encoder"),
+    ({"attn_type": "encoder_decoder"}, "cross-attention"),
+    ({"use_non_causal": True}, "non-causal"),
+    ({"has_sink": True}, "sinks"),
+    ({"use_sparse": True}, "sparse"),
+    ({"use_mm_prefix": True}, "multimodal"),
+    ({"use_per_head_quant_scales": True}, "per-head"),
+    ({"device_capability": SimpleNamespace(major=8, minor=0)}, "compute capability 8.0"),
+    ({"device_capability": SimpleNamespace(major=10, minor=0)}, "Hopper"),
+    ({"use_batch_invariant": True}, "VLLM_BATCH_INVARIANT"),
+    ({"use_kv_connector": True}, "KV connectors"),
+    ({"use_pcp": True}, "context parallelism"),
+    ({"use_future_feature": True}, "use_future_feature=True"),
+])
+def test_refusal_reasons_name_the_problem(change, words):
+    reasons = adapter._Backend.validate_configuration(**{**LLAMA, **change})
+    assert len(reasons) == 1 and words in reasons[0], reasons
+
+
+# ------------------------------------------------------------------------------------ variants and groups
+
+@pytest.mark.parametrize("alibi, window, cap, name, params", [
+    (None, None, None, "default", {}),
+    (None, None, 0.0, "default", {}),
+    (None, 4096, None, "window", {"window_left": 4095}),
+    (None, None, 50.0, "soft_cap", {"logits_soft_cap": 50.0}),
+    ([0.5, 0.25], None, None, "alibi", {"alibi_slopes": (0.5, 0.25)}),
+    (None, 128, 30.0, "soft_cap_window", {"logits_soft_cap": 30.0, "window_left": 127}),
+    (torch.tensor([0.5, 0.25]), 64, None, "alibi_window", {"alibi_slopes": (0.5, 0.25), "window_left": 63}),
+])
+def test_layer_variant(alibi, window, cap, name, params):
+    variant, got = adapter.layer_variant(alibi, window, cap)
+    assert variant.name == name and got == params
+    assert set(got) == set(variant.params)
+    if name in variants.BUILTIN_VARIANTS:
+        assert variant == variants.BUILTIN_VARIANTS[name]
+
+
+def test_layer_variant_rejects_a_bad_window():
+    with pytest.raises(ValueError, match="sliding_window must be >= 1"):
+        adapter.layer_variant(None, 0, None)
+
+
+def impl(num_heads=8, head_size=64, num_kv_heads=2, **kw):
+    return adapter._Impl(num_heads, head_size, head_size ** -0.5, num_kv_heads, **kw)
+
+
+def test_impl_refuses_what_the_kernels_cannot_run():
+    with pytest.raises(ValueError, match="head sizes"):
+        impl(head_size=80)
+    with pytest.raises(NotImplementedError, match="decoder self-attention"):
+        impl(attn_type="encoder_only")
+    with pytest.raises(NotImplementedError, match="sinks"):
+        impl(sinks=torch.zeros(8))
+    with pytest.raises(NotImplementedError, match="use_alibi_sqrt"):
+        impl(use_alibi_sqrt=True)
+    with pytest.raises(ValueError, match="alibi_slopes has 2 entries"):
+        impl(alibi_slopes=[1.0, 2.0])
+    with pytest.raises(ValueError, match="KV-cache dtypes"):
+        impl(kv_cache_dtype="int8_per_token_head")
+
+
+def test_group_settings_must_agree():
+    same = adapter._group_settings({f"layers.{i}.attn": impl(sliding_window=32) for i in range(3)})
+    assert same.variant.name == "window" and dict(same.plan_params) == {"window_left": 31}
+    with pytest.raises(ValueError, match="layers.1.attn.*layers.0.attn|layers.0.attn.*layers.1.attn"):
+        adapter._group_settings({"layers.0.attn": impl(sliding_window=32), "layers.1.attn": impl(sliding_window=64)})
+    with pytest.raises(TypeError, match="layers.0.attn uses object"):
+        adapter._group_settings({"layers.0.attn": object()})
+    with pytest.raises(ValueError, match="no attention layers"):
+        adapter._group_settings({})
+
+
+# ------------------------------------------------------------------------------------ the per-step data path
+
+class RefWrapper:
+    """BatchAttention's plan/run contract, computed with fi_backend.reference (float64) from the BSR."""
+
+    def __init__(self, name):
+        self.name, self.plans, self.runs = name, [], 0
+
+    def plan(self, qo_indptr, kv_lens, bsr, *, causal, sm_scale, debug=False, **variant_params):
+        assert qo_indptr.device.type == "cpu" and kv_lens.device.type == "cpu"
+        assert qo_indptr.dtype == kv_lens.dtype == torch.int32
+        assert bsr.kv_lens.numel() == kv_lens.numel() == qo_indptr.numel() - 1
+        bsr.validate()
+        assert (kv_lens >= bsr.kv_lens).all(), "the plan's KV lengths must bound the device's"
+        self.plans.append(dict(qo=qo_indptr.clone(), kv=kv_lens.clone(), bsr=bsr, causal=causal, sm_scale=sm_scale,
+                               vp=variant_params))
+
+    def run(self, q, kv_cache, *, out, k_scale=1.0, v_scale=1.0):
+        p = self.plans[-1]
+        assert q.shape[0] == out.shape[0] == int(p["qo"][-1])
+        D = q.shape[-1]
+        o, _ = reference.attention_bsr(q, kv_cache[..., :D], kv_cache[..., D:], p["bsr"], causal=p["causal"],
+                                       sm_scale=p["sm_scale"], **p["vp"])
+        out.copy_(o.to(out.dtype))
+        self.runs += 1
+        return out
+
+
+def ref_append(key, value, kv_cache, slot_mapping, *, kv_layout="NHD", k_scale=None, v_scale=None):
+    """fi_backend.ops.append_paged_kv_cache's contract: first slot_mapping.numel() rows, slots < 0 skipped."""
+    assert kv_layout == "NHD"
+    n = slot_mapping.numel()
+    slots = slot_mapping.to(torch.int64)
+    keep = slots >= 0
+    flat = kv_cache.view(-1, *kv_cache.shape[2:])
+    flat[slots[keep]] = torch.cat([key[:n][keep], value[:n][keep]], dim=-1).to(kv_cache.dtype)
+
+
+def truth(q, k, v, q_pos, *, scale, window=None, cap=None, slopes=None):
+    """Causal attention of one request as vLLM defines its layer settings: a query at position p sees KV
+    positions p - window + 1 .. p; soft-cap on the scaled logits; ALiBi adds slope * (kv_pos - q_pos)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    s = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    if cap:
+        s = cap * torch.tanh(s / cap)
+    rel = torch.arange(k.shape[0])[None, :] - q_pos[:, None]
+    if slopes is not None:
+        s = s + torch.tensor(slopes, dtype=torch.float64)[:, None, None] * rel
+    allowed = rel <= 0
+    if window:
+        allowed &= rel > -window
+    p = torch.softmax(s.masked_fill(~allowed, -math.inf), dim=-1)
+    return torch.einsum("hqk,khd->qhd", p, v)
+
+
+class Engine:
+    """vLLM's V2 model runner, reduced to its buffers: persistent query_start_loc, seq_lens and block table
+    (padded rows zeroed), CPU copies, slot mapping padded with -1, and a packed KV cache."""
+
+    P, MAX_REQS, MAX_BLOCKS, NUM_BLOCKS = 4, 8, 8, 40
+
+    def __init__(self, hq, hkv, d, gen):
+        self.hq, self.hkv, self.d, self.gen = hq, hkv, d, gen
+        self.qsl = torch.zeros(self.MAX_REQS + 1, dtype=torch.int32)
+        self.seq_lens = torch.zeros(self.MAX_REQS, dtype=torch.int32)
+        self.tables = torch.zeros(self.MAX_REQS, self.MAX_BLOCKS, dtype=torch.int32)
+        self.kv = torch.randn(self.NUM_BLOCKS, self.P, hkv, 2 * d, generator=gen)
+
+    def step(self, reqs, pad_to=None):
+        """reqs: [(blocks, cached tokens, new tokens)]. Returns (metadata, q, k, v, slots, truth inputs)."""
+        n = len(reqs)
+        n_pad = pad_to or n
+        q_lens = [r[2] for r in reqs] + [0] * (n_pad - n)
+        seq = [r[1] + r[2] for r in reqs] + [0] * (n_pad - n)
+        qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        tokens = int(qsl[-1])
+        n_tok = tokens + (n_pad - n)                 # padded decode: one token per padded request
+        self.qsl.fill_(tokens)
+        self.qsl[: n_pad + 1] = qsl
+        self.seq_lens.zero_()
+        self.seq_lens[:n_pad] = torch.tensor(seq, dtype=torch.int32)
+        self.tables.zero_()
+        slots = torch.full((n_tok,), -1, dtype=torch.int64)
+        for i, (blocks, cached, new) in enumerate(reqs):
+            self.tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            pos = torch.arange(cached, cached + new)
+            slots[int(qsl[i]): int(qsl[i + 1])] = torch.tensor(blocks)[pos // self.P] * self.P + pos % self.P
+        cm = SimpleNamespace(
+            query_start_loc=self.qsl[: n_pad + 1], query_start_loc_cpu=qsl.clone(), seq_lens=self.seq_lens[:n_pad],
+            seq_lens_cpu_upper_bound=torch.tensor(seq, dtype=torch.int32), num_reqs=n_pad, num_actual_tokens=n_tok,
+            max_query_len=max(q_lens), max_seq_len=max(seq), block_table_tensor=self.tables[:n_pad],
+            slot_mapping=slots, causal=True)
+        q = torch.randn(n_tok, self.hq, self.d, generator=self.gen)
+        k = torch.randn(n_tok, self.hkv, self.d, generator=self.gen)
+        v = torch.randn(n_tok, self.hkv, self.d, generator=self.gen)
+        return cm, q, k, v
+
+    def history(self, blocks, length):
+        """A request's K and V, tokens 0..length-1, read back through its blocks (shared blocks included)."""
+        rows = self.kv[torch.tensor(blocks)].reshape(-1, self.hkv, 2 * self.d)[:length]
+        return rows[..., : self.d], rows[..., self.d:]
+
+
+@pytest.mark.parametrize("settings", [
+    {}, {"sliding_window": 5}, {"logits_soft_cap": 2.0}, {"alibi_slopes": [0.5, 0.25, 0.125, 0.0625]},
+    {"sliding_window": 6, "logits_soft_cap": 3.0},
+])
+def test_step_data_path_matches_vllm_attention(settings, monkeypatch):
+    """Two steps through the adapter as vLLM drives it: a mixed step (fresh prefill, prefix-cache hit with a
+    shared block, decode) on the prefill wrapper, then a CUDA-graph-padded decode step on the decode wrapper,
+    with the engine's buffers rewritten in place. Outputs equal causal attention over each request's tokens."""
+    monkeypatch.setattr(fi_backend.ops, "append_paged_kv_cache", ref_append, raising=False)
+    hq, hkv, d = 4, 2, 64
+    gen = torch.Generator().manual_seed(0)
+    eng = Engine(hq, hkv, d, gen)
+    layer_impl = adapter._Impl(hq, d, 0.3, hkv, kv_cache_dtype="auto", **settings)
+    s = adapter._group_settings({"model.layers.0.self_attn.attn": layer_impl})
+    params = dict(s.plan_params)
+    if "alibi_slopes" in params:
+        params["alibi_slopes"] = torch.tensor(params["alibi_slopes"], dtype=torch.float32)
+    dec, pre = RefWrapper("decode"), RefWrapper("prefill")
+    planner = adapter._StepPlanner(dec, pre, page_size=Engine.P, sm_scale=s.sm_scale, variant_params=params)
+    layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0, _k_scale=torch.tensor(1.0), _v_scale=torch.tensor(1.0))
+    tv = dict(scale=0.3, window=settings.get("sliding_window"), cap=settings.get("logits_soft_cap"),
+              slopes=settings.get("alibi_slopes"))
+    # Request blocks: r1 and r2 share block 5 (a cached prefix); r0 is a fresh prompt.
+    blocks = {0: [3, 17], 1: [5, 2, 9, 11], 2: [5, 20, 21, 22]}
+    steps = [([(blocks[0], 0, 7), (blocks[1], 9, 5), (blocks[2], 12, 1)], None, pre),
+             ([(blocks[0], 7, 1), (blocks[1], 14, 1), (blocks[2], 13, 1)], 5, dec)]
+    counts = adapter.plan_counts()
+    ptrs = None
+    for reqs, pad_to, wrapper in steps:
+        cm, q, k, v = eng.step(reqs, pad_to)
+        md = planner.plan(cm)
+        assert md.wrapper is wrapper and md.num_rows == sum(r[2] for r in reqs)
+        bsr = wrapper.plans[-1]["bsr"]
+        now = tuple(t.data_ptr() for t in (bsr.qo_indptr, bsr.kv_lens, bsr.kv_indices, bsr.kv_block_start))
+        assert ptrs in (None, now), "BSR addresses must not change between steps (CUDA-graph replay)"
+        ptrs = now
+        assert bsr.kv_indices.numel() == eng.tables.numel()
+        assert torch.equal(bsr.kv_block_start, torch.arange(cm.num_reqs, dtype=torch.int32) * Engine.MAX_BLOCKS)
+        assert wrapper.plans[-1]["causal"] is True and wrapper.plans[-1]["sm_scale"] == 0.3
+        assert set(wrapper.plans[-1]["vp"]) == set(s.variant.params)
+
+        layer_impl.do_kv_cache_update(layer, k, v, eng.kv, cm.slot_mapping)
+        out = torch.full((cm.num_actual_tokens, hq, d), math.nan)
+        assert layer_impl.forward(layer, q, k, v, eng.kv, md, out) is out
+        qsl = cm.query_start_loc_cpu
+        for i, (blk, cached, new) in enumerate(reqs):
+            hk, hv = eng.history(blk, cached + new)
+            rows = slice(int(qsl[i]), int(qsl[i + 1]))
+            assert torch.equal(hk[cached:], k[rows]) and torch.equal(hv[cached:], v[rows])  # the append
+            want = truth(q[rows], hk, hv, torch.arange(cached, cached + new), **tv)
+            torch.testing.assert_close(out[rows].double(), want, rtol=1e-5, atol=1e-6)
+        assert out[md.num_rows:].isnan().all(), "padding rows are not the plan's: left as they are"
+    assert adapter.plan_counts() == {"decode": counts["decode"] + 1, "prefill": counts["prefill"] + 1}
+    assert dec.runs == pre.runs == 1
+
+
+def test_plan_uses_upper_bounds_and_never_the_device():
+    """seq_lens_cpu_upper_bound feeds the plan (an upper bound; the device holds the truth); without it the
+    step's max_seq_len bounds every request. The device tensors go to the BSR as they are (no copies)."""
+    gen = torch.Generator().manual_seed(1)
+    eng = Engine(4, 2, 64, gen)
+    dec, pre = RefWrapper("decode"), RefWrapper("prefill")
+    planner = adapter._StepPlanner(dec, pre, page_size=Engine.P, sm_scale=1.0, variant_params={})
+    cm, *_ = eng.step([([1, 2], 5, 1), ([3], 2, 1)])
+    cm.seq_lens_cpu_upper_bound = torch.tensor([8, 4], dtype=torch.int32)   # async spec-decode style bound
+    planner.plan(cm)
+    p = dec.plans[-1]
+    assert p["kv"].tolist() == [8, 4] and p["bsr"].kv_lens is cm.seq_lens and p["bsr"].qo_indptr is cm.query_start_loc
+    cm.seq_lens_cpu_upper_bound = None
+    planner.plan(cm)
+    assert dec.plans[-1]["kv"].tolist() == [6, 6]
+    cm.causal = False
+    with pytest.raises(NotImplementedError, match="causal"):
+        planner.plan(cm)
+
+
+def test_block_table_checks():
+    planner = adapter._StepPlanner(RefWrapper("d"), RefWrapper("p"), page_size=16, sm_scale=1.0, variant_params={})
+    with pytest.raises(TypeError, match="int32"):
+        planner._bind_block_table(torch.zeros(4, 8, dtype=torch.int64))
+    with pytest.raises(ValueError, match="contiguous rows"):
+        planner._bind_block_table(torch.zeros(8, 4, dtype=torch.int32).t())
+    wide = torch.zeros(6, 10, dtype=torch.int32)
+    planner._bind_block_table(wide[:3, :7])     # a slice of a wider persistent buffer: viewed, not copied
+    assert planner._kv_indices.data_ptr() == wide.data_ptr() and planner._kv_indices.numel() == 60
+    assert planner._kv_block_start.tolist() == [0, 10, 20, 30, 40, 50]
+
+
+# ------------------------------------------------------------------------------------ the impl's edges
+
+def test_profiling_run_zeroes_the_output():
+    out = torch.full((5, 8, 64), 3.0)
+    assert impl().forward(None, torch.zeros(5, 8, 64), None, None, torch.empty(0), None, out) is out
+    assert (out == 0).all()
+
+
+def test_fused_output_quantization_is_refused():
+    with pytest.raises(NotImplementedError, match="output quantization"):
+        impl().forward(None, None, None, None, None, None, None, output_scale=torch.ones(1))
+
+
+def test_fp8_cache_view_and_scales(monkeypatch):
+    """vLLM stores fp8 KV as uint8: viewed once per cache as float8_e4m3fn; attention gets the float
+    scales, the append op the device scale tensors (read at replay time inside CUDA graphs)."""
+    seen = []
+    monkeypatch.setattr(fi_backend.ops, "append_paged_kv_cache", lambda *a, **kw: seen.append((a, kw)), raising=False)
+    layer = SimpleNamespace(_k_scale_float=0.5, _v_scale_float=0.25, _k_scale=torch.tensor(0.5),
+                            _v_scale=torch.tensor(0.25))
+    fp8 = impl(kv_cache_dtype="fp8")
+    cache = torch.zeros(4, 16, 2, 128, dtype=torch.uint8)
+    runs = []
+    wrapper = SimpleNamespace(run=lambda q, kv, **kw: runs.append((q, kv, kw)))
+    md = SimpleNamespace(wrapper=wrapper, num_rows=3)
+    q, out = torch.zeros(5, 8, 64), torch.zeros(5, 8, 64)
+    fp8.forward(layer, q, None, None, cache, md, out)
+    fp8.forward(layer, q, None, None, cache, md, out)
+    (q0, kv0, kw0), (_, kv1, _) = runs
+    assert kv0.dtype == torch.float8_e4m3fn and kv0 is kv1 and kv0.data_ptr() == cache.data_ptr()
+    assert q0.shape[0] == 3 and kw0["out"].shape[0] == 3 and kw0["out"].data_ptr() == out.data_ptr()
+    assert (kw0["k_scale"], kw0["v_scale"]) == (0.5, 0.25)
+    k = torch.zeros(5, 2, 64)
+    fp8.do_kv_cache_update(layer, k, k, cache, torch.zeros(5, dtype=torch.int64))
+    (args, kw), = seen
+    assert args[2] is kv0 and kw == {"kv_layout": "NHD", "k_scale": layer._k_scale, "v_scale": layer._v_scale}
+    bf16 = impl()
+    bf16.do_kv_cache_update(layer, k, k, torch.zeros(4, 16, 2, 128), torch.zeros(5, dtype=torch.int64))
+    assert seen[-1][1]["k_scale"] is None and seen[-1][1]["v_scale"] is None
+    bf16.do_kv_cache_update(layer, k, k, torch.empty(0), torch.zeros(5, dtype=torch.int64))
+    assert len(seen) == 2, "no append before vLLM binds the KV caches"
+
+
+# ------------------------------------------------------------------------------------ with vLLM 0.26 itself
+
+def test_with_vllm_registration_selection_and_v2_metadata():
+    """Where vLLM 0.26 imports (the GPU machine; no GPU needed): the real registry resolves CUSTOM to our
+    class, vLLM's selector arguments validate, vLLM picks block sizes, and the V2 runner's own
+    InputBatch.make_dummy + build_attn_metadata drive the builder for a CUDA-graph capture (decode) and a
+    dummy prefill step."""
+    pytest.importorskip("vllm")
+    try:
+        from vllm.platforms.interface import DeviceCapability
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+        from vllm.v1.attention.selector import AttentionSelectorConfig
+        from vllm.v1.worker.gpu.attn_utils import build_attn_metadata
+        from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+        from vllm.v1.worker.utils import select_common_block_size
+    except ImportError as e:  # a partial vLLM install (e.g. source without its dependencies)
+        pytest.skip(f"vLLM not fully importable: {e}")
+    adapter.register()
+    backend = AttentionBackendEnum.CUSTOM.get_class()
+    assert backend is adapter.FiAttentionBackend and backend.get_name() == "CUSTOM"
+    cfg = AttentionSelectorConfig(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=None)
+    assert backend.validate_configuration(device_capability=DeviceCapability(9, 0), **cfg._asdict()) == []
+    bad = cfg._replace(head_size=96, attn_type="encoder_only")._asdict()
+    assert len(backend.validate_configuration(device_capability=DeviceCapability(9, 0), **bad)) == 2
+    assert backend.get_kv_cache_block_dim(16, 8, 128) == 0
+    assert [select_common_block_size(b, [backend]) for b in (16, 64, 528)] == [16, 64, 176]
+    impl = backend.get_impl_cls()(32, 128, 128 ** -0.5, 8, None, None, "auto", None, "decoder", None)
+    assert impl.dcp_world_size == 1
+
+    builder = object.__new__(backend.get_builder_cls())   # the planning half only: no kernels here
+    dec, pre = RefWrapper("decode"), RefWrapper("prefill")
+    builder._step = adapter._StepPlanner(dec, pre, page_size=16, sm_scale=0.1, variant_params={})
+    bufs = InputBuffers(max_num_reqs=8, max_num_tokens=64, device=torch.device("cpu"))
+    tables = torch.zeros(8, 16, dtype=torch.int32)
+    group = SimpleNamespace(get_metadata_builder=lambda i=0: builder, layer_names=["a", "b"])
+    kv_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=["a", "b"])])
+    for reqs, tokens, capture, wrapper in ((8, 8, True, dec), (2, 10, False, pre)):
+        batch = InputBatch.make_dummy(num_reqs=reqs, num_tokens=tokens, input_buffers=bufs)
+        md = build_attn_metadata(
+            attn_groups=[[group]], num_reqs=reqs, num_tokens=tokens, query_start_loc_gpu=batch.query_start_loc,
+            query_start_loc_cpu=torch.from_numpy(batch.query_start_loc_np), max_query_len=tokens // reqs,
+            seq_lens=batch.seq_lens, max_seq_len=tokens // reqs, block_tables=[tables[:reqs]],
+            slot_mappings=torch.full((1, tokens), -1, dtype=torch.int64), kv_cache_config=kv_config,
+            seq_lens_cpu_upper_bound=batch.seq_lens_cpu_upper_bound, for_cudagraph_capture=capture)
+        assert md["a"] is md["b"] and md["a"].wrapper is wrapper and md["a"].num_rows == tokens
+        assert wrapper.plans[-1]["bsr"].qo_indptr.data_ptr() == bufs.query_start_loc.data_ptr()
