@@ -16,9 +16,7 @@ _VARIANTS = ("default", "soft_cap", "window", "alibi", "sigmoid", "custom_mask",
              "soft_cap_window", "rope_window")
 
 
-TUNINGS = [{"warps": 4, "mfrags": 2, "tile": 64, "stages": 2}, {"warps": 8, "mfrags": 1, "tile": 64, "stages": 3},
-           {"warps": 4, "mfrags": 1, "tile": 64, "stages": 3, "min_blocks": 2},
-           {"warps": 4, "mfrags": 1, "tile": 32, "stages": 3, "min_blocks": 3}]
+TUNINGS = [{"warps": 4, "mfrags": 2, "tile": 32, "stages": 3}]
 
 
 def specs():
