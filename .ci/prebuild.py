@@ -16,7 +16,7 @@ _VARIANTS = ("default", "soft_cap", "window", "alibi", "sigmoid", "custom_mask",
              "soft_cap_window", "rope_window")
 
 
-TUNINGS = [{"warps": 4, "mfrags": 2, "tile": 32, "stages": 3}, {"warps": 4, "mfrags": 2, "tile": 32, "stages": 4}]
+TUNINGS = [{"warps": 4, "mfrags": 2, "tile": 32, "stages": 3}]
 
 
 def specs():

@@ -66,9 +66,6 @@ SMEM_PER_SM = 228 * 1024   # Hopper; 227 KiB per CTA at most
 SMEM_PER_CTA = 227 * 1024
 
 
-_WORK_BYTES = 64  # the loader's Work in shared memory (csrc/attention/shared.cuh, Cursor::full)
-
-
 def _kernel_shape(head_dim: int, kv_bytes: int, group: int, key_transform: bool = False) -> dict:
     """Kernel shape for a head_dim, KV element size and GQA group: rows (packed rows per tile),
     hpc (query heads per chunk), warps, sub (16-token blocks per warp per tile), stages.
@@ -89,7 +86,7 @@ def _smem_bytes(head_dim: int, kv_bytes: int, shape: dict) -> int:
     record = 80
     stage = 2 * 16 * shape["sub"] * shape["warps"] * head_dim * kv_bytes + shape["rows"] * head_dim * 2 + record
     stage = (stage + 127) // 128 * 128
-    return shape["stages"] * stage + shape["warps"] * shape["rows"] * 8 + 16 + _WORK_BYTES
+    return shape["stages"] * stage + shape["warps"] * shape["rows"] * 8 + 16
 
 
 def _blocks_by_smem(head_dim: int, kv_bytes: int, shape: dict) -> int:
@@ -160,7 +157,7 @@ def _prefill_smem_bytes(head_dim: int, kv_bytes: int, shape: dict) -> int:
     stage = (2 * shape["tile"] * head_dim * kv_bytes + record + 127) // 128 * 128
     convert = 2 * shape["tile"] * head_dim * 2 if kv_bytes == 1 else 0
     tile_rows = 16 * shape["mfrags"] * shape["warps"]
-    return shape["stages"] * stage + tile_rows * head_dim * 2 + convert + tile_rows * 4 + _WORK_BYTES
+    return shape["stages"] * stage + tile_rows * head_dim * 2 + convert + tile_rows * 4
 
 
 def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, group: int, *,

@@ -80,7 +80,7 @@ struct Config {
   static constexpr int kPasses = kScratchBytesFull <= 2 * kKvTileBytes ? 1 : (kScratchBytesFull <= 4 * kKvTileBytes ? 2 : 4);
   static constexpr int kPassDim = kHeadDim / kPasses;
   static constexpr int kMdBytes = kWarps * kRows * 8;
-  static constexpr int kSmemBytes = kStages * kStageBytes + kMdBytes + 16 + (int)sizeof(Work);  // + loader's Work
+  static constexpr int kSmemBytes = kStages * kStageBytes + kMdBytes + 16;
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim must be 64, 128 or 256");
   static_assert(kRows == 8 || kRows == 16, "packed rows per tile must be 8 or 16");
@@ -245,7 +245,6 @@ struct Kernel {
     const int32_t* cta_indptr = p.plan + FI_PLAN_HEADER_INTS;
 
     Cursor cur;
-    cur.full = reinterpret_cast<Work*>(smem + kStages * Cfg::kStageBytes + Cfg::kMdBytes + 16);
     cur.item = __ldg(cta_indptr + blockIdx.x);
     cur.item_end = __ldg(cta_indptr + blockIdx.x + 1);
     L::seek_item(p, vp, cur);

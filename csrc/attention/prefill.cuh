@@ -74,7 +74,7 @@ struct Config {
   static constexpr int kQChunksPerRow = kQRowBytes / 16;
   static constexpr int kQBytes = kTileRows * kQRowBytes;
   static constexpr int kFlagBytes = kTileRows * 4;  // rows whose split merge this CTA owns
-  static constexpr int kSmemBytes = kStages * kStageBytes + kQBytes + kConvertBytes + kFlagBytes + (int)sizeof(Work);
+  static constexpr int kSmemBytes = kStages * kStageBytes + kQBytes + kConvertBytes + kFlagBytes;
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim must be 64, 128 or 256");
   static_assert(kStages >= 2, "the pipeline needs at least two stages");
@@ -391,8 +391,6 @@ struct Kernel {
     const int32_t* cta_indptr = p.plan + FI_PLAN_HEADER_INTS;
 
     Cursor cur;
-    cur.full = reinterpret_cast<Work*>(smem + kStages * Cfg::kStageBytes + Cfg::kQBytes + Cfg::kConvertBytes +
-                                       Cfg::kFlagBytes);
     cur.item = __ldg(cta_indptr + blockIdx.x);
     cur.item_end = __ldg(cta_indptr + blockIdx.x + 1);
     L::seek_item(p, vp, cur);

@@ -158,21 +158,9 @@ struct Loader {
   static constexpr int kRowsPerTile = Cfg::kRowsPerTile;
   static constexpr int kTPT = Cfg::kTokensPerThread;
 
-  // Where the loader is: the fields every thread needs to issue copies, in registers; the whole Work of
-  // the current sub-item in shared memory (`full`, written and read by thread 0 only, for the records),
-  // which keeps ~12 registers per thread free for the compute side.
-  struct Cursor {
-    int item, item_end, sub, nsub, tile;
-    bool done;
-    int row0, nrows, kv_lo, kv_hi, ntiles;
-    int64_t block_start;
-    Work* full;
-  };
-
-  // Set the cursor to row sub-tile `sub` of plan item `item`; returns the item's number of sub-tiles.
+  // Fill w for row sub-tile `sub` of plan item `item`; returns the item's number of sub-tiles.
   static __device__ __forceinline__ int begin_work(const Params& p, const VariantParams& vp, int item, int sub,
-                                                   Cursor& cur) {
-    Work w;
+                                                   Work& w) {
     const int4* raw = reinterpret_cast<const int4*>(p.plan + p.items_offset) + 2 * item;
     const int4 a = __ldg(raw), b = __ldg(raw + 1);
     // FiWorkItem: request, q_begin, q_end, kv_begin | kv_end, partial_base, partial_stride, chunk
@@ -207,20 +195,18 @@ struct Loader {
     w.kv_hi = hi;
     w.ntiles = max(1, (hi - lo + kTile - 1) / kTile);
     w.pad_ = 0;
-    cur.row0 = w.row0;
-    cur.nrows = w.nrows;
-    cur.kv_lo = lo;
-    cur.kv_hi = hi;
-    cur.ntiles = w.ntiles;
-    cur.block_start = w.block_start;
-    if (threadIdx.x == 0) *cur.full = w;  // only the record writer needs the rest
     return nsub;
   }
 
+  struct Cursor {
+    int item, item_end, sub, nsub, tile;
+    bool done;
+    Work w;
+  };
 
   static __device__ __forceinline__ void seek_item(const Params& p, const VariantParams& vp, Cursor& cur) {
     while (cur.item < cur.item_end) {
-      cur.nsub = begin_work(p, vp, cur.item, 0, cur);
+      cur.nsub = begin_work(p, vp, cur.item, 0, cur.w);
       if (cur.nsub > 0) break;
       ++cur.item;
     }
@@ -231,10 +217,10 @@ struct Loader {
 
   static __device__ __forceinline__ void advance(const Params& p, const VariantParams& vp, Cursor& cur) {
     if (cur.done) return;
-    if (++cur.tile < cur.ntiles) return;
+    if (++cur.tile < cur.w.ntiles) return;
     cur.tile = 0;
     if (++cur.sub < cur.nsub) {
-      begin_work(p, vp, cur.item, cur.sub, cur);
+      begin_work(p, vp, cur.item, cur.sub, cur.w);
       return;
     }
     ++cur.item;
@@ -246,8 +232,8 @@ struct Loader {
   static __device__ __forceinline__ void prefetch_pages(const Params& p, const Cursor& cur, int (&page)[kTPT],
                                                         int (&slot)[kTPT]) {
     const int row_base = threadIdx.x / Cfg::kChunksPerRow;
-    const int tile_begin = cur.kv_lo + cur.tile * kTile;
-    const int n_valid = cur.done ? 0 : cur.kv_hi - tile_begin;
+    const int tile_begin = cur.w.kv_lo + cur.tile * kTile;
+    const int n_valid = cur.done ? 0 : cur.w.kv_hi - tile_begin;
 #pragma unroll
     for (int r = 0; r < kTPT; ++r) {
       const int row = row_base + r * Cfg::kRowsPerRound;
@@ -256,7 +242,7 @@ struct Loader {
       if (row < n_valid) {
         int blk, s;
         ptx::divmod(p.page_div, tile_begin + row, blk, s);
-        const int64_t idx = cur.block_start + blk;
+        const int64_t idx = cur.w.block_start + blk;
         slot[r] = s;
         page[r] = (idx >= 0 && idx < p.num_kv_indices) ? __ldg(p.kv_indices + idx) : INT32_MIN;
       }
@@ -265,13 +251,13 @@ struct Loader {
     // (one tile ahead of its copies) do not wait on DRAM. 32 ids per 128-byte line.
     if constexpr (FI_DECODE_INDEX_AHEAD > 0) {
       const int ahead_begin = tile_begin + FI_DECODE_INDEX_AHEAD * kTile;
-      if (!cur.done && threadIdx.x < 8 && ahead_begin < cur.kv_hi) {
+      if (!cur.done && threadIdx.x < 8 && ahead_begin < cur.w.kv_hi) {
         int b0, b1, s0;
         ptx::divmod(p.page_div, ahead_begin, b0, s0);
-        ptx::divmod(p.page_div, min(ahead_begin + kTile, cur.kv_hi) - 1, b1, s0);
-        const int64_t first = (cur.block_start + b0) & ~int64_t(31);
+        ptx::divmod(p.page_div, min(ahead_begin + kTile, cur.w.kv_hi) - 1, b1, s0);
+        const int64_t first = (cur.w.block_start + b0) & ~int64_t(31);
         const int64_t line = first + 32 * threadIdx.x;
-        if (line <= cur.block_start + b1 && line < p.num_kv_indices) ptx::prefetch_l2(p.kv_indices + line);
+        if (line <= cur.w.block_start + b1 && line < p.num_kv_indices) ptx::prefetch_l2(p.kv_indices + line);
       }
     }
   }
@@ -285,12 +271,12 @@ struct Loader {
       if (tid == 0) rec->flags = kEnd;
       return;
     }
-    const int tile_begin = cur.kv_lo + cur.tile * kTile;
+    const int tile_begin = cur.w.kv_lo + cur.tile * kTile;
     if (tid == 0) {
-      rec->w = *cur.full;
+      rec->w = cur.w;
       rec->tile_kv_begin = tile_begin;
-      rec->n_valid = cur.kv_hi - tile_begin;
-      rec->flags = (cur.tile == 0 ? kFirst : 0) | (cur.tile == cur.ntiles - 1 ? kLast : 0);
+      rec->n_valid = cur.w.kv_hi - tile_begin;
+      rec->flags = (cur.tile == 0 ? kFirst : 0) | (cur.tile == cur.w.ntiles - 1 ? kLast : 0);
     }
     if constexpr (Cfg::kQSlotBytes > 0) {
     if (cur.tile == 0) {  // query tile: packed row pr = local row * kHPC + local head, zeros past nrows
@@ -301,8 +287,8 @@ struct Loader {
       for (int i = tid; i < kRows * kChunksQ; i += kThreads) {
         const int pr = i / kChunksQ, ch = i % kChunksQ;
         const int r = pr / kHPC, h = pr % kHPC;
-        const bool ok = pr < Cfg::kPackedRows && r < cur.nrows;
-        const DQ* src = static_cast<const DQ*>(p.q) + (ok ? (int64_t)(cur.row0 + r) * p.q_stride_row +
+        const bool ok = pr < Cfg::kPackedRows && r < cur.w.nrows;
+        const DQ* src = static_cast<const DQ*>(p.q) + (ok ? (int64_t)(cur.w.row0 + r) * p.q_stride_row +
                                                               (int64_t)(head0 + h) * p.q_stride_head + ch * 8
                                                         : 0);
         ptx::cp_async_16(qslot + i * 16, src, ok);
