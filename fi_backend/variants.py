@@ -1,6 +1,6 @@
 """Attention variants: short CUDA functors inserted at fixed hooks of the attention template.
 
-DESIGN.md, idea 3. The online-softmax loop of csrc/attention/decode.cuh is fixed; a variant only says
+DESIGN.md, idea 3. The online-softmax loops of csrc/attention/decode.cuh and prefill.cuh are fixed; a variant only says
 what happens at its hooks, and the built-in variants below go through exactly the same mechanism as a
 user's. A hook is the BODY of a C++ function (the signature is fixed by the hook):
 

@@ -222,3 +222,15 @@ def test_workspace_tile_too_small():
         BatchAttention(ws, 8, 8, 128, kernel="prefill")
     with pytest.raises(ValueError, match="kernel must be one of"):
         BatchAttention(ws, 8, 8, 128, kernel="flash")
+
+
+def test_user_variant_flash_sigmoid():
+    """A variant of the user's own, as a CUDA string with two parameters, JIT-built for the prefill kernel
+    and checked against the reference's sigmoid attention (sigmoid(q.k * sm_scale + bias))."""
+    flash_sigmoid = V.Variant(
+        "user_flash_sigmoid", use_softmax=False, params={"scale": "float", "bias": "float"},
+        logits_transform="return 1.f / (1.f + __expf(-(logits * params.scale + params.bias)));")
+    attn = prefill(16, 4, 128, page_size=16, variant=flash_sigmoid)
+    run_case(attn, [1200, 300, 17], [1000, 300, 3], dtype=torch.bfloat16, causal=True,
+             variant_kw={"scale": 1.0, "bias": -1.25}, ref_kw={"use_sigmoid": True, "sigmoid_bias": -1.25},
+             what="user variant flash_sigmoid")
