@@ -234,3 +234,20 @@ def test_user_variant_flash_sigmoid():
     run_case(attn, [1200, 300, 17], [1000, 300, 3], dtype=torch.bfloat16, causal=True,
              variant_kw={"scale": 1.0, "bias": -1.25}, ref_kw={"use_sigmoid": True, "sigmoid_bias": -1.25},
              what="user variant flash_sigmoid")
+
+
+def test_alternating_layer_caches():
+    """One wrapper, one plan, several layers' caches in turn (as an engine's layers call run()): each
+    run reads its own cache (the wrapper remembers parses per cache object)."""
+    attn = prefill(16, 4, 128, page_size=16)
+    bsr, qo, kl, nb = make_bsr([700, 300, 5], [300, 300, 5], 16)
+    caches = [random_kv(nb, 16, 4, 128, torch.bfloat16, packed=True) for _ in range(3)]
+    q = torch.randn(int(qo[-1]), 16, 128, device=DEV).to(torch.bfloat16)
+    attn.plan(qo, kl, bsr, causal=True)
+    for rnd in range(2):
+        for i, (cache, k, v) in enumerate(caches):
+            out = torch.full_like(q, float("nan"))
+            attn.run(q, cache, out=out)
+            torch.cuda.synchronize()
+            o_ref, _ = reference(q, k, v, bsr, causal=True)
+            check(out, None, o_ref, None, TOL[torch.bfloat16], f"layer cache {i} round {rnd}")
