@@ -79,7 +79,7 @@ struct Config {
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim must be 64, 128 or 256");
   static_assert(kStages >= 2, "the pipeline needs at least two stages");
   static_assert(kHeadsPerChunk >= 1 && kHeadsPerChunk <= kTileRows, "heads per chunk must fit in a tile");
-  static_assert(kTile % 16 == 0 && kTile >= 16, "KV tile of 16-token blocks");
+  static_assert(kTile >= 16 && (kTile & (kTile - 1)) == 0, "KV tile: a power of two >= 16 (16-token blocks, tree max)");
   static_assert(kThreads % kChunksPerRow == 0 && kTile % kRowsPerRound == 0, "loader shape");
   static_assert(kChunksPerRow >= 4, "rows of at least 64 bytes");
 };
@@ -229,6 +229,19 @@ struct Kernel {
 
   // The warp's rows: m fragment mf holds packed rows 16 (kMF warp + mf) + g (+ 8); S and O in C-fragment
   // layout (c0/c1: row g, c2/c3: row g + 8). Masks use each row's limits, computed here from the record.
+  // Maximum of this lane's elements of row half hf (C-fragment slots 2 hf, 2 hf + 1 of every n tile), as a
+  // tree: a serial chain of FMNMX waits on each result (ncu: "stall wait" led the prefill kernel).
+  static __device__ __forceinline__ float row_max(const float (&s)[kNTiles][4], int hf) {
+    float m[kNTiles];
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt) m[nt] = fmaxf(s[nt][2 * hf], s[nt][2 * hf + 1]);
+#pragma unroll
+    for (int w = kNTiles / 2; w >= 1; w /= 2)
+#pragma unroll
+      for (int i = 0; i < w; ++i) m[i] = fmaxf(m[i], m[i + w]);
+    return m[0];
+  }
+
   // kMask: the per-element mask runs (else the tile is full, visible to every row, and the softmax works
   // on raw logits with the scale folded into its exponent: one FFMA per element).
   template <bool kMask>
@@ -311,7 +324,7 @@ struct Kernel {
                 y = x;
               else
                 y = ok ? x * scale_log2 : -INFINITY;
-              mx[hf] = fmaxf(mx[hf], y);
+
             } else {
               if constexpr (Variant::kHasLogitsTransform)
                 y = ok ? Variant::logits_transform(vp, x * p.logits_scale, ctx) : 0.f;
@@ -328,21 +341,24 @@ struct Kernel {
         float alpha[2];
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
+          mx[hf] = row_max(s[mf], hf);
           mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 1));
           mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 2));
           const float m_new = fmaxf(m_run[mf][hf], mx[hf] * sl);
           const float m_use = m_new == -INFINITY ? 0.f : m_new;
           alpha[hf] = ptx::exp2(m_run[mf][hf] - m_use);
           m_run[mf][hf] = m_new;
-          float sum = 0.f;
+          // Four independent partial sums: one serial chain of FADDs would wait on each result.
+          float sum4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
           for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               const float pe = ptx::exp2(fmaf(s[mf][nt][2 * hf + e], sl, -m_use));
               s[mf][nt][2 * hf + e] = pe;
-              sum += pe;
+              sum4[(2 * nt + e) & 3] += pe;
             }
+          const float sum = (sum4[0] + sum4[1]) + (sum4[2] + sum4[3]);
           d_run[mf][hf] = d_run[mf][hf] * alpha[hf] + sum;  // per lane; the quad's sum is taken at the end
         }
         // Once a row's maximum settles, alpha is 1: skip the rescale when it is for all of the warp's rows.
