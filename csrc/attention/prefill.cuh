@@ -12,9 +12,14 @@
 // the whole KV tile (kTile tokens per stage): no cross-warp reduction. mma.sync m16n8k16, fp32 acc.:
 //   S [16 x kTile] = Q [16 x D] . K^T     A = Q (ldmatrix from the CTA's Q buffer), B = K (ldmatrix)
 //   O [16 x D]    += P [16 x kTile] . V    A = P (the C fragment of S, repacked), B = V (ldmatrix.trans)
-// Shared-memory reads bound this loop: every warp reads the whole K and V tile, so two m fragments
-// per warp (each K/V fragment feeds two MMAs) halve them against one; 4 warps x 32 rows is the
-// FlashAttention-2 shape. Q lives in shared memory (its registers would not fit beside two O tiles).
+// Every warp reads the whole K and V tile from shared memory; two m fragments per warp (each K/V
+// fragment feeds two MMAs, the FlashAttention-2 shape of 4 warps x 32 rows) halve those reads, but at
+// head_dim 128 two O tiles plus the loader's state exceed 255 registers and spill. Q lives in shared
+// memory. Measured (H100, fi_backend/wrappers.py _PREFILL_SHAPES): 8 warps x 16 rows, 64-token tiles is
+// the fastest shape so far at 0.55-0.6x FlashInfer's FA2; ncu shows it issue- and latency-bound (about
+// 5 instructions per MMA, 8 warps per SM, 0.5 eligible warps per scheduler; top stalls: fixed-latency
+// dependencies, then short scoreboard). What would move it: fewer registers for the loader (a producer
+// warp), two m fragments per warp, fewer per-row loader instructions; wgmma/TMA is the FA3 route.
 // MMAs run in the query's type. fp8 KV and key transforms (RoPE) go through one pass over the landed
 // tile: fp8 is converted exactly into a 16-bit copy (e4m3 and e5m2 are exact in bf16 and fp16), a
 // KeyTransform rotates K in fp32 in that pass; the per-tensor scales fold into the logits scale and
