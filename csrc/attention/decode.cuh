@@ -242,26 +242,12 @@ struct Kernel {
   static __device__ __forceinline__ void run(const Params& p, const VariantParams& vp, uint8_t* smem) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
     const int kv_head = blockIdx.y / p.num_head_chunks;
-    const int32_t* cta_indptr = p.plan + FI_PLAN_HEADER_INTS;
-
     Cursor cur;
-    cur.item = __ldg(cta_indptr + blockIdx.x);
-    cur.item_end = __ldg(cta_indptr + blockIdx.x + 1);
-    L::seek_item(p, vp, cur);
-    if (cur.done) return;
+    int page[kTPT], slot[kTPT];
+    if (!L::template start<kStages>(p, vp, smem, kv_head, cur, page, slot)) return;
 
     float2* md = reinterpret_cast<float2*>(smem + kStages * Cfg::kStageBytes);  // [warp][row] (m, d)
     int* merge_mask = reinterpret_cast<int*>(smem + kStages * Cfg::kStageBytes + Cfg::kMdBytes);
-
-    int page[kTPT], slot[kTPT];
-    L::prefetch_pages(p, cur, page, slot);
-#pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      L::issue(p, smem + s * Cfg::kStageBytes, cur, page, slot, kv_head);
-      ptx::cp_async_commit();
-      L::advance(p, vp, cur);
-      L::prefetch_pages(p, cur, page, slot);
-    }
 
     // Online-softmax state of the rows this lane holds: S rows g (and g + 8); O^T columns 2c, 2c + 1.
     float m_run[2], d_run[2];
@@ -275,10 +261,7 @@ struct Kernel {
       uint8_t* stage = smem + st * Cfg::kStageBytes;
       ptx::cp_async_wait<kStages - 2>();
       __syncthreads();
-      L::issue(p, smem + ((j + kStages - 1) % kStages) * Cfg::kStageBytes, cur, page, slot, kv_head);
-      ptx::cp_async_commit();
-      L::advance(p, vp, cur);
-      L::prefetch_pages(p, cur, page, slot);
+      L::template step<kStages>(p, vp, smem, kv_head, j, cur, page, slot);
 
       const TileRecord* rec = reinterpret_cast<const TileRecord*>(stage + 2 * Cfg::kKvTileBytes + Cfg::kQSlotBytes);
       const int flags = rec->flags;

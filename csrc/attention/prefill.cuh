@@ -409,28 +409,15 @@ struct Kernel {
   static __device__ __forceinline__ void run(const Params& p, const VariantParams& vp, uint8_t* smem) {
     const int warp = threadIdx.x >> 5;
     const int kv_head = blockIdx.y / p.num_head_chunks;
-    const int32_t* cta_indptr = p.plan + FI_PLAN_HEADER_INTS;
-
     Cursor cur;
-    cur.item = __ldg(cta_indptr + blockIdx.x);
-    cur.item_end = __ldg(cta_indptr + blockIdx.x + 1);
-    L::seek_item(p, vp, cur);
-    if (cur.done) return;
+    int page[kTPT], slot[kTPT];
+    if (!L::template start<kStages>(p, vp, smem, kv_head, cur, page, slot)) return;
 
     uint8_t* qbuf = smem + kStages * Cfg::kStageBytes;
     uint8_t* cbuf = qbuf + Cfg::kQBytes;
     int* merge_flags = reinterpret_cast<int*>(cbuf + Cfg::kConvertBytes);
     const uint32_t qs = ptx::smem_u32(qbuf);
 
-    int page[kTPT], slot[kTPT];
-    L::prefetch_pages(p, cur, page, slot);
-#pragma unroll
-    for (int st = 0; st < kStages - 1; ++st) {
-      L::issue(p, smem + st * Cfg::kStageBytes, cur, page, slot, kv_head);
-      ptx::cp_async_commit();
-      L::advance(p, vp, cur);
-      L::prefetch_pages(p, cur, page, slot);
-    }
 
     float m_run[kMF][2], d_run[kMF][2], o[kMF][kDTiles][4];
     constexpr int kWarpRows = 16 * kMF;
@@ -439,10 +426,7 @@ struct Kernel {
       uint8_t* stage = smem + (j % kStages) * Cfg::kStageBytes;
       ptx::cp_async_wait<kStages - 2>();
       __syncthreads();
-      L::issue(p, smem + ((j + kStages - 1) % kStages) * Cfg::kStageBytes, cur, page, slot, kv_head);
-      ptx::cp_async_commit();
-      L::advance(p, vp, cur);
-      L::prefetch_pages(p, cur, page, slot);
+      L::template step<kStages>(p, vp, smem, kv_head, j, cur, page, slot);
 
       const TileRecord* rec = reinterpret_cast<const TileRecord*>(stage + 2 * Cfg::kKvTileBytes);
       const int flags = rec->flags;

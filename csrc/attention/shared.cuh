@@ -317,6 +317,38 @@ struct Loader {
     }
   }
 
+
+  // A CTA's walk over its queue of the plan, as both kernels run it. start(): the cursor at the CTA's
+  // first item and the first kStages - 1 tiles issued; false when the queue is empty. step(): at the top
+  // of iteration j (after the wait and barrier), issue the tile kStages - 1 ahead into the stage that
+  // iteration j - 1 consumed, and move on.
+  template <int kStages>
+  static __device__ __forceinline__ bool start(const Params& p, const VariantParams& vp, uint8_t* smem, int kv_head,
+                                               Cursor& cur, int (&page)[kTPT], int (&slot)[kTPT]) {
+    const int32_t* cta_indptr = p.plan + FI_PLAN_HEADER_INTS;
+    cur.item = __ldg(cta_indptr + blockIdx.x);
+    cur.item_end = __ldg(cta_indptr + blockIdx.x + 1);
+    seek_item(p, vp, cur);
+    if (cur.done) return false;
+    prefetch_pages(p, cur, page, slot);
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      issue(p, smem + s * Cfg::kStageBytes, cur, page, slot, kv_head);
+      ptx::cp_async_commit();
+      advance(p, vp, cur);
+      prefetch_pages(p, cur, page, slot);
+    }
+    return true;
+  }
+
+  template <int kStages>
+  static __device__ __forceinline__ void step(const Params& p, const VariantParams& vp, uint8_t* smem, int kv_head,
+                                              int j, Cursor& cur, int (&page)[kTPT], int (&slot)[kTPT]) {
+    issue(p, smem + ((j + kStages - 1) % kStages) * Cfg::kStageBytes, cur, page, slot, kv_head);
+    ptx::cp_async_commit();
+    advance(p, vp, cur);
+    prefetch_pages(p, cur, page, slot);
+  }
 };
 
 // Dimension of element e of register j (of a k step / m tile) held by lane group c (k layout of Q.K^T).
