@@ -122,22 +122,7 @@ struct Kernel {
 
   // ------------------------------------------------------------------ compute side
 
-  struct RowInfo {  // the packed rows this lane holds in S (g and g + 8)
-    int q_row, q_idx, q_pos, qo_head, climit;
-    bool valid;  // a real query row of the sub-item (padding rows never reach a variant hook)
-  };
 
-  static __device__ __forceinline__ RowInfo row_info(const Params& p, const Work& w, int pr) {
-    RowInfo ri;
-    const int r = pr / kHPC;
-    ri.q_row = w.row0 + r;
-    ri.q_idx = w.q_idx0 + r;
-    ri.q_pos = w.pos_off + w.kv_len - w.q_len + ri.q_idx;
-    ri.qo_head = blockIdx.y * kHPC + pr % kHPC;
-    ri.climit = w.kv_len - w.q_len + ri.q_idx;  // causal: kv_idx <= climit
-    ri.valid = pr < Cfg::kPackedRows && r < w.nrows;
-    return ri;
-  }
 
   // Q fragments of the sub-item from the stage's Q slot, QueryTransform applied in fp32.
   static __device__ __forceinline__ void load_q(const VariantParams& vp, const uint8_t* stage, const Work& w,
@@ -268,8 +253,8 @@ struct Kernel {
       if (flags & kEnd) break;
       const Work& w = rec->w;
       if (flags & kFirst) {
-        ri[0] = row_info(p, w, g);
-        ri[1] = row_info(p, w, g + 8);
+        ri[0] = E::row_info(w, g);
+        ri[1] = E::row_info(w, g + 8);
         load_q(vp, stage, w, ri, qa);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {

@@ -109,22 +109,7 @@ struct Kernel {
   static constexpr bool kBf16 = Cfg::kMmaBf16;
   static constexpr bool kConvert = kFp8 || Variant::kHasKeyTransform;
 
-  struct RowInfo {  // a packed row of the sub-item
-    int q_row, q_idx, q_pos, qo_head, climit;
-    bool valid;
-  };
 
-  static __device__ __forceinline__ RowInfo row_info(const Work& w, int pr) {
-    RowInfo ri;
-    const int r = pr / kHPC;
-    ri.q_row = w.row0 + r;
-    ri.q_idx = w.q_idx0 + r;
-    ri.q_pos = w.pos_off + w.kv_len - w.q_len + ri.q_idx;
-    ri.qo_head = blockIdx.y * kHPC + pr % kHPC;
-    ri.climit = w.kv_len - w.q_len + ri.q_idx;  // causal (bottom-right): kv_idx <= climit
-    ri.valid = pr < Cfg::kPackedRows && r < w.nrows;
-    return ri;
-  }
 
   // This warp's query rows from global memory into its slice of the Q buffer (row-major, swizzled 16-byte
   // chunks, zeros for padding rows), QueryTransform applied in fp32 on the way. Lanes read the pairs of
@@ -135,7 +120,7 @@ struct Kernel {
 #pragma unroll
     for (int h16 = 0; h16 < 2 * kMF; ++h16) {  // rows g + 8 h16 of the warp's 16 kMF rows
       const int pr = 16 * kMF * warp + 8 * h16 + g;
-      const RowInfo ri = row_info(w, pr);
+      const RowInfo ri = E::row_info(w, pr);
       float x[kKSteps][2][2];
       const DQ* src = static_cast<const DQ*>(p.q) + (int64_t)ri.q_row * p.q_stride_row + (int64_t)ri.qo_head * p.q_stride_head;
 #pragma unroll
@@ -296,8 +281,9 @@ struct Kernel {
       float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
+        constexpr bool kCtx = Variant::kHasLogitsMask || Variant::kHasLogitsTransform;  // hooks see LogitsCtx
         RowInfo ri;
-        if constexpr (kMask) ri = row_info(w, 16 * (kMF * warp + mf) + 8 * hf + g);
+        if constexpr (kMask || kCtx) ri = E::row_info(w, 16 * (kMF * warp + mf) + 8 * hf + g);
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
@@ -307,18 +293,14 @@ struct Kernel {
             const int kv_idx = tile_begin + t;
             bool ok = true;
             LogitsCtx ctx;
+            if constexpr (kCtx) {
+              ctx = LogitsCtx{w.request, ri.q_row, ri.q_idx, ri.q_pos, kv_idx, w.pos_off + kv_idx,
+                              ri.qo_head, kv_head, w.q_len, w.kv_len};
+            }
             if constexpr (kMask) {
               ok = ri.valid && t < n_valid;
               if (p.causal) ok = ok && kv_idx <= ri.climit;
-              if constexpr (Variant::kHasLogitsMask || Variant::kHasLogitsTransform) {
-                ctx = LogitsCtx{w.request, ri.q_row, ri.q_idx, ri.q_pos, kv_idx, w.pos_off + kv_idx,
-                                ri.qo_head, kv_head, w.q_len, w.kv_len};
-              }
               if constexpr (Variant::kHasLogitsMask) ok = ok && Variant::logits_mask(vp, ctx);
-            } else if constexpr (Variant::kHasLogitsTransform) {
-              const RowInfo r2 = row_info(w, 16 * (kMF * warp + mf) + 8 * hf + g);
-              ctx = LogitsCtx{w.request, r2.q_row, r2.q_idx, r2.q_pos, kv_idx, w.pos_off + kv_idx, r2.qo_head, kv_head,
-                              w.q_len, w.kv_len};
             }
             const float x = s[mf][nt][e];
             float y;
@@ -494,7 +476,7 @@ struct Kernel {
       for (int hf = 0; hf < 2; ++hf) {
         d_run[mf][hf] += __shfl_xor_sync(0xffffffffu, d_run[mf][hf], 1);
         d_run[mf][hf] += __shfl_xor_sync(0xffffffffu, d_run[mf][hf], 2);
-        const RowInfo ri = row_info(w, 16 * (kMF * warp + mf) + 8 * hf + g);
+        const RowInfo ri = E::row_info(w, 16 * (kMF * warp + mf) + 8 * hf + g);
         if (!ri.valid) continue;
         float scale = p.v_scale, lse_val = 0.f;
         if constexpr (Variant::kUseSoftmax) {

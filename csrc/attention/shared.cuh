@@ -357,6 +357,12 @@ __device__ __forceinline__ int k_dim(int step, int j, int e, int c) {
   return kFp8 ? 16 * step + 4 * c + 2 * j + e : 16 * step + 2 * c + 8 * j + e;
 }
 
+// A packed row (local row * heads per chunk + local head) of a sub-item, as the compute side sees it.
+struct RowInfo {
+  int q_row, q_idx, q_pos, qo_head, climit;
+  bool valid;  // a real query row of the sub-item (padding rows never reach a variant hook)
+};
+
 // Pieces of the compute side both kernels use. Cfg also provides kFragFp8 (the k dimension of Q.K^T is
 // permuted to the fp8 ldmatrix layout), kQBf16 (output type), kKSteps.
 template <class Cfg, class Variant, class VariantParams>
@@ -366,6 +372,18 @@ struct Epilogue {
   static constexpr int kHPC = Cfg::kHeadsPerChunk;
   static constexpr int kThreads = Cfg::kThreads;
   static constexpr int kKSteps = Cfg::kKSteps;
+
+  static __device__ __forceinline__ RowInfo row_info(const Work& w, int pr) {
+    RowInfo ri;
+    const int r = pr / kHPC;
+    ri.q_row = w.row0 + r;
+    ri.q_idx = w.q_idx0 + r;
+    ri.q_pos = w.pos_off + w.kv_len - w.q_len + ri.q_idx;
+    ri.qo_head = blockIdx.y * kHPC + pr % kHPC;
+    ri.climit = w.kv_len - w.q_len + ri.q_idx;  // causal (bottom-right): kv_idx <= climit
+    ri.valid = pr < Cfg::kPackedRows && r < w.nrows;
+    return ri;
+  }
 
   // Query/KeyTransform over the pairs one lane holds: (d, d + D/2) sit in k steps s and s + kKSteps/2
   // at the same slot; interleaved pairs (2i, 2i + 1) are the two halves of one register.
