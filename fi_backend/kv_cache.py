@@ -12,11 +12,12 @@ caches report stride_token 0).
 """
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-__all__ = ["PagedKV", "parse_paged_kv_cache", "KV_LAYOUTS"]
+__all__ = ["PagedKV", "parse_paged_kv_cache", "parse_cached", "KV_LAYOUTS"]
 
 KV_LAYOUTS = ("NHD", "HND")
 
@@ -106,3 +107,41 @@ def parse_paged_kv_cache(kv_cache, kv_layout: str = "NHD", *, head_dim: Optional
                          f"of {esz} bytes) and pointers (k {k_ptr % 16}, v {v_ptr % 16} mod 16) multiples of "
                          f"16 bytes (head_dim {D})")
     return PagedKV(k_ptr, v_ptr, nb, P, strides, k.dtype, H, D, k.device)
+
+
+# Parsed caches by identity: an engine appends to and attends over the same few cache tensors (one per
+# layer) every step, and a parse costs more than the launch. An entry is used only while its tensors
+# are alive (weak references) and still have the pointer, shape and strides it was parsed with.
+_parsed: dict = {}
+_PARSED_MAX = 1024
+
+
+def parse_cached(kv_cache, kv_layout: str = "NHD", *, head_dim: Optional[int] = None,
+                 page_size: Optional[int] = None) -> PagedKV:
+    """parse_paged_kv_cache, remembered per cache object (a (k, v) pair by its two tensors)."""
+    expect = (kv_layout, head_dim, page_size)
+    if isinstance(kv_cache, torch.Tensor):
+        memo_key, first, second = (id(kv_cache), expect), kv_cache, None
+    elif isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2:
+        first, second = kv_cache
+        memo_key = (id(first), id(second), expect)
+    else:
+        return parse_paged_kv_cache(kv_cache, kv_layout, head_dim=head_dim, page_size=page_size)
+    entry = _parsed.get(memo_key)
+    if entry is not None:
+        ref0, ref1, meta, kv = entry
+        if (ref0() is first and (ref1 is None or ref1() is second)
+                and meta == (first.data_ptr(), first.shape, first.stride(),
+                             None if second is None else (second.data_ptr(), second.shape, second.stride()))):
+            return kv
+    kv = parse_paged_kv_cache(kv_cache, kv_layout, head_dim=head_dim, page_size=page_size)
+    if len(_parsed) >= _PARSED_MAX:
+        _parsed.clear()
+    try:
+        refs = (weakref.ref(first), None if second is None else weakref.ref(second))
+    except TypeError:
+        return kv
+    meta = (first.data_ptr(), first.shape, first.stride(),
+            None if second is None else (second.data_ptr(), second.shape, second.stride()))
+    _parsed[memo_key] = (*refs, meta, kv)
+    return kv

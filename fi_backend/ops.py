@@ -28,14 +28,13 @@ built on first use per dtype (prebuild: `fi-backend build merge append`).
 from __future__ import annotations
 
 import ctypes
-import weakref
 from typing import Optional, Tuple
 
 import torch
 
 from . import kernels
 from .kernels.sets import append_spec
-from .kv_cache import parse_paged_kv_cache
+from .kv_cache import parse_cached
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _MERGE_STATE_ARGS = [_P] * 6 + [_I] * 9 + [_P]
@@ -230,41 +229,6 @@ def _append_launcher(key_dtype: torch.dtype, cache_dtype: torch.dtype):
     return entry
 
 
-# Parsed caches by identity: an engine appends to the same few cache tensors every step, and the parse
-# costs a few microseconds. An entry is used only while its tensors are alive (weak references) and
-# still have the pointer, shape and strides it was parsed with.
-_parsed: dict = {}
-_PARSED_MAX = 1024
-
-
-def _parsed_cache(kv_cache, kv_layout: str):
-    if isinstance(kv_cache, torch.Tensor):
-        memo_key, first, second = (id(kv_cache), kv_layout), kv_cache, None
-    elif isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2:
-        first, second = kv_cache
-        memo_key = (id(first), id(second), kv_layout)
-    else:
-        return parse_paged_kv_cache(kv_cache, kv_layout)
-    entry = _parsed.get(memo_key)
-    if entry is not None:
-        ref0, ref1, meta, kv = entry
-        if (ref0() is first and (ref1 is None or ref1() is second)
-                and meta == (first.data_ptr(), first.shape, first.stride(),
-                             None if second is None else (second.data_ptr(), second.shape, second.stride()))):
-            return kv
-    kv = parse_paged_kv_cache(kv_cache, kv_layout)
-    if len(_parsed) >= _PARSED_MAX:
-        _parsed.clear()
-    try:
-        refs = (weakref.ref(first), None if second is None else weakref.ref(second))
-    except TypeError:
-        return kv
-    meta = (first.data_ptr(), first.shape, first.stride(),
-            None if second is None else (second.data_ptr(), second.shape, second.stride()))
-    _parsed[memo_key] = (*refs, meta, kv)
-    return kv
-
-
 def _rows(name: str, t, shape, dtype, dev: int):
     """(token stride, head stride) of key / value [num_tokens, heads, D] after checking it. Strides of
     dims of size 1 are passed as 0 (never multiplied by a nonzero index)."""
@@ -312,7 +276,7 @@ def _append_arguments(key, value, kv_cache, slot_mapping, kv_layout, k_scale, v_
         raise TypeError(f"key must have dtype torch.bfloat16 or torch.float16 (got {dtype})")
     if key.dim() != 3:
         raise ValueError(f"key must be 3-D [num_tokens, num_kv_heads, head_dim] (got shape {list(key.shape)})")
-    kv = _parsed_cache(kv_cache, kv_layout)
+    kv = parse_cached(kv_cache, kv_layout)
     dev = key.get_device()
     if require_cuda and dev < 0:
         raise ValueError(f"key, value, kv_cache and slot_mapping must be CUDA tensors (got key on {key.device})")

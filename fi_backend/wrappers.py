@@ -30,7 +30,7 @@ import torch
 
 from . import kernels
 from .formats import BSR
-from .kv_cache import parse_paged_kv_cache
+from .kv_cache import parse_cached
 from .kernels.sets import module_set
 from .variants import DEFAULT, PARAM_TYPES, Variant, VariantError
 from .workspace import Workspace
@@ -410,7 +410,6 @@ class BatchAttention:
         self._bsr_ptrs = None
         self._frozen = None       # (BSR pointers, scalar settings) baked into a captured graph
         self._kv_obj = None       # the KV cache whose parse is in _params (identity + pointer checked)
-        self._kv_parses = {}      # id(cache) -> (cache, data_ptr, k, v, parse): see _set_kv
         self._kv_is_tensor, self._kv0, self._kv1, self._kv_ptr = True, None, None, 0
         self._lse_on = False
         self._k_scale = self._v_scale = 1.0
@@ -563,7 +562,8 @@ class BatchAttention:
 
     def _kv_views(self, kv_cache):
         """(k_ptr, v_ptr, num_blocks, (stride_block, stride_token, stride_head)) of the accepted layouts."""
-        kv = parse_paged_kv_cache(kv_cache, self.kv_layout, head_dim=self.head_dim, page_size=self.page_size)
+        # remembered per cache object: an engine's layers call run() with their own caches in turn
+        kv = parse_cached(kv_cache, self.kv_layout, head_dim=self.head_dim, page_size=self.page_size)
         if kv.num_heads != self.num_kv_heads:
             raise ValueError(f"the KV cache has {kv.num_heads} KV heads, expected {self.num_kv_heads}")
         if kv.dtype != self.kv_dtype:
@@ -645,30 +645,16 @@ class BatchAttention:
         return lse
 
     def _set_kv(self, kv_cache) -> None:
-        """Point the launch at kv_cache. Parses are remembered per cache object (an engine calls run() with
-        each layer's cache in turn; a parse costs more than the launch), keyed by identity and checked
-        against the data pointer; the memo holds the objects, so identities are not reused."""
-        is_tensor = isinstance(kv_cache, torch.Tensor)
-        first = kv_cache if is_tensor else kv_cache[0]
-        hit = self._kv_parses.get(id(kv_cache))
-        if (hit is not None and hit[0] is kv_cache and hit[1] == first.data_ptr()
-                and (is_tensor or (hit[2] is kv_cache[0] and hit[3] is kv_cache[1]))):
-            kp, vp, nb, strides = hit[4]
-        else:
-            kp, vp, nb, strides = self._kv_views(kv_cache)
-            if len(self._kv_parses) >= 1024:  # per-call (k, v) tuples would otherwise pile up
-                self._kv_parses.clear()
-            self._kv_parses[id(kv_cache)] = (kv_cache, first.data_ptr(), None if is_tensor else kv_cache[0],
-                                             None if is_tensor else kv_cache[1], (kp, vp, nb, strides))
+        kp, vp, nb, strides = self._kv_views(kv_cache)
         p = self._params
         p.k, p.v = kp, vp
         p.kv_stride_block, p.kv_stride_token, p.kv_stride_head = strides
         p.num_kv_blocks = nb
         self._kv_obj = kv_cache
-        self._kv_is_tensor = is_tensor
-        if not is_tensor:
+        self._kv_is_tensor = isinstance(kv_cache, torch.Tensor)
+        if not self._kv_is_tensor:
             self._kv0, self._kv1 = kv_cache[0], kv_cache[1]
-        self._kv_ptr = first.data_ptr()
+        self._kv_ptr = kp if self._kv_is_tensor else kv_cache[0].data_ptr()
 
     def _explain(self, q, out) -> None:
         """Raise the error that describes why q / out were rejected by run()'s fast path."""

@@ -2,14 +2,13 @@
 semantics, the op's argument checks and the launch arguments it computes (emulated here on CPU
 memory), and a real nvcc build of an append module. The kernel itself: tests/test_append_gpu.py."""
 import ctypes
-import os
 
 import pytest
 import torch
 
 from fi_backend import kernels, ops, reference
 from fi_backend.kernels.sets import append_spec
-from fi_backend.kv_cache import PagedKV, parse_paged_kv_cache
+from fi_backend.kv_cache import PagedKV, parse_cached, parse_paged_kv_cache
 
 BF16, FP16, E4M3, E5M2 = torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -212,13 +211,13 @@ def test_check_append_errors_without_appends_is_a_no_op(monkeypatch):
 
 def test_parse_memo_follows_the_tensor():
     cache, layout = _caches("packed_NHD", 4, 16, 2, 64, BF16)
-    first = ops._parsed_cache(cache, layout)
-    assert ops._parsed_cache(cache, layout) is first
+    first = parse_cached(cache, layout)
+    assert parse_cached(cache, layout) is first
     cache.data = torch.zeros(4, 32, 2, 128, dtype=BF16)  # same object, new storage and shape
-    assert ops._parsed_cache(cache, layout).page_size == 32
+    assert parse_cached(cache, layout).page_size == 32
     k, v = torch.zeros(9, 2, 64, dtype=BF16), torch.zeros(9, 2, 64, dtype=BF16)
-    assert ops._parsed_cache((k, v), "NHD") is ops._parsed_cache([k, v], "NHD")
-    assert ops._parsed_cache((v, k), "NHD").k_ptr == v.data_ptr()
+    assert parse_cached((k, v), "NHD") is parse_cached([k, v], "NHD")
+    assert parse_cached((v, k), "NHD").k_ptr == v.data_ptr()
 
 
 # ----------------------------------------------------------------------------- launch arguments
