@@ -10,7 +10,7 @@ import torch
 
 from fi_backend import reference as ref
 from fi_backend import variants as V
-from fi_backend.formats import from_block_table, from_token_table
+from fi_backend.formats import BSR, from_block_table, from_token_table
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 DEV = "cuda"
@@ -177,3 +177,31 @@ def _variant_cases(Hq):
     ]
 
 
+
+
+class PersistentBatch:
+    """An engine's per-step buffers that live across steps (block table, KV lengths, query offsets, row
+    starts) and the BSR over them. Each step is written into the same storage, as vLLM does, so a run()
+    captured in a CUDA graph keeps reading valid tensors after a re-plan. Pages: a fresh random
+    permutation of the pool every step."""
+
+    def __init__(self, max_batch: int, max_blocks: int, page: int):
+        self.max_blocks, self.page = max_blocks, page
+        self.num_blocks = max_batch * max_blocks
+        self.table = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=DEV)
+        self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=DEV)
+        self.qsl = torch.zeros(max_batch + 1, dtype=torch.int32, device=DEV)
+        self.kbs = torch.arange(max_batch, dtype=torch.int32, device=DEV) * max_blocks
+
+    def write(self, q_lens, kv_lens):
+        """(bsr, qo_indptr_cpu, kv_lens_cpu) of a step written into the persistent buffers."""
+        B = len(q_lens)
+        perm = torch.randperm(self.num_blocks)[: B * self.max_blocks]
+        self.table[:B] = perm.view(B, self.max_blocks).to(torch.int32).to(DEV)
+        kv_cpu = torch.tensor(kv_lens, dtype=torch.int32)
+        self.seq_lens[:B] = kv_cpu.to(DEV)
+        qo = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32)
+        self.qsl[:B + 1] = qo.to(DEV)
+        bsr = BSR(qo_indptr=self.qsl[:B + 1], kv_indices=self.table.view(-1), kv_block_start=self.kbs[:B],
+                  kv_lens=self.seq_lens[:B], block_width=self.page, num_kv_blocks=self.num_blocks)
+        return bsr, qo, kv_cpu

@@ -19,7 +19,7 @@ from fi_backend import reference as ref
 from fi_backend import variants as V
 from fi_backend.formats import BSR
 
-from attention_cases import (_VARIANT_NAMES, DEV, TOL, _lazy, _variant_case, check, make_bsr, make_wrapper, random_kv, reference,
+from attention_cases import (_VARIANT_NAMES, DEV, TOL, PersistentBatch, _lazy, _variant_case, check, make_bsr, make_wrapper, random_kv, reference,
                              run_case)
 
 pytestmark = pytest.mark.gpu
@@ -117,12 +117,9 @@ def test_cuda_graph_replay_after_replan(name):
     Hq, Hkv, D, page = 16, 4, 128, 16
     _, variant, vkw0, rkw0 = _variant_case(name, Hq)
     attn = make_wrapper(Hq, Hkv, D, page_size=page, variant=variant, max_tokens=64, max_requests=32)
-    max_B, max_blocks, num_blocks = 24, 260, 24 * 260
-    cache, k, v = random_kv(num_blocks, page, Hkv, D, torch.bfloat16)
-    table = torch.zeros(max_B, max_blocks, dtype=torch.int32, device=DEV)
-    seq_lens = torch.zeros(max_B, dtype=torch.int32, device=DEV)
-    qsl = torch.zeros(max_B + 1, dtype=torch.int32, device=DEV)
-    kbs = torch.arange(max_B, dtype=torch.int32, device=DEV) * max_blocks
+    max_B = 24
+    batch = PersistentBatch(max_B, 260, page)
+    cache, k, v = random_kv(batch.num_blocks, page, Hkv, D, torch.bfloat16)
     mask_buf = torch.zeros(1 << 17, dtype=torch.uint8, device=DEV)
     mask_ptr = torch.zeros(max_B, dtype=torch.int64, device=DEV)
     rows = 24
@@ -133,12 +130,7 @@ def test_cuda_graph_replay_after_replan(name):
         """Write a step into the persistent buffers and plan it."""
         B = len(q_lens)
         assert sum(q_lens) == rows
-        table[:B] = torch.randperm(num_blocks)[: B * max_blocks].view(B, max_blocks).to(torch.int32).to(DEV)
-        seq_lens[:B] = torch.tensor(kv_lens, dtype=torch.int32)
-        qo = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32)
-        qsl[:B + 1] = qo.to(DEV)
-        bsr = BSR(qo_indptr=qsl[:B + 1], kv_indices=table.view(-1), kv_block_start=kbs[:B], kv_lens=seq_lens[:B],
-                  block_width=page, num_kv_blocks=num_blocks)
+        bsr, qo, kv_cpu = batch.write(q_lens, kv_lens)
         vkw, rkw = vkw0, rkw0
         if callable(vkw0):
             masks = vkw0(q_lens, kv_lens)
@@ -146,7 +138,7 @@ def test_cuda_graph_replay_after_replan(name):
             mask_buf[:packed.numel()] = packed
             mask_ptr[:B] = indptr
             vkw, rkw = {"mask_packed": mask_buf, "mask_indptr": mask_ptr}, {"masks": masks}
-        attn.plan(qo, torch.tensor(kv_lens, dtype=torch.int32), bsr, causal=True, **vkw)
+        attn.plan(qo, kv_cpu, bsr, causal=True, **vkw)
         return bsr, rkw
 
     def lens(B):

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from fi_backend import variants as V
-from fi_backend.formats import BSR, from_ragged
+from fi_backend.formats import from_ragged
 
-from attention_cases import (_VARIANT_NAMES, DEV, TOL, _variant_case, check, make_bsr, make_wrapper, random_kv,
+from attention_cases import (_VARIANT_NAMES, DEV, TOL, PersistentBatch, _variant_case, check, make_bsr, make_wrapper, random_kv,
                              reference, run_case)
 
 pytestmark = pytest.mark.gpu
@@ -171,13 +171,8 @@ def test_cuda_graph_replay_after_replan():
     """Capture once, re-plan with other lengths and a smaller batch in the same BSR tensors, replay."""
     Hq, Hkv, D, page = 16, 4, 128, 16
     attn = prefill(Hq, Hkv, D, page_size=page, max_tokens=2048, max_requests=16)
-    max_B, max_blocks = 8, 200
-    num_blocks = max_B * max_blocks
-    cache, k, v = random_kv(num_blocks, page, Hkv, D, torch.bfloat16)
-    table = torch.zeros(max_B, max_blocks, dtype=torch.int32, device=DEV)
-    seq_lens = torch.zeros(max_B, dtype=torch.int32, device=DEV)
-    qsl = torch.zeros(max_B + 1, dtype=torch.int32, device=DEV)
-    kbs = torch.arange(max_B, dtype=torch.int32, device=DEV) * max_blocks
+    batch = PersistentBatch(8, 200, page)
+    cache, k, v = random_kv(batch.num_blocks, page, Hkv, D, torch.bfloat16)
     rows = 1500
     q_buf = torch.zeros(rows, Hq, D, dtype=torch.bfloat16, device=DEV)
     out_buf = torch.zeros_like(q_buf)
@@ -186,13 +181,8 @@ def test_cuda_graph_replay_after_replan():
         q_lens = [random.randint(1, 200) for _ in range(B - 1)]
         q_lens.append(rows - sum(q_lens))
         kv_lens = [ql + random.randint(0, 1500) for ql in q_lens]
-        table[:B] = torch.randperm(num_blocks)[: B * max_blocks].view(B, max_blocks).to(torch.int32).to(DEV)
-        seq_lens[:B] = torch.tensor(kv_lens, dtype=torch.int32)
-        qo = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32)
-        qsl[:B + 1] = qo.to(DEV)
-        bsr = BSR(qo_indptr=qsl[:B + 1], kv_indices=table.view(-1), kv_block_start=kbs[:B], kv_lens=seq_lens[:B],
-                  block_width=page, num_kv_blocks=num_blocks)
-        attn.plan(qo, torch.tensor(kv_lens, dtype=torch.int32), bsr, causal=True)
+        bsr, qo, kv_cpu = batch.write(q_lens, kv_lens)
+        attn.plan(qo, kv_cpu, bsr, causal=True)
         return bsr
 
     step(8)
