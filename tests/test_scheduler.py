@@ -460,7 +460,12 @@ def test_search_stops_within_slack_of_the_bound():
         qo, kv = decode_step(kv)
         _, info = run_plan(qo, kv, **kw)
         check_choice(info, qo, kv, **kw)
-        assert info.num_split_pairs > 0
+        # A long request forces splits unless the unsplit plan is already within the slack of the bound
+        # (a few long requests among many short ones sometimes are: the search then stops at once).
+        pairs = pairs_of(qo, kv, kw["tile_q"], False)
+        good_enough = (1 + S.BALANCED_SLACK) * total_cost(pairs, float(tile), 1.0) / kw["num_ctas"]
+        if forced(qo, kv, **kw)(0, None).makespan > good_enough:
+            assert info.num_split_pairs > 0
         exhaustive = search_model(forced(qo, kv, **kw), pairs_of(qo, kv, kw["tile_q"], False), exhaustive=True,
                                   **model_kw)
         stopped_early += exhaustive[:2] != (info.makespan, info.num_items)
