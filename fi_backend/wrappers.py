@@ -86,7 +86,8 @@ def _smem_bytes(head_dim: int, kv_bytes: int, shape: dict) -> int:
     record = 80
     stage = 2 * 16 * shape["sub"] * shape["warps"] * head_dim * kv_bytes + shape["rows"] * head_dim * 2 + record
     stage = (stage + 127) // 128 * 128
-    return shape["stages"] * stage + shape["warps"] * shape["rows"] * 8 + 16
+    row_offsets = 2 * 16 * shape["sub"] * shape["warps"] * 8  # the loader's published row offsets, two tiles
+    return shape["stages"] * stage + shape["warps"] * shape["rows"] * 8 + 16 + row_offsets
 
 
 def _blocks_by_smem(head_dim: int, kv_bytes: int, shape: dict) -> int:
@@ -129,15 +130,16 @@ def decode_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, gr
 
 
 # Prefill (csrc/attention/prefill.cuh): warps, m fragments (16 packed query rows) per warp, KV tokens
-# per stage, stages, by (head_dim, KV bytes per element). 128-row query tiles: a 64-row tile doubles
-# the KV read from L2. Measured on the H100 (causal 4x4k, 32 heads, D 128, against FlashInfer's FA2 in
-# the same process): 8 warps x 1 fragment, 64-token tiles, 3 stages 0.56x; 4 warps x 2 fragments
-# (32-token tiles: 64 spill at 255 registers) 0.45x; 4 x 1 (64-row tiles, 2-3 CTAs per SM) 0.45-0.47x.
-# ncu: issue-bound at low occupancy (~5 instructions per MMA, 8 warps per SM, 0.5 eligible per scheduler).
+# per stage, stages, KV tokens per compute step, by (head_dim, KV bytes per element). Measured on the
+# H100 (causal 16x1k / 4x4k / 1x16k, 32 heads, D 128, ratio to FlashInfer's FA2 in the same process,
+# with one page lookup per KV row): 8 warps x 2 fragments (256-row query tiles), 64-token tiles, 2
+# stages 0.64 / 0.78 / 0.83; the same with 32-token compute steps 0.58 / 0.66 / 0.72, with 128-token
+# tiles 0.58 / 0.69 / 0.80; 4 x 2 with 2 CTAs per SM 0.59 / 0.70 / 0.78; 8 x 1, 3 stages 0.61 / 0.64 / 0.65.
+# Two fragments per warp halve the shared-memory reads per MMA (each K/V fragment feeds both).
 _PREFILL_SHAPES = {
-    (64, 2): (8, 1, 64, 3), (64, 1): (8, 1, 64, 3),
-    (128, 2): (8, 1, 64, 3), (128, 1): (8, 1, 64, 3),
-    (256, 2): (4, 1, 32, 2), (256, 1): (4, 1, 32, 2),
+    (64, 2): (8, 1, 64, 3, 64), (64, 1): (8, 1, 64, 3, 64),
+    (128, 2): (8, 2, 64, 2, 64), (128, 1): (8, 2, 64, 2, 64),
+    (256, 2): (4, 1, 32, 2, 32), (256, 1): (4, 1, 32, 2, 32),
 }
 PREFILL_MAX_HEADS_PER_CHUNK = 16
 
@@ -145,10 +147,10 @@ PREFILL_MAX_HEADS_PER_CHUNK = 16
 def _prefill_shape(head_dim: int, kv_bytes: int, group: int) -> dict:
     """Prefill kernel shape: hpc (query heads per chunk: the largest divisor of the group up to 16, so a
     short query's group fills the tile), warps, mfrags (16-row m fragments per warp), tile (KV tokens per
-    stage), stages."""
+    stage), stages, step (KV tokens per compute step, a divisor of the tile)."""
     hpc = max(d for d in range(1, min(group, PREFILL_MAX_HEADS_PER_CHUNK) + 1) if group % d == 0)
-    warps, mfrags, tile, stages = _PREFILL_SHAPES[(head_dim, kv_bytes)]
-    return {"hpc": hpc, "warps": warps, "mfrags": mfrags, "tile": tile, "stages": stages}
+    warps, mfrags, tile, stages, step = _PREFILL_SHAPES[(head_dim, kv_bytes)]
+    return {"hpc": hpc, "warps": warps, "mfrags": mfrags, "tile": tile, "stages": stages, "step": step}
 
 
 def _prefill_smem_bytes(head_dim: int, kv_bytes: int, shape: dict) -> int:
@@ -157,33 +159,36 @@ def _prefill_smem_bytes(head_dim: int, kv_bytes: int, shape: dict) -> int:
     stage = (2 * shape["tile"] * head_dim * kv_bytes + record + 127) // 128 * 128
     convert = 2 * shape["tile"] * head_dim * 2 if kv_bytes == 1 else 0
     tile_rows = 16 * shape["mfrags"] * shape["warps"]
-    return shape["stages"] * stage + tile_rows * head_dim * 2 + convert + tile_rows * 4
+    row_offsets = 2 * shape["tile"] * 8  # the loader's published row offsets, two tiles
+    return shape["stages"] * stage + tile_rows * head_dim * 2 + convert + tile_rows * 4 + row_offsets
 
 
 def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, group: int, *,
                  tuning: Optional[dict] = None) -> kernels.ModuleSpec:
     """The JIT module of the prefill kernel for one (variant, head_dim, dtypes, GQA group).
-    tuning (benchmarks): overrides of warps / mfrags / tile / stages, and min_blocks (CTAs per SM the
-    register budget is cut for; default 1: the kernel's own need)."""
+    tuning (benchmarks): overrides of warps / mfrags / tile / stages / step (default: min(step, tile)), and
+    min_blocks (CTAs per SM the register budget is cut for; default 1: the kernel's own need)."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
     kv_bytes = 1 if kv_dtype.startswith("fp8") else 2
     shape = _prefill_shape(head_dim, kv_bytes, group)
     tuning = dict(tuning or {})
     min_blocks = int(tuning.pop("min_blocks", 1))
-    unknown = set(tuning) - {"warps", "mfrags", "tile", "stages"}
+    unknown = set(tuning) - {"warps", "mfrags", "tile", "stages", "step"}
     if unknown:
         raise ValueError(f"unknown prefill tuning keys {sorted(unknown)}")
     shape.update(tuning)
+    if "step" not in tuning:
+        shape["step"] = min(shape["step"], shape["tile"])
     smem = _prefill_smem_bytes(head_dim, kv_bytes, shape)
     if smem > SMEM_PER_CTA:
         raise ValueError(f"prefill kernel shape {shape} for head_dim {head_dim} needs {smem} bytes of shared "
                          f"memory; a CTA may use at most {SMEM_PER_CTA}")
     config = ", ".join([str(head_dim), str(shape["hpc"]), _C_TYPE[q_dtype], _C_TYPE[kv_dtype], str(shape["warps"]),
-                        str(shape["mfrags"]), str(shape["tile"]), str(shape["stages"])])
+                        str(shape["mfrags"]), str(shape["tile"]), str(shape["stages"]), str(shape["step"])])
     tag = f"{variant.name}_{q_dtype}_{kv_dtype}_d{head_dim}_h{shape['hpc']}"
     if tuning:
-        tag += "_w{warps}m{mfrags}t{tile}s{stages}".format(**shape)
+        tag += "_w{warps}m{mfrags}t{tile}s{stages}k{step}".format(**shape)
     if min_blocks != 1:
         tag += f"_b{min_blocks}"
     return _attention_spec("prefill", variant, config, min_blocks, tag, [])
@@ -434,6 +439,17 @@ class BatchAttention:
             sms = torch.cuda.get_device_properties(device).multi_processor_count
         grid_y = num_kv_heads * (group // int(launcher.heads_per_chunk))
         return max(1, (sms * per_sm) // grid_y)
+
+    @staticmethod
+    def query_tile_rows(num_qo_heads: int, num_kv_heads: int, head_dim: int, *, q_dtype: torch.dtype = torch.bfloat16,
+                        kv_dtype: Optional[torch.dtype] = None, variant: Variant = DEFAULT, kernel: str = "decode",
+                        tuning: Optional[dict] = None) -> int:
+        """Query rows of the kernel's tile (the planner's tile_q): the max_tile_q to construct the
+        Workspace with. Builds (or loads) the kernel module to read its layout."""
+        kv_dtype = q_dtype if kv_dtype is None else kv_dtype
+        launcher = _launcher(variant, head_dim, Q_DTYPES[q_dtype], KV_DTYPES[kv_dtype], num_qo_heads // num_kv_heads,
+                             tuning, kernel)
+        return int(launcher.rows_per_tile)
 
     # -------------------------------------------------------------------------------- plan
 

@@ -234,7 +234,9 @@ def ours_fn(case: Case, *, paged: Paged = None, variant=None, params=None):
     variant = variant or variants.DEFAULT
     num_ctas = BatchAttention.recommended_num_ctas("cuda", case.hq, case.hkv, case.d, q_dtype=DTYPE, kv_dtype=DTYPE,
                                                    variant=variant, kernel="prefill")
-    ws = Workspace("cuda", max_requests=case.batch, max_tokens=case.rows, num_ctas=num_ctas, max_tile_q=128,
+    tile_q = BatchAttention.query_tile_rows(case.hq, case.hkv, case.d, q_dtype=DTYPE, kv_dtype=DTYPE, variant=variant,
+                                            kernel="prefill")
+    ws = Workspace("cuda", max_requests=case.batch, max_tokens=case.rows, num_ctas=num_ctas, max_tile_q=tile_q,
                    num_qo_heads=case.hq, head_dim=case.d)
     if paged is None:  # this step's K/V as a cache [total, 1, Hkv, D] with one token per block
         page_size = 1
@@ -570,7 +572,8 @@ def variant_compile_child(out_path: str) -> None:
     v = torch.randn(sum(kv_lens), hkv, d, generator=g, device="cuda", dtype=DTYPE)
     out = torch.full_like(q, float("nan"))
     t1 = time.perf_counter()
-    ws = Workspace("cuda", max_requests=2, max_tokens=sum(q_lens), num_ctas=num_ctas, max_tile_q=128,
+    tile_q = BatchAttention.query_tile_rows(hq, hkv, d, q_dtype=DTYPE, kv_dtype=DTYPE, variant=variant, kernel="prefill")
+    ws = Workspace("cuda", max_requests=2, max_tokens=sum(q_lens), num_ctas=num_ctas, max_tile_q=tile_q,
                    num_qo_heads=hq, head_dim=d)
     attn = BatchAttention(ws, hq, hkv, d, q_dtype=DTYPE, kv_dtype=DTYPE, page_size=1, variant=variant, kernel="prefill")
     bsr = formats.from_ragged(kv_indptr.cuda(), qo_indptr.cuda(), num_kv_tokens=sum(kv_lens))

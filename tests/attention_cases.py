@@ -27,8 +27,9 @@ def make_wrapper(Hq, Hkv, D, *, q_dtype=torch.bfloat16, kv_dtype=None, page_size
     BatchAttention, Workspace = _lazy()
     num_ctas = BatchAttention.recommended_num_ctas(DEV, Hq, Hkv, D, q_dtype=q_dtype, kv_dtype=kv_dtype, variant=variant,
                                                    kernel=kernel)
-    ws = Workspace(DEV, max_requests=max_requests, max_tokens=max_tokens, num_ctas=num_ctas,
-                   max_tile_q=16 if kernel == "decode" else 128, num_qo_heads=Hq, head_dim=D)
+    tile_q = BatchAttention.query_tile_rows(Hq, Hkv, D, q_dtype=q_dtype, kv_dtype=kv_dtype, variant=variant, kernel=kernel)
+    ws = Workspace(DEV, max_requests=max_requests, max_tokens=max_tokens, num_ctas=num_ctas, max_tile_q=tile_q,
+                   num_qo_heads=Hq, head_dim=D)
     return BatchAttention(ws, Hq, Hkv, D, q_dtype=q_dtype, kv_dtype=kv_dtype, page_size=page_size,
                           kv_layout=kv_layout, variant=variant, kernel=kernel)
 

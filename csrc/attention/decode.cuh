@@ -80,7 +80,8 @@ struct Config {
   static constexpr int kPasses = kScratchBytesFull <= 2 * kKvTileBytes ? 1 : (kScratchBytesFull <= 4 * kKvTileBytes ? 2 : 4);
   static constexpr int kPassDim = kHeadDim / kPasses;
   static constexpr int kMdBytes = kWarps * kRows * 8;
-  static constexpr int kSmemBytes = kStages * kStageBytes + kMdBytes + 16;
+  static constexpr int kRowOffsetsAt = kStages * kStageBytes + kMdBytes + 16;  // the loader's (shared.cuh)
+  static constexpr int kSmemBytes = kRowOffsetsAt + 2 * kTile * 8;
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim must be 64, 128 or 256");
   static_assert(kRows == 8 || kRows == 16, "packed rows per tile must be 8 or 16");
@@ -228,7 +229,7 @@ struct Kernel {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
     const int kv_head = blockIdx.y / p.num_head_chunks;
     Cursor cur;
-    int page[kTPT], slot[kTPT];
+    int page[L::kLookups], slot[L::kLookups];
     if (!L::template start<kStages>(p, vp, smem, kv_head, cur, page, slot)) return;
 
     float2* md = reinterpret_cast<float2*>(smem + kStages * Cfg::kStageBytes);  // [warp][row] (m, d)
@@ -244,6 +245,7 @@ struct Kernel {
     for (int j = 0;; ++j) {
       const int st = j % kStages;
       uint8_t* stage = smem + st * Cfg::kStageBytes;
+      L::template before_barrier<kStages>(p, smem, kv_head, j, page, slot);
       ptx::cp_async_wait<kStages - 2>();
       __syncthreads();
       L::template step<kStages>(p, vp, smem, kv_head, j, cur, page, slot);

@@ -13,13 +13,14 @@
 //   S [16 x kTile] = Q [16 x D] . K^T     A = Q (ldmatrix from the CTA's Q buffer), B = K (ldmatrix)
 //   O [16 x D]    += P [16 x kTile] . V    A = P (the C fragment of S, repacked), B = V (ldmatrix.trans)
 // Every warp reads the whole K and V tile from shared memory; two m fragments per warp (each K/V
-// fragment feeds two MMAs, the FlashAttention-2 shape of 4 warps x 32 rows) halve those reads, but at
-// head_dim 128 two O tiles plus the loader's state exceed 255 registers and spill. Q lives in shared
-// memory. Measured (H100, fi_backend/wrappers.py _PREFILL_SHAPES): 8 warps x 16 rows, 64-token tiles is
-// the fastest shape so far at 0.55-0.6x FlashInfer's FA2; ncu shows it issue- and latency-bound (about
-// 5 instructions per MMA, 8 warps per SM, 0.5 eligible warps per scheduler; top stalls: fixed-latency
-// dependencies, then short scoreboard). What would move it: fewer registers for the loader (a producer
-// warp), two m fragments per warp, fewer per-row loader instructions; wgmma/TMA is the FA3 route.
+// fragment feeds two MMAs) halve those reads. That fits in 255 registers at head_dim 128 once the
+// loader keeps little state (one page lookup per KV row, published through shared memory; the cursor
+// holds only what the loader needs): 8 warps x 32 rows, 64-token tiles, 2 stages is the default,
+// measured at 0.64-0.83x FlashInfer's FA2 (fi_backend/wrappers.py _PREFILL_SHAPES has the sweep). ncu on
+// 4x4k before the last loader change: 4.8 instructions per MMA, top stalls fixed-latency dependencies,
+// then the per-tile barrier (warps wait for the slowest) and short scoreboard. Next: a producer warp
+// group with setmaxnreg and mbarrier stage hand-off instead of one CTA barrier per tile; wgmma/TMA is
+// the FA3 route. Q lives in shared memory.
 // MMAs run in the query's type. fp8 KV and key transforms (RoPE) go through one pass over the landed
 // tile: fp8 is converted exactly into a 16-bit copy (e4m3 and e5m2 are exact in bf16 and fp16), a
 // KeyTransform rotates K in fp32 in that pass; the per-tensor scales fold into the logits scale and
@@ -43,7 +44,7 @@ namespace prefill {
 using namespace attn;  // Params, Work, TileRecord, Loader, Epilogue (shared.cuh)
 
 template <int kHeadDim_, int kHeadsPerChunk_, class DQ_, class DKV_, int kWarps_, int kMFrags_, int kTileKv_,
-          int kStages_>
+          int kStages_, int kStepKv_>
 struct Config {
   using DQ = DQ_;
   using DKV = DKV_;
@@ -54,6 +55,7 @@ struct Config {
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kStages = kStages_;
   static constexpr int kTile = kTileKv_;  // KV tokens per stage
+  static constexpr int kStep = kStepKv_;  // KV tokens per compute step (S registers: 4 kMFrags kStep / 8)
   static constexpr int kMFrags = kMFrags_;  // 16-row m fragments per warp
   static constexpr int kTileRows = 16 * kMFrags * kWarps;
   static constexpr int kRowsPerTile = kTileRows / kHeadsPerChunk;  // query rows per sub-item
@@ -79,12 +81,14 @@ struct Config {
   static constexpr int kQChunksPerRow = kQRowBytes / 16;
   static constexpr int kQBytes = kTileRows * kQRowBytes;
   static constexpr int kFlagBytes = kTileRows * 4;  // rows whose split merge this CTA owns
-  static constexpr int kSmemBytes = kStages * kStageBytes + kQBytes + kConvertBytes + kFlagBytes;
+  static constexpr int kRowOffsetsAt = kStages * kStageBytes + kQBytes + kConvertBytes + kFlagBytes;
+  static constexpr int kSmemBytes = kRowOffsetsAt + 2 * kTile * 8;  // the loader's row offsets (shared.cuh)
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim must be 64, 128 or 256");
   static_assert(kStages >= 2, "the pipeline needs at least two stages");
   static_assert(kHeadsPerChunk >= 1 && kHeadsPerChunk <= kTileRows, "heads per chunk must fit in a tile");
   static_assert(kTile >= 16 && (kTile & (kTile - 1)) == 0, "KV tile: a power of two >= 16 (16-token blocks, tree max)");
+  static_assert(kStep >= 16 && (kStep & (kStep - 1)) == 0 && kTile % kStep == 0, "compute step: a power of two dividing the tile");
   static_assert(kThreads % kChunksPerRow == 0 && kTile % kRowsPerRound == 0, "loader shape");
   static_assert(kChunksPerRow >= 4, "rows of at least 64 bytes");
 };
@@ -103,7 +107,8 @@ struct Kernel {
   static constexpr int kKSteps = Cfg::kKSteps;
   static constexpr int kMF = Cfg::kMFrags;
   static constexpr int kDTiles = kHeadDim / 8;  // n tiles of O
-  static constexpr int kNTiles = kTile / 8;     // n tiles of S
+  static constexpr int kStep = Cfg::kStep;
+  static constexpr int kNTiles = kStep / 8;     // n tiles of S
   static constexpr int kTPT = Cfg::kTokensPerThread;
   static constexpr bool kFp8 = Cfg::kFp8;
   static constexpr bool kBf16 = Cfg::kMmaBf16;
@@ -363,7 +368,7 @@ struct Kernel {
 
     // ---- O += P V: P's A fragment is S's C fragment of two n tiles; V's B fragments by ldmatrix.trans
 #pragma unroll
-    for (int kk = 0; kk < kTile / 16; ++kk) {
+    for (int kk = 0; kk < kStep / 16; ++kk) {
       uint32_t a[kMF][4];
 #pragma unroll
       for (int mf = 0; mf < kMF; ++mf) {
@@ -392,7 +397,7 @@ struct Kernel {
     const int warp = threadIdx.x >> 5;
     const int kv_head = blockIdx.y / p.num_head_chunks;
     Cursor cur;
-    int page[kTPT], slot[kTPT];
+    int page[L::kLookups], slot[L::kLookups];
     if (!L::template start<kStages>(p, vp, smem, kv_head, cur, page, slot)) return;
 
     uint8_t* qbuf = smem + kStages * Cfg::kStageBytes;
@@ -406,6 +411,7 @@ struct Kernel {
 
     for (int j = 0;; ++j) {
       uint8_t* stage = smem + (j % kStages) * Cfg::kStageBytes;
+      L::template before_barrier<kStages>(p, smem, kv_head, j, page, slot);
       ptx::cp_async_wait<kStages - 2>();
       __syncthreads();
       L::template step<kStages>(p, vp, smem, kv_head, j, cur, page, slot);
@@ -440,21 +446,24 @@ struct Kernel {
           vs = ks + Cfg::kCTileBytes;
         }
       }
-      const int tile_begin = rec->tile_kv_begin, n_valid = rec->n_valid;
-      // Causal: a tile wholly past the warp's last row is skipped; one wholly at or before its first row
-      // needs no mask, nor does a full tile without a LogitsMask (padding rows compute on zero queries
-      // and are never written).
+      // The tile in compute steps of kStep tokens (S of a step in registers). Causal: a step wholly past
+      // the warp's last row is skipped; one wholly at or before its first row needs no mask, nor does a
+      // full step without a LogitsMask (padding rows compute on zero queries and are never written).
       const int climit_lo = w.kv_len - w.q_len + w.q_idx0 + first_pr / kHPC;
       const int climit_hi = w.kv_len - w.q_len + w.q_idx0 + last_r;
-      const bool live = warp_active && n_valid > 0 && (!p.causal || tile_begin <= climit_hi);
-      if (live) {
+      constexpr int kRowB = kConvert ? Cfg::kCRowBytes : Cfg::kRowBytes;
+#pragma unroll 1
+      for (int st = 0; st < kTile / kStep; ++st) {
+        const int step_begin = rec->tile_kv_begin + st * kStep, n_valid = rec->n_valid - st * kStep;
+        if (!warp_active || n_valid <= 0 || (p.causal && step_begin > climit_hi)) break;
         // (a non-positive scale would break the raw-logit maximum: it takes the masked path)
-        const bool need_mask = Variant::kHasLogitsMask || n_valid < kTile ||
-                               (p.causal && tile_begin + kTile - 1 > climit_lo) || !(p.logits_scale > 0.f);
+        const bool need_mask = Variant::kHasLogitsMask || n_valid < kStep ||
+                               (p.causal && step_begin + kStep - 1 > climit_lo) || !(p.logits_scale > 0.f);
+        const uint32_t off = st * kStep * kRowB;
         if (need_mask)
-          compute_tile<true>(p, vp, qs, ks, vs, w, tile_begin, n_valid, kv_head, m_run, d_run, o);
+          compute_tile<true>(p, vp, qs, ks + off, vs + off, w, step_begin, n_valid, kv_head, m_run, d_run, o);
         else
-          compute_tile<false>(p, vp, qs, ks, vs, w, tile_begin, n_valid, kv_head, m_run, d_run, o);
+          compute_tile<false>(p, vp, qs, ks + off, vs + off, w, step_begin, n_valid, kv_head, m_run, d_run, o);
       }
 
       if (flags & kLast) finish(p, vp, w, m_run, d_run, o, merge_flags);

@@ -62,8 +62,6 @@ DTYPES = (torch.bfloat16, torch.float16)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3")  # "fp8" is e4m3 on CUDA
 MAX_BLOCK_SIZE = 256                                   # the kernels' largest page (KV block width Bc)
 COMPUTE_CAPABILITY = (9, 0)                            # kernels are built for sm_90a (H100 / H200)
-# Largest query tile of each kernel: a workspace holds 2 * num_ctas * max_tile_q partial rows.
-_MAX_TILE_Q = {"decode": 16, "prefill": 128}
 _FP8_DTYPE = torch.float8_e4m3fn
 
 _VLLM_CLASSES = ("FiAttentionBackend", "FiAttentionMetadataBuilder", "FiAttentionImpl")
@@ -272,8 +270,11 @@ def _make_wrapper(kernel: str, *, device, num_qo_heads: int, num_kv_heads: int, 
     from fi_backend.wrappers import BatchAttention
     num_ctas = BatchAttention.recommended_num_ctas(device, num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype,
                                                    kv_dtype=kv_dtype, variant=variant, kernel=kernel)
+    # (a workspace holds 2 * num_ctas * max_tile_q partial rows: sized by the kernel's own query tile)
+    tile_q = BatchAttention.query_tile_rows(num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype,
+                                            variant=variant, kernel=kernel)
     ws = Workspace(device, max_requests=max_requests, max_tokens=max_rows, num_ctas=num_ctas,
-                   max_tile_q=_MAX_TILE_Q[kernel], num_qo_heads=num_qo_heads, head_dim=head_dim)
+                   max_tile_q=tile_q, num_qo_heads=num_qo_heads, head_dim=head_dim)
     wrapper = BatchAttention(ws, num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype,
                              page_size=page_size, kv_layout="NHD", variant=variant, kernel=kernel)
     _wrappers.add(wrapper)
