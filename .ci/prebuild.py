@@ -10,7 +10,7 @@ import time
 sys.path.insert(0, ".")
 from fi_backend import kernels, variants as V  # noqa: E402
 from fi_backend.kernels.sets import specs_of  # noqa: E402
-from fi_backend.wrappers import decode_spec, prefill_spec  # noqa: E402
+from fi_backend.wrappers import decode_spec, prefill_family_size, prefill_spec  # noqa: E402
 
 _VARIANTS = ("default", "soft_cap", "window", "alibi", "sigmoid", "custom_mask", "rope", "rope_interleave",
              "soft_cap_window", "rope_window")
@@ -22,7 +22,9 @@ TUNINGS = [{"warps": 4, "mfrags": 2, "tile": 32, "stages": 3}]
 def specs():
     out = list(specs_of(["merge", "append"]))
     for spec_fn in (decode_spec, prefill_spec):
-        add = lambda v, D, q, kv, g: out.append(spec_fn(v, D, q, kv, g))  # noqa: E731
+        def add(v, D, q, kv, g, spec_fn=spec_fn):  # every member of the prefill tile family
+            members = prefill_family_size(D, kv) if spec_fn is prefill_spec else 1
+            out.extend(spec_fn(v, D, q, kv, g, **({"member": m} if m else {})) for m in range(members))
         for D, g, q in itertools.product((64, 128, 256), (1, 4, 8), ("bf16", "fp16")):
             add(V.DEFAULT, D, q, q, g)
         for kv, D in itertools.product(("fp8_e4m3", "fp8_e5m2"), (64, 128, 256)):

@@ -136,21 +136,32 @@ def decode_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, gr
 # stages 0.64 / 0.78 / 0.83; the same with 32-token compute steps 0.58 / 0.66 / 0.72, with 128-token
 # tiles 0.58 / 0.69 / 0.80; 4 x 2 with 2 CTAs per SM 0.59 / 0.70 / 0.78; 8 x 1, 3 stages 0.61 / 0.64 / 0.65.
 # Two fragments per warp halve the shared-memory reads per MMA (each K/V fragment feeds both).
+# A family per head_dim, largest query tile first; plan() picks per step (_pick_member): the largest tile
+# that still gives every CTA FAMILY_TILES_PER_CTA query tiles, else the smallest. Measured at 32/8 heads
+# (causal, ms, 256-row vs 128-row tiles): 1x1291 0.118 vs 0.096, 8x300 0.085 vs 0.063, 1x256 0.061 vs
+# 0.057; 4x1291 0.275 vs 0.300, 64x64 0.067 vs 0.072, 2x4096 0.98 vs 1.22.
 _PREFILL_SHAPES = {
-    (64, 2): (8, 1, 64, 3, 64), (64, 1): (8, 1, 64, 3, 64),
-    (128, 2): (8, 2, 64, 2, 64), (128, 1): (8, 2, 64, 2, 64),
-    (256, 2): (4, 1, 32, 2, 32), (256, 1): (4, 1, 32, 2, 32),
+    (64, 2): [(8, 1, 64, 3, 64)], (64, 1): [(8, 1, 64, 3, 64)],
+    (128, 2): [(8, 2, 64, 2, 64), (8, 1, 64, 3, 64)], (128, 1): [(8, 2, 64, 2, 64), (8, 1, 64, 3, 64)],
+    (256, 2): [(4, 1, 32, 2, 32)], (256, 1): [(4, 1, 32, 2, 32)],
 }
+FAMILY_TILES_PER_CTA = 3
 PREFILL_MAX_HEADS_PER_CHUNK = 16
 
 
-def _prefill_shape(head_dim: int, kv_bytes: int, group: int) -> dict:
-    """Prefill kernel shape: hpc (query heads per chunk: the largest divisor of the group up to 16, so a
-    short query's group fills the tile), warps, mfrags (16-row m fragments per warp), tile (KV tokens per
-    stage), stages, step (KV tokens per compute step, a divisor of the tile)."""
+def _prefill_shape(head_dim: int, kv_bytes: int, group: int, member: int = 0) -> dict:
+    """Prefill kernel shape (member of the head_dim's family): hpc (query heads per chunk: the largest
+    divisor of the group up to 16, so a short query's group fills the tile), warps, mfrags (16-row m
+    fragments per warp), tile (KV tokens per stage), stages, step (KV tokens per compute step, a divisor
+    of the tile)."""
     hpc = max(d for d in range(1, min(group, PREFILL_MAX_HEADS_PER_CHUNK) + 1) if group % d == 0)
-    warps, mfrags, tile, stages, step = _PREFILL_SHAPES[(head_dim, kv_bytes)]
+    warps, mfrags, tile, stages, step = _PREFILL_SHAPES[(head_dim, kv_bytes)][member]
     return {"hpc": hpc, "warps": warps, "mfrags": mfrags, "tile": tile, "stages": stages, "step": step}
+
+
+def prefill_family_size(head_dim: int, kv_dtype: str, tuning: Optional[dict] = None) -> int:
+    """Members of the prefill tile family (1 with a tuning override: that shape only)."""
+    return 1 if tuning else len(_PREFILL_SHAPES[(head_dim, 1 if kv_dtype.startswith("fp8") else 2)])
 
 
 def _prefill_smem_bytes(head_dim: int, kv_bytes: int, shape: dict) -> int:
@@ -164,14 +175,17 @@ def _prefill_smem_bytes(head_dim: int, kv_bytes: int, shape: dict) -> int:
 
 
 def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, group: int, *,
-                 tuning: Optional[dict] = None) -> kernels.ModuleSpec:
-    """The JIT module of the prefill kernel for one (variant, head_dim, dtypes, GQA group).
+                 tuning: Optional[dict] = None, member: int = 0) -> kernels.ModuleSpec:
+    """The JIT module of the prefill kernel for one (variant, head_dim, dtypes, GQA group), tile family
+    member `member` (0: the largest query tile; see _PREFILL_SHAPES).
     tuning (benchmarks): overrides of warps / mfrags / tile / stages / step (default: min(step, tile)), and
     min_blocks (CTAs per SM the register budget is cut for; default 1: the kernel's own need)."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
     kv_bytes = 1 if kv_dtype.startswith("fp8") else 2
-    shape = _prefill_shape(head_dim, kv_bytes, group)
+    if not 0 <= member < prefill_family_size(head_dim, kv_dtype, tuning):
+        raise ValueError(f"member must be in [0, {prefill_family_size(head_dim, kv_dtype, tuning)}) (got {member})")
+    shape = _prefill_shape(head_dim, kv_bytes, group, member)
     tuning = dict(tuning or {})
     min_blocks = int(tuning.pop("min_blocks", 1))
     unknown = set(tuning) - {"warps", "mfrags", "tile", "stages", "step"}
@@ -187,7 +201,7 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     config = ", ".join([str(head_dim), str(shape["hpc"]), _C_TYPE[q_dtype], _C_TYPE[kv_dtype], str(shape["warps"]),
                         str(shape["mfrags"]), str(shape["tile"]), str(shape["stages"]), str(shape["step"])])
     tag = f"{variant.name}_{q_dtype}_{kv_dtype}_d{head_dim}_h{shape['hpc']}"
-    if tuning:
+    if tuning or member:
         tag += "_w{warps}m{mfrags}t{tile}s{stages}k{step}".format(**shape)
     if min_blocks != 1:
         tag += f"_b{min_blocks}"
@@ -277,8 +291,9 @@ _launchers: dict = {}
 
 
 def _launcher(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, group: int,
-              tuning: Optional[dict] = None, kernel: str = "decode") -> _Launcher:
-    spec = _SPECS[kernel](variant, head_dim, q_dtype, kv_dtype, group, tuning=tuning)
+              tuning: Optional[dict] = None, kernel: str = "decode", member: int = 0) -> _Launcher:
+    kw = {"member": member} if member else {}
+    spec = _SPECS[kernel](variant, head_dim, q_dtype, kv_dtype, group, tuning=tuning, **kw)
     entry = _launchers.get(spec.memo_key)
     if entry is None:
         entry = _Launcher(spec, variant)
@@ -329,7 +344,9 @@ class BatchAttention:
     tuning         benchmarks only: kernel-shape overrides, see decode_spec() / prefill_spec()
 
     After construction: rows_per_tile (query rows per tile, the planner's tile_q), kv_tile (KV tokens
-    per pipeline stage, the chunk alignment), grid (the fixed launch grid).
+    per pipeline stage, the chunk alignment), grid (the fixed launch grid). The prefill kernel is a family
+    of query-tile sizes: each plan() picks one (rows_per_tile and kv_tile are then the picked member's);
+    once run() has been captured in a CUDA graph, plans keep the captured member.
     """
 
     def __init__(self, workspace: Workspace, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
@@ -374,18 +391,19 @@ class BatchAttention:
         self._fp8 = kv_dtype not in Q_DTYPES
 
         self.kernel = kernel
-        self._launcher = _launcher(variant, head_dim, Q_DTYPES[q_dtype], KV_DTYPES[kv_dtype], self.group,
-                                   tuning, kernel)
-        self.rows_per_tile = int(self._launcher.rows_per_tile)  # query rows per tile (the planner's tile_q)
-        self.kv_tile = int(self._launcher.tile)                  # KV tokens per pipeline stage (chunk alignment)
-        if self.rows_per_tile > workspace.max_tile_q:
+        # The tile family (prefill: query tiles of several sizes, largest first; plan() picks one per step).
+        size = prefill_family_size(head_dim, KV_DTYPES[kv_dtype], tuning) if kernel == "prefill" else 1
+        self._family = [_launcher(variant, head_dim, Q_DTYPES[q_dtype], KV_DTYPES[kv_dtype], self.group, tuning,
+                                  kernel, m) for m in range(size)]
+        tile_q = max(int(f.rows_per_tile) for f in self._family)
+        if tile_q > workspace.max_tile_q:
             raise ValueError(f"the workspace's max_tile_q={workspace.max_tile_q} is below the kernel's query tile "
-                             f"({self.rows_per_tile} rows); construct the Workspace with max_tile_q >= "
-                             f"{self.rows_per_tile}")
+                             f"({tile_q} rows); construct the Workspace with max_tile_q >= {tile_q} "
+                             f"(BatchAttention.query_tile_rows gives it)")
+        if len({f.blocks_per_sm() for f in self._family}) > 1:  # one fixed grid serves every member
+            raise RuntimeError(f"prefill tile family of head_dim {head_dim}: members differ in CTAs per SM")
+        self._use_member(0)
         self.num_head_chunks = self.group // int(self._launcher.heads_per_chunk)
-        # Planner cost of a query row, in KV tokens: decode items cost a tile of KV per row tile; a prefill
-        # item's fixed work (its Q tile, its epilogue) is about two KV tiles for a whole 128-row tile.
-        self._cost_q = float(self.kv_tile) if kernel == "decode" else 2.0 * self.kv_tile / self.rows_per_tile
         self.grid = (workspace.num_ctas, num_kv_heads * self.num_head_chunks)
 
         dev = self.device
@@ -419,8 +437,28 @@ class BatchAttention:
         self._lse_on = False
         self._k_scale = self._v_scale = 1.0
         self._q_shape = torch.Size((0, num_qo_heads, head_dim))
-        self._launch = self._launcher.run
         self._dev_index = dev.index
+
+    def _use_member(self, member: int) -> None:
+        """Make family member `member` the kernel that plan() plans for and run() launches."""
+        self._member = member
+        self._launcher = self._family[member]
+        self._launch = self._launcher.run
+        self.rows_per_tile = int(self._launcher.rows_per_tile)  # query rows per tile (the planner's tile_q)
+        self.kv_tile = int(self._launcher.tile)                  # KV tokens per pipeline stage (chunk alignment)
+        # Planner cost of a query row, in KV tokens: decode items cost a tile of KV per row tile; a prefill
+        # item's fixed work (its Q tile, its epilogue) is about two KV tiles for a whole 128-row tile.
+        self._cost_q = float(self.kv_tile) if self.kernel == "decode" else 2.0 * self.kv_tile / self.rows_per_tile
+
+    def _pick_member(self, q_lens: torch.Tensor) -> int:
+        """The largest query tile that still gives each CTA FAMILY_TILES_PER_CTA tiles on this step (fewer,
+        larger tiles leave CTAs idle on short prefills), else the smallest. q_lens: CPU int32 [B]."""
+        last = len(self._family) - 1
+        for m, launcher in enumerate(self._family[:-1]):
+            rows = int(launcher.rows_per_tile)
+            if int(torch.div(q_lens + (rows - 1), rows, rounding_mode="floor").sum()) >= FAMILY_TILES_PER_CTA * self.grid[0]:
+                return m
+        return last
 
     # -------------------------------------------------------------------------------- sizing
 
@@ -447,9 +485,9 @@ class BatchAttention:
         """Query rows of the kernel's tile (the planner's tile_q): the max_tile_q to construct the
         Workspace with. Builds (or loads) the kernel module to read its layout."""
         kv_dtype = q_dtype if kv_dtype is None else kv_dtype
-        launcher = _launcher(variant, head_dim, Q_DTYPES[q_dtype], KV_DTYPES[kv_dtype], num_qo_heads // num_kv_heads,
-                             tuning, kernel)
-        return int(launcher.rows_per_tile)
+        size = prefill_family_size(head_dim, KV_DTYPES[kv_dtype], tuning) if kernel == "prefill" else 1
+        return max(int(_launcher(variant, head_dim, Q_DTYPES[q_dtype], KV_DTYPES[kv_dtype], num_qo_heads // num_kv_heads,
+                                 tuning, kernel, m).rows_per_tile) for m in range(size))
 
     # -------------------------------------------------------------------------------- plan
 
@@ -501,7 +539,10 @@ class BatchAttention:
                 "the new step's indices and lengths into the same BSR tensors and keep the settings, or capture again "
                 "after calling release_graph()")
 
-        ws.plan(qo_cpu.to(torch.int32), kv_cpu.to(torch.int32), tile_q=self.rows_per_tile, causal=bool(causal),
+        qo32 = qo_cpu.to(torch.int32)
+        if len(self._family) > 1 and self._frozen is None:  # a captured graph keeps its kernel
+            self._use_member(self._pick_member(qo32[1:] - qo32[:-1]))
+        ws.plan(qo32, kv_cpu.to(torch.int32), tile_q=self.rows_per_tile, causal=bool(causal),
                 kv_chunk_align=self.kv_tile, cost_q=self._cost_q)
 
         p = self._params
@@ -712,8 +753,8 @@ class BatchAttention:
 @module_set("prefill", "prefill attention, default variant: head_dim 64/128/256 x bf16/fp16 x (same, fp8 e4m3) "
                        "KV x GQA group 1/4/8")
 def _prefill_set():
-    return [prefill_spec(DEFAULT, d, q, kv, g) for d in HEAD_DIMS for q in ("bf16", "fp16") for kv in (q, "fp8_e4m3")
-            for g in (1, 4, 8)]
+    return [prefill_spec(DEFAULT, d, q, kv, g, member=m) for d in HEAD_DIMS for q in ("bf16", "fp16")
+            for kv in (q, "fp8_e4m3") for g in (1, 4, 8) for m in range(prefill_family_size(d, kv))]
 
 
 @module_set("decode", "decode attention, default variant: head_dim 64/128/256 x bf16/fp16 x (same, fp8 e4m3) KV "

@@ -204,6 +204,47 @@ def test_cuda_graph_replay_after_replan():
     attn.release_graph()
 
 
+def test_tile_family_picks_per_step():
+    """One wrapper: a short prefill plans the small query tile, a long batch the large one (both against
+    the reference); once run() is captured in a graph, a long step keeps the captured (small) tile."""
+    Hq, Hkv, D, page = 32, 8, 128, 16
+    attn = prefill(Hq, Hkv, D, page_size=page, max_tokens=6000, max_requests=8)
+    picked = {}
+    for q_lens in ([300], [1291] * 4, [200, 5]):
+        run_case(attn, [q + 100 for q in q_lens], q_lens, dtype=torch.bfloat16, causal=True, what=f"family q={q_lens}")
+        picked[len(q_lens)] = attn.rows_per_tile
+    assert picked[1] < picked[4] and picked[2] == picked[1], f"tile rows per step: {picked}"
+
+    batch = PersistentBatch(4, 96, page)
+    cache, k, v = random_kv(batch.num_blocks, page, Hkv, D, torch.bfloat16)
+    q_buf = torch.zeros(4 * 1291, Hq, D, dtype=torch.bfloat16, device=DEV)
+    out_buf = torch.zeros_like(q_buf)
+    bsr, qo, kv_cpu = batch.write([300, 1, 1, 1], [400, 50, 60, 70])
+    attn.plan(qo, kv_cpu, bsr, causal=True)
+    small = attn.rows_per_tile
+    attn.run(q_buf[:303], cache, out=out_buf[:303])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn.run(q_buf[:303], cache, out=out_buf[:303])
+    q_lens = [1291] * 4
+    bsr, qo, kv_cpu = batch.write(q_lens, [1391] * 4)
+    attn.plan(qo, kv_cpu, bsr, causal=True)
+    assert attn.rows_per_tile == small, "a captured graph must keep its kernel's tile"
+    attn.release_graph()
+    graph2 = torch.cuda.CUDAGraph()
+    q_buf.normal_()
+    out_buf.fill_(float("nan"))
+    with torch.cuda.graph(graph2):
+        attn.run(q_buf, cache, out=out_buf)
+    graph2.replay()
+    torch.cuda.synchronize()
+    attn.check_errors()
+    o_ref, _ = reference(q_buf, k, v, bsr, causal=True)
+    check(out_buf, None, o_ref, None, TOL[torch.bfloat16], "long step planned after a small-tile capture")
+    attn.release_graph()
+
+
 def test_workspace_tile_too_small():
     from fi_backend.workspace import Workspace
     from fi_backend.wrappers import BatchAttention

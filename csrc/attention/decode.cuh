@@ -536,8 +536,7 @@ struct Kernel {
     const int mask = *merge_mask;
     if (mask) {
       __threadfence();
-      for (int r = 0; r < nrows; ++r)
-        if (mask & (1 << r)) E::merge_row(p, vp, row0 + r);
+      E::merge_rows(p, vp, row0, nrows, [mask](int r) { return (mask >> r) & 1; });
     }
   }
 };

@@ -537,8 +537,7 @@ struct Kernel {
     for (int r = 0; r < nrows; ++r) any |= merge_flags[r] != 0;
     if (any) {
       __threadfence();
-      for (int r = 0; r < nrows; ++r)
-        if (merge_flags[r]) E::merge_row(p, vp, row0 + r);
+      E::merge_rows(p, vp, row0, nrows, [merge_flags](int r) { return merge_flags[r] != 0; });
     }
     __syncthreads();  // merge_flags are reused by the next split sub-item
   }

@@ -503,13 +503,21 @@ struct Epilogue {
     *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
   }
 
-  // Merge the partial states of `q_row` (all chunks written, fences done) for this CTA's heads.
-  static __device__ __forceinline__ void merge_row(const Params& p, const VariantParams& vp, int q_row) {
+  // Merge the partial states of the rows r of [row0, row0 + nrows) with merged(r) (all chunks written,
+  // fences done) for this CTA's heads. Every (row, head, 8 dims) unit is one thread's: a sub-item's rows
+  // merge in parallel (one row at a time left most threads idle and made a 64-row tile's merge the tail
+  // of short prefills).
+  template <class Merged>
+  static __device__ __forceinline__ void merge_rows(const Params& p, const VariantParams& vp, int row0, int nrows,
+                                                    Merged merged) {
     const int32_t* mi = p.plan + p.merge_indptr_offset;
-    const int j0 = __ldcg(mi + q_row), j1 = __ldcg(mi + q_row + 1);
     constexpr int kVecs = kHeadDim / 8;
-    for (int i = threadIdx.x; i < kHPC * kVecs; i += kThreads) {
-      const int h = i / kVecs, d0 = (i % kVecs) * 8;
+    for (int i = threadIdx.x; i < nrows * kHPC * kVecs; i += kThreads) {
+      const int r = i / (kHPC * kVecs);
+      if (!merged(r)) continue;
+      const int q_row = row0 + r;
+      const int j0 = __ldcg(mi + q_row), j1 = __ldcg(mi + q_row + 1);
+      const int h = (i / kVecs) % kHPC, d0 = (i % kVecs) * 8;
       const int qo_head = blockIdx.y * kHPC + h;
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       float mx = -INFINITY;
