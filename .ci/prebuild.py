@@ -16,9 +16,6 @@ _VARIANTS = ("default", "soft_cap", "window", "alibi", "sigmoid", "custom_mask",
              "soft_cap_window", "rope_window")
 
 
-TUNINGS = [{"warps": 4, "mfrags": 2, "tile": 32, "stages": 3}]
-
-
 def specs():
     out = list(specs_of(["merge", "append"]))
     for spec_fn in (decode_spec, prefill_spec):
@@ -37,8 +34,6 @@ def specs():
             add(V.BUILTIN_VARIANTS[name], 128, "bf16", "bf16", 1)
         add(V.ROPE, 128, "bf16", "fp8_e4m3", 4)
         add(V.ROPE, 128, "bf16", "bf16", 4)
-    for tuning in TUNINGS:  # kernel-shape sweeps of perf runs
-        out.append(prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 1, tuning=tuning))
     seen, uniq = set(), []
     for s in out:
         if s.memo_key not in seen:

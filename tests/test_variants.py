@@ -134,6 +134,21 @@ def test_bad_variants_give_clear_errors():
         W.decode_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={"stagez": 2})
 
 
+def test_prefill_tile_family_specs():
+    """The prefill family: one module per member (largest query tile first), a tuning override is a
+    family of one, and a member outside the family is refused by name."""
+    n = W.prefill_family_size(128, "bf16")
+    assert n >= 2 and W.prefill_family_size(128, "bf16", {"warps": 4}) == 1
+    specs = [W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, member=m) for m in range(n)]
+    assert len({s.memo_key for s in specs}) == n
+    rows = [int(s.params["CONFIG"].split(", ")[4]) * int(s.params["CONFIG"].split(", ")[5]) for s in specs]
+    assert rows == sorted(rows, reverse=True) and rows[0] > rows[-1], f"warps x fragments per member: {rows}"
+    with pytest.raises(ValueError, match="member"):
+        W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, member=n)
+    with pytest.raises(ValueError, match="member"):
+        W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={"warps": 4}, member=1)
+
+
 @pytest.mark.parametrize("llama31", [None, ref.Llama31Scaling()])
 def test_rope_table_matches_reference(llama31):
     theta, scale = random.choice([10000.0, 500000.0]), random.choice([1.0, 2.0])
