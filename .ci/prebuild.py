@@ -1,6 +1,7 @@
 """Build, on a machine with nvcc and no GPU, every attention module the GPU tests and benchmarks load, into
 $FI_BACKEND_CACHE_DIR (then pack it for the GPU machine: see .ci/gpu). Usage:
     FI_BACKEND_CACHE_DIR=$PWD/.fi_cache FI_BACKEND_CUDA_ARCH_LIST=90a python3 .ci/prebuild.py [--jobs N]
+    python3 .ci/prebuild.py --list > /tmp/modules   # their directory names: pack only these (see .ci/gpu)
 Keep in step with tests/test_decode_gpu.py, tests/test_prefill_gpu.py and perf/."""
 import argparse
 import itertools
@@ -45,8 +46,17 @@ def specs():
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--list", action="store_true",
+                    help="print the modules' cache directory names (what to pack) instead of building")
     a = ap.parse_args()
     todo = specs()
+    if a.list:
+        from fi_backend.kernels import builder
+        nvcc = builder.find_nvcc()
+        version = builder.nvcc_version(nvcc) if nvcc else None
+        for s in todo:
+            print(builder.module_identity(s, builder.resolve_arch_list("90a"), version, csrc=builder.csrc_dir()).name)
+        sys.exit(0)
     t = time.time()
     res = kernels.build_many(todo, archs="90a", jobs=a.jobs,
                              on_done=lambda s, r: print(s.tag, r, flush=True) if isinstance(r, Exception) else None)
