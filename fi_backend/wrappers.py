@@ -159,6 +159,12 @@ def _prefill_shape(head_dim: int, kv_bytes: int, group: int, member: int = 0) ->
     return {"hpc": hpc, "warps": warps, "mfrags": mfrags, "tile": tile, "stages": stages, "step": step}
 
 
+def prefill_family_shapes(head_dim: int, kv_dtype: str) -> list:
+    """The prefill tile family's shapes as tuning dicts, largest query tile first."""
+    keys = ("warps", "mfrags", "tile", "stages", "step")
+    return [dict(zip(keys, s)) for s in _PREFILL_SHAPES[(head_dim, 1 if kv_dtype.startswith("fp8") else 2)]]
+
+
 def prefill_family_size(head_dim: int, kv_dtype: str, tuning: Optional[dict] = None) -> int:
     """Members of the prefill tile family (1 with a tuning override: that shape only)."""
     return 1 if tuning else len(_PREFILL_SHAPES[(head_dim, 1 if kv_dtype.startswith("fp8") else 2)])
@@ -201,7 +207,7 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     config = ", ".join([str(head_dim), str(shape["hpc"]), _C_TYPE[q_dtype], _C_TYPE[kv_dtype], str(shape["warps"]),
                         str(shape["mfrags"]), str(shape["tile"]), str(shape["stages"]), str(shape["step"])])
     tag = f"{variant.name}_{q_dtype}_{kv_dtype}_d{head_dim}_h{shape['hpc']}"
-    if tuning or member:
+    if shape != _prefill_shape(head_dim, kv_bytes, group):  # a tuning equal to a member is that member's module
         tag += "_w{warps}m{mfrags}t{tile}s{stages}k{step}".format(**shape)
     if min_blocks != 1:
         tag += f"_b{min_blocks}"

@@ -23,6 +23,10 @@ Sections:
                    per (mask, length) outside the timing; flex's compile time is recorded per row. FLOPs count
                    unmasked (query, key) pairs only: 4 * b * h * d * pairs (unmasked_pairs below). Ours gets the
                    same values in its [tokens, heads, D] layout, flex in [b, h, s, D]. Bar: flex time / ours >= 1.2.
+  family           the query-tile family's per-step pick (BatchAttention plans each step with one member) against
+                   every member forced, ours only: causal, 32 / 8 heads, short to long batches (FAMILY_SHAPES).
+                   Records each time, the picked member and the fastest; a pick more than 10% slower than the
+                   fastest member is flagged (no bar: this tunes wrappers.FAMILY_TILES_PER_CTA).
   variant_compile  seconds to JIT-build a brand-new user variant (a FlashSigmoid-style functor string) for the
                    prefill kernel, from an empty cache (a child process with a fresh FI_BACKEND_CACHE_DIR; the
                    rest of the run keeps its cache), and to its first result, which is checked against
@@ -63,6 +67,7 @@ DTYPE = torch.bfloat16
 HQ, D = 32, 128
 KV_HEADS = (32, 8)                            # 32 / 32 is the issue's figure; 32 / 8 (GQA) an extra row
 SHAPES = ((16, 1024), (4, 4096), (1, 16384))  # (batch, length)
+FAMILY_SHAPES = ((1, 256), (1, 512), (16, 128), (64, 64), (8, 300), (1, 1291), (1, 2048), (4, 1291), (2, 4096))
 PAGE_SIZES = (16, 1)
 FLEX_BATCH, FLEX_HEADS = 16, 16
 FLEX_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -226,16 +231,17 @@ class Paged:
 
 # ------------------------------------------------------------------------------------------ implementations
 
-def ours_fn(case: Case, *, paged: Paged = None, variant=None, params=None):
-    """(fn, out, info): our prefill kernel (kernel="prefill") on the case, ragged KV unless `paged`."""
+def ours_fn(case: Case, *, paged: Paged = None, variant=None, params=None, tuning=None):
+    """(fn, out, info): our prefill kernel (kernel="prefill") on the case, ragged KV unless `paged`; tuning: one
+    kernel shape instead of the tile family."""
     from fi_backend import formats, variants
     from fi_backend.workspace import Workspace
     from fi_backend.wrappers import BatchAttention
     variant = variant or variants.DEFAULT
     num_ctas = BatchAttention.recommended_num_ctas("cuda", case.hq, case.hkv, case.d, q_dtype=DTYPE, kv_dtype=DTYPE,
-                                                   variant=variant, kernel="prefill")
+                                                   variant=variant, kernel="prefill", tuning=tuning)
     tile_q = BatchAttention.query_tile_rows(case.hq, case.hkv, case.d, q_dtype=DTYPE, kv_dtype=DTYPE, variant=variant,
-                                            kernel="prefill")
+                                            kernel="prefill", tuning=tuning)
     ws = Workspace("cuda", max_requests=case.batch, max_tokens=case.rows, num_ctas=num_ctas, max_tile_q=tile_q,
                    num_qo_heads=case.hq, head_dim=case.d)
     if paged is None:  # this step's K/V as a cache [total, 1, Hkv, D] with one token per block
@@ -245,7 +251,7 @@ def ours_fn(case: Case, *, paged: Paged = None, variant=None, params=None):
     else:
         page_size, bsr, kv = paged.page_size, paged.bsr, (paged.k, paged.v)
     attn = BatchAttention(ws, case.hq, case.hkv, case.d, q_dtype=DTYPE, kv_dtype=DTYPE, page_size=page_size,
-                          kv_layout="NHD", variant=variant, kernel="prefill")
+                          kv_layout="NHD", variant=variant, kernel="prefill", tuning=tuning)
     t0 = time.perf_counter()
     attn.plan(case.indptr, case.lens, bsr, causal=True, **(params or {}))
     plan_ms = (time.perf_counter() - t0) * 1e3
@@ -440,6 +446,38 @@ def paged_section(a) -> dict:
             "bar": f"page{{P}}_over_ragged <= {BARS['paged_over_ragged_max']}", "rows": rows}
 
 
+def family_section(a) -> dict:
+    from fi_backend import wrappers
+    members = wrappers.prefill_family_shapes(D, "bf16")
+    hkv = 8
+    rows = []
+    for b, s in FAMILY_SHAPES:
+        case = Case(b, s, HQ, hkv, seed=s + b)
+        fn, out, info = ours_fn(case)
+        r = {**case.shape(), "picked_rows_per_tile": info["rows_per_tile"], "pick_us": measure(fn, a.rep)["median_us"]}
+        msg = f"family {HQ}/{hkv} {b:2d}x{s:5d}: pick ({info['rows_per_tile']} rows) {r['pick_us']:8.1f} us"
+        forced = []
+        for m, shape in enumerate(members):
+            mfn, mout, minfo = ours_fn(case, tuning=shape)
+            us = measure(mfn, a.rep)["median_us"]
+            r[f"member{m}_us"] = us
+            r[f"member{m}_rows_per_tile"] = minfo["rows_per_tile"]
+            r[f"check_member{m}_vs_pick"] = _check(f"family {b}x{s} member {m} vs pick", diff_stats(mout, out))
+            forced.append(us)
+            msg += f" | member {m} ({minfo['rows_per_tile']} rows) {us:8.1f} us"
+            del mfn, mout
+        r["fastest_member"] = min(range(len(forced)), key=forced.__getitem__)
+        r["pick_over_fastest"] = r["pick_us"] / min(forced)
+        r["pick_ok"] = r["pick_over_fastest"] <= 1.10
+        rows.append(r)
+        log(msg + f" | pick / fastest {r['pick_over_fastest']:.3f}")
+        del fn, out, case
+        torch.cuda.empty_cache()
+    return {**_stamp(), "num_qo_heads": HQ, "num_kv_heads": hkv, "head_dim": D, "members": members,
+            "tiles_per_cta": wrappers.FAMILY_TILES_PER_CTA,
+            "note": "pick: the wrapper's per-step choice; member m: that shape forced (tuning)", "rows": rows}
+
+
 def _flex_specs(slopes):
     """name -> (our variant, its plan() params, flex score_mod or None, flex mask_mod, window_left)."""
     from fi_backend import variants
@@ -629,7 +667,7 @@ def variant_compile_section(a) -> dict:
 
 # ------------------------------------------------------------------------------------------------ report
 
-SECTIONS = ("fa2", "paged", "flex", "variant_compile")
+SECTIONS = ("fa2", "paged", "flex", "family", "variant_compile")
 
 
 def _merge(old: dict, new: dict) -> dict:
@@ -709,6 +747,21 @@ def write_report(json_path) -> Path:
                          f"{_f(x['ratio_flex_over_ours'], '.3f')} | {_f(x.get('flex_first_call_s'))} | "
                          f"{_f(x['check_vs_flex']['max_abs_diff'], '.2e')} |")
         lines.append("")
+    if "family" in r:
+        s = r["family"]
+        n = len(s["members"])
+        lines += [f"## Query-tile family: the per-step pick against each member ({s['date'][:10]}, commit "
+                  f"{s['commit'][:12]})", "",
+                  f"Causal, {s['num_qo_heads']}/{s['num_kv_heads']} heads, ours only. Members: "
+                  + "; ".join(f"{m}: {json.dumps(x)}" for m, x in enumerate(s["members"]))
+                  + f". Pick rule: the largest tile giving each CTA {s['tiles_per_cta']} tiles.", "",
+                  "| batch x len | picked rows | pick us | " + " | ".join(f"member {m} us" for m in range(n))
+                  + " | pick / fastest |", "|---|---|---|" + "---|" * n + "---|"]
+        for x in s["rows"]:
+            lines.append(f"| {x['batch']}x{x['seq_len']} | {x['picked_rows_per_tile']} | {_f(x['pick_us'])} | "
+                         + " | ".join(_f(x[f"member{m}_us"]) for m in range(n))
+                         + f" | {_f(x['pick_over_fastest'], '.3f')} |")
+        lines.append("")
     if "variant_compile" in r:
         s = r["variant_compile"]
         mods = ", ".join(f"{m['name']} ({_f(m.get('build_seconds'))} s)" for m in s.get("modules", []))
@@ -760,7 +813,8 @@ def main(argv=None):
     results = {"device": device_info(), "bars": BARS, "reference_figures": REFERENCE_FIGURES,
                "notes": ["one input set per shape: prefill is compute-bound; K/V exceed the 50 MB L2 in every shape",
                          f"correctness spot checks: relative L2 difference < {MAX_REL_DIFF} (not a substitute for tests)"]}
-    runners = {"fa2": fa2_section, "paged": paged_section, "flex": flex_section, "variant_compile": variant_compile_section}
+    runners = {"fa2": fa2_section, "paged": paged_section, "flex": flex_section, "family": family_section,
+               "variant_compile": variant_compile_section}
     for name in sections:
         log(f"== {name}")
         results[name] = runners[name](a)

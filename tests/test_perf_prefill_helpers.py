@@ -105,6 +105,10 @@ def synthetic_results():
                       "rows": [paged_row]},
             "flex": {**_stamp(), "heads": 16, "head_dim": 128, "batch": 16, "soft_cap": 30.0, "window_left": 1024,
                      "flops": "f", "flex": "x", "bar": "b", "rows": [_flex_row("causal", 1024)]},
+            "family": {**_stamp(), "num_qo_heads": 32, "num_kv_heads": 8, "head_dim": 128, "tiles_per_cta": 3,
+                       "members": [{"warps": 8, "mfrags": 2}, {"warps": 8, "mfrags": 1}],
+                       "rows": [{"batch": 1, "seq_len": 512, "picked_rows_per_tile": 32, "pick_us": 40.0,
+                                 "member0_us": 50.0, "member1_us": 38.0, "pick_over_fastest": 40.0 / 38.0}]},
             "variant_compile": {**_stamp(), "variant": pf.USER_VARIANT, "build_s": 21.5, "first_run_s": 0.2,
                                 "total_s": 21.7, "bar_met": True, "bar": "b", "nvcc": "13.0", "cpus": 16,
                                 "check_vs_reference": {"max_abs_diff": 0.1, "rel_diff": 3e-3, "ok": True},
@@ -115,13 +119,14 @@ def test_report_of_a_synthetic_results_json(tmp_path):
     path = tmp_path / "prefill_test.json"
     path.write_text(json.dumps(synthetic_results()))
     md = pf.write_report(path).read_text()
-    assert md.count("\n## ") == 4
+    assert md.count("\n## ") == 5
+    assert "| 1x512 | 32 | 40.0 | 50.0 | 38.0 | 1.053 |" in md
     assert "| 32/8 | 16x1024 | 450.0 | 305 | 300 | 1.020 | - | - | - | - | 7.80e-03 |" in md
     assert "| 4x4096 | 1000.0 | 1050.0 | 1.050 | 1080.0 | 1.080 |" in md
     assert "| causal | 16x1024 | 100.0 | 400 | 130.0 | 300 | 1.300 | 12.0 | 1.00e-02 |" in md
     assert "| 21.5 | 0.20 | 21.7 | True |" in md
     # a run of one section reports that section alone
-    only = {k: v for k, v in synthetic_results().items() if k not in ("fa2", "paged", "variant_compile")}
+    only = {k: v for k, v in synthetic_results().items() if k not in ("fa2", "paged", "family", "variant_compile")}
     path.write_text(json.dumps(only))
     md = pf.write_report(path).read_text()
     assert md.count("\n## ") == 1 and "FlexAttention" in md
