@@ -462,7 +462,8 @@ class BatchAttention:
         last = len(self._family) - 1
         for m, launcher in enumerate(self._family[:-1]):
             rows = int(launcher.rows_per_tile)
-            if int(torch.div(q_lens + (rows - 1), rows, rounding_mode="floor").sum()) >= FAMILY_TILES_PER_CTA * self.grid[0]:
+            tiles = int(torch.div(q_lens + (rows - 1), rows, rounding_mode="floor").sum())
+            if tiles >= FAMILY_TILES_PER_CTA * self.grid[0]:
                 return m
         return last
 
