@@ -230,7 +230,7 @@ struct Kernel {
     const int kv_head = blockIdx.y / p.num_head_chunks;
     Cursor cur;
     int page[L::kLookups], slot[L::kLookups];
-    if (!L::template start<kStages>(p, vp, smem, kv_head, cur, page, slot)) return;
+    if (!L::start(p, vp, smem, kv_head, cur, page, slot)) return;
 
     float2* md = reinterpret_cast<float2*>(smem + kStages * Cfg::kStageBytes);  // [warp][row] (m, d)
     int* merge_mask = reinterpret_cast<int*>(smem + kStages * Cfg::kStageBytes + Cfg::kMdBytes);
@@ -245,10 +245,10 @@ struct Kernel {
     for (int j = 0;; ++j) {
       const int st = j % kStages;
       uint8_t* stage = smem + st * Cfg::kStageBytes;
-      L::template before_barrier<kStages>(p, smem, kv_head, j, page, slot);
+      L::before_barrier(p, smem, kv_head, j, page, slot);
       ptx::cp_async_wait<kStages - 2>();
       __syncthreads();
-      L::template step<kStages>(p, vp, smem, kv_head, j, cur, page, slot);
+      L::step(p, vp, smem, kv_head, j, cur, page, slot);
 
       const TileRecord* rec = reinterpret_cast<const TileRecord*>(stage + 2 * Cfg::kKvTileBytes + Cfg::kQSlotBytes);
       const int flags = rec->flags;

@@ -398,7 +398,7 @@ struct Kernel {
     const int kv_head = blockIdx.y / p.num_head_chunks;
     Cursor cur;
     int page[L::kLookups], slot[L::kLookups];
-    if (!L::template start<kStages>(p, vp, smem, kv_head, cur, page, slot)) return;
+    if (!L::start(p, vp, smem, kv_head, cur, page, slot)) return;
 
     uint8_t* qbuf = smem + kStages * Cfg::kStageBytes;
     uint8_t* cbuf = qbuf + Cfg::kQBytes;
@@ -411,10 +411,10 @@ struct Kernel {
 
     for (int j = 0;; ++j) {
       uint8_t* stage = smem + (j % kStages) * Cfg::kStageBytes;
-      L::template before_barrier<kStages>(p, smem, kv_head, j, page, slot);
+      L::before_barrier(p, smem, kv_head, j, page, slot);
       ptx::cp_async_wait<kStages - 2>();
       __syncthreads();
-      L::template step<kStages>(p, vp, smem, kv_head, j, cur, page, slot);
+      L::step(p, vp, smem, kv_head, j, cur, page, slot);
 
       const TileRecord* rec = reinterpret_cast<const TileRecord*>(stage + 2 * Cfg::kKvTileBytes);
       const int flags = rec->flags;

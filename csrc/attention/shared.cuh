@@ -163,6 +163,7 @@ struct Loader {
   static constexpr int kHPC = Cfg::kHeadsPerChunk;
   static constexpr int kRowsPerTile = Cfg::kRowsPerTile;
   static constexpr int kTPT = Cfg::kTokensPerThread;
+  static constexpr int kStages = Cfg::kStages;
   // Page lookups one thread holds from prefetch_pages to publish: tile rows tid, tid + kThreads, ...
   static constexpr int kLookups = (kTile + kThreads - 1) / kThreads;
 
@@ -321,10 +322,9 @@ struct Loader {
   // Issue the cursor's tile, the CTA's tile number tile_no, into its stage (tile_no % kStages): record,
   // Q slot (first tile of a sub-item), K and V rows.
   static __device__ __forceinline__ void issue(const Params& p, const VariantParams& vp, uint8_t* smem, int tile_no,
-                                               const Cursor& cur,
-                                               const int (&page)[kLookups], const int (&slot)[kLookups], int kv_head) {
+                                               const Cursor& cur) {
     const int tid = threadIdx.x;
-    uint8_t* stage = smem + (tile_no % Cfg::kStages) * Cfg::kStageBytes;
+    uint8_t* stage = smem + (tile_no % kStages) * Cfg::kStageBytes;
     TileRecord* rec = reinterpret_cast<TileRecord*>(stage + 2 * Cfg::kKvTileBytes + Cfg::kQSlotBytes);
     if (cur.done) {
       if (tid == 0) rec->flags = kEnd;
@@ -335,7 +335,7 @@ struct Loader {
       if (cur.tile == 0) {
         begin_work(p, vp, cur.item, cur.sub, rec->w);
       } else {  // the previous tile, same sub-item, is not consumed before this one is issued
-        const uint8_t* prev = smem + ((tile_no + Cfg::kStages - 1) % Cfg::kStages) * Cfg::kStageBytes;
+        const uint8_t* prev = smem + ((tile_no + kStages - 1) % kStages) * Cfg::kStageBytes;
         rec->w = reinterpret_cast<const TileRecord*>(prev + 2 * Cfg::kKvTileBytes + Cfg::kQSlotBytes)->w;
       }
       rec->tile_kv_begin = tile_begin;
@@ -381,10 +381,8 @@ struct Loader {
   // first item and the first kStages - 1 tiles issued; false when the queue is empty. step(): at the top
   // of iteration j (after the wait and barrier), issue the tile kStages - 1 ahead into the stage that
   // iteration j - 1 consumed, and move on.
-  template <int kStages>
   static __device__ __forceinline__ bool start(const Params& p, const VariantParams& vp, uint8_t* smem, int kv_head,
                                                Cursor& cur, int (&page)[kLookups], int (&slot)[kLookups]) {
-    static_assert(kStages == Cfg::kStages, "the stage ring is Cfg's");
     const int32_t* cta_indptr = p.plan + FI_PLAN_HEADER_INTS;
     cur.item = __ldg(cta_indptr + blockIdx.x);
     cur.item_end = __ldg(cta_indptr + blockIdx.x + 1);
@@ -395,7 +393,7 @@ struct Loader {
     for (int s = 0; s < kStages - 1; ++s) {
       publish(p, smem, s, page, slot, kv_head);
       __syncthreads();
-      issue(p, vp, smem, s, cur, page, slot, kv_head);
+      issue(p, vp, smem, s, cur);
       ptx::cp_async_commit();
       advance(p, vp, cur);
       prefetch_pages(p, cur, page, slot);
@@ -404,16 +402,14 @@ struct Loader {
   }
 
   // Before iteration j's barrier: publish the lookups of the tile that iteration j issues.
-  template <int kStages>
   static __device__ __forceinline__ void before_barrier(const Params& p, uint8_t* smem, int kv_head, int j,
                                                         const int (&page)[kLookups], const int (&slot)[kLookups]) {
     publish(p, smem, j + kStages - 1, page, slot, kv_head);
   }
 
-  template <int kStages>
   static __device__ __forceinline__ void step(const Params& p, const VariantParams& vp, uint8_t* smem, int kv_head,
                                               int j, Cursor& cur, int (&page)[kLookups], int (&slot)[kLookups]) {
-    issue(p, vp, smem, j + kStages - 1, cur, page, slot, kv_head);
+    issue(p, vp, smem, j + kStages - 1, cur);
     ptx::cp_async_commit();
     advance(p, vp, cur);
     prefetch_pages(p, cur, page, slot);
