@@ -167,7 +167,7 @@ def prefill_family_shapes(head_dim: int, kv_dtype: str) -> list:
 
 def prefill_family_size(head_dim: int, kv_dtype: str, tuning: Optional[dict] = None) -> int:
     """Members of the prefill tile family (1 with a tuning override: that shape only)."""
-    return 1 if tuning else len(_PREFILL_SHAPES[(head_dim, 1 if kv_dtype.startswith("fp8") else 2)])
+    return 1 if tuning else len(prefill_family_shapes(head_dim, kv_dtype))
 
 
 def _prefill_smem_bytes(head_dim: int, kv_bytes: int, shape: dict) -> int:
@@ -307,6 +307,13 @@ def _launcher(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, grou
     return entry
 
 
+def _family(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, group: int, tuning: Optional[dict],
+            kernel: str) -> list:
+    """The kernel's launchers: the prefill tile family (largest query tile first), else the one module."""
+    size = prefill_family_size(head_dim, kv_dtype, tuning) if kernel == "prefill" else 1
+    return [_launcher(variant, head_dim, q_dtype, kv_dtype, group, tuning, kernel, m) for m in range(size)]
+
+
 class _Bad(Exception):
     """run()'s fast path met an argument it does not accept; _explain() says which."""
 
@@ -398,9 +405,7 @@ class BatchAttention:
 
         self.kernel = kernel
         # The tile family (prefill: query tiles of several sizes, largest first; plan() picks one per step).
-        size = prefill_family_size(head_dim, KV_DTYPES[kv_dtype], tuning) if kernel == "prefill" else 1
-        self._family = [_launcher(variant, head_dim, Q_DTYPES[q_dtype], KV_DTYPES[kv_dtype], self.group, tuning,
-                                  kernel, m) for m in range(size)]
+        self._family = _family(variant, head_dim, Q_DTYPES[q_dtype], KV_DTYPES[kv_dtype], self.group, tuning, kernel)
         tile_q = max(int(f.rows_per_tile) for f in self._family)
         if tile_q > workspace.max_tile_q:
             raise ValueError(f"the workspace's max_tile_q={workspace.max_tile_q} is below the kernel's query tile "
@@ -447,7 +452,6 @@ class BatchAttention:
 
     def _use_member(self, member: int) -> None:
         """Make family member `member` the kernel that plan() plans for and run() launches."""
-        self._member = member
         self._launcher = self._family[member]
         self._launch = self._launcher.run
         self.rows_per_tile = int(self._launcher.rows_per_tile)  # query rows per tile (the planner's tile_q)
@@ -492,9 +496,8 @@ class BatchAttention:
         """Query rows of the kernel's tile (the planner's tile_q): the max_tile_q to construct the
         Workspace with. Builds (or loads) the kernel module to read its layout."""
         kv_dtype = q_dtype if kv_dtype is None else kv_dtype
-        size = prefill_family_size(head_dim, KV_DTYPES[kv_dtype], tuning) if kernel == "prefill" else 1
-        return max(int(_launcher(variant, head_dim, Q_DTYPES[q_dtype], KV_DTYPES[kv_dtype], num_qo_heads // num_kv_heads,
-                                 tuning, kernel, m).rows_per_tile) for m in range(size))
+        return max(int(f.rows_per_tile) for f in _family(variant, head_dim, Q_DTYPES[q_dtype], KV_DTYPES[kv_dtype],
+                                                          num_qo_heads // num_kv_heads, tuning, kernel))
 
     # -------------------------------------------------------------------------------- plan
 
