@@ -20,7 +20,7 @@ from fi_backend import variants as V
 from fi_backend.formats import BSR
 
 from attention_cases import (_VARIANT_NAMES, DEV, TOL, PersistentBatch, _lazy, _variant_case, check, make_bsr, make_wrapper, random_kv, reference,
-                             run_case)
+                             run_case, run_variant_case)
 
 pytestmark = pytest.mark.gpu
 
@@ -77,17 +77,8 @@ def test_fp8_kv_fp16_query_multirow():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_variants(name, dtype):
     Hq, Hkv, D = 16, 4, 128
-    _, variant, vkw, rkw = _variant_case(name, Hq)
-    attn = make_wrapper(Hq, Hkv, D, q_dtype=dtype, page_size=16, variant=variant)
-    kv_lens, q_lens = [1500, 17, 300, 1, 4000], [1, 3, 2, 1, 4]  # speculative rows, causal
-    if callable(vkw):
-        masks = vkw(q_lens, kv_lens)
-        vkw = dict(zip(("mask_packed", "mask_indptr"), V.pack_custom_mask(masks, device=DEV)))
-        rkw = {"masks": masks}
-    # RoPE: the rotated k is rounded to the MMA type once more, so logits (and the LSE) carry its error
-    tol = TOL[dtype] * (2 if "rope" in name else 1)
-    run_case(attn, kv_lens, q_lens, dtype=dtype, causal=True, variant_kw=vkw, ref_kw=rkw, tol=tol,
-             lse_tol=2 * tol if "rope" in name else None, what=f"variant {name} {dtype}")
+    attn = make_wrapper(Hq, Hkv, D, q_dtype=dtype, page_size=16, variant=_variant_case(name, Hq)[1])
+    run_variant_case(attn, name, [1500, 17, 300, 1, 4000], [1, 3, 2, 1, 4], dtype)  # speculative rows, causal
 
 
 def test_rope_long_positions_fp8():

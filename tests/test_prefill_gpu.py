@@ -19,7 +19,7 @@ from fi_backend import variants as V
 from fi_backend.formats import from_ragged
 
 from attention_cases import (_VARIANT_NAMES, DEV, TOL, PersistentBatch, _variant_case, check, make_bsr, make_wrapper, random_kv,
-                             reference, run_case)
+                             reference, run_case, run_variant_case)
 
 pytestmark = pytest.mark.gpu
 
@@ -73,16 +73,8 @@ def test_fp8_kv(kv_dtype, D):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_variants(name, dtype):
     Hq, Hkv, D = 16, 4, 128
-    _, variant, vkw, rkw = _variant_case(name, Hq)
-    attn = prefill(Hq, Hkv, D, q_dtype=dtype, page_size=16, variant=variant)
-    q_lens, kv_lens = [1, 3, 17, 128, 300], [1500, 3, 1017, 4000, 300]
-    if callable(vkw):
-        masks = vkw(q_lens, kv_lens)
-        vkw = dict(zip(("mask_packed", "mask_indptr"), V.pack_custom_mask(masks, device=DEV)))
-        rkw = {"masks": masks}
-    tol = TOL[dtype] * (2 if "rope" in name else 1)
-    run_case(attn, kv_lens, q_lens, dtype=dtype, causal=True, variant_kw=vkw, ref_kw=rkw, tol=tol,
-             lse_tol=2 * tol if "rope" in name else None, what=f"variant {name} {dtype}")
+    attn = prefill(Hq, Hkv, D, q_dtype=dtype, page_size=16, variant=_variant_case(name, Hq)[1])
+    run_variant_case(attn, name, [1500, 3, 1017, 4000, 300], [1, 3, 17, 128, 300], dtype)
 
 
 def test_rope_fp8():
