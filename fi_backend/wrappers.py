@@ -156,7 +156,7 @@ def _prefill_shape(head_dim: int, kv_bytes: int, group: int, member: int = 0) ->
     of the tile)."""
     hpc = max(d for d in range(1, min(group, PREFILL_MAX_HEADS_PER_CHUNK) + 1) if group % d == 0)
     warps, mfrags, tile, stages, step = _PREFILL_SHAPES[(head_dim, kv_bytes)][member]
-    return {"hpc": hpc, "warps": warps, "mfrags": mfrags, "tile": tile, "stages": stages, "step": step}
+    return {"hpc": hpc, "warps": warps, "mfrags": mfrags, "tile": tile, "stages": stages, "step": step, "wgmma": 0}
 
 
 def prefill_family_shapes(head_dim: int, kv_dtype: str) -> list:
@@ -173,7 +173,8 @@ def prefill_family_size(head_dim: int, kv_dtype: str, tuning: Optional[dict] = N
 def _prefill_smem_bytes(head_dim: int, kv_bytes: int, shape: dict) -> int:
     """Shared memory of a prefill shape; mirrors prefill::Config::kSmemBytes."""
     record = 80
-    stage = (2 * shape["tile"] * head_dim * kv_bytes + record + 127) // 128 * 128
+    align = 1024 if shape.get("wgmma") else 128
+    stage = (2 * shape["tile"] * head_dim * kv_bytes + record + align - 1) // align * align
     convert = 2 * shape["tile"] * head_dim * 2 if kv_bytes == 1 else 0
     tile_rows = 16 * shape["mfrags"] * shape["warps"]
     row_offsets = 2 * shape["tile"] * 8  # the loader's published row offsets, two tiles
@@ -184,7 +185,8 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
                  tuning: Optional[dict] = None, member: int = 0) -> kernels.ModuleSpec:
     """The JIT module of the prefill kernel for one (variant, head_dim, dtypes, GQA group), tile family
     member `member` (0: the largest query tile; see _PREFILL_SHAPES).
-    tuning (benchmarks): overrides of warps / mfrags / tile / stages / step (default: min(step, tile)), and
+    tuning (benchmarks): overrides of warps / mfrags / tile / stages / step (default: min(step, tile)) / wgmma
+    (1: Hopper warpgroup MMAs, sm_90a only), and
     min_blocks (CTAs per SM the register budget is cut for; default 1: the kernel's own need)."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
@@ -194,7 +196,7 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     shape = _prefill_shape(head_dim, kv_bytes, group, member)
     tuning = dict(tuning or {})
     min_blocks = int(tuning.pop("min_blocks", 1))
-    unknown = set(tuning) - {"warps", "mfrags", "tile", "stages", "step"}
+    unknown = set(tuning) - {"warps", "mfrags", "tile", "stages", "step", "wgmma"}
     if unknown:
         raise ValueError(f"unknown prefill tuning keys {sorted(unknown)}")
     shape.update(tuning)
@@ -205,10 +207,11 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
         raise ValueError(f"prefill kernel shape {shape} for head_dim {head_dim} needs {smem} bytes of shared "
                          f"memory; a CTA may use at most {SMEM_PER_CTA}")
     config = ", ".join([str(head_dim), str(shape["hpc"]), _C_TYPE[q_dtype], _C_TYPE[kv_dtype], str(shape["warps"]),
-                        str(shape["mfrags"]), str(shape["tile"]), str(shape["stages"]), str(shape["step"])])
+                        str(shape["mfrags"]), str(shape["tile"]), str(shape["stages"]), str(shape["step"]),
+                        "true" if shape["wgmma"] else "false"])
     tag = f"{variant.name}_{q_dtype}_{kv_dtype}_d{head_dim}_h{shape['hpc']}"
     if shape != _prefill_shape(head_dim, kv_bytes, group):  # a tuning equal to a member is that member's module
-        tag += "_w{warps}m{mfrags}t{tile}s{stages}k{step}".format(**shape)
+        tag += "_w{warps}m{mfrags}t{tile}s{stages}k{step}".format(**shape) + ("_wg" if shape["wgmma"] else "")
     if min_blocks != 1:
         tag += f"_b{min_blocks}"
     return _attention_spec("prefill", variant, config, min_blocks, tag, [])

@@ -35,7 +35,7 @@ using Impl = fi::{{KERNEL}}::Kernel<Cfg, Variant, VariantParams>;
 // MIN_BLOCKS: CTAs per SM that shared memory allows; the register budget follows from it.
 __global__ void __launch_bounds__(Cfg::kThreads, {{MIN_BLOCKS}})
     attention_kernel(const __grid_constant__ fi::attn::Params p, const __grid_constant__ VariantParams vp) {
-  extern __shared__ __align__(128) uint8_t smem[];
+  extern __shared__ __align__(1024) uint8_t smem[];  // 1024: wgmma swizzle atoms
   Impl::run(p, vp, smem);
 }
 

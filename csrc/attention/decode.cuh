@@ -82,6 +82,7 @@ struct Config {
   static constexpr int kMdBytes = kWarps * kRows * 8;
   static constexpr int kRowOffsetsAt = kStages * kStageBytes + kMdBytes + 16;  // the loader's (shared.cuh)
   static constexpr int kSmemBytes = kRowOffsetsAt + 2 * kTile * 8;
+  static __device__ __forceinline__ int tile_offset(int row, int chunk) { return rowmajor_offset<kRowBytes>(row, chunk); }
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim must be 64, 128 or 256");
   static_assert(kRows == 8 || kRows == 16, "packed rows per tile must be 8 or 16");

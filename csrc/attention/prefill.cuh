@@ -37,6 +37,7 @@
 #include <type_traits>
 
 #include "shared.cuh"
+#include "wgmma.cuh"
 
 namespace fi {
 namespace prefill {
@@ -44,7 +45,7 @@ namespace prefill {
 using namespace attn;  // Params, Work, TileRecord, Loader, Epilogue (shared.cuh)
 
 template <int kHeadDim_, int kHeadsPerChunk_, class DQ_, class DKV_, int kWarps_, int kMFrags_, int kTileKv_,
-          int kStages_, int kStepKv_>
+          int kStages_, int kStepKv_, bool kWgmma_ = false>
 struct Config {
   using DQ = DQ_;
   using DKV = DKV_;
@@ -58,6 +59,12 @@ struct Config {
   static constexpr int kStep = kStepKv_;  // KV tokens per compute step (S registers: 4 kMFrags kStep / 8)
   static constexpr int kMFrags = kMFrags_;  // 16-row m fragments per warp
   static constexpr int kTileRows = 16 * kMFrags * kWarps;
+  // Hopper warpgroup MMAs (wgmma.cuh) instead of mma.sync: a warpgroup's 4 warps step through the KV
+  // tile together (a unit), each of its kMFrags fragments one m64 MMA; K, V and Q in shared memory in
+  // wgmma's column-block layout.
+  static constexpr bool kWgmma = kWgmma_;
+  static constexpr int kUnitWarps = kWgmma ? 4 : 1;
+  static constexpr int kUnitRows = 16 * kMFrags * kUnitWarps;
   static constexpr int kRowsPerTile = kTileRows / kHeadsPerChunk;  // query rows per sub-item
   static constexpr int kPackedRows = kRowsPerTile * kHeadsPerChunk;
   static constexpr int kRows = 0;        // no query slot in the stages: warps load their Q rows
@@ -75,7 +82,8 @@ struct Config {
   static constexpr int kCRowBytes = kHeadDim * 2;  // the 16-bit copy of a converted tile
   static constexpr int kCChunksPerRow = kCRowBytes / 16;
   static constexpr int kCTileBytes = kTile * kCRowBytes;
-  static constexpr int kStageBytes = (2 * kKvTileBytes + (int)sizeof(TileRecord) + 127) / 128 * 128;
+  static constexpr int kStageAlign = kWgmma ? 1024 : 128;  // wgmma's swizzle atoms are 1024-byte aligned
+  static constexpr int kStageBytes = (2 * kKvTileBytes + (int)sizeof(TileRecord) + kStageAlign - 1) / kStageAlign * kStageAlign;
   static constexpr int kConvertBytes = kFp8 ? 2 * kCTileBytes : 0;
   static constexpr int kQRowBytes = kHeadDim * 2;  // the query tile, [kTileRows][D], swizzled
   static constexpr int kQChunksPerRow = kQRowBytes / 16;
@@ -91,6 +99,23 @@ struct Config {
   static_assert(kStep >= 16 && (kStep & (kStep - 1)) == 0 && kTile % kStep == 0, "compute step: a power of two dividing the tile");
   static_assert(kThreads % kChunksPerRow == 0 && kTile % kRowsPerRound == 0, "loader shape");
   static_assert(kChunksPerRow >= 4, "rows of at least 64 bytes");
+  static_assert(!kWgmma || (kWarps % 4 == 0 && (kStep == 64 || kStep == 128 || kStep == 256)),
+                "wgmma: whole warpgroups, a compute step of 64, 128 or 256 tokens (the MMA's n)");
+
+  // Where 16-byte chunks live: the loaded tile (fp8 tiles are converted before any MMA reads them),
+  // the 16-bit tile the MMAs read, the query tile.
+  static __device__ __forceinline__ int tile_offset(int row, int chunk) {
+    if constexpr (kWgmma && !kFp8) return colblock_offset<kTile>(row, chunk);
+    else return rowmajor_offset<kRowBytes>(row, chunk);
+  }
+  static __device__ __forceinline__ int mma_offset(int row, int chunk) {
+    if constexpr (kWgmma) return colblock_offset<kTile>(row, chunk);
+    else return rowmajor_offset<kCRowBytes>(row, chunk);
+  }
+  static __device__ __forceinline__ int q_offset(int row, int chunk) {
+    if constexpr (kWgmma) return colblock_offset<kTileRows>(row, chunk);
+    else return rowmajor_offset<kQRowBytes>(row, chunk);
+  }
 };
 
 template <class Cfg, class Variant, class VariantParams>
@@ -113,6 +138,15 @@ struct Kernel {
   static constexpr bool kFp8 = Cfg::kFp8;
   static constexpr bool kBf16 = Cfg::kMmaBf16;
   static constexpr bool kConvert = kFp8 || Variant::kHasKeyTransform;
+  static constexpr bool kWgmma = Cfg::kWgmma;
+  static constexpr int kUnitWarps = Cfg::kUnitWarps;
+
+  // First packed row of m fragment mf of warp `warp` (16 rows). mma.sync: a warp's fragments are
+  // consecutive; wgmma: fragment mf of warpgroup u is one m64 MMA, the warp's rows 16 (warp % 4) of it.
+  static __device__ __forceinline__ int frag_row0(int warp, int mf) {
+    if constexpr (kWgmma) return 64 * (kMF * (warp >> 2) + mf) + 16 * (warp & 3);
+    else return 16 * (kMF * warp + mf);
+  }
 
 
 
@@ -124,7 +158,7 @@ struct Kernel {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
 #pragma unroll
     for (int h16 = 0; h16 < 2 * kMF; ++h16) {  // rows g + 8 h16 of the warp's 16 kMF rows
-      const int pr = 16 * kMF * warp + 8 * h16 + g;
+      const int pr = frag_row0(warp, h16 >> 1) + 8 * (h16 & 1) + g;
       const RowInfo ri = E::row_info(w, pr);
       float x[kKSteps][2][2];
       const DQ* src = static_cast<const DQ*>(p.q) + (int64_t)ri.q_row * p.q_stride_row + (int64_t)ri.qo_head * p.q_stride_head;
@@ -145,11 +179,16 @@ struct Kernel {
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const int d = k_dim<false>(s, j, 0, c);
-          *reinterpret_cast<uint32_t*>(qbuf + pr * Cfg::kQRowBytes + swizzle<Cfg::kQChunksPerRow>(pr, d >> 3) * 16 +
-                                       (d & 7) * 2) = ptx::pack2<kBf16>(x[s][j][0], x[s][j][1]);
+          *reinterpret_cast<uint32_t*>(qbuf + Cfg::q_offset(pr, d >> 3) + (d & 7) * 2) =
+              ptx::pack2<kBf16>(x[s][j][0], x[s][j][1]);
         }
     }
-    __syncwarp();
+    if constexpr (kWgmma) {  // the warpgroup's MMAs read all four warps' rows, through the async proxy
+      wgmma::fence_proxy_async();
+      asm volatile("bar.sync %0, 128;\n" ::"r"(1 + (warp >> 2)) : "memory");
+    } else {
+      __syncwarp();
+    }
   }
 
   // ------------------------------------------------------------------ fp8 / KeyTransform pass
@@ -158,15 +197,13 @@ struct Kernel {
   static __device__ __forceinline__ void read8(const uint8_t* tile, int row, int dc, float (&x)[8]) {
     uint32_t w[4];
     if constexpr (kFp8) {
-      const uint2 u = *reinterpret_cast<const uint2*>(
-          tile + row * Cfg::kRowBytes + swizzle<Cfg::kChunksPerRow>(row, dc >> 1) * 16 + (dc & 1) * 8);
+      const uint2 u = *reinterpret_cast<const uint2*>(tile + Cfg::tile_offset(row, dc >> 1) + (dc & 1) * 8);
       w[0] = ptx::fp8x2_to_f16x2<Cfg::KV::kE5m2>(u.x);
       w[1] = ptx::fp8x2_to_f16x2<Cfg::KV::kE5m2>(u.x >> 16);
       w[2] = ptx::fp8x2_to_f16x2<Cfg::KV::kE5m2>(u.y);
       w[3] = ptx::fp8x2_to_f16x2<Cfg::KV::kE5m2>(u.y >> 16);
     } else {
-      const uint4 u = *reinterpret_cast<const uint4*>(tile + row * Cfg::kRowBytes +
-                                                      swizzle<Cfg::kChunksPerRow>(row, dc) * 16);
+      const uint4 u = *reinterpret_cast<const uint4*>(tile + Cfg::tile_offset(row, dc));
       w[0] = u.x, w[1] = u.y, w[2] = u.z, w[3] = u.w;
     }
 #pragma unroll
@@ -180,7 +217,7 @@ struct Kernel {
   static __device__ __forceinline__ void write8(uint8_t* tile, int row, int dc, const float (&x)[8]) {
     const uint4 u = make_uint4(ptx::pack2<kBf16>(x[0], x[1]), ptx::pack2<kBf16>(x[2], x[3]),
                                ptx::pack2<kBf16>(x[4], x[5]), ptx::pack2<kBf16>(x[6], x[7]));
-    *reinterpret_cast<uint4*>(tile + row * Cfg::kCRowBytes + swizzle<Cfg::kCChunksPerRow>(row, dc) * 16) = u;
+    *reinterpret_cast<uint4*>(tile + Cfg::mma_offset(row, dc)) = u;
   }
 
   // The landed tile's K (and V for fp8) as 16-bit rows in the MMA type, K rotated by the KeyTransform:
@@ -237,20 +274,14 @@ struct Kernel {
     return m[0];
   }
 
-  // kMask: the per-element mask runs (else the tile is full, visible to every row, and the softmax works
-  // on raw logits with the scale folded into its exponent: one FFMA per element).
-  template <bool kMask>
-  static __device__ __forceinline__ void compute_tile(const Params& p, const VariantParams& vp, uint32_t qs,
-                                                      uint32_t ks, uint32_t vs, const Work& w, int tile_begin,
-                                                      int n_valid, int kv_head, float (&m_run)[kMF][2],
-                                                      float (&d_run)[kMF][2], float (&o)[kMF][kDTiles][4]) {
-    constexpr bool kRaw = !kMask && !Variant::kHasLogitsTransform;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c = lane & 3, mi = lane >> 3, r8 = lane & 7;
+  // S = Q K^T of the warp's fragments over kStep tokens from token t0 of the tile (mma.sync): Q's A
+  // fragments by ldmatrix from the Q buffer; one ldmatrix.x4 of K gives the B fragments of two n tiles
+  // for one k step, used by every m fragment.
+  static __device__ __forceinline__ void qk_sync(uint32_t qs, uint32_t ks, int t0, float (&s)[kMF][kNTiles][4]) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, mi = lane >> 3, r8 = lane & 7;
     constexpr int kRowB = kConvert ? Cfg::kCRowBytes : Cfg::kRowBytes;
     constexpr int kChunks = kRowB / 16;
-    // ---- S = Q K^T: Q's A fragments by ldmatrix from the Q buffer; one ldmatrix.x4 of K gives the B
-    // fragments of two n tiles for one k step, used by every m fragment
-    float s[kMF][kNTiles][4];
+    ks += t0 * kRowB;
 #pragma unroll
     for (int mf = 0; mf < kMF; ++mf)
 #pragma unroll
@@ -262,8 +293,8 @@ struct Kernel {
       uint32_t qa[kMF][4];
 #pragma unroll
       for (int mf = 0; mf < kMF; ++mf) {
-        const int row = 16 * (kMF * warp + mf) + (lane & 15);
-        ptx::ldmatrix_x4(qa[mf], qs + row * Cfg::kQRowBytes + swizzle<Cfg::kQChunksPerRow>(row, 2 * kstep + (lane >> 4)) * 16);
+        const int row = frag_row0(warp, mf) + (lane & 15);
+        ptx::ldmatrix_x4(qa[mf], qs + Cfg::q_offset(row, 2 * kstep + (lane >> 4)));
       }
 #pragma unroll
       for (int np = 0; np < kNTiles / 2; ++np) {
@@ -277,6 +308,96 @@ struct Kernel {
         }
       }
     }
+  }
+
+  // The same with the warpgroup's m64 MMAs: A = the Q buffer's 64 rows of fragment mf, B = K (K-major:
+  // rows of the tile, 8-row atoms 1024 bytes apart), both through descriptors; a k step of 16 dims is
+  // 32 bytes into a 128-byte column block.
+  static __device__ __forceinline__ void qk_wgmma(uint32_t qs, uint32_t ks, int t0, float (&s)[kMF][kNTiles][4]) {
+    const int unit = threadIdx.x >> 7;
+    wgmma::fence();
+#pragma unroll
+    for (int kstep = 0; kstep < kKSteps; ++kstep) {
+      const uint32_t kcol = (kstep >> 2) * (kTile * 128) + (kstep & 3) * 32;
+      const uint64_t b = wgmma::desc(ks + kcol + t0 * 128, 16, 1024);
+#pragma unroll
+      for (int mf = 0; mf < kMF; ++mf) {
+        const uint32_t qcol = (kstep >> 2) * (Cfg::kTileRows * 128) + (kstep & 3) * 32;
+        const uint64_t a = wgmma::desc(qs + qcol + 64 * (kMF * unit + mf) * 128, 16, 1024);
+        wgmma::Mma<kStep, kBf16>::template ss<0>(reinterpret_cast<float(&)[kNTiles * 4]>(s[mf]), a, b, kstep > 0);
+      }
+    }
+    wgmma::commit();
+    wgmma::wait<0>();
+  }
+
+  // O += P V (mma.sync): P's A fragment is S's C fragment of two n tiles; V's B fragments by ldmatrix.trans.
+  static __device__ __forceinline__ void pv_sync(uint32_t vs, int t0, const float (&s)[kMF][kNTiles][4],
+                                                 float (&o)[kMF][kDTiles][4]) {
+    const int lane = threadIdx.x & 31, mi = lane >> 3, r8 = lane & 7;
+    constexpr int kRowB = kConvert ? Cfg::kCRowBytes : Cfg::kRowBytes;
+    constexpr int kChunks = kRowB / 16;
+    vs += t0 * kRowB;
+#pragma unroll
+    for (int kk = 0; kk < kStep / 16; ++kk) {
+      uint32_t a[kMF][4];
+#pragma unroll
+      for (int mf = 0; mf < kMF; ++mf) p_fragment(s[mf], kk, a[mf]);
+      const int row = 16 * kk + ((mi & 1) << 3) + r8;
+#pragma unroll
+      for (int dp = 0; dp < kDTiles / 2; ++dp) {
+        uint32_t r[4];
+        ptx::ldmatrix_x4_trans(r, vs + row * kRowB + swizzle<kChunks>(row, 2 * dp + (mi >> 1)) * 16);
+#pragma unroll
+        for (int mf = 0; mf < kMF; ++mf) {
+          ptx::mma_16816<kBf16>(o[mf][2 * dp], a[mf][0], a[mf][1], a[mf][2], a[mf][3], r[0], r[1]);
+          ptx::mma_16816<kBf16>(o[mf][2 * dp + 1], a[mf][0], a[mf][1], a[mf][2], a[mf][3], r[2], r[3]);
+        }
+      }
+    }
+  }
+
+  // The same with the warpgroup's m64 MMAs: A = P from registers, B = V (MN-major: dims contiguous;
+  // 64-dim column blocks kTile * 128 bytes apart, 8-token atoms 1024 bytes apart).
+  static __device__ __forceinline__ void pv_wgmma(uint32_t vs, int t0, const float (&s)[kMF][kNTiles][4],
+                                                  float (&o)[kMF][kDTiles][4]) {
+    uint32_t a[kMF][kStep / 16][4];
+#pragma unroll
+    for (int mf = 0; mf < kMF; ++mf)
+#pragma unroll
+      for (int kk = 0; kk < kStep / 16; ++kk) p_fragment(s[mf], kk, a[mf][kk]);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < kStep / 16; ++kk) {
+      const uint64_t b = wgmma::desc(vs + (t0 + 16 * kk) * 128, kTile * 128, 1024);
+#pragma unroll
+      for (int mf = 0; mf < kMF; ++mf)
+        wgmma::Mma<kHeadDim, kBf16>::template rs<1>(reinterpret_cast<float(&)[kDTiles * 4]>(o[mf]), a[mf][kk], b, 1);
+    }
+    wgmma::commit();
+    wgmma::wait<0>();
+  }
+
+  // P's A fragment for k step kk (16 tokens): the C fragments of S's n tiles 2 kk and 2 kk + 1, packed.
+  static __device__ __forceinline__ void p_fragment(const float (&s)[kNTiles][4], int kk, uint32_t (&a)[4]) {
+    a[0] = ptx::pack2<kBf16>(s[2 * kk][0], s[2 * kk][1]);
+    a[1] = ptx::pack2<kBf16>(s[2 * kk][2], s[2 * kk][3]);
+    a[2] = ptx::pack2<kBf16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    a[3] = ptx::pack2<kBf16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+  }
+
+  // kMask: the per-element mask runs (else the tile is full, visible to every row, and the softmax works
+  // on raw logits with the scale folded into its exponent: one FFMA per element).
+  template <bool kMask>
+  static __device__ __forceinline__ void compute_tile(const Params& p, const VariantParams& vp, uint32_t qs,
+                                                      uint32_t ks, uint32_t vs, int t0, const Work& w, int tile_begin,
+                                                      int n_valid, int kv_head, float (&m_run)[kMF][2],
+                                                      float (&d_run)[kMF][2], float (&o)[kMF][kDTiles][4]) {
+    constexpr bool kRaw = !kMask && !Variant::kHasLogitsTransform;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c = lane & 3;
+    float s[kMF][kNTiles][4];
+    if constexpr (kWgmma) qk_wgmma(qs, ks, t0, s);
+    else qk_sync(qs, ks, t0, s);
 
     // ---- logits: scale, LogitsTransform, LogitsMask (natural units); log2 units for softmax
     const float scale_log2 = p.logits_scale * kLog2e;
@@ -288,7 +409,7 @@ struct Kernel {
       for (int hf = 0; hf < 2; ++hf) {
         constexpr bool kCtx = Variant::kHasLogitsMask || Variant::kHasLogitsTransform;  // hooks see LogitsCtx
         RowInfo ri;
-        if constexpr (kMask || kCtx) ri = E::row_info(w, 16 * (kMF * warp + mf) + 8 * hf + g);
+        if constexpr (kMask || kCtx) ri = E::row_info(w, frag_row0(warp, mf) + 8 * hf + g);
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
@@ -366,29 +487,8 @@ struct Kernel {
       }
     }
 
-    // ---- O += P V: P's A fragment is S's C fragment of two n tiles; V's B fragments by ldmatrix.trans
-#pragma unroll
-    for (int kk = 0; kk < kStep / 16; ++kk) {
-      uint32_t a[kMF][4];
-#pragma unroll
-      for (int mf = 0; mf < kMF; ++mf) {
-        a[mf][0] = ptx::pack2<kBf16>(s[mf][2 * kk][0], s[mf][2 * kk][1]);
-        a[mf][1] = ptx::pack2<kBf16>(s[mf][2 * kk][2], s[mf][2 * kk][3]);
-        a[mf][2] = ptx::pack2<kBf16>(s[mf][2 * kk + 1][0], s[mf][2 * kk + 1][1]);
-        a[mf][3] = ptx::pack2<kBf16>(s[mf][2 * kk + 1][2], s[mf][2 * kk + 1][3]);
-      }
-      const int row = 16 * kk + ((mi & 1) << 3) + r8;
-#pragma unroll
-      for (int dp = 0; dp < kDTiles / 2; ++dp) {
-        uint32_t r[4];
-        ptx::ldmatrix_x4_trans(r, vs + row * kRowB + swizzle<kChunks>(row, 2 * dp + (mi >> 1)) * 16);
-#pragma unroll
-        for (int mf = 0; mf < kMF; ++mf) {
-          ptx::mma_16816<kBf16>(o[mf][2 * dp], a[mf][0], a[mf][1], a[mf][2], a[mf][3], r[0], r[1]);
-          ptx::mma_16816<kBf16>(o[mf][2 * dp + 1], a[mf][0], a[mf][1], a[mf][2], a[mf][3], r[2], r[3]);
-        }
-      }
-    }
+    if constexpr (kWgmma) pv_wgmma(vs, t0, s, o);
+    else pv_sync(vs, t0, s, o);
   }
 
   // ------------------------------------------------------------------ the kernel
@@ -407,12 +507,14 @@ struct Kernel {
 
 
     float m_run[kMF][2], d_run[kMF][2], o[kMF][kDTiles][4];
-    constexpr int kWarpRows = 16 * kMF;
+    constexpr int kUnitRows = Cfg::kUnitRows;
+    const int unit = warp / kUnitWarps;  // a warp, or a warpgroup with wgmma: they skip steps together
 
     for (int j = 0;; ++j) {
       uint8_t* stage = smem + (j % kStages) * Cfg::kStageBytes;
       L::before_barrier(p, smem, kv_head, j, page, slot);
       ptx::cp_async_wait<kStages - 2>();
+      if constexpr (kWgmma) wgmma::fence_proxy_async();  // the landed tile, for the tensor cores' reads
       __syncthreads();
       L::step(p, vp, smem, kv_head, j, cur, page, slot);
 
@@ -420,12 +522,12 @@ struct Kernel {
       const int flags = rec->flags;
       if (flags & kEnd) break;
       const Work& w = rec->w;
-      // The warp's real rows: packed rows [first_pr, first_pr + kWarpRows) clipped to the sub-item.
-      const int first_pr = kWarpRows * warp;
-      const int last_r = min((first_pr + kWarpRows - 1) / kHPC, w.nrows - 1);
-      const bool warp_active = first_pr < Cfg::kPackedRows && first_pr / kHPC < w.nrows;
+      // The unit's real rows: packed rows [first_pr, first_pr + kUnitRows) clipped to the sub-item.
+      const int first_pr = kUnitRows * unit;
+      const int last_r = min((first_pr + kUnitRows - 1) / kHPC, w.nrows - 1);
+      const bool unit_active = first_pr < Cfg::kPackedRows && first_pr / kHPC < w.nrows;
       if (flags & kFirst) {
-        if (warp_active) load_q(p, vp, w, qbuf);
+        if (unit_active) load_q(p, vp, w, qbuf);
 #pragma unroll
         for (int mf = 0; mf < kMF; ++mf) {
           m_run[mf][0] = m_run[mf][1] = -INFINITY;
@@ -440,6 +542,7 @@ struct Kernel {
       uint32_t ks = ptx::smem_u32(stage), vs = ks + Cfg::kKvTileBytes;
       if constexpr (kConvert) {
         convert_tile(vp, stage, cbuf, rec, kv_head);
+        if constexpr (kWgmma) wgmma::fence_proxy_async();
         __syncthreads();
         if constexpr (kFp8) {
           ks = ptx::smem_u32(cbuf);
@@ -447,23 +550,21 @@ struct Kernel {
         }
       }
       // The tile in compute steps of kStep tokens (S of a step in registers). Causal: a step wholly past
-      // the warp's last row is skipped; one wholly at or before its first row needs no mask, nor does a
+      // the unit's last row is skipped; one wholly at or before its first row needs no mask, nor does a
       // full step without a LogitsMask (padding rows compute on zero queries and are never written).
       const int climit_lo = w.kv_len - w.q_len + w.q_idx0 + first_pr / kHPC;
       const int climit_hi = w.kv_len - w.q_len + w.q_idx0 + last_r;
-      constexpr int kRowB = kConvert ? Cfg::kCRowBytes : Cfg::kRowBytes;
 #pragma unroll 1
       for (int st = 0; st < kTile / kStep; ++st) {
         const int step_begin = rec->tile_kv_begin + st * kStep, n_valid = rec->n_valid - st * kStep;
-        if (!warp_active || n_valid <= 0 || (p.causal && step_begin > climit_hi)) break;
+        if (!unit_active || n_valid <= 0 || (p.causal && step_begin > climit_hi)) break;
         // (a non-positive scale would break the raw-logit maximum: it takes the masked path)
         const bool need_mask = Variant::kHasLogitsMask || n_valid < kStep ||
                                (p.causal && step_begin + kStep - 1 > climit_lo) || !(p.logits_scale > 0.f);
-        const uint32_t off = st * kStep * kRowB;
         if (need_mask)
-          compute_tile<true>(p, vp, qs, ks + off, vs + off, w, step_begin, n_valid, kv_head, m_run, d_run, o);
+          compute_tile<true>(p, vp, qs, ks, vs, st * kStep, w, step_begin, n_valid, kv_head, m_run, d_run, o);
         else
-          compute_tile<false>(p, vp, qs, ks + off, vs + off, w, step_begin, n_valid, kv_head, m_run, d_run, o);
+          compute_tile<false>(p, vp, qs, ks, vs, st * kStep, w, step_begin, n_valid, kv_head, m_run, d_run, o);
       }
 
       if (flags & kLast) finish(p, vp, w, m_run, d_run, o, merge_flags);
@@ -485,7 +586,7 @@ struct Kernel {
       for (int hf = 0; hf < 2; ++hf) {
         d_run[mf][hf] += __shfl_xor_sync(0xffffffffu, d_run[mf][hf], 1);
         d_run[mf][hf] += __shfl_xor_sync(0xffffffffu, d_run[mf][hf], 2);
-        const RowInfo ri = E::row_info(w, 16 * (kMF * warp + mf) + 8 * hf + g);
+        const RowInfo ri = E::row_info(w, frag_row0(warp, mf) + 8 * hf + g);
         if (!ri.valid) continue;
         float scale = p.v_scale, lse_val = 0.f;
         if constexpr (Variant::kUseSoftmax) {

@@ -21,7 +21,8 @@
 // kRowsPerTile (query rows per sub-item), kHeadsPerChunk, kPackedRows, kRows (packed rows of the stage's
 // query slot), kQSlotBytes (0: no query slot; the kernel loads queries itself), kRowBytes,
 // kChunksPerRow, kRowsPerRound, kTokensPerThread, kKvTileBytes, kStages, kStageBytes, kRowOffsetsAt (2 kTile
-// int64 of shared memory for the published row offsets).
+// int64 of shared memory for the published row offsets), tile_offset(row, chunk) (where the loader puts a
+// 16-byte chunk of a tile row).
 // Epilogue (below) also needs kKSteps, kFragFp8 and kQBf16.
 #pragma once
 
@@ -149,6 +150,19 @@ __device__ __forceinline__ int swizzle(int row, int chunk) {
     return chunk ^ ((row >> 1) & 3);
   }
 }
+// Byte offset of 16-byte chunk `chunk` of row `row` in a row-major tile of kRowBytes rows, swizzled
+// for ldmatrix (the mma.sync kernels' layout).
+template <int kRowBytes>
+__device__ __forceinline__ int rowmajor_offset(int row, int chunk) {
+  return row * kRowBytes + swizzle<kRowBytes / 16>(row, chunk) * 16;
+}
+// The same tile as Hopper's wgmma reads it (csrc/attention/wgmma.cuh): column blocks of 128 bytes (64
+// 16-bit elements), each [kRows][128 bytes] with the 128-byte swizzle (chunk c of row r at c ^ r % 8).
+template <int kRows>
+__device__ __forceinline__ int colblock_offset(int row, int chunk) {
+  return (chunk >> 3) * (kRows * 128) + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
+}
+
 __device__ __forceinline__ void report(int32_t* flags, int32_t bit) {
   if (flags != nullptr) atomicOr(flags, bit);
 }
@@ -370,7 +384,7 @@ struct Loader {
       const int64_t row_off = offs[row];
       const bool ok = row_off >= 0;
       const int64_t off = ok ? row_off + chunk * 16 : 0;
-      const uint32_t dst = row * Cfg::kRowBytes + swizzle<Cfg::kChunksPerRow>(row, chunk) * 16;
+      const uint32_t dst = Cfg::tile_offset(row, chunk);
       ptx::cp_async_16<FI_DECODE_L2_PREFETCH>(ks + dst, kbase + off, ok);
       ptx::cp_async_16<FI_DECODE_L2_PREFETCH>(vs + dst, vbase + off, ok);
     }
