@@ -11,7 +11,7 @@ import time
 sys.path.insert(0, ".")
 from fi_backend import kernels, variants as V  # noqa: E402
 from fi_backend.kernels.sets import specs_of  # noqa: E402
-from fi_backend.wrappers import decode_spec, prefill_family_size, prefill_spec  # noqa: E402
+from fi_backend.wrappers import decode_spec, prefill_family_shapes, prefill_family_size, prefill_spec  # noqa: E402
 
 _VARIANTS = ("default", "soft_cap", "window", "alibi", "sigmoid", "custom_mask", "rope", "rope_interleave",
              "soft_cap_window", "rope_window")
@@ -35,6 +35,10 @@ def specs():
             add(V.BUILTIN_VARIANTS[name], 128, "bf16", "bf16", 1)
         add(V.ROPE, 128, "bf16", "fp8_e4m3", 4)
         add(V.ROPE, 128, "bf16", "bf16", 4)
+    for D in (64, 128, 256):  # the mma.sync family on the H100 (test_mma_sync_family)
+        out.extend(prefill_spec(V.DEFAULT, D, "bf16", "bf16", 4, tuning=t) for t in prefill_family_shapes(D, "bf16", wgmma=False))
+    out.append(prefill_spec(V.DEFAULT, 128, "bf16", "fp8_e4m3", 4, tuning=prefill_family_shapes(128, "fp8_e4m3", wgmma=False)[0]))
+    out.append(prefill_spec(V.ROPE, 128, "bf16", "bf16", 4, tuning=prefill_family_shapes(128, "bf16", wgmma=False)[0]))
     seen, uniq = set(), []
     for s in out:
         if s.memo_key not in seen:

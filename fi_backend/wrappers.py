@@ -140,10 +140,20 @@ def decode_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, gr
 # that still gives every CTA FAMILY_TILES_PER_CTA query tiles, else the smallest. Measured at 32/8 heads
 # (causal, ms, 256-row vs 128-row tiles): 1x1291 0.118 vs 0.096, 8x300 0.085 vs 0.063, 1x256 0.061 vs
 # 0.057; 4x1291 0.275 vs 0.300, 64x64 0.067 vs 0.072, 2x4096 0.98 vs 1.22.
-_PREFILL_SHAPES = {
+_PREFILL_SHAPES_SYNC = {
     (64, 2): [(8, 1, 64, 3, 64)], (64, 1): [(8, 1, 64, 3, 64)],
     (128, 2): [(8, 2, 64, 2, 64), (8, 1, 64, 3, 64)], (128, 1): [(8, 2, 64, 2, 64), (8, 1, 64, 3, 64)],
     (256, 2): [(4, 1, 32, 2, 32)], (256, 1): [(4, 1, 32, 2, 32)],
+}
+# Hopper (modules built for sm_90a only, prefill_uses_wgmma): warpgroup MMAs, the same tuple fields; a
+# fragment is one m64 MMA of a warpgroup (64 rows), compute steps of 64 tokens at least (the MMA's n).
+# Measured on the H100 as above: 8 warps x 2 fragments, 64-token tiles, 2 stages 0.81 / 0.94 / 1.07 (one
+# fragment's softmax not yet overlapped with the other's MMAs); 8 x 1 with 128-token tiles 0.60 / 0.61 /
+# 0.84, with 64-token tiles and 3 stages 0.71 / 0.77 / 0.82; 4 x 2 with 2 CTAs per SM 0.70 / 0.84 / 0.95.
+_PREFILL_SHAPES_WGMMA = {
+    (64, 2): [(8, 2, 64, 2, 64), (8, 1, 64, 3, 64)], (64, 1): [(8, 2, 64, 2, 64), (8, 1, 64, 3, 64)],
+    (128, 2): [(8, 2, 64, 2, 64), (8, 1, 64, 3, 64)], (128, 1): [(8, 2, 64, 2, 64), (8, 1, 64, 3, 64)],
+    (256, 2): [(8, 1, 64, 2, 64)], (256, 1): [(8, 1, 64, 2, 64)],
 }
 FAMILY_TILES_PER_CTA = 3
 PREFILL_MAX_HEADS_PER_CHUNK = 16
@@ -155,14 +165,31 @@ def _prefill_shape(head_dim: int, kv_bytes: int, group: int, member: int = 0) ->
     fragments per warp), tile (KV tokens per stage), stages, step (KV tokens per compute step, a divisor
     of the tile)."""
     hpc = max(d for d in range(1, min(group, PREFILL_MAX_HEADS_PER_CHUNK) + 1) if group % d == 0)
-    warps, mfrags, tile, stages, step = _PREFILL_SHAPES[(head_dim, kv_bytes)][member]
-    return {"hpc": hpc, "warps": warps, "mfrags": mfrags, "tile": tile, "stages": stages, "step": step, "wgmma": 0}
+    return {"hpc": hpc, **_prefill_family(head_dim, kv_bytes)[member]}
 
 
-def prefill_family_shapes(head_dim: int, kv_dtype: str) -> list:
-    """The prefill tile family's shapes as tuning dicts, largest query tile first."""
+def prefill_uses_wgmma() -> bool:
+    """Whether prefill modules use Hopper's warpgroup MMAs: when every architecture they are built for
+    ($FI_BACKEND_CUDA_ARCH_LIST, else the current device) is sm_90a, the only one that has them."""
+    try:
+        archs = kernels.resolve_arch_list()
+    except RuntimeError:  # no device and no arch list: nothing is built here
+        return False
+    return all(a == "90a" for a in archs)
+
+
+def _prefill_family(head_dim: int, kv_bytes: int, wgmma: Optional[bool] = None) -> list:
+    if wgmma is None:
+        wgmma = prefill_uses_wgmma()
+    table = _PREFILL_SHAPES_WGMMA if wgmma else _PREFILL_SHAPES_SYNC
     keys = ("warps", "mfrags", "tile", "stages", "step")
-    return [dict(zip(keys, s)) for s in _PREFILL_SHAPES[(head_dim, 1 if kv_dtype.startswith("fp8") else 2)]]
+    return [{**dict(zip(keys, s)), "wgmma": int(wgmma)} for s in table[(head_dim, kv_bytes)]]
+
+
+def prefill_family_shapes(head_dim: int, kv_dtype: str, wgmma: Optional[bool] = None) -> list:
+    """The prefill tile family's shapes as tuning dicts, largest query tile first: Hopper's warpgroup-MMA
+    family when the modules are built for sm_90a only (wgmma None: decide so), else the mma.sync one."""
+    return _prefill_family(head_dim, 1 if kv_dtype.startswith("fp8") else 2, wgmma)
 
 
 def prefill_family_size(head_dim: int, kv_dtype: str, tuning: Optional[dict] = None) -> int:
@@ -184,7 +211,7 @@ def _prefill_smem_bytes(head_dim: int, kv_bytes: int, shape: dict) -> int:
 def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, group: int, *,
                  tuning: Optional[dict] = None, member: int = 0) -> kernels.ModuleSpec:
     """The JIT module of the prefill kernel for one (variant, head_dim, dtypes, GQA group), tile family
-    member `member` (0: the largest query tile; see _PREFILL_SHAPES).
+    member `member` (0: the largest query tile; see _PREFILL_SHAPES_SYNC / _WGMMA).
     tuning (benchmarks): overrides of warps / mfrags / tile / stages / step (default: min(step, tile)) / wgmma
     (1: Hopper warpgroup MMAs, sm_90a only), and
     min_blocks (CTAs per SM the register budget is cut for; default 1: the kernel's own need)."""
@@ -200,6 +227,9 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     if unknown:
         raise ValueError(f"unknown prefill tuning keys {sorted(unknown)}")
     shape.update(tuning)
+    if shape["wgmma"] and not prefill_uses_wgmma():
+        raise ValueError("tuning wgmma=1 needs modules built for sm_90a only: set FI_BACKEND_CUDA_ARCH_LIST=90a, or "
+                         "leave it unset with an H100 / H200 as the current device")
     if "step" not in tuning:
         shape["step"] = min(shape["step"], shape["tile"])
     smem = _prefill_smem_bytes(head_dim, kv_bytes, shape)

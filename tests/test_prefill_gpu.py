@@ -237,6 +237,25 @@ def test_tile_family_picks_per_step():
     attn.release_graph()
 
 
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_mma_sync_family(D):
+    """The mma.sync family, which every GPU but Hopper runs, checked on the H100 too (Hopper's default is the
+    warpgroup-MMA family): each member against the reference; fp8 KV and RoPE (the converted-tile path) at
+    D 128."""
+    from fi_backend.wrappers import prefill_family_shapes
+    q_lens, kv_lens = _batch(D // 64)
+    for shape in prefill_family_shapes(D, "bf16", wgmma=False):
+        attn = prefill(8, 2, D, page_size=16, tuning=shape)
+        run_case(attn, kv_lens, q_lens, dtype=torch.bfloat16, causal=True, what=f"mma.sync {shape} D={D}")
+    if D == 128:
+        shape = prefill_family_shapes(D, "fp8_e4m3", wgmma=False)[0]
+        attn = prefill(8, 2, D, kv_dtype=torch.float8_e4m3fn, page_size=16, tuning=shape)
+        run_case(attn, [1200, 17, 3000], [1000, 17, 3], dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn,
+                 causal=True, k_scale=0.37, v_scale=1.9, what=f"mma.sync {shape} fp8")
+        attn = prefill(8, 2, D, page_size=16, variant=V.ROPE, tuning=prefill_family_shapes(D, "bf16", wgmma=False)[0])
+        run_variant_case(attn, "rope_llama31", [1000, 17, 300], [1000, 3, 128], torch.bfloat16)
+
+
 def test_workspace_tile_too_small():
     from fi_backend.workspace import Workspace
     from fi_backend.wrappers import BatchAttention

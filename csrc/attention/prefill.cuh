@@ -15,12 +15,20 @@
 // Every warp reads the whole K and V tile from shared memory; two m fragments per warp (each K/V
 // fragment feeds two MMAs) halve those reads. That fits in 255 registers at head_dim 128 once the
 // loader keeps little state (one page lookup per KV row, published through shared memory; the cursor
-// holds only what the loader needs): 8 warps x 32 rows, 64-token tiles, 2 stages is the default,
-// measured at 0.64-0.83x FlashInfer's FA2 (fi_backend/wrappers.py _PREFILL_SHAPES has the sweep). ncu on
-// 4x4k before the last loader change: 4.8 instructions per MMA, top stalls fixed-latency dependencies,
-// then the per-tile barrier (warps wait for the slowest) and short scoreboard. Next: a producer warp
-// group with setmaxnreg and mbarrier stage hand-off instead of one CTA barrier per tile; wgmma/TMA is
-// the FA3 route. Q lives in shared memory.
+// holds only what the loader needs). ncu on 4x4k: 4.8 instructions per MMA, top stalls fixed-latency
+// dependencies, the per-tile barrier and short scoreboard; the shared-memory reads of the fragments
+// bound it at about 0.65-0.85x FlashInfer's FA2 on the H100.
+//
+// Hopper (Cfg::kWgmma, sm_90a): the same loop with warpgroup MMAs (wgmma.cuh). A warpgroup's 4 warps
+// step through the tile together; its fragment mf is one m64 MMA (warp w holds rows 16 (w % 4) of it,
+// in the layout above, so masks, softmax, variants and the epilogue are shared). S = Q K^T reads Q and
+// K from shared memory through descriptors, O += P V takes P from registers and V from shared memory:
+// the tensor cores read the operands themselves, without the per-warp ldmatrix traffic. The loader and
+// the fp8 / RoPE pass write 16-bit tiles in wgmma's 128-byte-swizzled column blocks (Cfg::tile_offset);
+// shared memory written by ordinary stores or cp.async is fenced into the async proxy before the
+// barrier that publishes it. With two fragments a warpgroup overlaps one fragment's softmax with the
+// other's MMAs (compute_tile). Next: overlap across steps (S of the next step during this one's P.V),
+// a producer warp with TMA or its own barriers instead of one CTA barrier per tile.
 // MMAs run in the query's type. fp8 KV and key transforms (RoPE) go through one pass over the landed
 // tile: fp8 is converted exactly into a 16-bit copy (e4m3 and e5m2 are exact in bf16 and fp16), a
 // KeyTransform rotates K in fp32 in that pass; the per-tensor scales fold into the logits scale and
@@ -310,25 +318,19 @@ struct Kernel {
     }
   }
 
-  // The same with the warpgroup's m64 MMAs: A = the Q buffer's 64 rows of fragment mf, B = K (K-major:
-  // rows of the tile, 8-row atoms 1024 bytes apart), both through descriptors; a k step of 16 dims is
-  // 32 bytes into a 128-byte column block.
-  static __device__ __forceinline__ void qk_wgmma(uint32_t qs, uint32_t ks, int t0, float (&s)[kMF][kNTiles][4]) {
+  // The same with the warpgroup's m64 MMAs, fragment mf (issued, not waited for): A = the Q buffer's 64
+  // rows of the fragment, B = K (K-major: rows of the tile, 8-row atoms 1024 bytes apart), both through
+  // descriptors; a k step of 16 dims is 32 bytes into a 128-byte column block.
+  static __device__ __forceinline__ void qk_wgmma(uint32_t qs, uint32_t ks, int t0, int mf, float (&s)[kNTiles][4]) {
     const int unit = threadIdx.x >> 7;
-    wgmma::fence();
 #pragma unroll
     for (int kstep = 0; kstep < kKSteps; ++kstep) {
       const uint32_t kcol = (kstep >> 2) * (kTile * 128) + (kstep & 3) * 32;
+      const uint32_t qcol = (kstep >> 2) * (Cfg::kTileRows * 128) + (kstep & 3) * 32;
+      const uint64_t a = wgmma::desc(qs + qcol + 64 * (kMF * unit + mf) * 128, 16, 1024);
       const uint64_t b = wgmma::desc(ks + kcol + t0 * 128, 16, 1024);
-#pragma unroll
-      for (int mf = 0; mf < kMF; ++mf) {
-        const uint32_t qcol = (kstep >> 2) * (Cfg::kTileRows * 128) + (kstep & 3) * 32;
-        const uint64_t a = wgmma::desc(qs + qcol + 64 * (kMF * unit + mf) * 128, 16, 1024);
-        wgmma::Mma<kStep, kBf16>::template ss<0>(reinterpret_cast<float(&)[kNTiles * 4]>(s[mf]), a, b, kstep > 0);
-      }
+      wgmma::Mma<kStep, kBf16>::template ss<0>(reinterpret_cast<float(&)[kNTiles * 4]>(s), a, b, kstep > 0);
     }
-    wgmma::commit();
-    wgmma::wait<0>();
   }
 
   // O += P V (mma.sync): P's A fragment is S's C fragment of two n tiles; V's B fragments by ldmatrix.trans.
@@ -357,25 +359,20 @@ struct Kernel {
     }
   }
 
-  // The same with the warpgroup's m64 MMAs: A = P from registers, B = V (MN-major: dims contiguous;
-  // 64-dim column blocks kTile * 128 bytes apart, 8-token atoms 1024 bytes apart).
-  static __device__ __forceinline__ void pv_wgmma(uint32_t vs, int t0, const float (&s)[kMF][kNTiles][4],
-                                                  float (&o)[kMF][kDTiles][4]) {
-    uint32_t a[kMF][kStep / 16][4];
+  // The same with the warpgroup's m64 MMAs, one fragment (issued, not waited for): A = P from registers,
+  // B = V (MN-major: dims contiguous; 64-dim column blocks kTile * 128 bytes apart, 8-token atoms 1024
+  // bytes apart).
+  static __device__ __forceinline__ void pv_wgmma(uint32_t vs, int t0, const float (&s)[kNTiles][4],
+                                                  float (&o)[kDTiles][4]) {
+    uint32_t a[kStep / 16][4];
 #pragma unroll
-    for (int mf = 0; mf < kMF; ++mf)
-#pragma unroll
-      for (int kk = 0; kk < kStep / 16; ++kk) p_fragment(s[mf], kk, a[mf][kk]);
-    wgmma::fence();
+    for (int kk = 0; kk < kStep / 16; ++kk) p_fragment(s, kk, a[kk]);
+    wgmma::fence();  // P and the rescaled O, written by this thread, before the MMAs read them
 #pragma unroll
     for (int kk = 0; kk < kStep / 16; ++kk) {
       const uint64_t b = wgmma::desc(vs + (t0 + 16 * kk) * 128, kTile * 128, 1024);
-#pragma unroll
-      for (int mf = 0; mf < kMF; ++mf)
-        wgmma::Mma<kHeadDim, kBf16>::template rs<1>(reinterpret_cast<float(&)[kDTiles * 4]>(o[mf]), a[mf][kk], b, 1);
+      wgmma::Mma<kHeadDim, kBf16>::template rs<1>(reinterpret_cast<float(&)[kDTiles * 4]>(o), a[kk], b, 1);
     }
-    wgmma::commit();
-    wgmma::wait<0>();
   }
 
   // P's A fragment for k step kk (16 tokens): the C fragments of S's n tiles 2 kk and 2 kk + 1, packed.
@@ -386,109 +383,133 @@ struct Kernel {
     a[3] = ptx::pack2<kBf16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
   }
 
-  // kMask: the per-element mask runs (else the tile is full, visible to every row, and the softmax works
-  // on raw logits with the scale folded into its exponent: one FFMA per element).
+  // Scale, LogitsTransform and LogitsMask (natural units), then the online softmax in log2 units, of m
+  // fragment mf: S becomes P in place, O is rescaled. kMask: the per-element mask runs (else the step is
+  // full, visible to every row, and the softmax works on raw logits with the scale folded into its
+  // exponent: one FFMA per element).
+  template <bool kMask>
+  static __device__ __forceinline__ void softmax_frag(const Params& p, const VariantParams& vp, const Work& w,
+                                                      int tile_begin, int n_valid, int kv_head, int mf,
+                                                      float (&s)[kNTiles][4], float (&m_run)[2], float (&d_run)[2],
+                                                      float (&o)[kDTiles][4]) {
+    constexpr bool kRaw = !kMask && !Variant::kHasLogitsTransform;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c = lane & 3, g = lane >> 2;
+    const float scale_log2 = p.logits_scale * kLog2e;
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      constexpr bool kCtx = Variant::kHasLogitsMask || Variant::kHasLogitsTransform;  // hooks see LogitsCtx
+      RowInfo ri;
+      if constexpr (kMask || kCtx) ri = E::row_info(w, frag_row0(warp, mf) + 8 * hf + g);
+#pragma unroll
+      for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+        for (int e2 = 0; e2 < 2; ++e2) {
+          const int e = 2 * hf + e2;
+          const int t = 8 * nt + 2 * c + e2;
+          const int kv_idx = tile_begin + t;
+          bool ok = true;
+          LogitsCtx ctx;
+          if constexpr (kCtx) {
+            ctx = LogitsCtx{w.request, ri.q_row, ri.q_idx, ri.q_pos, kv_idx, w.pos_off + kv_idx,
+                            ri.qo_head, kv_head, w.q_len, w.kv_len};
+          }
+          if constexpr (kMask) {
+            ok = ri.valid && t < n_valid;
+            if (p.causal) ok = ok && kv_idx <= ri.climit;
+            if constexpr (Variant::kHasLogitsMask) ok = ok && Variant::logits_mask(vp, ctx);
+          }
+          const float x = s[nt][e];
+          float y;
+          if constexpr (Variant::kUseSoftmax) {
+            if constexpr (Variant::kHasLogitsTransform)
+              y = ok ? Variant::logits_transform(vp, x * p.logits_scale, ctx) * kLog2e : -INFINITY;
+            else if constexpr (kRaw)
+              y = x;
+            else
+              y = ok ? x * scale_log2 : -INFINITY;
+
+          } else {
+            if constexpr (Variant::kHasLogitsTransform)
+              y = ok ? Variant::logits_transform(vp, x * p.logits_scale, ctx) : 0.f;
+            else
+              y = ok ? x * p.logits_scale : 0.f;
+          }
+          s[nt][e] = y;
+        }
+    }
+
+    // ---- online softmax of rows g (hf 0) and g + 8 (hf 1); a row lives in the 4 lanes of a quad
+    if constexpr (Variant::kUseSoftmax) {
+      const float sl = kRaw ? scale_log2 : 1.f;  // raw logits -> log2 units
+      float alpha[2];
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        mx[hf] = row_max(s, hf);
+        mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 1));
+        mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 2));
+        const float m_new = fmaxf(m_run[hf], mx[hf] * sl);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;
+        alpha[hf] = ptx::exp2(m_run[hf] - m_use);
+        m_run[hf] = m_new;
+        // Four independent partial sums: one serial chain of FADDs would wait on each result.
+        float sum4[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float pe = ptx::exp2(fmaf(s[nt][2 * hf + e], sl, -m_use));
+            s[nt][2 * hf + e] = pe;
+            sum4[(2 * nt + e) & 3] += pe;
+          }
+        const float sum = (sum4[0] + sum4[1]) + (sum4[2] + sum4[3]);
+        d_run[hf] = d_run[hf] * alpha[hf] + sum;  // per lane; the quad's sum is taken at the end
+      }
+      // Once a row's maximum settles, alpha is 1: skip the rescale when it is for all of the warp's rows.
+      if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          o[dt][0] *= alpha[0];
+          o[dt][1] *= alpha[0];
+          o[dt][2] *= alpha[1];
+          o[dt][3] *= alpha[1];
+        }
+      }
+    }
+  }
+
+  // One compute step: kStep tokens from token t0 of the landed tile, for all of the unit's fragments.
+  // wgmma: a fragment's softmax runs while the tensor cores work on the other fragment's MMAs (S of all
+  // fragments issued first; before fragment mf's softmax, kMF - 1 groups may still be in flight: the
+  // later fragments' S and the earlier fragments' P.V).
   template <bool kMask>
   static __device__ __forceinline__ void compute_tile(const Params& p, const VariantParams& vp, uint32_t qs,
                                                       uint32_t ks, uint32_t vs, int t0, const Work& w, int tile_begin,
                                                       int n_valid, int kv_head, float (&m_run)[kMF][2],
                                                       float (&d_run)[kMF][2], float (&o)[kMF][kDTiles][4]) {
-    constexpr bool kRaw = !kMask && !Variant::kHasLogitsTransform;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c = lane & 3;
     float s[kMF][kNTiles][4];
-    if constexpr (kWgmma) qk_wgmma(qs, ks, t0, s);
-    else qk_sync(qs, ks, t0, s);
-
-    // ---- logits: scale, LogitsTransform, LogitsMask (natural units); log2 units for softmax
-    const float scale_log2 = p.logits_scale * kLog2e;
-    const int g = lane >> 2;
+    if constexpr (kWgmma) {
+      wgmma::fence();
 #pragma unroll
-    for (int mf = 0; mf < kMF; ++mf) {
-      float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        constexpr bool kCtx = Variant::kHasLogitsMask || Variant::kHasLogitsTransform;  // hooks see LogitsCtx
-        RowInfo ri;
-        if constexpr (kMask || kCtx) ri = E::row_info(w, frag_row0(warp, mf) + 8 * hf + g);
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-          for (int e2 = 0; e2 < 2; ++e2) {
-            const int e = 2 * hf + e2;
-            const int t = 8 * nt + 2 * c + e2;
-            const int kv_idx = tile_begin + t;
-            bool ok = true;
-            LogitsCtx ctx;
-            if constexpr (kCtx) {
-              ctx = LogitsCtx{w.request, ri.q_row, ri.q_idx, ri.q_pos, kv_idx, w.pos_off + kv_idx,
-                              ri.qo_head, kv_head, w.q_len, w.kv_len};
-            }
-            if constexpr (kMask) {
-              ok = ri.valid && t < n_valid;
-              if (p.causal) ok = ok && kv_idx <= ri.climit;
-              if constexpr (Variant::kHasLogitsMask) ok = ok && Variant::logits_mask(vp, ctx);
-            }
-            const float x = s[mf][nt][e];
-            float y;
-            if constexpr (Variant::kUseSoftmax) {
-              if constexpr (Variant::kHasLogitsTransform)
-                y = ok ? Variant::logits_transform(vp, x * p.logits_scale, ctx) * kLog2e : -INFINITY;
-              else if constexpr (kRaw)
-                y = x;
-              else
-                y = ok ? x * scale_log2 : -INFINITY;
-
-            } else {
-              if constexpr (Variant::kHasLogitsTransform)
-                y = ok ? Variant::logits_transform(vp, x * p.logits_scale, ctx) : 0.f;
-              else
-                y = ok ? x * p.logits_scale : 0.f;
-            }
-            s[mf][nt][e] = y;
-          }
+      for (int mf = 0; mf < kMF; ++mf) {
+        qk_wgmma(qs, ks, t0, mf, s[mf]);
+        wgmma::commit();
       }
-
-      // ---- online softmax of rows g (hf 0) and g + 8 (hf 1); a row lives in the 4 lanes of a quad
-      if constexpr (Variant::kUseSoftmax) {
-        const float sl = kRaw ? scale_log2 : 1.f;  // raw logits -> log2 units
-        float alpha[2];
 #pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-          mx[hf] = row_max(s[mf], hf);
-          mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 1));
-          mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 2));
-          const float m_new = fmaxf(m_run[mf][hf], mx[hf] * sl);
-          const float m_use = m_new == -INFINITY ? 0.f : m_new;
-          alpha[hf] = ptx::exp2(m_run[mf][hf] - m_use);
-          m_run[mf][hf] = m_new;
-          // Four independent partial sums: one serial chain of FADDs would wait on each result.
-          float sum4[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-          for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const float pe = ptx::exp2(fmaf(s[mf][nt][2 * hf + e], sl, -m_use));
-              s[mf][nt][2 * hf + e] = pe;
-              sum4[(2 * nt + e) & 3] += pe;
-            }
-          const float sum = (sum4[0] + sum4[1]) + (sum4[2] + sum4[3]);
-          d_run[mf][hf] = d_run[mf][hf] * alpha[hf] + sum;  // per lane; the quad's sum is taken at the end
-        }
-        // Once a row's maximum settles, alpha is 1: skip the rescale when it is for all of the warp's rows.
-        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-          for (int dt = 0; dt < kDTiles; ++dt) {
-            o[mf][dt][0] *= alpha[0];
-            o[mf][dt][1] *= alpha[0];
-            o[mf][dt][2] *= alpha[1];
-            o[mf][dt][3] *= alpha[1];
-          }
-        }
+      for (int mf = 0; mf < kMF; ++mf) {
+        wgmma::wait<kMF - 1>();
+        softmax_frag<kMask>(p, vp, w, tile_begin, n_valid, kv_head, mf, s[mf], m_run[mf], d_run[mf], o[mf]);
+        pv_wgmma(vs, t0, s[mf], o[mf]);
+        wgmma::commit();
       }
+      wgmma::wait<0>();
+    } else {
+      qk_sync(qs, ks, t0, s);
+#pragma unroll
+      for (int mf = 0; mf < kMF; ++mf)
+        softmax_frag<kMask>(p, vp, w, tile_begin, n_valid, kv_head, mf, s[mf], m_run[mf], d_run[mf], o[mf]);
+      pv_sync(vs, t0, s, o);
     }
-
-    if constexpr (kWgmma) pv_wgmma(vs, t0, s, o);
-    else pv_sync(vs, t0, s, o);
   }
 
   // ------------------------------------------------------------------ the kernel
