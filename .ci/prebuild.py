@@ -5,10 +5,12 @@ $FI_BACKEND_CACHE_DIR (then pack it for the GPU machine: see .ci/gpu). Usage:
 Keep in step with tests/test_decode_gpu.py, tests/test_prefill_gpu.py and perf/."""
 import argparse
 import itertools
+import os
 import sys
 import time
 
 sys.path.insert(0, ".")
+os.environ.setdefault("FI_BACKEND_CUDA_ARCH_LIST", "90a")  # the GPU machine's H100; names the modules for --list too
 from fi_backend import kernels, variants as V  # noqa: E402
 from fi_backend.kernels.sets import specs_of  # noqa: E402
 from fi_backend.wrappers import decode_spec, prefill_family_shapes, prefill_family_size, prefill_spec  # noqa: E402
