@@ -147,11 +147,12 @@ _PREFILL_SHAPES_SYNC = {
 }
 # Hopper (modules built for sm_90a only, prefill_uses_wgmma): warpgroup MMAs, the same tuple fields; a
 # fragment is one m64 MMA of a warpgroup (64 rows), compute steps of 64 tokens at least (the MMA's n).
-# Measured on the H100 as above: 8 warps x 2 fragments, 64-token tiles, 2 stages 0.81 / 0.94 / 1.07 (one
-# fragment's softmax not yet overlapped with the other's MMAs); 8 x 1 with 128-token tiles 0.60 / 0.61 /
-# 0.84, with 64-token tiles and 3 stages 0.71 / 0.77 / 0.82; 4 x 2 with 2 CTAs per SM 0.70 / 0.84 / 0.95.
+# Measured on the H100 as above: 8 warps x 2 fragments, 64-token tiles, 2 stages 0.81 / 0.94 / 1.07 before
+# one fragment's softmax overlapped the other's MMAs, 0.79 / 0.95 / 1.04-1.09 after (32/8 heads: 0.81 /
+# 1.04 / 1.10); 8 x 1 with 128-token tiles 0.60 / 0.61 / 0.84, with 64-token tiles and 3 stages 0.71 /
+# 0.77 / 0.82; 4 x 2 with 2 CTAs per SM 0.70 / 0.84 / 0.95.
 _PREFILL_SHAPES_WGMMA = {
-    (64, 2): [(8, 2, 64, 2, 64), (8, 1, 64, 3, 64)], (64, 1): [(8, 2, 64, 2, 64), (8, 1, 64, 3, 64)],
+    (64, 2): [(8, 2, 64, 2, 64)], (64, 1): [(8, 2, 64, 2, 64)],  # (8 x 1 would fit 2 CTAs per SM: not a member)
     (128, 2): [(8, 2, 64, 2, 64), (8, 1, 64, 3, 64)], (128, 1): [(8, 2, 64, 2, 64), (8, 1, 64, 3, 64)],
     (256, 2): [(8, 1, 64, 2, 64)], (256, 1): [(8, 1, 64, 2, 64)],
 }
