@@ -22,6 +22,9 @@ user's. A hook is the BODY of a C++ function (the signature is fixed by the hook
   unnormalised, and there is no LSE (sigmoid attention).
 * kv_range is an optimisation: KV positions outside [lo, hi) must already be masked for every query
   position in [q_pos_min, q_pos_max]; tiles outside are then never loaded.
+* mask_is_kv_range=True (a sliding window) says more: logits_mask is exactly "kv_pos in [lo, hi) of
+  kv_range(q_pos, q_pos)" for the query's own position, and lo and hi never decrease as q_pos grows.
+  The prefill kernel then runs the per-element mask only on steps that cross some row's range edge.
 * params are the variant's extra kernel arguments, by name: `params.<name>`. Scalars: "float",
   "int" (int32). Tensors (device pointers): "float32[]", "float64[]", "int32[]", "int64[]", "uint8[]",
   "bfloat16[]", "float16[]". Values are passed to BatchAttention.plan(...) by the same names.
@@ -120,6 +123,7 @@ class Variant:
     defaults          {name: value} for params a caller may omit
     use_softmax       False for sigmoid-style attention (no normalisation, no LSE)
     rotary_interleave pairing of dimensions for query/key transforms (False: (d, d + D/2))
+    mask_is_kv_range  logits_mask is exactly the kv_range interval at the query's position (see above)
     prepare           optional Python callable (head_dim, device, kwargs) -> kwargs that turns
                       caller-facing arguments into kernel params (e.g. RoPE settings -> a table)
     hooks             each a body string or a tuple of bodies applied in order
@@ -130,6 +134,7 @@ class Variant:
     defaults: Mapping[str, object] = field(default_factory=dict)
     use_softmax: bool = True
     rotary_interleave: bool = False
+    mask_is_kv_range: bool = False
     query_transform: Tuple[str, ...] = ()
     key_transform: Tuple[str, ...] = ()
     logits_transform: Tuple[str, ...] = ()
@@ -165,6 +170,8 @@ class Variant:
             object.__setattr__(self, hook, bodies)
         object.__setattr__(self, "prepare", _as_tuple(self.prepare) if not callable(self.prepare)
                            else (self.prepare,))
+        if self.mask_is_kv_range and not (self.logits_mask and self.kv_range):
+            raise VariantError(f"variant {self.name}: mask_is_kv_range needs both a logits_mask and a kv_range hook")
 
     # -------------------------------------------------------------------------------- rendering
 
@@ -178,6 +185,7 @@ class Variant:
         lines = [
             f"  static constexpr bool kUseSoftmax = {'true' if self.use_softmax else 'false'};",
             f"  static constexpr bool kRotaryInterleave = {'true' if self.rotary_interleave else 'false'};",
+            f"  static constexpr bool kMaskIsKvRange = {'true' if self.mask_is_kv_range else 'false'};",
         ]
         for hook, (ret, args, flag) in HOOKS.items():
             bodies = getattr(self, hook)
@@ -249,6 +257,9 @@ def combine(*variants: Variant, name: Optional[str] = None) -> Variant:
         name or "_".join(v.name for v in variants if v.name != "default") or "default",
         params=params, defaults=defaults, use_softmax=all(v.use_softmax for v in variants),
         rotary_interleave=interleave.pop() if interleave else False,
+        # the ANDed masks are the intersected ranges when every masking variant's mask is its range
+        mask_is_kv_range=any(v.logits_mask for v in variants) and all(
+            v.mask_is_kv_range for v in variants if v.logits_mask or v.kv_range),
         prepare=sum((v.prepare for v in variants), ()), **kwargs)
 
 
@@ -343,12 +354,12 @@ DEFAULT = Variant("default")
 
 SOFT_CAP = Variant(
     "soft_cap", params={"logits_soft_cap": "float"},
-    logits_transform="return params.logits_soft_cap * tanhf(logits / params.logits_soft_cap);")
+    logits_transform="return params.logits_soft_cap * fi::tanh_fast(logits * __frcp_rn(params.logits_soft_cap));")
 
 SLIDING_WINDOW = Variant(
     "window", params={"window_left": "int"},
     logits_mask="return params.window_left < 0 || ctx.kv_pos >= ctx.q_pos - params.window_left;",
-    kv_range="if (params.window_left >= 0) lo = max(lo, q_pos_min - params.window_left);")
+    kv_range="if (params.window_left >= 0) lo = max(lo, q_pos_min - params.window_left);", mask_is_kv_range=True)
 
 ALIBI = Variant(
     "alibi", params={"alibi_slopes": "float32[]"},

@@ -77,6 +77,18 @@ def test_variants(name, dtype):
     run_variant_case(attn, name, [1500, 3, 1017, 4000, 300], [1, 3, 17, 128, 300], dtype)
 
 
+@pytest.mark.parametrize("window", [700, 64])
+def test_long_sliding_window(window):
+    """A window wider than the compute steps: steps wholly inside every row's window skip the mask
+    (mask_is_kv_range), steps across a row's edge or the diagonal keep it; GQA group 4 packs heads."""
+    attn = prefill(16, 4, 128, page_size=16, variant=V.SLIDING_WINDOW)
+    run_case(attn, [2500, 3000, 300], [2000, 1, 300], dtype=torch.bfloat16, causal=True,
+             variant_kw={"window_left": window}, ref_kw={"window_left": window}, what=f"window {window}")
+    attn = prefill(8, 8, 128, page_size=1, variant=V.SLIDING_WINDOW)
+    run_case(attn, [3000], [3000], dtype=torch.bfloat16, causal=False, variant_kw={"window_left": window},
+             ref_kw={"window_left": window}, what=f"window {window} non-causal")
+
+
 def test_rope_fp8():
     import fi_backend.reference as ref
     cfg = ref.RopeConfig(theta=500000.0, llama31=ref.Llama31Scaling())

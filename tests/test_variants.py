@@ -103,6 +103,19 @@ def test_combine_chains_in_order():
     assert v.use_softmax and V.combine(V.SOFT_CAP, V.SIGMOID).use_softmax is False
 
 
+def test_mask_is_kv_range_survives_only_range_masks():
+    """A window's mask is its KV range (the kernel may skip the mask inside every row's range); ANDed with a
+    mask that is not a range (a custom mask), it no longer is."""
+    assert V.SLIDING_WINDOW.mask_is_kv_range
+    assert "kMaskIsKvRange = true" in V.SLIDING_WINDOW.render()["VARIANT_BODY"]
+    assert "kMaskIsKvRange = false" in V.CUSTOM_MASK.render()["VARIANT_BODY"]
+    assert V.combine(V.SOFT_CAP, V.SLIDING_WINDOW).mask_is_kv_range
+    assert not V.combine(V.SLIDING_WINDOW, V.CUSTOM_MASK).mask_is_kv_range
+    assert not V.combine(V.SOFT_CAP, V.ALIBI).mask_is_kv_range
+    with pytest.raises(V.VariantError, match="mask_is_kv_range"):
+        V.Variant("only_mask", logits_mask="return true;", mask_is_kv_range=True)
+
+
 def test_bad_variants_give_clear_errors():
     with pytest.raises(V.VariantError, match="name"):
         V.Variant("has space")

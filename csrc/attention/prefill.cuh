@@ -34,11 +34,13 @@
 // KeyTransform rotates K in fp32 in that pass; the per-tensor scales fold into the logits scale and
 // the output.
 //
-// Masks. Causal tiles past a warp's last row are skipped (the loader already stops at the sub-item's
-// last row); the per-element mask runs only on tiles that need it: the diagonal of a causal tile, the
-// last partial tile, or a variant with a LogitsMask.
+// Masks. Causal steps past a unit's last row are skipped (the loader already stops at the sub-item's
+// last row); the per-element mask runs only on steps that need it: the diagonal of a causal tile, the
+// last partial tile, a variant with a LogitsMask, or for a mask that is the variant's KV range (a
+// sliding window), a step across some row's range edge.
 #pragma once
 
+#include <limits.h>
 #include <math.h>
 #include <stdint.h>
 
@@ -575,12 +577,25 @@ struct Kernel {
       // full step without a LogitsMask (padding rows compute on zero queries and are never written).
       const int climit_lo = w.kv_len - w.q_len + w.q_idx0 + first_pr / kHPC;
       const int climit_hi = w.kv_len - w.q_len + w.q_idx0 + last_r;
+      // A variant whose mask is its KV range (a sliding window): positions [range_lo, range_hi) are visible
+      // to every row of the unit (the last row's lower edge, the first row's upper edge).
+      int range_lo = 0, range_hi = 0;
+      if constexpr (Variant::kMaskIsKvRange) {
+        int lo = INT_MIN, hi = INT_MAX;
+        Variant::kv_range(vp, w.pos_off + climit_hi, w.pos_off + climit_hi, lo, hi);
+        range_lo = lo;
+        lo = INT_MIN, hi = INT_MAX;
+        Variant::kv_range(vp, w.pos_off + climit_lo, w.pos_off + climit_lo, lo, hi);
+        range_hi = hi;
+      }
 #pragma unroll 1
       for (int st = 0; st < kTile / kStep; ++st) {
         const int step_begin = rec->tile_kv_begin + st * kStep, n_valid = rec->n_valid - st * kStep;
         if (!unit_active || n_valid <= 0 || (p.causal && step_begin > climit_hi)) break;
         // (a non-positive scale would break the raw-logit maximum: it takes the masked path)
-        const bool need_mask = Variant::kHasLogitsMask || n_valid < kStep ||
+        const bool need_mask = (Variant::kHasLogitsMask && !Variant::kMaskIsKvRange) || n_valid < kStep ||
+                               (Variant::kMaskIsKvRange && (w.pos_off + step_begin < range_lo ||
+                                                            w.pos_off + step_begin + kStep > range_hi)) ||
                                (p.causal && step_begin + kStep - 1 > climit_lo) || !(p.logits_scale > 0.f);
         if (need_mask)
           compute_tile<true>(p, vp, qs, ks, vs, st * kStep, w, step_begin, n_valid, kv_head, m_run, d_run, o);

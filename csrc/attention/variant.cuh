@@ -6,6 +6,8 @@
 //     static constexpr bool kHasQueryTransform, kHasKeyTransform, kHasLogitsTransform,
 //                           kHasLogitsMask, kHasOutputTransform, kHasKvRange;
 //     static constexpr bool kRotaryInterleave;      // how Query/KeyTransform pair dimensions
+//     static constexpr bool kMaskIsKvRange;         // logits_mask == kv_pos in kv_range(q_pos, q_pos),
+//                                                   // monotone in q_pos (a sliding window)
 //     // x0, x1: dimensions (d, d + D/2) (or (2i, 2i + 1) when kRotaryInterleave), i = pair index.
 //     static void query_transform(const VariantParams&, float& x0, float& x1, int i, const RotaryCtx&);
 //     static void key_transform(const VariantParams&, float& x0, float& x1, int i, const RotaryCtx&);
@@ -64,6 +66,14 @@ __device__ __forceinline__ void rope_rotate(const double* __restrict__ rev_freq,
   const float y1 = x1 * c + x0 * s;
   x0 = y0;
   x1 = y1;
+}
+
+// tanh on the special-function unit (tanh.approx.f32): relative error about 2^-11, below the rounding
+// of bf16 / fp16 inputs, and one instruction where tanhf is a dozen; for logit soft-capping.
+__device__ __forceinline__ float tanh_fast(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
 }
 
 // Bit `bit` of a little-endian bit-packed boolean mask (numpy.packbits(..., bitorder="little")).
