@@ -87,7 +87,7 @@ struct Config {
   static constexpr int kRowBytes = kHeadDim * KV::kBytes;
   static constexpr int kChunksPerRow = kRowBytes / 16;
   static constexpr int kRowsPerRound = kThreads / kChunksPerRow;
-  static constexpr int kTokensPerThread = kTile / kRowsPerRound;
+  static constexpr int kTokensPerThread = (kTile + kRowsPerRound - 1) / kRowsPerRound;  // last round partial (12 warps)
   static constexpr int kKvTileBytes = kTile * kRowBytes;
   static constexpr int kCRowBytes = kHeadDim * 2;  // the 16-bit copy of a converted tile
   static constexpr int kCChunksPerRow = kCRowBytes / 16;
@@ -107,10 +107,10 @@ struct Config {
   static_assert(kHeadsPerChunk >= 1 && kHeadsPerChunk <= kTileRows, "heads per chunk must fit in a tile");
   static_assert(kTile >= 16 && (kTile & (kTile - 1)) == 0, "KV tile: a power of two >= 16 (16-token blocks, tree max)");
   static_assert(kStep >= 16 && (kStep & (kStep - 1)) == 0 && kTile % kStep == 0, "compute step: a power of two dividing the tile");
-  static_assert(kThreads % kChunksPerRow == 0 && kTile % kRowsPerRound == 0, "loader shape");
+  static_assert(kThreads % kChunksPerRow == 0, "loader shape");
   static_assert(kChunksPerRow >= 4, "rows of at least 64 bytes");
-  static_assert(!kWgmma || (kWarps % 4 == 0 && (kStep == 64 || kStep == 128 || kStep == 256)),
-                "wgmma: whole warpgroups, a compute step of 64, 128 or 256 tokens (the MMA's n)");
+  static_assert(!kWgmma || (kWarps % 4 == 0 && (kStep == 32 || kStep == 64 || kStep == 128 || kStep == 256)),
+                "wgmma: whole warpgroups, a compute step of 32, 64, 128 or 256 tokens (the MMA's n)");
 
   // Where 16-byte chunks live: the loaded tile (fp8 tiles are converted before any MMA reads them),
   // the 16-bit tile the MMAs read, the query tile.

@@ -381,6 +381,7 @@ struct Loader {
 #pragma unroll
     for (int r = 0; r < kTPT; ++r) {
       const int row = row_base + r * Cfg::kRowsPerRound;
+      if (kTile % Cfg::kRowsPerRound != 0 && row >= kTile) break;  // a partial last round
       const int64_t row_off = offs[row];
       const bool ok = row_off >= 0;
       const int64_t off = ok ? row_off + chunk * 16 : 0;
