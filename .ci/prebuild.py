@@ -23,7 +23,7 @@ def specs():
     out = list(specs_of(["merge", "append"]))
     for spec_fn in (decode_spec, prefill_spec):
         def add(v, D, q, kv, g, spec_fn=spec_fn):  # every member of the prefill tile family
-            members = prefill_family_size(D, kv, variant=v) if spec_fn is prefill_spec else 1
+            members = prefill_family_size(D, kv) if spec_fn is prefill_spec else 1
             out.extend(spec_fn(v, D, q, kv, g, **({"member": m} if m else {})) for m in range(members))
         for D, g, q in itertools.product((64, 128, 256), (1, 4, 8), ("bf16", "fp16")):
             add(V.DEFAULT, D, q, q, g)

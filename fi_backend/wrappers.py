@@ -158,22 +158,20 @@ _PREFILL_SHAPES_WGMMA = {
     (128, 2): [(16, 1, 64, 2, 64), (8, 1, 64, 3, 64)], (128, 1): [(16, 1, 64, 2, 64), (8, 1, 64, 3, 64)],
     (256, 2): [(8, 1, 64, 2, 64)], (256, 1): [(8, 1, 64, 2, 64)],
 }
-# Variants with per-logit hooks (a LogitsTransform, a mask that is not a KV range) spill 300-600 bytes in
-# 128 registers (perf/ptxas.py): at head_dim 128 they keep 8 warps x 2 fragments (255 registers).
-_PREFILL_SHAPES_WGMMA_LOGIT_HOOKS = {
-    (128, 2): [(8, 2, 64, 2, 64), (8, 1, 64, 3, 64)], (128, 1): [(8, 2, 64, 2, 64), (8, 1, 64, 3, 64)],
-}
+# Variants with per-logit hooks spill 150-600 bytes in 128 registers (perf/ptxas.py) and are still faster
+# with 16 warps than with 8 x 2 (16x1k / 16x4k, 16 heads): soft-cap 438 / 4236 us vs 491 / 4447, sigmoid
+# 479 / 5503 vs 668 / 8164, ALiBi 372 / 3937 vs 400 / 4032, ALiBi + window 432 / 2723 vs 475 / 3006.
 FAMILY_TILES_PER_CTA = 3
 PREFILL_MAX_HEADS_PER_CHUNK = 16
 
 
-def _prefill_shape(head_dim: int, kv_bytes: int, group: int, variant: Variant, member: int = 0) -> dict:
+def _prefill_shape(head_dim: int, kv_bytes: int, group: int, member: int = 0) -> dict:
     """Prefill kernel shape (member of the head_dim's family): hpc (query heads per chunk: the largest
     divisor of the group up to 16, so a short query's group fills the tile), warps, mfrags (16-row m
     fragments per warp), tile (KV tokens per stage), stages, step (KV tokens per compute step, a divisor
     of the tile)."""
     hpc = max(d for d in range(1, min(group, PREFILL_MAX_HEADS_PER_CHUNK) + 1) if group % d == 0)
-    return {"hpc": hpc, **_prefill_family(head_dim, kv_bytes, variant)[member]}
+    return {"hpc": hpc, **_prefill_family(head_dim, kv_bytes)[member]}
 
 
 def prefill_uses_wgmma() -> bool:
@@ -186,30 +184,23 @@ def prefill_uses_wgmma() -> bool:
     return all(a == "90a" for a in archs)
 
 
-def _prefill_family(head_dim: int, kv_bytes: int, variant: Variant, wgmma: Optional[bool] = None) -> list:
+def _prefill_family(head_dim: int, kv_bytes: int, wgmma: Optional[bool] = None) -> list:
     if wgmma is None:
         wgmma = prefill_uses_wgmma()
-    logit_hooks = bool(variant.logits_transform or (variant.logits_mask and not variant.mask_is_kv_range))
-    table = _PREFILL_SHAPES_SYNC
-    if wgmma:
-        table = _PREFILL_SHAPES_WGMMA
-        if logit_hooks and (head_dim, kv_bytes) in _PREFILL_SHAPES_WGMMA_LOGIT_HOOKS:
-            table = _PREFILL_SHAPES_WGMMA_LOGIT_HOOKS
+    table = _PREFILL_SHAPES_WGMMA if wgmma else _PREFILL_SHAPES_SYNC
     keys = ("warps", "mfrags", "tile", "stages", "step")
     return [{**dict(zip(keys, s)), "wgmma": int(wgmma)} for s in table[(head_dim, kv_bytes)]]
 
 
-def prefill_family_shapes(head_dim: int, kv_dtype: str, wgmma: Optional[bool] = None,
-                          variant: Variant = DEFAULT) -> list:
+def prefill_family_shapes(head_dim: int, kv_dtype: str, wgmma: Optional[bool] = None) -> list:
     """The prefill tile family's shapes as tuning dicts, largest query tile first: Hopper's warpgroup-MMA
     family when the modules are built for sm_90a only (wgmma None: decide so), else the mma.sync one."""
-    return _prefill_family(head_dim, 1 if kv_dtype.startswith("fp8") else 2, variant, wgmma)
+    return _prefill_family(head_dim, 1 if kv_dtype.startswith("fp8") else 2, wgmma)
 
 
-def prefill_family_size(head_dim: int, kv_dtype: str, tuning: Optional[dict] = None,
-                        variant: Variant = DEFAULT) -> int:
+def prefill_family_size(head_dim: int, kv_dtype: str, tuning: Optional[dict] = None) -> int:
     """Members of the prefill tile family (1 with a tuning override: that shape only)."""
-    return 1 if tuning else len(prefill_family_shapes(head_dim, kv_dtype, variant=variant))
+    return 1 if tuning else len(prefill_family_shapes(head_dim, kv_dtype))
 
 
 def _prefill_smem_bytes(head_dim: int, kv_bytes: int, shape: dict) -> int:
@@ -233,10 +224,10 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
     kv_bytes = 1 if kv_dtype.startswith("fp8") else 2
-    size = prefill_family_size(head_dim, kv_dtype, tuning, variant)
+    size = prefill_family_size(head_dim, kv_dtype, tuning)
     if not 0 <= member < size:
         raise ValueError(f"member must be in [0, {size}) (got {member})")
-    shape = _prefill_shape(head_dim, kv_bytes, group, variant, member)
+    shape = _prefill_shape(head_dim, kv_bytes, group, member)
     tuning = dict(tuning or {})
     min_blocks = int(tuning.pop("min_blocks", 1))
     unknown = set(tuning) - {"warps", "mfrags", "tile", "stages", "step", "wgmma"}
@@ -256,7 +247,7 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
                         str(shape["mfrags"]), str(shape["tile"]), str(shape["stages"]), str(shape["step"]),
                         "true" if shape["wgmma"] else "false"])
     tag = f"{variant.name}_{q_dtype}_{kv_dtype}_d{head_dim}_h{shape['hpc']}"
-    if shape != _prefill_shape(head_dim, kv_bytes, group, variant):  # a tuning equal to a member is that member's module
+    if shape != _prefill_shape(head_dim, kv_bytes, group):  # a tuning equal to a member is that member's module
         tag += "_w{warps}m{mfrags}t{tile}s{stages}k{step}".format(**shape) + ("_wg" if shape["wgmma"] else "")
     if min_blocks != 1:
         tag += f"_b{min_blocks}"
@@ -359,7 +350,7 @@ def _launcher(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, grou
 def _family(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, group: int, tuning: Optional[dict],
             kernel: str) -> list:
     """The kernel's launchers: the prefill tile family (largest query tile first), else the one module."""
-    size = prefill_family_size(head_dim, kv_dtype, tuning, variant) if kernel == "prefill" else 1
+    size = prefill_family_size(head_dim, kv_dtype, tuning) if kernel == "prefill" else 1
     return [_launcher(variant, head_dim, q_dtype, kv_dtype, group, tuning, kernel, m) for m in range(size)]
 
 

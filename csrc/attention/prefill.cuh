@@ -27,8 +27,12 @@
 // the fp8 / RoPE pass write 16-bit tiles in wgmma's 128-byte-swizzled column blocks (Cfg::tile_offset);
 // shared memory written by ordinary stores or cp.async is fenced into the async proxy before the
 // barrier that publishes it. With two fragments a warpgroup overlaps one fragment's softmax with the
-// other's MMAs (compute_tile). Next: overlap across steps (S of the next step during this one's P.V),
-// a producer warp with TMA or its own barriers instead of one CTA barrier per tile.
+// other's MMAs (compute_tile); the H100 family runs 16 warps x 1 fragment instead (four warpgroups hide
+// each other's MMA -> softmax -> MMA latency better, even where variants spill; fi_backend/wrappers.py).
+// Tried and slower: fragments pairing an early and a late 64-row block with MMAs skipped for fragments
+// past the causal diagonal (more registers, 3-5% slower at every length). Next: overlap across steps
+// (S of the next step during this one's P.V), a producer warp with TMA or its own barriers instead of
+// one CTA barrier per tile.
 // MMAs run in the query's type. fp8 KV and key transforms (RoPE) go through one pass over the landed
 // tile: fp8 is converted exactly into a 16-bit copy (e4m3 and e5m2 are exact in bf16 and fp16), a
 // KeyTransform rotates K in fp32 in that pass; the per-tensor scales fold into the logits scale and
