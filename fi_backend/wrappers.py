@@ -137,9 +137,12 @@ def decode_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, gr
 # tiles 0.58 / 0.69 / 0.80; 4 x 2 with 2 CTAs per SM 0.59 / 0.70 / 0.78; 8 x 1, 3 stages 0.61 / 0.64 / 0.65.
 # Two fragments per warp halve the shared-memory reads per MMA (each K/V fragment feeds both).
 # A family per head_dim, largest query tile first; plan() picks per step (_pick_member): the largest tile
-# that still gives every CTA FAMILY_TILES_PER_CTA query tiles, else the smallest. Measured at 32/8 heads
-# (causal, ms, 256-row vs 128-row tiles): 1x1291 0.118 vs 0.096, 8x300 0.085 vs 0.063, 1x256 0.061 vs
-# 0.057; 4x1291 0.275 vs 0.300, 64x64 0.067 vs 0.072, 2x4096 0.98 vs 1.22.
+# that gives every CTA FAMILY_TILES_PER_CTA query tiles, or whole waves of tiles (at most
+# FAMILY_WAVE_SLACK more tile slots than tiles), else the smallest. Measured with the Hopper family at
+# 32/8 heads, 16 CTAs per KV head (perf/results/prefill_h100.md, us, 256-row vs 128-row tiles, tiles of
+# 256 rows per KV head): 1x2048 113 vs 143 (32 tiles: two whole waves), 16x128 36 vs 40 (32), 8x300
+# 67 vs 62 (40: 2.5 waves), 1x1291 85 vs 87 (21), 1x512 39 vs 32 (8), 64x64 62 vs 73 (64), 4x1291 219
+# vs 258 (84), 2x4096 769 vs 996 (128).
 _PREFILL_SHAPES_SYNC = {
     (64, 2): [(8, 1, 64, 3, 64)], (64, 1): [(8, 1, 64, 3, 64)],
     (128, 2): [(8, 2, 64, 2, 64), (8, 1, 64, 3, 64)], (128, 1): [(8, 2, 64, 2, 64), (8, 1, 64, 3, 64)],
@@ -162,6 +165,7 @@ _PREFILL_SHAPES_WGMMA = {
 # with 16 warps than with 8 x 2 (16x1k / 16x4k, 16 heads): soft-cap 438 / 4236 us vs 491 / 4447, sigmoid
 # 479 / 5503 vs 668 / 8164, ALiBi 372 / 3937 vs 400 / 4032, ALiBi + window 432 / 2723 vs 475 / 3006.
 FAMILY_TILES_PER_CTA = 3
+FAMILY_WAVE_SLACK = 1.1
 PREFILL_MAX_HEADS_PER_CHUNK = 16
 
 
@@ -501,13 +505,15 @@ class BatchAttention:
         self._cost_q = float(self.kv_tile) if self.kernel == "decode" else 2.0 * self.kv_tile / self.rows_per_tile
 
     def _pick_member(self, q_lens: torch.Tensor) -> int:
-        """The largest query tile that still gives each CTA FAMILY_TILES_PER_CTA tiles on this step (fewer,
-        larger tiles leave CTAs idle on short prefills), else the smallest. q_lens: CPU int32 [B]."""
+        """The largest query tile that gives each CTA FAMILY_TILES_PER_CTA tiles on this step, or that fills
+        whole waves of CTAs (tiles / CTAs at least 1 and within FAMILY_WAVE_SLACK of a whole number from
+        below): fewer, larger tiles otherwise leave CTAs idle on short prefills. Else the smallest.
+        q_lens: CPU int32 [B]."""
         last = len(self._family) - 1
         for m, launcher in enumerate(self._family[:-1]):
             rows = int(launcher.rows_per_tile)
-            tiles = int(torch.div(q_lens + (rows - 1), rows, rounding_mode="floor").sum())
-            if tiles >= FAMILY_TILES_PER_CTA * self.grid[0]:
+            waves = int(torch.div(q_lens + (rows - 1), rows, rounding_mode="floor").sum()) / self.grid[0]
+            if waves >= FAMILY_TILES_PER_CTA or (waves >= 1 and math.ceil(waves) <= FAMILY_WAVE_SLACK * waves):
                 return m
         return last
 

@@ -26,7 +26,7 @@ Sections:
   family           the query-tile family's per-step pick (BatchAttention plans each step with one member) against
                    every member forced, ours only: causal, 32 / 8 heads, short to long batches (FAMILY_SHAPES).
                    Records each time, the picked member and the fastest; a pick more than 10% slower than the
-                   fastest member is flagged (no bar: this tunes wrappers.FAMILY_TILES_PER_CTA).
+                   fastest member is flagged (no bar: this tunes wrappers.FAMILY_TILES_PER_CTA / FAMILY_WAVE_SLACK).
   variant_compile  seconds to JIT-build a brand-new user variant (a FlashSigmoid-style functor string) for the
                    prefill kernel, from an empty cache (a child process with a fresh FI_BACKEND_CACHE_DIR; the
                    rest of the run keeps its cache), and to its first result, which is checked against
@@ -474,7 +474,7 @@ def family_section(a) -> dict:
         del fn, out, case
         torch.cuda.empty_cache()
     return {**_stamp(), "num_qo_heads": HQ, "num_kv_heads": hkv, "head_dim": D, "members": members,
-            "tiles_per_cta": wrappers.FAMILY_TILES_PER_CTA,
+            "tiles_per_cta": wrappers.FAMILY_TILES_PER_CTA, "wave_slack": wrappers.FAMILY_WAVE_SLACK,
             "note": "pick: the wrapper's per-step choice; member m: that shape forced (tuning)", "rows": rows}
 
 
@@ -754,7 +754,8 @@ def write_report(json_path) -> Path:
                   f"{s['commit'][:12]})", "",
                   f"Causal, {s['num_qo_heads']}/{s['num_kv_heads']} heads, ours only. Members: "
                   + "; ".join(f"{m}: {json.dumps(x)}" for m, x in enumerate(s["members"]))
-                  + f". Pick rule: the largest tile giving each CTA {s['tiles_per_cta']} tiles.", "",
+                  + f". Pick rule: the largest tile giving each CTA {s['tiles_per_cta']} tiles"
+                  + (f" or whole waves of tiles (slack {s['wave_slack']})" if "wave_slack" in s else "") + ".", "",
                   "| batch x len | picked rows | pick us | " + " | ".join(f"member {m} us" for m in range(n))
                   + " | pick / fastest |", "|---|---|---|" + "---|" * n + "---|"]
         for x in s["rows"]:

@@ -191,3 +191,29 @@ def test_fastdiv_matches_division():
         n = np.array([0, 1, d - 1, d, d + 1, 12345, 2 ** 31 - 1] + random.sample(range(2 ** 31), 50), dtype=np.uint64)
         q = (((n * np.uint64(f.m)) >> np.uint64(32)) + n) >> np.uint64(f.s)
         assert np.array_equal(q, n // np.uint64(d)), d
+
+
+def test_prefill_family_follows_the_arch_list(monkeypatch):
+    """Hopper's warpgroup-MMA family only when every architecture built for is sm_90a; asking for it
+    otherwise is refused with the setting to change."""
+    monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", "90a")
+    assert W.prefill_uses_wgmma() and all(s["wgmma"] == 1 for s in W.prefill_family_shapes(128, "bf16"))
+    assert "true" in W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4).params["CONFIG"]
+    for archs in ("80", "90a,100a"):
+        monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", archs)
+        assert not W.prefill_uses_wgmma() and all(s["wgmma"] == 0 for s in W.prefill_family_shapes(128, "bf16"))
+        with pytest.raises(ValueError, match="FI_BACKEND_CUDA_ARCH_LIST=90a"):
+            W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={"wgmma": 1})
+    assert W.prefill_family_shapes(128, "bf16", wgmma=True)[0]["wgmma"] == 1  # explicit beats the list
+
+
+def test_pick_member_takes_large_tiles_in_whole_waves():
+    """plan()'s tile pick: the large tile when each CTA gets FAMILY_TILES_PER_CTA of them or they fill whole
+    waves of CTAs; the small one when large tiles would leave CTAs idle (the H100 measurements in
+    wrappers.py: 1x2048 and 16x128 large, 8x300 and 1x1291 small, at 64 / 32 query rows and 16 CTAs)."""
+    from types import SimpleNamespace
+    fake = SimpleNamespace(_family=[SimpleNamespace(rows_per_tile=64), SimpleNamespace(rows_per_tile=32)],
+                           grid=(16, 8))
+    pick = lambda lens: W.BatchAttention._pick_member(fake, torch.tensor(lens, dtype=torch.int32))  # noqa: E731
+    assert pick([2048]) == 0 and pick([128] * 16) == 0 and pick([1291] * 4) == 0 and pick([64] * 64) == 0
+    assert pick([300] * 8) == 1 and pick([1291]) == 1 and pick([512]) == 1 and pick([256]) == 1
