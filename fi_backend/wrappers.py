@@ -173,7 +173,7 @@ def _prefill_shape(head_dim: int, kv_bytes: int, group: int, member: int = 0) ->
     """Prefill kernel shape (member of the head_dim's family): hpc (query heads per chunk: the largest
     divisor of the group up to 16, so a short query's group fills the tile), warps, mfrags (16-row m
     fragments per warp), tile (KV tokens per stage), stages, step (KV tokens per compute step, a divisor
-    of the tile)."""
+    of the tile), wgmma (1: Hopper's warpgroup MMAs, see prefill_uses_wgmma)."""
     hpc = max(d for d in range(1, min(group, PREFILL_MAX_HEADS_PER_CHUNK) + 1) if group % d == 0)
     return {"hpc": hpc, **_prefill_family(head_dim, kv_bytes)[member]}
 
