@@ -364,7 +364,7 @@ def fa2_section(a) -> dict:
         for b, s in SHAPES:
             case = Case(b, s, HQ, hkv, seed=s + hkv)
             flops = issue_flops(b, HQ, D, s)
-            fn, out, info = ours_fn(case)
+            fn, out, info = ours_fn(case, tuning=a.tuning)
             r = {**case.shape(), **info, "flops": flops}
             t = measure(fn, a.rep)
             r.update(ours_us=t["median_us"], ours_p10_us=t["p10_us"], ours_p90_us=t["p90_us"], rep=t["rep"])
@@ -396,7 +396,8 @@ def fa2_section(a) -> dict:
             log(msg)
             del fn, out, case
             torch.cuda.empty_cache()
-    return {**_stamp(), "flashinfer": flashinfer.__version__, "vllm_fa3": "available" if vfunc else vllm_reason,
+    return {**_stamp(), "tuning": a.tuning, "flashinfer": flashinfer.__version__,
+            "vllm_fa3": "available" if vfunc else vllm_reason,
             "first_call_s": {"fi_fa2": fa2.first_call_s, "fi_fa3": fa3.first_call_s if fa3 else None},
             "anchor_errors": broken,
             "flops": "4 * b * h * d * s^2 / 2, h = query heads (the issue's convention)",
@@ -706,7 +707,8 @@ def write_report(json_path) -> Path:
         lines += [f"## Ragged prefill against FlashInfer and vLLM ({s['date'][:10]}, commit {s['commit'][:12]})", "",
                   f"TFLOP/s = {s['flops']}. FlashInfer {s.get('flashinfer')}; vLLM FA3: {s.get('vllm_fa3')}. "
                   f"First plan + run (JIT build when cold): FA2 {_f(fl.get('fi_fa2'))} s, FA3 {_f(fl.get('fi_fa3'))} s. "
-                  f"Bar: {s['bar']}.", "",
+                  f"Bar: {s['bar']}."
+                  + (f" Ours with the shape forced: {json.dumps(s['tuning'])}." if s.get("tuning") else ""), "",
                   "| heads q/kv | batch x len | ours us | ours TF/s | FI FA2 TF/s | ratio | FI FA3 TF/s | ratio | "
                   "vLLM FA3 TF/s | ratio | max abs diff vs FA2 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for x in s["rows"]:
@@ -787,6 +789,10 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="fewer repeats (30) and flex lengths 1k, 4k only")
     ap.add_argument("--rep", type=int, default=100, help="timed calls per figure at most (default 100)")
     ap.add_argument("--name", default="prefill_h100", help="results name: perf/results/<name>.json")
+    ap.add_argument("--tuning", type=json.loads, default=None,
+                    help="fa2 section: time ours with this kernel shape forced, a JSON tuning dict (e.g. "
+                         "'{\"warps\": 8, \"mfrags\": 1, \"tile\": 64, \"stages\": 2, \"step\": 64, \"wgmma\": 1, "
+                         "\"min_blocks\": 2}'); give it its own --name")
     ap.add_argument("--merge", action="store_true",
                     help="add this run's sections (flex: rows) to perf/results/<name>.json instead of replacing it")
     ap.add_argument("--no-fa3", action="store_true", help="skip FlashInfer's FA3 template (its first call "
