@@ -158,9 +158,11 @@ struct Kernel {
   // First packed row of m fragment mf of warp `warp` (16 rows). mma.sync: a warp's fragments are
   // consecutive; wgmma: fragment mf of warpgroup u is one m64 MMA, the warp's rows 16 (warp % 4) of it.
   static __device__ __forceinline__ int frag_row0(int warp, int mf) {
-    if constexpr (kWgmma) return 64 * (kMF * (warp >> 2) + mf) + 16 * (warp & 3);
+    if constexpr (kWgmma) return wg_frag_row0(warp >> 2, mf) + 16 * (warp & 3);
     else return 16 * (kMF * warp + mf);
   }
+  // wgmma: first packed row of warpgroup `unit`'s fragment mf (64 rows, one m64 MMA).
+  static __device__ __forceinline__ int wg_frag_row0(int unit, int mf) { return 64 * (kMF * unit + mf); }
 
 
 
@@ -293,9 +295,6 @@ struct Kernel {
   // for one k step, used by every m fragment.
   static __device__ __forceinline__ void qk_sync(uint32_t qs, uint32_t ks, int t0, float (&s)[kMF][kNTiles][4]) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, mi = lane >> 3, r8 = lane & 7;
-    constexpr int kRowB = kConvert ? Cfg::kCRowBytes : Cfg::kRowBytes;
-    constexpr int kChunks = kRowB / 16;
-    ks += t0 * kRowB;
 #pragma unroll
     for (int mf = 0; mf < kMF; ++mf)
 #pragma unroll
@@ -312,9 +311,9 @@ struct Kernel {
       }
 #pragma unroll
       for (int np = 0; np < kNTiles / 2; ++np) {
-        const int row = 16 * np + ((mi >> 1) << 3) + r8;
+        const int row = t0 + 16 * np + ((mi >> 1) << 3) + r8;
         uint32_t r[4];
-        ptx::ldmatrix_x4(r, ks + row * kRowB + swizzle<kChunks>(row, 2 * kstep + (mi & 1)) * 16);
+        ptx::ldmatrix_x4(r, ks + Cfg::mma_offset(row, 2 * kstep + (mi & 1)));
 #pragma unroll
         for (int mf = 0; mf < kMF; ++mf) {
           ptx::mma_16816<kBf16>(s[mf][2 * np], qa[mf][0], qa[mf][1], qa[mf][2], qa[mf][3], r[0], r[1]);
@@ -326,15 +325,14 @@ struct Kernel {
 
   // The same with the warpgroup's m64 MMAs, fragment mf (issued, not waited for): A = the Q buffer's 64
   // rows of the fragment, B = K (K-major: rows of the tile, 8-row atoms 1024 bytes apart), both through
-  // descriptors; a k step of 16 dims is 32 bytes into a 128-byte column block.
+  // descriptors at the k step's first chunk (its 16 dims are 32 bytes into a 128-byte column block; the
+  // fragment's and the step's first rows are multiples of 8, so the swizzle leaves that chunk in place).
   static __device__ __forceinline__ void qk_wgmma(uint32_t qs, uint32_t ks, int t0, int mf, float (&s)[kNTiles][4]) {
-    const int unit = threadIdx.x >> 7;
+    const int row0 = wg_frag_row0(threadIdx.x >> 7, mf);
 #pragma unroll
     for (int kstep = 0; kstep < kKSteps; ++kstep) {
-      const uint32_t kcol = (kstep >> 2) * (kTile * 128) + (kstep & 3) * 32;
-      const uint32_t qcol = (kstep >> 2) * (Cfg::kTileRows * 128) + (kstep & 3) * 32;
-      const uint64_t a = wgmma::desc(qs + qcol + 64 * (kMF * unit + mf) * 128, 16, 1024);
-      const uint64_t b = wgmma::desc(ks + kcol + t0 * 128, 16, 1024);
+      const uint64_t a = wgmma::desc(qs + Cfg::q_offset(row0, 2 * kstep), 16, 1024);
+      const uint64_t b = wgmma::desc(ks + Cfg::mma_offset(t0, 2 * kstep), 16, 1024);
       wgmma::Mma<kStep, kBf16>::template ss<0>(reinterpret_cast<float(&)[kNTiles * 4]>(s), a, b, kstep > 0);
     }
   }
@@ -343,19 +341,16 @@ struct Kernel {
   static __device__ __forceinline__ void pv_sync(uint32_t vs, int t0, const float (&s)[kMF][kNTiles][4],
                                                  float (&o)[kMF][kDTiles][4]) {
     const int lane = threadIdx.x & 31, mi = lane >> 3, r8 = lane & 7;
-    constexpr int kRowB = kConvert ? Cfg::kCRowBytes : Cfg::kRowBytes;
-    constexpr int kChunks = kRowB / 16;
-    vs += t0 * kRowB;
 #pragma unroll
     for (int kk = 0; kk < kStep / 16; ++kk) {
       uint32_t a[kMF][4];
 #pragma unroll
       for (int mf = 0; mf < kMF; ++mf) p_fragment(s[mf], kk, a[mf]);
-      const int row = 16 * kk + ((mi & 1) << 3) + r8;
+      const int row = t0 + 16 * kk + ((mi & 1) << 3) + r8;
 #pragma unroll
       for (int dp = 0; dp < kDTiles / 2; ++dp) {
         uint32_t r[4];
-        ptx::ldmatrix_x4_trans(r, vs + row * kRowB + swizzle<kChunks>(row, 2 * dp + (mi >> 1)) * 16);
+        ptx::ldmatrix_x4_trans(r, vs + Cfg::mma_offset(row, 2 * dp + (mi >> 1)));
 #pragma unroll
         for (int mf = 0; mf < kMF; ++mf) {
           ptx::mma_16816<kBf16>(o[mf][2 * dp], a[mf][0], a[mf][1], a[mf][2], a[mf][3], r[0], r[1]);
@@ -376,7 +371,7 @@ struct Kernel {
     wgmma::fence();  // P and the rescaled O, written by this thread, before the MMAs read them
 #pragma unroll
     for (int kk = 0; kk < kStep / 16; ++kk) {
-      const uint64_t b = wgmma::desc(vs + (t0 + 16 * kk) * 128, kTile * 128, 1024);
+      const uint64_t b = wgmma::desc(vs + Cfg::mma_offset(t0 + 16 * kk, 0), kTile * 128, 1024);
       wgmma::Mma<kHeadDim, kBf16>::template rs<1>(reinterpret_cast<float(&)[kDTiles * 4]>(o), a[kk], b, 1);
     }
   }
