@@ -164,6 +164,9 @@ _PREFILL_SHAPES_WGMMA = {
 # Variants with per-logit hooks spill 150-600 bytes in 128 registers (perf/ptxas.py) and are still faster
 # with 16 warps than with 8 x 2 (16x1k / 16x4k, 16 heads): soft-cap 438 / 4236 us vs 491 / 4447, sigmoid
 # 479 / 5503 vs 668 / 8164, ALiBi 372 / 3937 vs 400 / 4032, ALiBi + window 432 / 2723 vs 475 / 3006.
+# ptxas also reports its wgmma serialized for lack of registers (warning C7512) with window, ALiBi, RoPE
+# and fp8 KV at 16 warps: window and ALiBi measured faster there anyway; RoPE and fp8 KV were not timed
+# against 8 x 2.
 FAMILY_TILES_PER_CTA = 3
 FAMILY_WAVE_SLACK = 1.1
 PREFILL_MAX_HEADS_PER_CHUNK = 16
