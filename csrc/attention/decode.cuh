@@ -537,7 +537,7 @@ struct Kernel {
     const int mask = *merge_mask;
     if (mask) {
       __threadfence();
-      E::merge_rows(p, vp, row0, nrows, [mask](int r) { return (mask >> r) & 1; });
+      E::template merge_rows<8>(p, vp, row0, nrows, [mask](int r) { return (mask >> r) & 1; });
     }
   }
 };

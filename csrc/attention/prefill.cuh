@@ -673,7 +673,7 @@ struct Kernel {
     for (int r = 0; r < nrows; ++r) any |= merge_flags[r] != 0;
     if (any) {
       __threadfence();
-      E::merge_rows(p, vp, row0, nrows, [merge_flags](int r) { return merge_flags[r] != 0; });
+      E::template merge_rows<2>(p, vp, row0, nrows, [merge_flags](int r) { return merge_flags[r] != 0; });
     }
     __syncthreads();  // merge_flags are reused by the next split sub-item
   }

@@ -517,8 +517,12 @@ struct Epilogue {
   // Merge the partial states of the rows r of [row0, row0 + nrows) with merged(r) (all chunks written,
   // fences done) for this CTA's heads. Every (row, head, 8 dims) unit is one thread's: a sub-item's rows
   // merge in parallel (one row at a time left most threads idle and made a 64-row tile's merge the tail
-  // of short prefills).
-  template <class Merged>
+  // of short prefills). The merge runs between a CTA's items, so every other item of that CTA waits for
+  // it: states are read kMergeBatch at a time with no branch between the loads, so a batch costs one
+  // L2 round trip (a loop that skipped empty states issued one state's loads per round trip, and a
+  // 16-chunk row took ~16 of them), and merged online (one pass: no separate pass for the max).
+  // kBatch costs 9 registers per state: decode affords 8; prefill, at its 128-register cap, 2 (4 spilled).
+  template <int kBatch, class Merged>
   static __device__ __forceinline__ void merge_rows(const Params& p, const VariantParams& vp, int row0, int nrows,
                                                     Merged merged) {
     const int32_t* mi = p.plan + p.merge_indptr_offset;
@@ -531,27 +535,46 @@ struct Epilogue {
       const int h = (i / kVecs) % kHPC, d0 = (i % kVecs) * 8;
       const int qo_head = blockIdx.y * kHPC + h;
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      float mx = -INFINITY;
-      // Unrolled so that several partial states' loads are in flight (this runs on the kernel's tail).
-      if constexpr (Variant::kUseSoftmax) {
-#pragma unroll 4
-        for (int j = j0; j < j1; ++j) mx = fmaxf(mx, __ldcg(p.partial_lse + (int64_t)j * p.num_qo_heads + qo_head));
-      }
-      float den = 0.f;
-#pragma unroll 4
-      for (int j = j0; j < j1; ++j) {
-        float wgt = 1.f;
-        if constexpr (Variant::kUseSoftmax) {
-          const float l = __ldcg(p.partial_lse + (int64_t)j * p.num_qo_heads + qo_head);
-          wgt = l == -INFINITY ? 0.f : __expf(l - mx);
-          den += wgt;
-          if (wgt == 0.f) continue;  // empty state: its O is never read
+      float mx = -INFINITY, den = 0.f;
+      for (int jb = j0; jb < j1; jb += kBatch) {
+        float l[kBatch];
+        float4 u[kBatch], v[kBatch];
+#pragma unroll
+        for (int k = 0; k < kBatch; ++k) {
+          const int j = min(jb + k, j1 - 1);  // past the end: reload the last state (weight 0 below)
+          const int64_t at = (int64_t)j * p.num_qo_heads + qo_head;
+          l[k] = Variant::kUseSoftmax ? __ldcg(p.partial_lse + at) : 0.f;
+          const float4* src = reinterpret_cast<const float4*>(p.partial_o + at * kHeadDim + d0);
+          u[k] = __ldcg(src);
+          v[k] = __ldcg(src + 1);
         }
-        const float4* src = reinterpret_cast<const float4*>(
-            p.partial_o + ((int64_t)j * p.num_qo_heads + qo_head) * kHeadDim + d0);
-        const float4 u = __ldcg(src), v = __ldcg(src + 1);
-        acc[0] += wgt * u.x; acc[1] += wgt * u.y; acc[2] += wgt * u.z; acc[3] += wgt * u.w;
-        acc[4] += wgt * v.x; acc[5] += wgt * v.y; acc[6] += wgt * v.z; acc[7] += wgt * v.w;
+        float wgt[kBatch];
+        if constexpr (Variant::kUseSoftmax) {
+          float bm = mx;
+#pragma unroll
+          for (int k = 0; k < kBatch; ++k)
+            if (jb + k < j1) bm = fmaxf(bm, l[k]);
+          if (bm == -INFINITY) continue;  // every state so far is empty
+          const float rescale = __expf(mx - bm);  // 0 while mx is -inf
+          den *= rescale;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[e] *= rescale;
+          mx = bm;
+#pragma unroll
+          for (int k = 0; k < kBatch; ++k) {
+            wgt[k] = (jb + k < j1 && l[k] != -INFINITY) ? __expf(l[k] - bm) : 0.f;
+            den += wgt[k];
+          }
+        } else {
+#pragma unroll
+          for (int k = 0; k < kBatch; ++k) wgt[k] = jb + k < j1 ? 1.f : 0.f;
+        }
+#pragma unroll
+        for (int k = 0; k < kBatch; ++k) {
+          if (wgt[k] == 0.f) continue;  // an empty state's O is never used (nor one past the end)
+          acc[0] += wgt[k] * u[k].x; acc[1] += wgt[k] * u[k].y; acc[2] += wgt[k] * u[k].z; acc[3] += wgt[k] * u[k].w;
+          acc[4] += wgt[k] * v[k].x; acc[5] += wgt[k] * v[k].y; acc[6] += wgt[k] * v[k].z; acc[7] += wgt[k] * v[k].w;
+        }
       }
       if constexpr (Variant::kUseSoftmax) {
         const float inv = den > 0.f ? 1.f / den : 0.f;
