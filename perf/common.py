@@ -35,18 +35,43 @@ def device_info() -> dict:
             "torch": torch.__version__, "cuda": torch.version.cuda}
 
 
-def time_us(fn, *, warmup: int = 10, rep: int = 100, setup=None) -> dict:
+_SLEEP_US_PER_MCYCLE = None
+
+
+def _gpu_sleep(us: float) -> None:
+    """Enqueue a spin kernel of about `us` microseconds (torch.cuda._sleep counts clock cycles)."""
+    global _SLEEP_US_PER_MCYCLE
+    import torch
+    if _SLEEP_US_PER_MCYCLE is None:
+        torch.cuda._sleep(1_000_000)  # the clock rises under load; calibrate on the second call
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        torch.cuda._sleep(1_000_000)
+        e.record()
+        e.synchronize()
+        _SLEEP_US_PER_MCYCLE = s.elapsed_time(e) * 1e3
+    torch.cuda._sleep(int(us / _SLEEP_US_PER_MCYCLE * 1e6))
+
+
+def time_us(fn, *, warmup: int = 10, rep: int = 100, setup=None, max_queue_us: float = 100_000.0) -> dict:
     """Median (and p10/p90) of `rep` timed calls of fn() in microseconds, each between two CUDA events.
 
     setup(i), when given, runs before call i outside the timed region (e.g. to pick the i-th input set so
     that rotating sets keeps the L2 cache from flattering anyone).
+
+    The events time the device: a spin kernel enqueued before the timed calls (as long as the host needs
+    to enqueue them, measured in the warm-up, at most max_queue_us) keeps the device busy while the host
+    runs ahead, so a call's host-side cost (Python, argument checks, launch) does not show up as device
+    idle time between its events. Without it, a call shorter than its host cost (decode at batch 1-16)
+    timed the host: what a CUDA-graph replay, which serving engines use for decode, does not pay.
     """
     import time
 
     import torch
     # Warm up for at least `warmup` calls and 200 ms: an idle H100 sits at 345 MHz, and a few short
     # calls end before its clocks rise (seen: first small shapes of a process timed 1.5-2x slow).
-    t_end = time.perf_counter() + 0.2
+    t0 = time.perf_counter()
+    t_end = t0 + 0.2
     i = 0
     while i < warmup or time.perf_counter() < t_end:
         if setup:
@@ -56,8 +81,10 @@ def time_us(fn, *, warmup: int = 10, rep: int = 100, setup=None) -> dict:
         if i % 16 == 0:
             torch.cuda.synchronize()
     torch.cuda.synchronize()
+    per_call_us = (time.perf_counter() - t0) / i * 1e6  # host or device, whichever is slower
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
+    _gpu_sleep(min(max_queue_us, 1.5 * rep * per_call_us))
     for i in range(rep):
         if setup:
             setup(i)

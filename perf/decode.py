@@ -6,7 +6,10 @@ Anchor: FlashInfer's BatchDecodeWithPagedKVCacheWrapper with use_tensor_cores=Tr
 q and the same paged KV (FlashInfer's NHD layout [pages, 2, page, Hkv, D]; ours reads its k and v views
 by strides). The bandwidth ceiling is a plain device-to-device copy measured in the same run.
 KV sets are rotated so that the 50 MB L2 flatters no side: each timed call reads another set.
-Bytes counted: every KV byte once, plus q and o.
+Bytes counted: every KV byte once, plus q and o. Times are device times per call (perf.common.time_us keeps
+the host ahead of the device), as under the CUDA-graph replay engines use for decode: before 2026-11-22 the
+small shapes (batch 1-16 at 1k, under ~40 us) timed each side's Python launch path too, and moved by 2x
+between runs.
 """
 from __future__ import annotations
 
