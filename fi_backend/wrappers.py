@@ -218,7 +218,11 @@ def _prefill_smem_bytes(head_dim: int, kv_bytes: int, shape: dict) -> int:
     convert = 2 * shape["tile"] * head_dim * 2 if kv_bytes == 1 else 0
     tile_rows = 16 * shape["mfrags"] * shape["warps"]
     row_offsets = 2 * shape["tile"] * 8  # the loader's published row offsets, two tiles
-    return shape["stages"] * stage + tile_rows * head_dim * 2 + convert + tile_rows * 4 + row_offsets
+    q = tile_rows * head_dim * 2
+    fixed = convert + tile_rows * 4 + row_offsets
+    # wgmma: one query buffer per stage where that fits (the loader copies the next sub-item's queries)
+    q_buffers = shape["stages"] if shape.get("wgmma") and shape["stages"] * (stage + q) + fixed <= SMEM_PER_CTA else 1
+    return shape["stages"] * stage + q_buffers * q + fixed
 
 
 def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, group: int, *,

@@ -70,6 +70,31 @@ def test_variants_compile_and_layouts_match(build_env):
         assert g % launcher.heads_per_chunk == 0
 
 
+_PREFILL_COMPILED = [  # every head_dim's largest member on Hopper, fp8 KV, a QueryTransform
+    (V.DEFAULT, 128, "bf16", "bf16", 1, 0),
+    (V.DEFAULT, 128, "bf16", "bf16", 4, 1),
+    (V.DEFAULT, 64, "fp16", "fp16", 1, 0),
+    (V.DEFAULT, 256, "bf16", "bf16", 8, 0),
+    (V.ROPE, 128, "bf16", "fp8_e4m3", 4, 0),
+]
+
+
+@nvcc
+def test_prefill_shared_memory_mirror_matches(build_env, monkeypatch):
+    """wrappers._prefill_smem_bytes (query buffers per stage where they fit) is prefill::Config::kSmemBytes."""
+    monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", "90a")  # the wgmma family
+    specs = [W.prefill_spec(v, d, q, kv, g, member=m) for v, d, q, kv, g, m in _PREFILL_COMPILED]
+    results = kernels.build_many(specs, archs="90a", jobs=2)
+    failed = [(s.tag, r) for s, r in zip(specs, results) if isinstance(r, Exception)]
+    assert not failed, failed
+    for v, d, q, kv, g, m in _PREFILL_COMPILED:
+        launcher = W._launcher(v, d, q, kv, g, kernel="prefill", member=m)
+        kv_bytes = 1 if kv.startswith("fp8") else 2
+        shape = W._prefill_shape(d, kv_bytes, g, m)
+        assert shape["wgmma"]
+        assert launcher.smem_bytes == W._prefill_smem_bytes(d, kv_bytes, shape) <= W.SMEM_PER_CTA, (v.name, d, kv, m)
+
+
 @nvcc
 def test_bad_user_variant_names_the_compiler_error(build_env):
     bad = V.Variant("bad_user", logits_transform="return logits * undefined_thing;")

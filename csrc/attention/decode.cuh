@@ -74,6 +74,7 @@ struct Config {
   static constexpr int kPackedRows = kRowsPerTile * kHeadsPerChunk;
   static constexpr int kKvTileBytes = kTile * kRowBytes;
   static constexpr int kQSlotBytes = kRows * kHeadDim * 2;
+  static constexpr int kQBuffers = 1;  // the query rides in each stage's slot (kQSlotBytes)
   static constexpr int kStageBytes = (2 * kKvTileBytes + kQSlotBytes + (int)sizeof(TileRecord) + 127) / 128 * 128;
   // Cross-warp merge scratch [warp][row][D / kPasses] float lives in the stage just consumed.
   static constexpr int kScratchBytesFull = kWarps * kRows * kHeadDim * 4;

@@ -23,7 +23,9 @@
 // step through the tile together; its fragment mf is one m64 MMA (warp w holds rows 16 (w % 4) of it,
 // in the layout above, so masks, softmax, variants and the epilogue are shared). S = Q K^T reads Q and
 // K from shared memory through descriptors, O += P V takes P from registers and V from shared memory:
-// the tensor cores read the operands themselves, without the per-warp ldmatrix traffic. The loader and
+// the tensor cores read the operands themselves, without the per-warp ldmatrix traffic. The loader copies
+// each sub-item's query tile with its first KV tile into a buffer per stage (Cfg::kQBuffers), so the
+// queries' global-memory latency no longer stalls every warp at each sub-item's start. The loader and
 // the fp8 / RoPE pass write 16-bit tiles in wgmma's 128-byte-swizzled column blocks (Cfg::tile_offset);
 // shared memory written by ordinary stores or cp.async is fenced into the async proxy before the
 // barrier that publishes it. With two fragments a warpgroup overlaps one fragment's softmax with the
@@ -103,7 +105,15 @@ struct Config {
   static constexpr int kQChunksPerRow = kQRowBytes / 16;
   static constexpr int kQBytes = kTileRows * kQRowBytes;
   static constexpr int kFlagBytes = kTileRows * 4;  // rows whose split merge this CTA owns
-  static constexpr int kRowOffsetsAt = kStages * kStageBytes + kQBytes + kConvertBytes + kFlagBytes;
+  static constexpr int kQAt = kStages * kStageBytes;
+  // wgmma reads Q from shared memory, so the loader can copy the next sub-item's query tile with its first
+  // KV tile (one buffer per stage; shared.cuh): its global-memory latency then overlaps the current
+  // sub-item instead of stalling every warp at each sub-item's start. Where that does not fit (head_dim
+  // 256), and for a QueryTransform (rotated in registers), the warps load Q themselves (load_q).
+  static constexpr int kSmemFixed = kConvertBytes + kFlagBytes + 2 * kTile * 8;
+  static constexpr int kQBuffers =
+      kWgmma && kStages * (kStageBytes + kQBytes) + kSmemFixed <= 227 * 1024 ? kStages : 1;
+  static constexpr int kRowOffsetsAt = kQAt + kQBuffers * kQBytes + kConvertBytes + kFlagBytes;
   static constexpr int kSmemBytes = kRowOffsetsAt + 2 * kTile * 8;  // the loader's row offsets (shared.cuh)
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim must be 64, 128 or 256");
@@ -522,10 +532,10 @@ struct Kernel {
     int page[L::kLookups], slot[L::kLookups];
     if (!L::start(p, vp, smem, kv_head, cur, page, slot)) return;
 
-    uint8_t* qbuf = smem + kStages * Cfg::kStageBytes;
-    uint8_t* cbuf = qbuf + Cfg::kQBytes;
+    uint8_t* qbuf = smem + Cfg::kQAt;
+    uint8_t* cbuf = qbuf + Cfg::kQBuffers * Cfg::kQBytes;
     int* merge_flags = reinterpret_cast<int*>(cbuf + Cfg::kConvertBytes);
-    const uint32_t qs = ptx::smem_u32(qbuf);
+    const uint32_t qs0 = ptx::smem_u32(qbuf);
 
 
     float m_run[kMF][2], d_run[kMF][2], o[kMF][kDTiles][4];
@@ -548,8 +558,12 @@ struct Kernel {
       const int first_pr = kUnitRows * unit;
       const int last_r = min((first_pr + kUnitRows - 1) / kHPC, w.nrows - 1);
       const bool unit_active = first_pr < Cfg::kPackedRows && first_pr / kHPC < w.nrows;
+      const uint32_t qs = L::kQCopy ? qs0 + rec->qslot * Cfg::kQBytes : qs0;
       if (flags & kFirst) {
-        if (unit_active) load_q(p, vp, w, qbuf);
+        // With the loader's query copy (L::kQCopy) the tile is in qs already. The __syncwarp costs nothing
+        // and keeps ptxas from serialising the wgmmas for lack of registers (C7512 without it).
+        if constexpr (L::kQCopy) __syncwarp();
+        else if (unit_active) load_q(p, vp, w, qbuf);
 #pragma unroll
         for (int mf = 0; mf < kMF; ++mf) {
           m_run[mf][0] = m_run[mf][1] = -INFINITY;

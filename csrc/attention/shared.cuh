@@ -19,7 +19,10 @@
 //
 // A kernel's Cfg provides: DQ, KV (KvType), kHeadDim, kThreads, kTile (KV tokens per stage),
 // kRowsPerTile (query rows per sub-item), kHeadsPerChunk, kPackedRows, kRows (packed rows of the stage's
-// query slot), kQSlotBytes (0: no query slot; the kernel loads queries itself), kRowBytes,
+// query slot), kQSlotBytes (0: no query slot; the kernel loads queries itself), kQBuffers and kQAt (> 1:
+// the loader copies each sub-item's query tile into buffer qslot of kQBuffers at kQAt, kQBytes apart,
+// with the sub-item's first KV tile; prefill on Hopper, where a warpgroup's MMAs read Q from shared
+// memory), kRowBytes,
 // kChunksPerRow, kRowsPerRound, kTokensPerThread, kKvTileBytes, kStages, kStageBytes, kRowOffsetsAt (2 kTile
 // int64 of shared memory for the published row offsets), tile_offset(row, chunk) (where the loader puts a
 // 16-byte chunk of a tile row).
@@ -137,7 +140,7 @@ struct alignas(16) TileRecord {
   int32_t tile_kv_begin;  // KV token index of the tile's row 0
   int32_t n_valid;        // rows of the tile that hold KV tokens of the item (<= 0: none)
   int32_t flags;
-  int32_t pad_;
+  int32_t qslot;          // the sub-item's query buffer (Cfg::kQBuffers > 1)
 };
 
 // 16-byte chunk `chunk` of tile row `row`, XOR-swizzled so that ldmatrix's 8 rows hit 8 distinct
@@ -233,6 +236,11 @@ struct Loader {
     bool done;
     Pos w;
   };
+  // The loader copies query tiles (prefill on Hopper without a QueryTransform, which needs registers).
+  // Sub-item n uses buffer n % kQBuffers (TileRecord::qslot): with kQBuffers = kStages, sub-item n - kStages ended at least
+  // kStages - 1 tiles before sub-item n's first tile, so it was consumed before that tile is issued.
+  static constexpr bool kQCopy = Cfg::kQBuffers > 1 && !Variant::kHasQueryTransform;
+  static_assert(Cfg::kQBuffers == 1 || Cfg::kQBuffers == kStages, "query buffers: one, or one per stage");
 
   static __device__ __forceinline__ void set_pos(Pos& pos, const Work& w) {
     pos.row0 = w.row0;
@@ -345,6 +353,16 @@ struct Loader {
       return;
     }
     const int tile_begin = cur.w.kv_lo + cur.tile * kTile;
+    // The sub-item's query buffer: the previous tile's, or the next one for a new sub-item (the previous
+    // record was written before the barrier this issue follows; not kept in the cursor: registers).
+    int qslot = 0;
+    if constexpr (kQCopy) {
+      if (tile_no > 0) {
+        const uint8_t* prev = smem + ((tile_no + kStages - 1) % kStages) * Cfg::kStageBytes;
+        qslot = reinterpret_cast<const TileRecord*>(prev + 2 * Cfg::kKvTileBytes + Cfg::kQSlotBytes)->qslot;
+        if (cur.tile == 0) qslot = qslot + 1 == Cfg::kQBuffers ? 0 : qslot + 1;
+      }
+    }
     if (tid == 0) {
       if (cur.tile == 0) {
         begin_work(p, vp, cur.item, cur.sub, rec->w);
@@ -355,6 +373,27 @@ struct Loader {
       rec->tile_kv_begin = tile_begin;
       rec->n_valid = cur.w.kv_hi - tile_begin;
       rec->flags = (cur.tile == 0 ? kFirst : 0) | (cur.tile == cur.w.ntiles - 1 ? kLast : 0);
+      rec->qslot = qslot;
+    }
+    if constexpr (kQCopy) {
+      if (cur.tile == 0) {  // the sub-item's query tile, in the MMAs' layout (Cfg::q_offset), zeros past nrows
+        // A thread copies one 16-byte chunk column of rows pr0, pr0 + kRound, ...: same head, rows kRound /
+        // kHPC apart (few registers: this runs inside the compute loop, next to the accumulators).
+        constexpr int kChunksQ = kHeadDim * 2 / 16;
+        constexpr int kRound = kThreads / kChunksQ;
+        static_assert(kThreads % kChunksQ == 0 && kRound % kHPC == 0 && Cfg::kTileRows % kRound == 0, "query copy");
+        const uint32_t qbuf = ptx::smem_u32(smem + Cfg::kQAt + qslot * Cfg::kQBytes);
+        const int t = ptx::thread_index_here();
+        const int ch = t % kChunksQ, pr0 = t / kChunksQ;
+        const DQ* src = static_cast<const DQ*>(p.q) + (int64_t)(cur.w.row0 + pr0 / kHPC) * p.q_stride_row +
+                        (int64_t)(blockIdx.y * kHPC + pr0 % kHPC) * p.q_stride_head + ch * 8;
+#pragma unroll 1
+        for (int pr = pr0; pr < Cfg::kTileRows; pr += kRound) {
+          const bool ok = pr < Cfg::kPackedRows && pr / kHPC < cur.w.nrows;
+          ptx::cp_async_16(qbuf + Cfg::q_offset(pr, ch), ok ? src : p.q, ok);
+          src += (int64_t)(kRound / kHPC) * p.q_stride_row;
+        }
+      }
     }
     if constexpr (Cfg::kQSlotBytes > 0) {
     if (cur.tile == 0) {  // query tile: packed row pr = local row * kHPC + local head, zeros past nrows
