@@ -210,19 +210,28 @@ def prefill_family_size(head_dim: int, kv_dtype: str, tuning: Optional[dict] = N
     return 1 if tuning else len(prefill_family_shapes(head_dim, kv_dtype))
 
 
-def _prefill_smem_bytes(head_dim: int, kv_bytes: int, shape: dict) -> int:
-    """Shared memory of a prefill shape; mirrors prefill::Config::kSmemBytes."""
+def _prefill_smem_bytes(head_dim: int, kv_bytes: int, shape: dict, q_buffers: int = 1) -> int:
+    """Shared memory of a prefill shape with q_buffers query tiles; mirrors prefill::Config::kSmemBytes."""
     record = 80
     align = 1024 if shape.get("wgmma") else 128
     stage = (2 * shape["tile"] * head_dim * kv_bytes + record + align - 1) // align * align
     convert = 2 * shape["tile"] * head_dim * 2 if kv_bytes == 1 else 0
     tile_rows = 16 * shape["mfrags"] * shape["warps"]
     row_offsets = 2 * shape["tile"] * 8  # the loader's published row offsets, two tiles
-    q = tile_rows * head_dim * 2
-    fixed = convert + tile_rows * 4 + row_offsets
-    # wgmma: one query buffer per stage where that fits (the loader copies the next sub-item's queries)
-    q_buffers = shape["stages"] if shape.get("wgmma") and shape["stages"] * (stage + q) + fixed <= SMEM_PER_CTA else 1
-    return shape["stages"] * stage + q_buffers * q + fixed
+    return shape["stages"] * stage + q_buffers * tile_rows * head_dim * 2 + convert + tile_rows * 4 + row_offsets
+
+
+def _prefill_q_buffers(variant: Variant, head_dim: int, kv_bytes: int, shape: dict) -> int:
+    """Query buffers of a prefill module: one per stage (the loader copies each sub-item's query tile with
+    its first KV tile, so no warp waits on Q at a sub-item's start) on Hopper where they fit, for variants
+    without a QueryTransform (Q is rotated in registers) and without logits hooks; else 1 (the warps load
+    Q). Variants with logits hooks run at the 16-warp register cap with spills, and measured 4-22% slower
+    with the copy (1f48c9d against 7862c6f, FlexAttention quick): the copy's registers, and the extra
+    shared memory, which leaves less L1 for the spills."""
+    if not shape.get("wgmma") or variant.query_transform or variant.logits_transform or variant.logits_mask:
+        return 1
+    stages = shape["stages"]
+    return stages if _prefill_smem_bytes(head_dim, kv_bytes, shape, stages) <= SMEM_PER_CTA else 1
 
 
 def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, group: int, *,
@@ -256,7 +265,7 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
                          f"memory; a CTA may use at most {SMEM_PER_CTA}")
     config = ", ".join([str(head_dim), str(shape["hpc"]), _C_TYPE[q_dtype], _C_TYPE[kv_dtype], str(shape["warps"]),
                         str(shape["mfrags"]), str(shape["tile"]), str(shape["stages"]), str(shape["step"]),
-                        "true" if shape["wgmma"] else "false"])
+                        "true" if shape["wgmma"] else "false", str(_prefill_q_buffers(variant, head_dim, kv_bytes, shape))])
     tag = f"{variant.name}_{q_dtype}_{kv_dtype}_d{head_dim}_h{shape['hpc']}"
     if shape != _prefill_shape(head_dim, kv_bytes, group):  # a tuning equal to a member is that member's module
         tag += "_w{warps}m{mfrags}t{tile}s{stages}k{step}".format(**shape) + ("_wg" if shape["wgmma"] else "")

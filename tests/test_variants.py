@@ -76,12 +76,13 @@ _PREFILL_COMPILED = [  # every head_dim's largest member on Hopper, fp8 KV, a Qu
     (V.DEFAULT, 64, "fp16", "fp16", 1, 0),
     (V.DEFAULT, 256, "bf16", "bf16", 8, 0),
     (V.ROPE, 128, "bf16", "fp8_e4m3", 4, 0),
+    (V.ALIBI, 128, "bf16", "bf16", 4, 0),
 ]
 
 
 @nvcc
 def test_prefill_shared_memory_mirror_matches(build_env, monkeypatch):
-    """wrappers._prefill_smem_bytes (query buffers per stage where they fit) is prefill::Config::kSmemBytes."""
+    """wrappers._prefill_smem_bytes with _prefill_q_buffers is prefill::Config::kSmemBytes."""
     monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", "90a")  # the wgmma family
     specs = [W.prefill_spec(v, d, q, kv, g, member=m) for v, d, q, kv, g, m in _PREFILL_COMPILED]
     results = kernels.build_many(specs, archs="90a", jobs=2)
@@ -92,7 +93,9 @@ def test_prefill_shared_memory_mirror_matches(build_env, monkeypatch):
         kv_bytes = 1 if kv.startswith("fp8") else 2
         shape = W._prefill_shape(d, kv_bytes, g, m)
         assert shape["wgmma"]
-        assert launcher.smem_bytes == W._prefill_smem_bytes(d, kv_bytes, shape) <= W.SMEM_PER_CTA, (v.name, d, kv, m)
+        qb = W._prefill_q_buffers(v, d, kv_bytes, shape)
+        assert qb == (1 if v.query_transform or v.logits_transform or d == 256 else shape["stages"]), (v.name, d, qb)
+        assert launcher.smem_bytes == W._prefill_smem_bytes(d, kv_bytes, shape, qb) <= W.SMEM_PER_CTA, (v.name, d, kv, m)
 
 
 @nvcc

@@ -61,7 +61,7 @@ namespace prefill {
 using namespace attn;  // Params, Work, TileRecord, Loader, Epilogue (shared.cuh)
 
 template <int kHeadDim_, int kHeadsPerChunk_, class DQ_, class DKV_, int kWarps_, int kMFrags_, int kTileKv_,
-          int kStages_, int kStepKv_, bool kWgmma_ = false>
+          int kStages_, int kStepKv_, bool kWgmma_ = false, int kQBuffers_ = 1>
 struct Config {
   using DQ = DQ_;
   using DKV = DKV_;
@@ -107,17 +107,16 @@ struct Config {
   static constexpr int kFlagBytes = kTileRows * 4;  // rows whose split merge this CTA owns
   static constexpr int kQAt = kStages * kStageBytes;
   // wgmma reads Q from shared memory, so the loader can copy the next sub-item's query tile with its first
-  // KV tile (one buffer per stage; shared.cuh): its global-memory latency then overlaps the current
-  // sub-item instead of stalling every warp at each sub-item's start. Where that does not fit (head_dim
-  // 256), and for a QueryTransform (rotated in registers), the warps load Q themselves (load_q).
-  static constexpr int kSmemFixed = kConvertBytes + kFlagBytes + 2 * kTile * 8;
-  static constexpr int kQBuffers =
-      kWgmma && kStages * (kStageBytes + kQBytes) + kSmemFixed <= 227 * 1024 ? kStages : 1;
+  // KV tile (kQBuffers = kStages, one buffer per stage; shared.cuh): its global-memory latency then
+  // overlaps the current sub-item instead of stalling every warp at each sub-item's start. Else (1) the
+  // warps load Q themselves (load_q). fi_backend/wrappers.py (_prefill_q_buffers) decides, per variant.
+  static constexpr int kQBuffers = kQBuffers_;
   static constexpr int kRowOffsetsAt = kQAt + kQBuffers * kQBytes + kConvertBytes + kFlagBytes;
   static constexpr int kSmemBytes = kRowOffsetsAt + 2 * kTile * 8;  // the loader's row offsets (shared.cuh)
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim must be 64, 128 or 256");
   static_assert(kStages >= 2, "the pipeline needs at least two stages");
+  static_assert(kQBuffers == 1 || (kWgmma && kQBuffers == kStages), "query buffers: 1, or one per stage (wgmma)");
   static_assert(kHeadsPerChunk >= 1 && kHeadsPerChunk <= kTileRows, "heads per chunk must fit in a tile");
   static_assert(kTile >= 16 && (kTile & (kTile - 1)) == 0, "KV tile: a power of two >= 16 (16-token blocks, tree max)");
   static_assert(kStep >= 16 && (kStep & (kStep - 1)) == 0 && kTile % kStep == 0, "compute step: a power of two dividing the tile");

@@ -236,14 +236,12 @@ struct Loader {
     bool done;
     Pos w;
   };
-  // The loader copies query tiles: prefill on Hopper, for variants without a QueryTransform (it rotates Q in
-  // registers) and without logits hooks. Those already run at the 16-warp register cap with spills, and
-  // the copy's few registers cost them more than its latency saves (67e078d, FlexAttention quick run:
-  // ALiBi -15%, window -22%, soft-cap -8% at 4k; causal +0.5-2%, fa2 section +2-12%).
-  // Sub-item n uses buffer n % kQBuffers (TileRecord::qslot): with kQBuffers = kStages, sub-item n - kStages ended at least
-  // kStages - 1 tiles before sub-item n's first tile, so it was consumed before that tile is issued.
-  static constexpr bool kQCopy = Cfg::kQBuffers > 1 && !Variant::kHasQueryTransform &&
-                                  !Variant::kHasLogitsTransform && !Variant::kHasLogitsMask;
+  // The loader copies query tiles where the kernel has a buffer per stage (prefill on Hopper, for some
+  // variants: fi_backend/wrappers.py, _prefill_q_buffers). Sub-item n uses buffer n % kQBuffers
+  // (TileRecord::qslot): sub-item n - kStages ended at least kStages - 1 tiles before sub-item n's first
+  // tile, so it was consumed before that tile (and its query copy) is issued.
+  static constexpr bool kQCopy = Cfg::kQBuffers > 1;
+  static_assert(!kQCopy || !Variant::kHasQueryTransform, "a QueryTransform rotates Q in registers (load_q)");
   static_assert(Cfg::kQBuffers == 1 || Cfg::kQBuffers == kStages, "query buffers: one, or one per stage");
 
   static __device__ __forceinline__ void set_pos(Pos& pos, const Work& w) {
