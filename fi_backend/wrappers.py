@@ -166,7 +166,9 @@ _PREFILL_SHAPES_WGMMA = {
 # 479 / 5503 vs 668 / 8164, ALiBi 372 / 3937 vs 400 / 4032, ALiBi + window 432 / 2723 vs 475 / 3006.
 # ptxas also reports its wgmma serialized for lack of registers (warning C7512) with window, ALiBi, RoPE
 # and fp8 KV at 16 warps: window and ALiBi measured faster there anyway; RoPE and fp8 KV were not timed
-# against 8 x 2.
+# against 8 x 2. 128-row tiles at two CTAs per SM (8 x 1, min_blocks 2) measured slower than 16 x 1:
+# 0.854 / 0.954 / 0.990 of FA2 against 0.915 / 1.050 / 0.956 in one run (perf/results/prefill_b2.json).
+# The pick rule (FAMILY_*) was re-timed at b105cd5: every pick within 3% of the fastest member.
 FAMILY_TILES_PER_CTA = 3
 FAMILY_WAVE_SLACK = 1.1
 PREFILL_MAX_HEADS_PER_CHUNK = 16
