@@ -23,9 +23,10 @@
 // step through the tile together; its fragment mf is one m64 MMA (warp w holds rows 16 (w % 4) of it,
 // in the layout above, so masks, softmax, variants and the epilogue are shared). S = Q K^T reads Q and
 // K from shared memory through descriptors, O += P V takes P from registers and V from shared memory:
-// the tensor cores read the operands themselves, without the per-warp ldmatrix traffic. The loader copies
-// each sub-item's query tile with its first KV tile into a buffer per stage (Cfg::kQBuffers), so the
-// queries' global-memory latency no longer stalls every warp at each sub-item's start. The loader and
+// the tensor cores read the operands themselves, without the per-warp ldmatrix traffic. For variants
+// without a QueryTransform or logits hooks, the loader copies each sub-item's query tile with its first
+// KV tile into a buffer per stage (Cfg::kQBuffers), so the queries' global-memory latency no longer
+// stalls every warp at each sub-item's start (2-12% on the fa2 benchmark shapes). The loader and
 // the fp8 / RoPE pass write 16-bit tiles in wgmma's 128-byte-swizzled column blocks (Cfg::tile_offset);
 // shared memory written by ordinary stores or cp.async is fenced into the async proxy before the
 // barrier that publishes it. With two fragments a warpgroup overlaps one fragment's softmax with the

@@ -559,7 +559,7 @@ struct Epilogue {
   // fences done) for this CTA's heads. Every (row, head, 8 dims) unit is one thread's: a sub-item's rows
   // merge in parallel (one row at a time left most threads idle and made a 64-row tile's merge the tail
   // of short prefills). The merge runs between a CTA's items, so every other item of that CTA waits for
-  // it: states are read kMergeBatch at a time with no branch between the loads, so a batch costs one
+  // it: states are read kBatch at a time with no branch between the loads, so a batch costs one
   // L2 round trip (a loop that skipped empty states issued one state's loads per round trip, and a
   // 16-chunk row took ~16 of them), and merged online (one pass: no separate pass for the max).
   // kBatch costs 9 registers per state: decode affords 8; prefill, at its 128-register cap, 2 (4 spilled).
