@@ -353,13 +353,10 @@ struct Loader {
   template <int kQRows>
   static __device__ __forceinline__ void copy_query(const Params& p, const Cursor& cur, uint32_t dst) {
     constexpr int kChunksQ = kHeadDim * 2 / 16;
-    const int head0 = blockIdx.y * kHPC;
-    // Runs once per sub-item inside the compute loop. Written as decode's copy was (prefill's register-lean
-    // rewrite, a rolled loop of rows, made ptxas allocate decode's RoPE kernel with 225 registers, not 251,
-    // and it ran 6% slower; this form gives prefill no more spills than that rewrite).
-#pragma unroll
-    for (int i = threadIdx.x; i < kQRows * kChunksQ; i += kThreads) {
-      const int pr = i / kChunksQ, ch = i % kChunksQ;
+    static_assert(kThreads % kChunksQ == 0, "a thread copies one chunk column");
+    const int tid = threadIdx.x, ch = tid % kChunksQ, head0 = blockIdx.y * kHPC;
+#pragma unroll 1  // runs once per sub-item inside the compute loop: few registers, not speed
+    for (int pr = tid / kChunksQ; pr < kQRows; pr += kThreads / kChunksQ) {
       const int r = pr / kHPC, h = pr % kHPC;
       const bool ok = pr < Cfg::kPackedRows && r < cur.w.nrows;
       const DQ* src = static_cast<const DQ*>(p.q) + (ok ? (int64_t)(cur.w.row0 + r) * p.q_stride_row +
