@@ -84,8 +84,6 @@ struct Config {
   static constexpr int kRowOffsetsAt = kStages * kStageBytes + kMdBytes + 16;  // the loader's (shared.cuh)
   static constexpr int kSmemBytes = kRowOffsetsAt + 2 * kTile * 8;
   static __device__ __forceinline__ int tile_offset(int row, int chunk) { return rowmajor_offset<kRowBytes>(row, chunk); }
-  // The stage's query slot: packed rows of D 16-bit elements, unswizzled (load_q reads it by rows).
-  static __device__ __forceinline__ int q_offset(int row, int chunk) { return row * kHeadDim * 2 + chunk * 16; }
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim must be 64, 128 or 256");
   static_assert(kRows == 8 || kRows == 16, "packed rows per tile must be 8 or 16");
@@ -254,7 +252,7 @@ struct Kernel {
       __syncthreads();
       L::step(p, vp, smem, kv_head, j, cur, page, slot);
 
-      const TileRecord* rec = L::record(smem, st);
+      const TileRecord* rec = reinterpret_cast<const TileRecord*>(stage + 2 * Cfg::kKvTileBytes + Cfg::kQSlotBytes);
       const int flags = rec->flags;
       if (flags & kEnd) break;
       const Work& w = rec->w;

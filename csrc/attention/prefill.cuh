@@ -550,7 +550,7 @@ struct Kernel {
       __syncthreads();
       L::step(p, vp, smem, kv_head, j, cur, page, slot);
 
-      const TileRecord* rec = L::record(smem, j % kStages);
+      const TileRecord* rec = reinterpret_cast<const TileRecord*>(stage + 2 * Cfg::kKvTileBytes);
       const int flags = rec->flags;
       if (flags & kEnd) break;
       const Work& w = rec->w;

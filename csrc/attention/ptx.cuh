@@ -12,6 +12,14 @@
 namespace fi {
 namespace ptx {
 
+// threadIdx.x read where it is used: the compiler may not hoist what derives from it out of a loop and
+// keep it in registers across the loop body (for code that runs rarely inside a register-bound loop).
+__device__ __forceinline__ int thread_index_here() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
+  return t;
+}
+
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }

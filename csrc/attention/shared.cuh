@@ -343,60 +343,76 @@ struct Loader {
     }
   }
 
-  // The record of the tile in stage `stage` (after its K and V tiles and the query slot, if any).
-  static __device__ __forceinline__ TileRecord* record(uint8_t* smem, int stage) {
-    return reinterpret_cast<TileRecord*>(smem + stage * Cfg::kStageBytes + 2 * Cfg::kKvTileBytes + Cfg::kQSlotBytes);
-  }
-
-  // Copy the cursor's sub-item query tile (kQRows packed rows: pr = local row * kHPC + local head; zeros past
-  // nrows) to dst in the kernel's layout, Cfg::q_offset: decode's stage slot or prefill's query buffer.
-  template <int kQRows>
-  static __device__ __forceinline__ void copy_query(const Params& p, const Cursor& cur, uint32_t dst) {
-    constexpr int kChunksQ = kHeadDim * 2 / 16;
-    static_assert(kThreads % kChunksQ == 0, "a thread copies one chunk column");
-    const int tid = threadIdx.x, ch = tid % kChunksQ, head0 = blockIdx.y * kHPC;
-#pragma unroll 1  // runs once per sub-item inside the compute loop: few registers, not speed
-    for (int pr = tid / kChunksQ; pr < kQRows; pr += kThreads / kChunksQ) {
-      const int r = pr / kHPC, h = pr % kHPC;
-      const bool ok = pr < Cfg::kPackedRows && r < cur.w.nrows;
-      const DQ* src = static_cast<const DQ*>(p.q) + (ok ? (int64_t)(cur.w.row0 + r) * p.q_stride_row +
-                                                            (int64_t)(head0 + h) * p.q_stride_head + ch * 8
-                                                      : 0);
-      ptx::cp_async_16(dst + Cfg::q_offset(pr, ch), src, ok);
-    }
-  }
-
   // Issue the cursor's tile, the CTA's tile number tile_no, into its stage (tile_no % kStages): record,
-  // query tile (first tile of a sub-item, where the loader copies it), K and V rows.
+  // Q slot (first tile of a sub-item), K and V rows.
   static __device__ __forceinline__ void issue(const Params& p, const VariantParams& vp, uint8_t* smem, int tile_no,
                                                const Cursor& cur) {
     const int tid = threadIdx.x;
     uint8_t* stage = smem + (tile_no % kStages) * Cfg::kStageBytes;
-    TileRecord* rec = record(smem, tile_no % kStages);
+    TileRecord* rec = reinterpret_cast<TileRecord*>(stage + 2 * Cfg::kKvTileBytes + Cfg::kQSlotBytes);
     if (cur.done) {
       if (tid == 0) rec->flags = kEnd;
       return;
     }
     const int tile_begin = cur.w.kv_lo + cur.tile * kTile;
-    // The previous tile's record: written before the barrier this issue follows, and not consumed before
-    // this tile is issued. Its sub-item's Work and query buffer carry over (not kept in the cursor:
-    // registers); a new sub-item takes the next query buffer.
-    const TileRecord* prev = record(smem, (tile_no + kStages - 1) % kStages);
+    // The sub-item's query buffer: the previous tile's, or the next one for a new sub-item (the previous
+    // record was written before the barrier this issue follows; not kept in the cursor: registers).
     int qslot = 0;
     if constexpr (kQCopy) {
-      if (tile_no > 0) qslot = cur.tile > 0 ? prev->qslot : (prev->qslot + 1) % Cfg::kQBuffers;
+      if (tile_no > 0) {
+        const uint8_t* prev = smem + ((tile_no + kStages - 1) % kStages) * Cfg::kStageBytes;
+        qslot = reinterpret_cast<const TileRecord*>(prev + 2 * Cfg::kKvTileBytes + Cfg::kQSlotBytes)->qslot;
+        if (cur.tile == 0) qslot = qslot + 1 == Cfg::kQBuffers ? 0 : qslot + 1;
+      }
     }
     if (tid == 0) {
-      if (cur.tile == 0) begin_work(p, vp, cur.item, cur.sub, rec->w);
-      else rec->w = prev->w;
+      if (cur.tile == 0) {
+        begin_work(p, vp, cur.item, cur.sub, rec->w);
+      } else {  // the previous tile, same sub-item, is not consumed before this one is issued
+        const uint8_t* prev = smem + ((tile_no + kStages - 1) % kStages) * Cfg::kStageBytes;
+        rec->w = reinterpret_cast<const TileRecord*>(prev + 2 * Cfg::kKvTileBytes + Cfg::kQSlotBytes)->w;
+      }
       rec->tile_kv_begin = tile_begin;
       rec->n_valid = cur.w.kv_hi - tile_begin;
       rec->flags = (cur.tile == 0 ? kFirst : 0) | (cur.tile == cur.w.ntiles - 1 ? kLast : 0);
       rec->qslot = qslot;
     }
-    if (cur.tile == 0) {
-      if constexpr (Cfg::kQSlotBytes > 0) copy_query<Cfg::kRows>(p, cur, ptx::smem_u32(stage + 2 * Cfg::kKvTileBytes));
-      else if constexpr (kQCopy) copy_query<Cfg::kTileRows>(p, cur, ptx::smem_u32(smem + Cfg::kQAt + qslot * Cfg::kQBytes));
+    if constexpr (kQCopy) {
+      if (cur.tile == 0) {  // the sub-item's query tile, in the MMAs' layout (Cfg::q_offset), zeros past nrows
+        // A thread copies one 16-byte chunk column of rows pr0, pr0 + kRound, ...: same head, rows kRound /
+        // kHPC apart (few registers: this runs inside the compute loop, next to the accumulators).
+        constexpr int kChunksQ = kHeadDim * 2 / 16;
+        constexpr int kRound = kThreads / kChunksQ;
+        static_assert(kThreads % kChunksQ == 0 && kRound % kHPC == 0 && Cfg::kTileRows % kRound == 0, "query copy");
+        const uint32_t qbuf = ptx::smem_u32(smem + Cfg::kQAt + qslot * Cfg::kQBytes);
+        const int t = ptx::thread_index_here();
+        const int ch = t % kChunksQ, pr0 = t / kChunksQ;
+        const DQ* src = static_cast<const DQ*>(p.q) + (int64_t)(cur.w.row0 + pr0 / kHPC) * p.q_stride_row +
+                        (int64_t)(blockIdx.y * kHPC + pr0 % kHPC) * p.q_stride_head + ch * 8;
+#pragma unroll 1
+        for (int pr = pr0; pr < Cfg::kTileRows; pr += kRound) {
+          const bool ok = pr < Cfg::kPackedRows && pr / kHPC < cur.w.nrows;
+          ptx::cp_async_16(qbuf + Cfg::q_offset(pr, ch), ok ? src : p.q, ok);
+          src += (int64_t)(kRound / kHPC) * p.q_stride_row;
+        }
+      }
+    }
+    if constexpr (Cfg::kQSlotBytes > 0) {
+    if (cur.tile == 0) {  // query tile: packed row pr = local row * kHPC + local head, zeros past nrows
+      constexpr int kChunksQ = kHeadDim * 2 / 16;
+      const uint32_t qslot = ptx::smem_u32(stage + 2 * Cfg::kKvTileBytes);
+      const int head0 = blockIdx.y * kHPC;
+#pragma unroll
+      for (int i = tid; i < kRows * kChunksQ; i += kThreads) {
+        const int pr = i / kChunksQ, ch = i % kChunksQ;
+        const int r = pr / kHPC, h = pr % kHPC;
+        const bool ok = pr < Cfg::kPackedRows && r < cur.w.nrows;
+        const DQ* src = static_cast<const DQ*>(p.q) + (ok ? (int64_t)(cur.w.row0 + r) * p.q_stride_row +
+                                                              (int64_t)(head0 + h) * p.q_stride_head + ch * 8
+                                                        : 0);
+        ptx::cp_async_16(qslot + i * 16, src, ok);
+      }
+    }
     }
     const uint32_t ks = ptx::smem_u32(stage), vs = ks + Cfg::kKvTileBytes;
     const int row_base = tid / Cfg::kChunksPerRow, chunk = tid % Cfg::kChunksPerRow;
