@@ -174,13 +174,25 @@ FAMILY_WAVE_SLACK = 1.1
 PREFILL_MAX_HEADS_PER_CHUNK = 16
 
 
-def _prefill_shape(head_dim: int, kv_bytes: int, group: int, member: int = 0) -> dict:
+# A sliding window (mask_is_kv_range) runs its largest member at 12 warps (168 registers a thread: no
+# spills, no wgmma serialisation) with the query copy: FlexAttention quick at 16 heads, 16x1k / 16x4k,
+# 360 / 2058 us against 385 / 2337 at 16 warps (perf/results/prefill_variant_shapes.json). ALiBi and
+# soft-cap measured no better there (ALiBi 357 / 3900 vs 362 / 3855, soft-cap 425 / 4327 vs 432 / 4150).
+_PREFILL_WINDOW_MEMBER0 = {"warps": 12, "stages": 2}
+
+
+def _prefill_shape(head_dim: int, kv_bytes: int, group: int, member: int = 0,
+                   variant: Optional[Variant] = None) -> dict:
     """Prefill kernel shape (member of the head_dim's family): hpc (query heads per chunk: the largest
     divisor of the group up to 16, so a short query's group fills the tile), warps, mfrags (16-row m
     fragments per warp), tile (KV tokens per stage), stages, step (KV tokens per compute step, a divisor
-    of the tile), wgmma (1: Hopper's warpgroup MMAs, see prefill_uses_wgmma)."""
+    of the tile), wgmma (1: Hopper's warpgroup MMAs, see prefill_uses_wgmma). A sliding-window variant's
+    largest Hopper member at head_dim 128 is _PREFILL_WINDOW_MEMBER0."""
     hpc = max(d for d in range(1, min(group, PREFILL_MAX_HEADS_PER_CHUNK) + 1) if group % d == 0)
-    return {"hpc": hpc, **_prefill_family(head_dim, kv_bytes)[member]}
+    shape = {"hpc": hpc, **_prefill_family(head_dim, kv_bytes)[member]}
+    if variant is not None and variant.mask_is_kv_range and member == 0 and shape["wgmma"] and head_dim == 128:
+        shape.update(_PREFILL_WINDOW_MEMBER0)
+    return shape
 
 
 def prefill_uses_wgmma() -> bool:
@@ -226,11 +238,14 @@ def _prefill_smem_bytes(head_dim: int, kv_bytes: int, shape: dict, q_buffers: in
 def _prefill_q_buffers(variant: Variant, head_dim: int, kv_bytes: int, shape: dict) -> int:
     """Query buffers of a prefill module: one per stage (the loader copies each sub-item's query tile with
     its first KV tile, so no warp waits on Q at a sub-item's start) on Hopper where they fit, for variants
-    without a QueryTransform (Q is rotated in registers) and without logits hooks; else 1 (the warps load
-    Q). Variants with logits hooks run at the 16-warp register cap with spills, and measured 4-22% slower
-    with the copy (1f48c9d against 7862c6f, FlexAttention quick): the copy's registers, and the extra
-    shared memory, which leaves less L1 for the spills."""
-    if not shape.get("wgmma") or variant.query_transform or variant.logits_transform or variant.logits_mask:
+    without a QueryTransform (Q is rotated in registers); else 1 (the warps load Q). Variants with logits
+    hooks at 16 warps (128 registers, where they spill) take no copy: there they measured 4-22% slower
+    with it (1f48c9d against 7862c6f; window 457 vs 385 us at 16x1k in prefill_variant_shapes.json), from
+    the copy's registers and the shared memory it takes from L1, which holds the spills. At 12 warps the
+    copy measured faster with hooks (16x1k: window 360 vs 377 us, ALiBi 357 vs 391); at 8 warps (the
+    second member) it was not timed with hooks."""
+    hooks = variant.logits_transform or variant.logits_mask
+    if not shape.get("wgmma") or variant.query_transform or (hooks and shape["warps"] >= 16):
         return 1
     stages = shape["stages"]
     return stages if _prefill_smem_bytes(head_dim, kv_bytes, shape, stages) <= SMEM_PER_CTA else 1
@@ -241,7 +256,8 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     """The JIT module of the prefill kernel for one (variant, head_dim, dtypes, GQA group), tile family
     member `member` (0: the largest query tile; see _PREFILL_SHAPES_SYNC / _WGMMA).
     tuning (benchmarks): overrides of warps / mfrags / tile / stages / step (default: min(step, tile)) / wgmma
-    (1: Hopper warpgroup MMAs, sm_90a only), and
+    (1: Hopper warpgroup MMAs, sm_90a only), q_buffers (1, or the stages: the loader's query copy; default
+    _prefill_q_buffers's choice), and
     min_blocks (CTAs per SM the register budget is cut for; default 1: the kernel's own need)."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
@@ -249,9 +265,11 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     size = prefill_family_size(head_dim, kv_dtype, tuning)
     if not 0 <= member < size:
         raise ValueError(f"member must be in [0, {size}) (got {member})")
-    shape = _prefill_shape(head_dim, kv_bytes, group, member)
+    shape = _prefill_shape(head_dim, kv_bytes, group, member, variant)
+    default_shape = dict(shape) if member == 0 else _prefill_shape(head_dim, kv_bytes, group, 0, variant)
     tuning = dict(tuning or {})
     min_blocks = int(tuning.pop("min_blocks", 1))
+    q_buffers = tuning.pop("q_buffers", None)
     unknown = set(tuning) - {"warps", "mfrags", "tile", "stages", "step", "wgmma"}
     if unknown:
         raise ValueError(f"unknown prefill tuning keys {sorted(unknown)}")
@@ -265,12 +283,22 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     if smem > SMEM_PER_CTA:
         raise ValueError(f"prefill kernel shape {shape} for head_dim {head_dim} needs {smem} bytes of shared "
                          f"memory; a CTA may use at most {SMEM_PER_CTA}")
+    chosen = _prefill_q_buffers(variant, head_dim, kv_bytes, shape)
+    if q_buffers is None:
+        q_buffers = chosen
+    elif q_buffers not in (1, shape["stages"]) or (q_buffers > 1 and (
+            not shape["wgmma"] or variant.query_transform or
+            _prefill_smem_bytes(head_dim, kv_bytes, shape, q_buffers) > SMEM_PER_CTA)):
+        raise ValueError(f"tuning q_buffers must be 1 or the stages ({shape['stages']}), and more than 1 only with "
+                         f"wgmma, no QueryTransform and within {SMEM_PER_CTA} bytes of shared memory; got {q_buffers}")
     config = ", ".join([str(head_dim), str(shape["hpc"]), _C_TYPE[q_dtype], _C_TYPE[kv_dtype], str(shape["warps"]),
                         str(shape["mfrags"]), str(shape["tile"]), str(shape["stages"]), str(shape["step"]),
-                        "true" if shape["wgmma"] else "false", str(_prefill_q_buffers(variant, head_dim, kv_bytes, shape))])
+                        "true" if shape["wgmma"] else "false", str(q_buffers)])
     tag = f"{variant.name}_{q_dtype}_{kv_dtype}_d{head_dim}_h{shape['hpc']}"
-    if shape != _prefill_shape(head_dim, kv_bytes, group):  # a tuning equal to a member is that member's module
+    if shape != default_shape:  # a tuning equal to the largest member is that member's module
         tag += "_w{warps}m{mfrags}t{tile}s{stages}k{step}".format(**shape) + ("_wg" if shape["wgmma"] else "")
+    if q_buffers != chosen:
+        tag += f"_q{q_buffers}"
     if min_blocks != 1:
         tag += f"_b{min_blocks}"
     return _attention_spec("prefill", variant, config, min_blocks, tag, [])

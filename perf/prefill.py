@@ -547,6 +547,14 @@ def flex_section(a) -> dict:
                  "date": stamp["date"], "commit": stamp["commit"]}
             r["ours_us"] = measure(fn, a.rep)["median_us"]
             r["ours_tflops"] = tflops(flops, r["ours_us"])
+            if a.flex_tunings:  # the same inputs with other kernel shapes forced (choosing a variant's shape)
+                r["ours_us_by_tuning"] = {}
+                for tuning in a.flex_tunings:
+                    tfn, _, _ = ours_fn(case, variant=variant, params=params, tuning=tuning)
+                    r["ours_us_by_tuning"][json.dumps(tuning)] = measure(tfn, a.rep)["median_us"]
+                    del tfn
+                log(f"flex {name:20s} {b:2d}x{s:5d}: ours us " + ", ".join(
+                    f"{k} {v:.1f}" for k, v in [("pick", r["ours_us"]), *r["ours_us_by_tuning"].items()]))
             res = {}
 
             def flex_fn():
@@ -749,6 +757,16 @@ def write_report(json_path) -> Path:
                          f"{_f(x['ratio_flex_over_ours'], '.3f')} | {_f(x.get('flex_first_call_s'))} | "
                          f"{_f(x['check_vs_flex']['max_abs_diff'], '.2e')} |")
         lines.append("")
+        tunings = list(dict.fromkeys(t for x in s["rows"] for t in x.get("ours_us_by_tuning", {})))
+        if tunings:  # --flex-tunings: ours with kernel shapes forced, same inputs
+            lines += ["Ours with the kernel shape forced (us; `pick`: the wrapper's own choice):", "",
+                      "| variant | batch x len | pick | " + " | ".join(f"`{t}`" for t in tunings) + " |",
+                      "|---|---|---|" + "---|" * len(tunings)]
+            for x in s["rows"]:
+                by = x.get("ours_us_by_tuning", {})
+                lines.append(f"| {x['variant']} | {x['batch']}x{x['seq_len']} | {_f(x['ours_us'])} | "
+                             + " | ".join(_f(by.get(t)) for t in tunings) + " |")
+            lines.append("")
     if "family" in r:
         s = r["family"]
         n = len(s["members"])
@@ -800,6 +818,9 @@ def main(argv=None):
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's FlashAttention-3 anchor")
     ap.add_argument("--fi-paged", action="store_true", help="paged section: also FlashInfer's FA2 paged wrapper")
     ap.add_argument("--flex-lengths", help="flex lengths, comma-separated (default 512..16384; --quick 1024,4096)")
+    ap.add_argument("--flex-tunings", type=json.loads, default=None,
+                    help="flex section: also time ours with each of these kernel shapes forced, a JSON list of tuning "
+                         "dicts (rows gain ours_us_by_tuning)")
     ap.add_argument("--flex-variants", help=f"flex variants, comma-separated, of {', '.join(FLEX_VARIANTS)}")
     ap.add_argument("--compile-timeout", type=int, default=540, help="variant_compile child time limit, seconds")
     ap.add_argument("--report", metavar="JSON", help="only write the markdown table of a results JSON")

@@ -77,6 +77,8 @@ _PREFILL_COMPILED = [  # every head_dim's largest member on Hopper, fp8 KV, a Qu
     (V.DEFAULT, 256, "bf16", "bf16", 8, 0),
     (V.ROPE, 128, "bf16", "fp8_e4m3", 4, 0),
     (V.ALIBI, 128, "bf16", "bf16", 4, 0),
+    (V.SLIDING_WINDOW, 128, "bf16", "bf16", 4, 0),  # 12 warps, hooks with the query copy
+    (V.SLIDING_WINDOW, 128, "bf16", "bf16", 4, 1),
 ]
 
 
@@ -91,10 +93,12 @@ def test_prefill_shared_memory_mirror_matches(build_env, monkeypatch):
     for v, d, q, kv, g, m in _PREFILL_COMPILED:
         launcher = W._launcher(v, d, q, kv, g, kernel="prefill", member=m)
         kv_bytes = 1 if kv.startswith("fp8") else 2
-        shape = W._prefill_shape(d, kv_bytes, g, m)
+        shape = W._prefill_shape(d, kv_bytes, g, m, v)
         assert shape["wgmma"]
+        assert shape["warps"] == (12 if v.mask_is_kv_range and m == 0 else W._prefill_family(d, kv_bytes)[m]["warps"])
         qb = W._prefill_q_buffers(v, d, kv_bytes, shape)
-        assert qb == (1 if v.query_transform or v.logits_transform or d == 256 else shape["stages"]), (v.name, d, qb)
+        hooks_at_16 = (v.logits_transform or v.logits_mask) and shape["warps"] >= 16
+        assert qb == (1 if v.query_transform or hooks_at_16 or d == 256 else shape["stages"]), (v.name, d, qb)
         assert launcher.smem_bytes == W._prefill_smem_bytes(d, kv_bytes, shape, qb) <= W.SMEM_PER_CTA, (v.name, d, kv, m)
 
 

@@ -44,7 +44,7 @@
 // Masks. Causal steps past a unit's last row are skipped (the loader already stops at the sub-item's
 // last row); the per-element mask runs only on steps that need it: the diagonal of a causal tile, the
 // last partial tile, a variant with a LogitsMask, or for a mask that is the variant's KV range (a
-// sliding window), a step across some row's range edge.
+// sliding window), a step across some row's range edge; a step outside every row's range is skipped.
 #pragma once
 
 #include <limits.h>
@@ -591,20 +591,28 @@ struct Kernel {
       const int climit_lo = w.kv_len - w.q_len + w.q_idx0 + first_pr / kHPC;
       const int climit_hi = w.kv_len - w.q_len + w.q_idx0 + last_r;
       // A variant whose mask is its KV range (a sliding window): positions [range_lo, range_hi) are visible
-      // to every row of the unit (the last row's lower edge, the first row's upper edge).
-      int range_lo = 0, range_hi = 0;
+      // to every row of the unit (the last row's lower edge, the first row's upper edge), and none outside
+      // [seen_lo, seen_hi) to any (the first row's lower edge, the last row's upper edge): steps there are
+      // skipped (the loader's range is the sub-item's, wider than a unit's).
+      int range_lo = 0, range_hi = 0, seen_lo = INT_MIN, seen_hi = INT_MAX;
       if constexpr (Variant::kMaskIsKvRange) {
         int lo = INT_MIN, hi = INT_MAX;
         Variant::kv_range(vp, w.pos_off + climit_hi, w.pos_off + climit_hi, lo, hi);
         range_lo = lo;
+        seen_hi = hi;
         lo = INT_MIN, hi = INT_MAX;
         Variant::kv_range(vp, w.pos_off + climit_lo, w.pos_off + climit_lo, lo, hi);
         range_hi = hi;
+        seen_lo = lo;
       }
 #pragma unroll 1
       for (int st = 0; st < kTile / kStep; ++st) {
         const int step_begin = rec->tile_kv_begin + st * kStep, n_valid = rec->n_valid - st * kStep;
         if (!unit_active || n_valid <= 0 || (p.causal && step_begin > climit_hi)) break;
+        if constexpr (Variant::kMaskIsKvRange) {
+          if (w.pos_off + step_begin >= seen_hi) break;
+          if (w.pos_off + step_begin + min(n_valid, kStep) <= seen_lo) continue;
+        }
         // (a non-positive scale would break the raw-logit maximum: it takes the masked path)
         const bool need_mask = (Variant::kHasLogitsMask && !Variant::kMaskIsKvRange) || n_valid < kStep ||
                                (Variant::kMaskIsKvRange && (w.pos_off + step_begin < range_lo ||
