@@ -50,7 +50,7 @@ from perf.e2e import workload as W
 
 REPO = Path(__file__).resolve().parents[2]
 KNOWN_BACKENDS = ("CUSTOM", "FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "FLEX_ATTENTION")
-ANCHORS = ("FLASH_ATTN", "TRITON_ATTN")      # CUSTOM is compared with each of these
+ANCHORS = ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER")   # CUSTOM is compared with each of these
 MODEL_CONFIG_CANDIDATES = (
     Path("/work/shared/models/llama-3.1-8b/config.json"),
     REPO.parent / "shared" / "models" / "llama-3.1-8b" / "config.json",
@@ -611,6 +611,8 @@ def main(argv=None) -> int:
     name = a.name or ("e2e_vllm_smoke" if a.smoke else "e2e_vllm")
     if a.report:
         r = json.loads(Path(a.report).read_text())
+        r["ratios"] = ratios(r["runs"])   # from the stored figures, with today's anchors
+        r["bar"] = bar(r["ratios"])
         write_outputs(r, a.name or Path(a.report).stem)
         return 0
     if a.merge:
