@@ -36,6 +36,7 @@ def specs():
         for name in ("soft_cap", "window", "alibi", "default"):
             add(V.BUILTIN_VARIANTS[name], 128, "bf16", "bf16", 1)
         add(V.ROPE, 128, "bf16", "fp8_e4m3", 4)
+        add(V.SLIDING_WINDOW, 128, "bf16", "fp8_e4m3", 4)  # test_window_family_members
         add(V.ROPE, 128, "bf16", "bf16", 4)
     for D in (64, 128, 256):  # the mma.sync family on the H100 (test_mma_sync_family)
         out.extend(prefill_spec(V.DEFAULT, D, "bf16", "bf16", 4, tuning=t) for t in prefill_family_shapes(D, "bf16", wgmma=False))

@@ -89,6 +89,22 @@ def test_long_sliding_window(window):
              ref_kw={"window_left": window}, what=f"window {window} non-causal")
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_window_family_members(kv_dtype):
+    """The sliding window's own family, each member forced: the largest at 12 warps with the loader's query
+    copy despite the mask hook, the second at 8 warps (query copy too); bf16 and fp8 KV, GQA group 4, a
+    window narrower than a query tile (steps below every row of a warpgroup skipped)."""
+    from fi_backend import wrappers as W
+    kv = "bf16" if kv_dtype == torch.bfloat16 else "fp8_e4m3"
+    fp8 = kv != "bf16"
+    for m in range(W.prefill_family_size(128, kv)):
+        shape = {k: x for k, x in W._prefill_shape(128, 1 if fp8 else 2, 4, m, V.SLIDING_WINDOW).items() if k != "hpc"}
+        attn = prefill(16, 4, 128, kv_dtype=kv_dtype, page_size=16, variant=V.SLIDING_WINDOW, tuning=shape)
+        run_case(attn, [1200, 17, 3000, 700], [1000, 17, 3, 700], dtype=torch.bfloat16, kv_dtype=kv_dtype,
+                 causal=True, k_scale=0.37 if fp8 else 1.0, v_scale=1.9 if fp8 else 1.0,
+                 variant_kw={"window_left": 100}, ref_kw={"window_left": 100}, what=f"window member {m} {shape} {kv}")
+
+
 def test_rope_fp8():
     import fi_backend.reference as ref
     cfg = ref.RopeConfig(theta=500000.0, llama31=ref.Llama31Scaling())
