@@ -169,6 +169,12 @@ _PREFILL_SHAPES_WGMMA = {
 # against 8 x 2. 128-row tiles at two CTAs per SM (8 x 1, min_blocks 2) measured slower than 16 x 1:
 # 0.854 / 0.954 / 0.990 of FA2 against 0.915 / 1.050 / 0.956 in one run (perf/results/prefill_b2.json).
 # The pick rule (FAMILY_*) was re-timed at b105cd5: every pick within 3% of the fastest member.
+# Where the rest of the gap to FA2 at 16x1k / 4x4k is (0.88 / 0.96 at c8c7873, 1.04 at 1x16k): causal
+# sub-item k of 256 rows gives the four warpgroups 4k+1 .. 4k+4 steps, and the CTA barrier per KV tile
+# makes each wait for the longest; busy fraction sum(16k+10) / sum(16k+16) over a request's sub-items
+# is 85% / 95.6% / 98.8% at 1k / 4k / 16k, the measured ratios' shape. Warpgroups that consume tiles at
+# their own pace (per-stage full / empty barriers, a producer) would remove it; so would using all 132
+# SMs (grids are 128 CTAs: work queues per KV head, 132 // heads CTAs each), about 3% more.
 FAMILY_TILES_PER_CTA = 3
 FAMILY_WAVE_SLACK = 1.1
 PREFILL_MAX_HEADS_PER_CHUNK = 16
