@@ -16,7 +16,7 @@ from fi_backend.kernels.sets import specs_of  # noqa: E402
 from fi_backend.wrappers import decode_spec, prefill_family_shapes, prefill_family_size, prefill_spec  # noqa: E402
 
 _VARIANTS = ("default", "soft_cap", "window", "alibi", "sigmoid", "custom_mask", "rope", "rope_interleave",
-             "soft_cap_window", "rope_window")
+             "soft_cap_window", "rope_window", "alibi_window")
 
 
 def specs():

@@ -150,7 +150,7 @@ def run_case(attn, kv_lens, q_lens, *, dtype, kv_dtype=None, layout="NHD", packe
 
 
 _VARIANT_NAMES = ["default", "soft_cap", "window", "alibi", "sigmoid", "custom_mask", "rope_llama", "rope_llama31",
-                  "rope_interleave", "soft_cap_window", "rope_window"]
+                  "rope_interleave", "soft_cap_window", "rope_window", "alibi_window"]
 
 
 def _variant_case(name, Hq):
@@ -190,6 +190,9 @@ def _variant_cases(Hq):
          {"logits_soft_cap": 3.0, "window_left": 100}),
         ("rope_window", V.BUILTIN_VARIANTS["rope_window"], {"rope": cfg31, "window_left": 0},
          {"rope": cfg31, "window_left": 0}),
+        ("alibi_window", V.BUILTIN_VARIANTS["alibi_window"],
+         {"alibi_slopes": ref.alibi_slopes(Hq).float().to(DEV), "window_left": 50},
+         {"alibi_slopes": ref.alibi_slopes(Hq), "window_left": 50}),
     ]
 
 
