@@ -183,25 +183,23 @@ FAMILY_WAVE_SLACK = 1.1
 PREFILL_MAX_HEADS_PER_CHUNK = 16
 
 
-# A sliding window (mask_is_kv_range) runs its largest member at 12 warps (168 registers a thread: no
-# spills, no wgmma serialisation) with the query copy: FlexAttention quick at 16 heads, 16x1k / 16x4k,
+# A sliding window (mask_is_kv_range) runs its largest Hopper member at 12 warps (168 registers a thread:
+# no spills, no wgmma serialisation) with the query copy: FlexAttention quick at 16 heads, 16x1k / 16x4k,
 # 360 / 2058 us against 385 / 2337 at 16 warps (perf/results/prefill_variant_shapes.json). ALiBi and
 # soft-cap measured no better there (ALiBi 357 / 3900 vs 362 / 3855, soft-cap 425 / 4327 vs 432 / 4150).
-_PREFILL_WINDOW_MEMBER0 = {"warps": 12, "stages": 2}
+_PREFILL_SHAPES_WGMMA_WINDOW = {
+    (128, 2): [(12, 1, 64, 2, 64), (8, 1, 64, 3, 64)], (128, 1): [(12, 1, 64, 2, 64), (8, 1, 64, 3, 64)],
+}
 
 
 def _prefill_shape(head_dim: int, kv_bytes: int, group: int, member: int = 0,
                    variant: Optional[Variant] = None) -> dict:
-    """Prefill kernel shape (member of the head_dim's family): hpc (query heads per chunk: the largest
-    divisor of the group up to 16, so a short query's group fills the tile), warps, mfrags (16-row m
-    fragments per warp), tile (KV tokens per stage), stages, step (KV tokens per compute step, a divisor
-    of the tile), wgmma (1: Hopper's warpgroup MMAs, see prefill_uses_wgmma). A sliding-window variant's
-    largest Hopper member at head_dim 128 is _PREFILL_WINDOW_MEMBER0."""
+    """Prefill kernel shape (member of the family of the head_dim and variant, _prefill_family): hpc (query
+    heads per chunk: the largest divisor of the group up to 16, so a short query's group fills the tile),
+    warps, mfrags (16-row m fragments per warp), tile (KV tokens per stage), stages, step (KV tokens per
+    compute step, a divisor of the tile), wgmma (1: Hopper's warpgroup MMAs, see prefill_uses_wgmma)."""
     hpc = max(d for d in range(1, min(group, PREFILL_MAX_HEADS_PER_CHUNK) + 1) if group % d == 0)
-    shape = {"hpc": hpc, **_prefill_family(head_dim, kv_bytes)[member]}
-    if variant is not None and variant.mask_is_kv_range and member == 0 and shape["wgmma"] and head_dim == 128:
-        shape.update(_PREFILL_WINDOW_MEMBER0)
-    return shape
+    return {"hpc": hpc, **_prefill_family(head_dim, kv_bytes, variant=variant)[member]}
 
 
 def prefill_uses_wgmma() -> bool:
@@ -214,18 +212,23 @@ def prefill_uses_wgmma() -> bool:
     return all(a == "90a" for a in archs)
 
 
-def _prefill_family(head_dim: int, kv_bytes: int, wgmma: Optional[bool] = None) -> list:
+def _prefill_family(head_dim: int, kv_bytes: int, wgmma: Optional[bool] = None,
+                    variant: Optional[Variant] = None) -> list:
     if wgmma is None:
         wgmma = prefill_uses_wgmma()
     table = _PREFILL_SHAPES_WGMMA if wgmma else _PREFILL_SHAPES_SYNC
+    if wgmma and variant is not None and variant.mask_is_kv_range:
+        table = {**table, **_PREFILL_SHAPES_WGMMA_WINDOW}
     keys = ("warps", "mfrags", "tile", "stages", "step")
     return [{**dict(zip(keys, s)), "wgmma": int(wgmma)} for s in table[(head_dim, kv_bytes)]]
 
 
-def prefill_family_shapes(head_dim: int, kv_dtype: str, wgmma: Optional[bool] = None) -> list:
+def prefill_family_shapes(head_dim: int, kv_dtype: str, wgmma: Optional[bool] = None,
+                          variant: Optional[Variant] = None) -> list:
     """The prefill tile family's shapes as tuning dicts, largest query tile first: Hopper's warpgroup-MMA
-    family when the modules are built for sm_90a only (wgmma None: decide so), else the mma.sync one."""
-    return _prefill_family(head_dim, 1 if kv_dtype.startswith("fp8") else 2, wgmma)
+    family when the modules are built for sm_90a only (wgmma None: decide so), else the mma.sync one; a
+    sliding-window variant's own where it has one (_PREFILL_SHAPES_WGMMA_WINDOW)."""
+    return _prefill_family(head_dim, 1 if kv_dtype.startswith("fp8") else 2, wgmma, variant)
 
 
 def prefill_family_size(head_dim: int, kv_dtype: str, tuning: Optional[dict] = None) -> int:
@@ -254,10 +257,15 @@ def _prefill_q_buffers(variant: Variant, head_dim: int, kv_bytes: int, shape: di
     copy measured faster with hooks (16x1k: window 360 vs 377 us, ALiBi 357 vs 391); at 8 warps (the
     second member) it was not timed with hooks."""
     hooks = variant.logits_transform or variant.logits_mask
-    if not shape.get("wgmma") or variant.query_transform or (hooks and shape["warps"] >= 16):
-        return 1
-    stages = shape["stages"]
-    return stages if _prefill_smem_bytes(head_dim, kv_bytes, shape, stages) <= SMEM_PER_CTA else 1
+    copy = _prefill_q_copy_possible(variant, head_dim, kv_bytes, shape) and not (hooks and shape["warps"] >= 16)
+    return shape["stages"] if copy else 1
+
+
+def _prefill_q_copy_possible(variant: Variant, head_dim: int, kv_bytes: int, shape: dict) -> bool:
+    """Whether a module can have the loader's query copy at all: warpgroup MMAs (they read Q from shared
+    memory), no QueryTransform, and a query buffer per stage within the CTA's shared memory."""
+    return (bool(shape.get("wgmma")) and not variant.query_transform and
+            _prefill_smem_bytes(head_dim, kv_bytes, shape, shape["stages"]) <= SMEM_PER_CTA)
 
 
 def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, group: int, *,
@@ -295,9 +303,8 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     chosen = _prefill_q_buffers(variant, head_dim, kv_bytes, shape)
     if q_buffers is None:
         q_buffers = chosen
-    elif q_buffers not in (1, shape["stages"]) or (q_buffers > 1 and (
-            not shape["wgmma"] or variant.query_transform or
-            _prefill_smem_bytes(head_dim, kv_bytes, shape, q_buffers) > SMEM_PER_CTA)):
+    elif q_buffers != 1 and (q_buffers != shape["stages"] or
+                             not _prefill_q_copy_possible(variant, head_dim, kv_bytes, shape)):
         raise ValueError(f"tuning q_buffers must be 1 or the stages ({shape['stages']}), and more than 1 only with "
                          f"wgmma, no QueryTransform and within {SMEM_PER_CTA} bytes of shared memory; got {q_buffers}")
     config = ", ".join([str(head_dim), str(shape["hpc"]), _C_TYPE[q_dtype], _C_TYPE[kv_dtype], str(shape["warps"]),

@@ -97,8 +97,7 @@ def test_window_family_members(kv_dtype):
     from fi_backend import wrappers as W
     kv = "bf16" if kv_dtype == torch.bfloat16 else "fp8_e4m3"
     fp8 = kv != "bf16"
-    for m in range(W.prefill_family_size(128, kv)):
-        shape = {k: x for k, x in W._prefill_shape(128, 1 if fp8 else 2, 4, m, V.SLIDING_WINDOW).items() if k != "hpc"}
+    for m, shape in enumerate(W.prefill_family_shapes(128, kv, variant=V.SLIDING_WINDOW)):
         attn = prefill(16, 4, 128, kv_dtype=kv_dtype, page_size=16, variant=V.SLIDING_WINDOW, tuning=shape)
         run_case(attn, [1200, 17, 3000, 700], [1000, 17, 3, 700], dtype=torch.bfloat16, kv_dtype=kv_dtype,
                  causal=True, k_scale=0.37 if fp8 else 1.0, v_scale=1.9 if fp8 else 1.0,
