@@ -174,10 +174,9 @@ _PREFILL_SHAPES_WGMMA = {
 # makes each wait for the longest; busy fraction sum(16k+10) / sum(16k+16) over a request's sub-items
 # is 85% / 95.6% / 98.8% at 1k / 4k / 16k, the measured ratios' shape. Warpgroups that consume tiles at
 # their own pace (per-stage full / empty barriers, a producer) would remove it. Grids use 128 of the 132
-# SMs (work queues per KV head, 132 // 8 = 16 CTAs each): 120 CTAs instead of 128 took 7.1% longer at 4x4k,
-# 9.1% at 16x1k, and 1.2% for decode at batch 256 x 16k (perf.sm_scaling; an earlier run 6.9 / 4.7 /
-# 1.3%), so work items that name their KV head, spread over all 132 SMs, should give about 3% / 3% /
-# 0.5% back.
+# SMs (work queues per KV head, 132 // 8 = 16 CTAs each): 120 CTAs instead of 128 took 5.4-7.1% longer at
+# 4x4k, 4.7-9.1% at 16x1k, and 1.0-1.3% for decode at batch 256 x 16k (three runs; perf.sm_scaling), so
+# work items that name their KV head, spread over all 132 SMs, should give about 3% / 3% / 0.5% back.
 FAMILY_TILES_PER_CTA = 3
 FAMILY_WAVE_SLACK = 1.1
 PREFILL_MAX_HEADS_PER_CHUNK = 16

@@ -72,15 +72,18 @@ class Case:
 TUNING = None   # kernel-shape override for tuning runs (--tuning), see fi_backend.wrappers.decode_spec
 
 
-def ours(case: Case, *, split=True, variant=None, plan_kw=None):
+def ours(case: Case, *, split=True, variant=None, plan_kw=None, num_ctas=None):
+    """(fn, setup, workspace): our decode kernel on the case; num_ctas: CTAs per KV head (default: the
+    recommended count)."""
     from fi_backend import formats
     from fi_backend.workspace import Workspace
     from fi_backend.wrappers import BatchAttention
 
     from fi_backend import variants
     variant = variant or variants.DEFAULT
-    num_ctas = BatchAttention.recommended_num_ctas("cuda", HQ, HKV, D, q_dtype=DTYPE, kv_dtype=case.kv_dtype,
-                                                   variant=variant, tuning=TUNING)
+    if num_ctas is None:
+        num_ctas = BatchAttention.recommended_num_ctas("cuda", HQ, HKV, D, q_dtype=DTYPE, kv_dtype=case.kv_dtype,
+                                                       variant=variant, tuning=TUNING)
     ws = Workspace("cuda", max_requests=case.B, max_tokens=case.B, num_ctas=num_ctas, max_tile_q=16,
                    num_qo_heads=HQ, head_dim=D)
     attn = BatchAttention(ws, HQ, HKV, D, q_dtype=DTYPE, kv_dtype=case.kv_dtype, page_size=case.page,

@@ -231,15 +231,16 @@ class Paged:
 
 # ------------------------------------------------------------------------------------------ implementations
 
-def ours_fn(case: Case, *, paged: Paged = None, variant=None, params=None, tuning=None):
+def ours_fn(case: Case, *, paged: Paged = None, variant=None, params=None, tuning=None, num_ctas=None):
     """(fn, out, info): our prefill kernel (kernel="prefill") on the case, ragged KV unless `paged`; tuning: one
-    kernel shape instead of the tile family."""
+    kernel shape instead of the tile family; num_ctas: CTAs per KV head (default: the recommended count)."""
     from fi_backend import formats, variants
     from fi_backend.workspace import Workspace
     from fi_backend.wrappers import BatchAttention
     variant = variant or variants.DEFAULT
-    num_ctas = BatchAttention.recommended_num_ctas("cuda", case.hq, case.hkv, case.d, q_dtype=DTYPE, kv_dtype=DTYPE,
-                                                   variant=variant, kernel="prefill", tuning=tuning)
+    if num_ctas is None:
+        num_ctas = BatchAttention.recommended_num_ctas("cuda", case.hq, case.hkv, case.d, q_dtype=DTYPE,
+                                                       kv_dtype=DTYPE, variant=variant, kernel="prefill", tuning=tuning)
     tile_q = BatchAttention.query_tile_rows(case.hq, case.hkv, case.d, q_dtype=DTYPE, kv_dtype=DTYPE, variant=variant,
                                             kernel="prefill", tuning=tuning)
     ws = Workspace("cuda", max_requests=case.batch, max_tokens=case.rows, num_ctas=num_ctas, max_tile_q=tile_q,

@@ -1,10 +1,11 @@
-"""How our kernels' time scales with the number of CTAs (one per SM): CTAs per KV head forced to the
+"""How our kernels' time scales with the number of CTAs (one per SM): CTAs per KV head set to the
 recommended count minus 0, 1, 2 (at 8 KV heads: 128, 120, 112 of the H100's 132 SMs). The grids are
 (CTAs per KV head) x (KV heads), so 132 // heads per head leaves SMs idle; this says what using them
-would be worth. Decode: 32/8 heads, head_dim 128, page 16, KV sets rotated (perf.decode.Case); prefill:
-causal, 32/8 heads, ragged (perf.prefill.Case). Median of CUDA-event timings (perf.common.time_us).
+would be worth. Decode: 32/8 heads, head_dim 128, page 16, KV sets rotated (perf.decode.Case), anchor
+FlashInfer's best decode path; prefill: causal, 32/8 heads, ragged (perf.prefill.Case), anchor FlashInfer's
+FA2 template; both timed on the same inputs in the same process. Median of CUDA-event timings.
 
-    python -m perf.sm_scaling            # on the GPU machine; writes perf/results/sm_scaling.json
+    python -m perf.sm_scaling            # on the GPU machine (FlashInfer staged); perf/results/sm_scaling.json
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from perf.common import device_info, time_us, write_result
 
 DECODE_SHAPES = ((256, 16384), (64, 4096))
 PREFILL_SHAPES = ((16, 1024), (4, 4096))
+FEWER = (0, 1, 2)   # CTAs per KV head below the recommended count
 
 
 def log(msg: str) -> None:
@@ -25,31 +27,42 @@ def log(msg: str) -> None:
 
 def main() -> int:
     from fi_backend.wrappers import BatchAttention
-    recommended = BatchAttention.recommended_num_ctas
     rows = []
-    try:
-        for delta in (0, 1, 2):
-            BatchAttention.recommended_num_ctas = staticmethod(lambda *a, _d=delta, **k: recommended(*a, **k) - _d)
-            for b, kv in DECODE_SHAPES:
-                case = D.Case([kv] * b, 16)
-                fn, setup, _ = D.ours(case)
-                us = time_us(fn, setup=setup, rep=50)["median_us"]
-                rows.append({"kernel": "decode", "batch": b, "kv_len": kv, "ctas_per_head_minus": delta, "us": us})
-                log(f"decode b={b} kv={kv} CTAs per head -{delta}: {us:.1f} us")
-                del case, fn
-                torch.cuda.empty_cache()
-            for b, s in PREFILL_SHAPES:
-                case = P.Case(b, s, 32, 8)
-                fn, _, info = P.ours_fn(case)
-                us = time_us(fn, rep=30)["median_us"]
-                rows.append({"kernel": "prefill", "batch": b, "seq_len": s, "num_ctas_per_head": info["num_ctas"],
-                             "ctas_per_head_minus": delta, "us": us})
-                log(f"prefill {b}x{s} 32/8 heads, {info['num_ctas']} CTAs per head: {us:.1f} us")
-                del case, fn
-                torch.cuda.empty_cache()
-    finally:
-        BatchAttention.recommended_num_ctas = recommended
-    write_result("sm_scaling", {"device": device_info(), "rows": rows})
+    for b, kv in DECODE_SHAPES:
+        case = D.Case([kv] * b, 16)
+        anchor = min(time_us(f, setup=s, rep=50)["median_us"] for f, s, _ in
+                     (D.flashinfer_fn(case, tc) for tc in (True, False)))
+        full = BatchAttention.recommended_num_ctas("cuda", D.HQ, D.HKV, D.D, q_dtype=D.DTYPE, kv_dtype=case.kv_dtype)
+        for fewer in FEWER:
+            fn, setup, _ = D.ours(case, num_ctas=full - fewer)
+            us = time_us(fn, setup=setup, rep=50)["median_us"]
+            rows.append({"kernel": "decode", "batch": b, "kv_len": kv, "num_ctas_per_head": full - fewer, "ours_us": us,
+                         "fi_best_us": anchor, "ratio_fi_best_over_ours": anchor / us})
+            log(f"decode b={b} kv={kv} {full - fewer} CTAs per head: {us:.1f} us, FlashInfer {anchor:.1f} us, "
+                f"ratio {anchor / us:.3f}")
+            del fn
+        del case
+        torch.cuda.empty_cache()
+    fa2 = P.FlashInferRagged("fa2")
+    for b, s in PREFILL_SHAPES:
+        case = P.Case(b, s, 32, 8)
+        afn, _ = fa2.fn(case)
+        anchor = time_us(afn, rep=30)["median_us"]
+        full = None
+        for fewer in FEWER:
+            fn, _, info = P.ours_fn(case, num_ctas=None if full is None else full - fewer)
+            full = full or info["num_ctas"]
+            us = time_us(fn, rep=30)["median_us"]
+            rows.append({"kernel": "prefill", "batch": b, "seq_len": s, "num_ctas_per_head": info["num_ctas"],
+                         "ours_us": us, "fi_fa2_us": anchor, "ratio_fi_fa2_over_ours": anchor / us})
+            log(f"prefill {b}x{s} 32/8 heads, {info['num_ctas']} CTAs per head: {us:.1f} us, FlashInfer FA2 "
+                f"{anchor:.1f} us, ratio {anchor / us:.3f}")
+            del fn
+        del case, afn
+        torch.cuda.empty_cache()
+    write_result("sm_scaling", {"device": device_info(), "anchors": "decode: FlashInfer BatchDecodeWithPagedKV"
+                                "CacheWrapper, best of tensor cores on / off; prefill: FlashInfer FA2 ragged",
+                                "rows": rows})
     return 0
 
 
