@@ -567,6 +567,8 @@ def flex_section(a) -> dict:
             r["flex_us"] = measure(flex_fn, a.rep)["median_us"]
             r["flex_tflops"] = tflops(flops, r["flex_us"])
             r["ratio_flex_over_ours"] = r["flex_us"] / r["ours_us"]
+            if "ours_us_by_tuning" in r:
+                r["ratio_flex_over_ours_by_tuning"] = {t: r["flex_us"] / us for t, us in r["ours_us_by_tuning"].items()}
             r["bar_met"] = r["ratio_flex_over_ours"] >= BARS["flex_ratio_min"]
             flex_out = res.pop("o").transpose(1, 2).reshape(case.rows, FLEX_HEADS, D)
             r["check_vs_flex"] = _check(f"flex {name} {b}x{s} ours vs flex", diff_stats(out, flex_out))
@@ -760,13 +762,15 @@ def write_report(json_path) -> Path:
         lines.append("")
         tunings = list(dict.fromkeys(t for x in s["rows"] for t in x.get("ours_us_by_tuning", {})))
         if tunings:  # --flex-tunings: ours with kernel shapes forced, same inputs
-            lines += ["Ours with the kernel shape forced (us; `pick`: the wrapper's own choice):", "",
+            lines += ["Ours with the kernel shape forced (us, and flex / ours from the same run; `pick`: the wrapper's "
+                      "own choice):", "",
                       "| variant | batch x len | pick | " + " | ".join(f"`{t}`" for t in tunings) + " |",
                       "|---|---|---|" + "---|" * len(tunings)]
             for x in s["rows"]:
                 by = x.get("ours_us_by_tuning", {})
-                lines.append(f"| {x['variant']} | {x['batch']}x{x['seq_len']} | {_f(x['ours_us'])} | "
-                             + " | ".join(_f(by.get(t)) for t in tunings) + " |")
+                cell = lambda us: "-" if us is None else f"{us:.1f} ({x['flex_us'] / us:.3f})"  # noqa: E731
+                lines.append(f"| {x['variant']} | {x['batch']}x{x['seq_len']} | {cell(x['ours_us'])} | "
+                             + " | ".join(cell(by.get(t)) for t in tunings) + " |")
             lines.append("")
     if "family" in r:
         s = r["family"]
