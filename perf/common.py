@@ -85,7 +85,7 @@ def time_us(fn, *, warmup: int = 10, rep: int = 100, setup=None, max_queue_us: f
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(rep)]
     sleep_us = min(max_queue_us, 1.5 * rep * per_call_us)
-    for attempt in range(4):
+    for _ in range(4):  # spin, enqueue, check; longer spin if the host fell behind
         _gpu_sleep(sleep_us)
         slept = torch.cuda.Event()
         slept.record()
