@@ -10,6 +10,11 @@
 // actual KV length read on the device (a plan may be made from upper bounds), and an item whose
 // range is then empty yields O = 0, LSE = -inf.
 //
+// unit: the query-head group the item is run for: KV head unit / num_head_chunks and query heads
+// [unit * heads_per_chunk, (unit + 1) * heads_per_chunk). Every (request, query tile) pair is run for every
+// unit of the launch; each (item, unit) is placed on a CTA of its own, so one fixed grid of all the GPU's
+// CTAs serves every head (queues per KV head left SMs idle when the CTAs did not divide by the heads).
+//
 // partial_base < 0: the item covers the request's whole KV for these rows ("write-through"): results
 // go straight to the output rows.
 // partial_base >= 0: the KV of these rows was split into partial_stride chunks; row r's partial state
@@ -23,7 +28,7 @@ typedef struct FiWorkItem {
   int32_t kv_end;
   int32_t partial_base;
   int32_t partial_stride;
-  int32_t chunk;  // index of this KV chunk within its (request, query tile), 0-based
+  int32_t unit;
 } FiWorkItem;
 
 // The plan header: a fixed block of int32 at the start of the plan section.
@@ -36,26 +41,33 @@ enum FiPlanHeader {
   FI_PLAN_NUM_CTAS = 5,          // CTAs the items were spread over (cta_indptr has NUM_CTAS + 1)
   FI_PLAN_TILE_Q = 6,            // query rows per tile
   FI_PLAN_NUM_SPLIT_ROWS = 7,    // rows whose KV was split (rows the merge must visit)
+  FI_PLAN_NUM_UNITS = 8,         // query-head groups each pair is run for (FiWorkItem::unit)
   FI_PLAN_HEADER_INTS = 16
 };
 
 // Plan section layout, in int32 units from its start (every array starts 16-byte aligned):
 //   header        [FI_PLAN_HEADER_INTS]
 //   cta_indptr    [num_ctas + 1]            items of CTA c are items[cta_indptr[c] .. cta_indptr[c + 1])
-//   items         [max_items] FiWorkItem    grouped by CTA, in the order each CTA runs them
-//   merge_indptr  [max_rows + 1]            partial rows of output row r, see FiWorkItem
+//   merge_indptr  [max_rows + 1]            partial rows of output row r, see FiWorkItem (the same for
+//                                           every unit: a split item's replicas write their own heads)
 //   split_rows    [max_rows]                the rows with partials, ascending (NUM_SPLIT_ROWS of them)
+//   items         [max_items] FiWorkItem    grouped by CTA, in the order each CTA runs them
+// Items come last: their capacity is units x query rows, and a plan copies only the prefix it used.
 static inline int64_t fi_align4(int64_t n) { return (n + 3) & ~(int64_t)3; }
 static inline int64_t fi_plan_cta_indptr_offset(void) { return FI_PLAN_HEADER_INTS; }
-static inline int64_t fi_plan_items_offset(int64_t num_ctas) {
+static inline int64_t fi_plan_merge_indptr_offset(int64_t num_ctas) {
   return fi_plan_cta_indptr_offset() + fi_align4(num_ctas + 1);
 }
-static inline int64_t fi_plan_merge_indptr_offset(int64_t num_ctas, int64_t max_items) {
-  return fi_plan_items_offset(num_ctas) + max_items * (int64_t)(sizeof(FiWorkItem) / 4);
+static inline int64_t fi_plan_split_rows_offset(int64_t num_ctas, int64_t max_rows) {
+  return fi_plan_merge_indptr_offset(num_ctas) + fi_align4(max_rows + 1);
 }
-static inline int64_t fi_plan_split_rows_offset(int64_t num_ctas, int64_t max_items, int64_t max_rows) {
-  return fi_plan_merge_indptr_offset(num_ctas, max_items) + fi_align4(max_rows + 1);
+static inline int64_t fi_plan_items_offset(int64_t num_ctas, int64_t max_rows) {
+  return fi_plan_split_rows_offset(num_ctas, max_rows) + fi_align4(max_rows);
+}
+// Int32 of the section a plan of num_items items uses (what plan() copies to the device).
+static inline int64_t fi_plan_used_ints(int64_t num_ctas, int64_t max_rows, int64_t num_items) {
+  return fi_plan_items_offset(num_ctas, max_rows) + num_items * (int64_t)(sizeof(FiWorkItem) / 4);
 }
 static inline int64_t fi_plan_ints(int64_t num_ctas, int64_t max_items, int64_t max_rows) {
-  return fi_plan_split_rows_offset(num_ctas, max_items, max_rows) + fi_align4(max_rows);
+  return fi_plan_used_ints(num_ctas, max_rows, max_items);
 }

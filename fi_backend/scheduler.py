@@ -2,19 +2,22 @@
 
 `plan_into` runs the C++ planner (csrc/scheduler/planner.cc, module `fi_backend._planner`) on the step's
 query rows per request (qo_indptr) and KV lengths, and writes the plan in place into a plan section laid
-out as csrc/plan.h describes: header, cta_indptr, work items grouped by CTA, merge_indptr and split_rows.
+out as csrc/plan.h describes: header, cta_indptr, merge_indptr, split_rows and work items grouped by CTA.
 `PlanLayout` is the one Python copy of plan.h's offset formulas (tests compare it with the C values).
 
 The planner cuts each request's rows into query tiles of tile_q rows; a (request, tile) pair reads KV
 positions [0, kv_len) (causal, bottom-right aligned: [0, kv_len - q_len + tile_end)). Items (whole pairs
-or KV chunks of split pairs) are assigned heaviest first to the least loaded CTA (LPT; cost = cost_q *
-rows + cost_kv * KV tokens). Which pairs are split is chosen by search: a candidate (L, s) splits the s
-longest pairs that are longer than L into ceil(len / L) chunks aligned to kv_chunk_align, never more than
-MAX_SPLIT_ITEMS_PER_CTA * num_ctas chunks in all (the workspace's partial-state bound); the planner
+or KV chunks of split pairs) run once for each of num_units query-head groups (a KV head, or a chunk of
+its query heads: the item's `unit`); these replicas are assigned heaviest first to the least loaded of
+all num_ctas CTAs (LPT; cost = cost_q * rows + cost_kv * KV tokens), so one grid of all the GPU's CTAs
+serves every head. Which pairs are split is chosen by search: a candidate (L, s) splits the s longest
+pairs that are longer than L into ceil(len / L) chunks aligned to kv_chunk_align, never more than
+MAX_SPLIT_ITEMS_PER_CTA * ceil(num_ctas / num_units) chunks in all (the workspace's partial-state bound;
+a chunk's replicas share its partial rows, each writing its own heads); the planner
 keeps the candidate with the lowest LPT makespan (ties: fewer items) among "no split", the previous
 rule's chunk and a few chunks derived from the longest pair and the fair share of KV per CTA
 (csrc/scheduler/planner.cc, ChooseSplit). When the unsplit plan is already within BALANCED_SLACK of the
-lower bound total cost / num_ctas it is taken without a search. Split items write partial attention
+lower bound num_units * total cost / num_ctas it is taken without a search. Split items write partial attention
 states, which the merge combines per row.
 """
 from __future__ import annotations
@@ -29,9 +32,9 @@ from fi_backend import _planner
 
 # Header ints (csrc/plan.h, enum FiPlanHeader).
 HEADER_INTS = 16
-NUM_ITEMS, NUM_ROWS, NUM_PARTIAL_ROWS, KV_CHUNK, NUM_REQUESTS, NUM_CTAS, TILE_Q, NUM_SPLIT_ROWS = range(8)
+NUM_ITEMS, NUM_ROWS, NUM_PARTIAL_ROWS, KV_CHUNK, NUM_REQUESTS, NUM_CTAS, TILE_Q, NUM_SPLIT_ROWS, NUM_UNITS = range(9)
 # FiWorkItem's int32 fields, in order.
-ITEM_FIELDS = ("request", "q_begin", "q_end", "kv_begin", "kv_end", "partial_base", "partial_stride", "chunk")
+ITEM_FIELDS = ("request", "q_begin", "q_end", "kv_begin", "kv_end", "partial_base", "partial_stride", "unit")
 ITEM_INTS = len(ITEM_FIELDS)
 ITEM_DTYPE = np.dtype([(name, np.int32) for name in ITEM_FIELDS])
 
@@ -42,7 +45,8 @@ ITEM_DTYPE = np.dtype([(name, np.int32) for name in ITEM_FIELDS])
 # traffic here because the kernel runs whole query tiles, so each KV token costs a tile's work.
 DEFAULT_COST_Q = 1.0
 DEFAULT_COST_KV = 1.0
-# Split items per CTA a plan may have (the workspace's partial rows: 2 * num_ctas * tile_q, appendix D)
+# Split items per CTA of a unit's share a plan may have (the workspace's partial rows: 2 * ceil(num_ctas /
+# num_units) * tile_q, appendix D)
 # and the unsplit plan's tolerance over the lower bound below which no chunk search runs.
 MAX_SPLIT_ITEMS_PER_CTA = _planner.MAX_SPLIT_ITEMS_PER_CTA
 BALANCED_SLACK = _planner.BALANCED_SLACK
@@ -51,12 +55,20 @@ BALANCED_SLACK = _planner.BALANCED_SLACK
 DEFAULT_MIN_KV_CHUNK = 128
 
 
-def max_items_for(max_rows: int, num_ctas: int) -> int:
-    """Work items a plan section needs so that no candidate of the chunk search is ever skipped for room:
-    one per (request, query tile) pair (<= query rows), plus the extra chunks of split pairs (their
-    chunks number <= MAX_SPLIT_ITEMS_PER_CTA * num_ctas in all). With fewer, the search keeps to what
-    fits and may balance worse; the unsplit plan only needs one item per pair."""
-    return max_rows + MAX_SPLIT_ITEMS_PER_CTA * num_ctas
+def max_items_for(max_rows: int, num_ctas: int, max_units: int = 1) -> int:
+    """Work items a plan section needs so that no candidate of the chunk search is ever skipped for room,
+    for plans of up to max_units units: per unit, one per (request, query tile) pair (<= query rows) plus
+    the extra chunks of split pairs (<= MAX_SPLIT_ITEMS_PER_CTA * ceil(num_ctas / units) of them, so
+    <= MAX_SPLIT_ITEMS_PER_CTA * (num_ctas + units) over all units). With fewer, the search keeps to
+    what fits and may balance worse; the unsplit plan only needs one item per pair and unit."""
+    return max_units * max_rows + MAX_SPLIT_ITEMS_PER_CTA * (num_ctas + max_units)
+
+
+def max_partial_rows_for(num_ctas: int, min_units: int, max_tile_q: int) -> int:
+    """Partial rows (attention states of split chunks, each [num_qo_heads, head_dim]) a workspace needs for
+    plans of at least min_units units and tiles of up to max_tile_q rows: the split-item budget
+    MAX_SPLIT_ITEMS_PER_CTA * ceil(num_ctas / units) times the tile's rows (appendix D)."""
+    return MAX_SPLIT_ITEMS_PER_CTA * (-(-num_ctas // min_units)) * max_tile_q
 
 
 def _align4(n: int) -> int:
@@ -76,20 +88,24 @@ class PlanLayout:
         return HEADER_INTS
 
     @property
-    def items_offset(self) -> int:
-        return self.cta_indptr_offset + _align4(self.num_ctas + 1)
-
-    @property
     def merge_indptr_offset(self) -> int:
-        return self.items_offset + self.max_items * ITEM_INTS
+        return self.cta_indptr_offset + _align4(self.num_ctas + 1)
 
     @property
     def split_rows_offset(self) -> int:
         return self.merge_indptr_offset + _align4(self.max_rows + 1)
 
     @property
-    def num_ints(self) -> int:
+    def items_offset(self) -> int:
         return self.split_rows_offset + _align4(self.max_rows)
+
+    def used_ints(self, num_items: int) -> int:
+        """Int32 of the section a plan of num_items items uses: what a plan copies to the device."""
+        return self.items_offset + num_items * ITEM_INTS
+
+    @property
+    def num_ints(self) -> int:
+        return self.used_ints(self.max_items)
 
     @property
     def nbytes(self) -> int:
@@ -110,9 +126,9 @@ class PlanViews:
         L = layout
         self.header = section[:HEADER_INTS]
         self.cta_indptr = section[L.cta_indptr_offset:L.cta_indptr_offset + L.num_ctas + 1]
-        self.items = section[L.items_offset:L.merge_indptr_offset].reshape(L.max_items, ITEM_INTS)
         self.merge_indptr = section[L.merge_indptr_offset:L.merge_indptr_offset + L.max_rows + 1]
         self.split_rows = section[L.split_rows_offset:L.split_rows_offset + L.max_rows]
+        self.items = section[L.items_offset:L.num_ints].reshape(L.max_items, ITEM_INTS)
 
     @classmethod
     def allocate(cls, num_ctas: int, max_items: int, max_rows: int, max_partial_rows: int) -> "PlanViews":
@@ -145,7 +161,8 @@ def _host_int32(x, name: str):
     return x
 
 
-def plan_into(views: PlanViews, qo_indptr, kv_lens, *, tile_q: int, num_ctas: int, causal: bool = False,
+def plan_into(views: PlanViews, qo_indptr, kv_lens, *, tile_q: int, num_ctas: int, num_units: int = 1,
+              causal: bool = False,
               min_kv_chunk: int = DEFAULT_MIN_KV_CHUNK, kv_chunk_align: int = 1,
               cost_q: float = DEFAULT_COST_Q, cost_kv: float = DEFAULT_COST_KV,
               force_kv_chunk: Optional[int] = None, force_split_pairs: Optional[int] = None) -> PlanInfo:
@@ -153,19 +170,19 @@ def plan_into(views: PlanViews, qo_indptr, kv_lens, *, tile_q: int, num_ctas: in
 
     qo_indptr: int32 [B + 1] (numpy array or CPU tensor), query rows of each request, qo_indptr[0] = 0.
     kv_lens: int32 [B], KV tokens of each request (its query rows are the last q_len of them).
-    num_ctas: CTAs per KV head the items are spread over (<= the layout's num_ctas; CTAs beyond it get
-    no items). The chunk search only considers plans that fit the section's capacities, so a step fails
+    num_ctas: CTAs of the launch the items are spread over (<= the layout's num_ctas; CTAs beyond it get
+    no items). num_units: query-head groups every item runs for (each (item, unit) is placed on its own). The chunk search only considers plans that fit the section's capacities, so a step fails
     only when even the unsplit plan does not fit: ValueError naming the bound (max_items, max_rows), or
     naming the invalid input; the section is then left untouched.
     force_kv_chunk / force_split_pairs (tests, tuning): skip the search and plan one candidate. 0 splits
     nothing; L > 0 (a multiple of kv_chunk_align, >= min_kv_chunk) splits the force_split_pairs longest
-    pairs longer than L (None: as many as MAX_SPLIT_ITEMS_PER_CTA * num_ctas chunks allow). A forced plan
+    pairs longer than L (None: as many as MAX_SPLIT_ITEMS_PER_CTA * ceil(num_ctas / num_units) chunks allow). A forced plan
     that does not fit raises ValueError naming max_items or max_partial_rows.
     """
     L = views.layout
     out = _planner.plan(views.section, L.num_ctas, L.max_items, L.max_rows, views.max_partial_rows,
                         _host_int32(qo_indptr, "qo_indptr"), _host_int32(kv_lens, "kv_lens"),
-                        tile_q, num_ctas, causal, min_kv_chunk, kv_chunk_align, cost_q, cost_kv,
+                        tile_q, num_ctas, num_units, causal, min_kv_chunk, kv_chunk_align, cost_q, cost_kv,
                         -1 if force_kv_chunk is None else force_kv_chunk,
                         -1 if force_split_pairs is None else force_split_pairs)
     return PlanInfo._make(out)
@@ -183,6 +200,7 @@ class DecodedPlan:
     num_ctas: int
     tile_q: int
     num_split_rows: int
+    num_units: int
     cta_indptr: np.ndarray    # int32 [num_ctas + 1]
     items: np.ndarray         # ITEM_DTYPE [num_items], grouped by CTA in run order
     item_cta: np.ndarray      # int32 [num_items], the CTA running each item
@@ -191,7 +209,7 @@ class DecodedPlan:
 
 
 def decode_plan(views: PlanViews) -> DecodedPlan:
-    h = [int(v) for v in views.header[:8]]
+    h = [int(v) for v in views.header[:9]]
     n_items, n_rows, n_ctas, n_split = h[NUM_ITEMS], h[NUM_ROWS], h[NUM_CTAS], h[NUM_SPLIT_ROWS]
     cta_indptr = views.cta_indptr[:n_ctas + 1].copy()
     items = views.items[:n_items].copy().view(ITEM_DTYPE).reshape(n_items)
@@ -199,5 +217,6 @@ def decode_plan(views: PlanViews) -> DecodedPlan:
     return DecodedPlan(
         num_items=n_items, num_rows=n_rows, num_partial_rows=h[NUM_PARTIAL_ROWS], kv_chunk=h[KV_CHUNK],
         num_requests=h[NUM_REQUESTS], num_ctas=n_ctas, tile_q=h[TILE_Q], num_split_rows=n_split,
+        num_units=h[NUM_UNITS],
         cta_indptr=cta_indptr, items=items, item_cta=item_cta,
         merge_indptr=views.merge_indptr[:n_rows + 1].copy(), split_rows=views.split_rows[:n_split].copy())

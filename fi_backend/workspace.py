@@ -4,19 +4,22 @@ Sections, each starting 256-byte aligned, in this order:
   plan         int32, the plan (csrc/plan.h) for (num_ctas, max_items, max_tokens)
   partial_o    float32 [max_partial_rows, num_qo_heads, head_dim]  partial attention states of split KV
   partial_lse  float32 [max_partial_rows, num_qo_heads]
-with max_partial_rows = 2 * num_ctas * max_tile_q, the paper's bound (appendix D): the planner never
-makes more than 2 * num_ctas split items, each of <= tile_q rows.
+num_ctas is the kernels' whole grid: every CTA serves every head (a work item names its unit, the
+query-head group it runs for: a KV head, or a chunk of its query heads, so num_kv_heads <= units <=
+num_qo_heads). max_partial_rows = 2 * ceil(num_ctas / num_kv_heads) * max_tile_q, the paper's bound
+(appendix D) for the CTAs of one unit's share: the planner never makes more than 2 * ceil(num_ctas /
+units) split items, each of <= tile_q rows, whose replicas for all units share their partial rows.
 
-max_items = scheduler.max_items_for(max_tokens, num_ctas) = max_tokens + 2 * num_ctas, which holds for
-every tile_q >= 1: one item per (request, query tile) pair (pairs <= query rows <= max_tokens) plus the
-extra chunks of split pairs, so the planner's chunk search is never cut short for room.
+max_items = scheduler.max_items_for(max_tokens, num_ctas, num_qo_heads), which holds for every tile_q >= 1
+and every unit count: per unit one item per (request, query tile) pair (pairs <= query rows <=
+max_tokens) plus the extra chunks of split pairs, so the planner's chunk search is never cut short for
+room. Items are the section's last array and a plan copies only the prefix it used.
 
 Addresses and sizes never change after construction, so a run() captured in a CUDA graph stays valid
 across plans: a new plan only rewrites the contents of the plan section. plan() writes into a host
 staging buffer (pinned when CUDA is available) through numpy views made once, then issues one
-asynchronous host-to-device copy of the whole plan section on the current stream (it is small: ~330 KiB
-for max_tokens = 8192, and copying all of it means the device always holds exactly what the header
-describes, with no prefix arithmetic to get wrong). Before the next plan overwrites staging it waits on
+asynchronous host-to-device copy of the used prefix of the plan section on the current stream (header,
+cta_indptr, merge map and the plan's items: the device then holds exactly what the header describes). Before the next plan overwrites staging it waits on
 an event recorded after that copy, since the copy engine may still be reading it.
 """
 from __future__ import annotations
@@ -26,7 +29,8 @@ from typing import Optional
 import torch
 
 from fi_backend.scheduler import (DEFAULT_COST_KV, DEFAULT_COST_Q, DEFAULT_MIN_KV_CHUNK, DecodedPlan, PlanInfo,
-                                  PlanLayout, PlanViews, _host_int32, decode_plan, max_items_for, plan_into)
+                                  PlanLayout, PlanViews, _host_int32, decode_plan, max_items_for,
+                                  max_partial_rows_for, plan_into)
 
 SECTION_ALIGN = 256
 
@@ -43,16 +47,19 @@ def _positive_int(name: str, value) -> int:
 
 class Workspace:
     def __init__(self, device, *, max_requests: int, max_tokens: int, num_ctas: int, max_tile_q: int,
-                 num_qo_heads: int, head_dim: int, pin_memory: Optional[bool] = None):
+                 num_qo_heads: int, num_kv_heads: int, head_dim: int, pin_memory: Optional[bool] = None):
         self.device = torch.device(device)
         self.max_requests = _positive_int("max_requests", max_requests)
         self.max_tokens = _positive_int("max_tokens", max_tokens)
         self.num_ctas = _positive_int("num_ctas", num_ctas)
         self.max_tile_q = _positive_int("max_tile_q", max_tile_q)
         self.num_qo_heads = _positive_int("num_qo_heads", num_qo_heads)
+        self.num_kv_heads = _positive_int("num_kv_heads", num_kv_heads)
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.head_dim = _positive_int("head_dim", head_dim)
-        self.max_items = max_items_for(max_tokens, num_ctas)
-        self.max_partial_rows = 2 * num_ctas * max_tile_q
+        self.max_items = max_items_for(max_tokens, num_ctas, num_qo_heads)
+        self.max_partial_rows = max_partial_rows_for(num_ctas, num_kv_heads, max_tile_q)
         self.layout = PlanLayout(num_ctas, self.max_items, max_tokens)
 
         # Section offsets in bytes.
@@ -85,13 +92,15 @@ class Workspace:
         self._copy_done = torch.cuda.Event() if self.device.type == "cuda" else None
         self._copy_pending = False
 
-    def plan(self, qo_indptr, kv_lens, *, tile_q: int, causal: bool = False,
+    def plan(self, qo_indptr, kv_lens, *, tile_q: int, num_units: Optional[int] = None, causal: bool = False,
              min_kv_chunk: int = DEFAULT_MIN_KV_CHUNK, kv_chunk_align: int = 1,
              cost_q: float = DEFAULT_COST_Q, cost_kv: float = DEFAULT_COST_KV) -> PlanInfo:
         """Plan a step (see fi_backend.scheduler.plan_into) and copy it into the plan section.
 
-        qo_indptr: int32 [B + 1], kv_lens: int32 [B] (numpy arrays or CPU tensors). Raises ValueError
-        naming the workspace bound a step exceeds (max_requests, max_tokens, max_tile_q).
+        qo_indptr: int32 [B + 1], kv_lens: int32 [B] (numpy arrays or CPU tensors). num_units: the
+        query-head groups of the kernel that runs the plan (num_kv_heads * head chunks; None: num_kv_heads,
+        one unit per KV head). Raises ValueError
+        naming the workspace bound a step exceeds (max_requests, max_tokens, max_tile_q, num_units).
         """
         qo = _host_int32(qo_indptr, "qo_indptr")
         kv = _host_int32(kv_lens, "kv_lens")
@@ -102,15 +111,22 @@ class Workspace:
             raise ValueError(f"max_tokens={self.max_tokens} but the step has {rows} query rows")
         if tile_q > self.max_tile_q:
             raise ValueError(f"max_tile_q={self.max_tile_q} but tile_q={tile_q}")
+        if num_units is None:
+            num_units = self.num_kv_heads
+        if not self.num_kv_heads <= num_units <= self.num_qo_heads:
+            raise ValueError(f"num_units={num_units} must be in [num_kv_heads, num_qo_heads] = "
+                             f"[{self.num_kv_heads}, {self.num_qo_heads}] (the sizes the workspace was made for)")
         if self._copy_pending:
             self._copy_done.synchronize()  # the previous copy may still be reading staging
             self._copy_pending = False
-        info = plan_into(self._views, qo, kv, tile_q=tile_q, num_ctas=self.num_ctas, causal=causal,
-                         min_kv_chunk=min_kv_chunk, kv_chunk_align=kv_chunk_align, cost_q=cost_q, cost_kv=cost_kv)
+        info = plan_into(self._views, qo, kv, tile_q=tile_q, num_ctas=self.num_ctas, num_units=num_units,
+                         causal=causal, min_kv_chunk=min_kv_chunk, kv_chunk_align=kv_chunk_align, cost_q=cost_q,
+                         cost_kv=cost_kv)
+        used = self.layout.used_ints(info.num_items)
         if self._copy_done is None:
-            self.plan_section.copy_(self._staging_i32)
+            self.plan_section[:used].copy_(self._staging_i32[:used])
         else:
-            self.plan_section.copy_(self._staging_i32, non_blocking=True)
+            self.plan_section[:used].copy_(self._staging_i32[:used], non_blocking=True)
             self._copy_done.record(torch.cuda.current_stream(self.device))
             self._copy_pending = True
         return info
@@ -121,5 +137,6 @@ class Workspace:
 
     def __repr__(self) -> str:
         return (f"Workspace(device={self.device}, nbytes={self.nbytes}, num_ctas={self.num_ctas}, "
+                f"num_qo_heads={self.num_qo_heads}, num_kv_heads={self.num_kv_heads}, "
                 f"max_items={self.max_items}, max_tokens={self.max_tokens}, "
                 f"max_partial_rows={self.max_partial_rows})")

@@ -1,13 +1,14 @@
 """Plan/run wrappers (the FlashInfer paper's API shape): plan() once per generation step, run() per layer.
 
     ws = Workspace(device, max_requests=..., max_tokens=..., num_ctas=BatchAttention.recommended_num_ctas(...),
-                   max_tile_q=16, num_qo_heads=32, head_dim=128)
+                   max_tile_q=16, num_qo_heads=32, num_kv_heads=8, head_dim=128)
     attn = BatchAttention(ws, 32, 8, 128, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, page_size=16)
     attn.plan(qo_indptr_cpu, kv_lens_cpu, bsr)             # once per step (bsr: fi_backend.formats.BSR)
     out = attn.run(q, kv_cache)                            # once per layer; CUDA-graph capturable
 
-The kernel (csrc/attention/decode.cuh) is persistent with a fixed grid (workspace.num_ctas x
-num_kv_heads * head chunks) and reads everything that depends on the step from device memory: the
+The kernel (csrc/attention/decode.cuh) is persistent with a fixed grid (workspace.num_ctas CTAs, all
+the GPU's: each work item names its unit, a KV head and a chunk of its query heads, so every CTA serves
+every head) and reads everything that depends on the step from device memory: the
 plan section of the workspace and the BSR arrays. So a run() captured in a CUDA graph replays
 correctly after plan() is called again with other lengths or a smaller batch, provided the BSR arrays
 keep their storage (write the new step's indices into the same tensors, as engines do) and plan()
@@ -448,7 +449,7 @@ class BatchAttention:
     """Batch attention over the BSR KV format with a plan/run split (see the module docstring).
 
     workspace      a fi_backend.workspace.Workspace on the GPU (num_ctas: see recommended_num_ctas;
-                   max_tile_q >= 16; num_qo_heads and head_dim as here)
+                   max_tile_q: see query_tile_rows; num_qo_heads, num_kv_heads and head_dim as here)
     num_qo_heads, num_kv_heads, head_dim   head_dim in HEAD_DIMS, num_qo_heads % num_kv_heads == 0
     q_dtype        torch.bfloat16 or torch.float16 (the output has the same dtype)
     kv_dtype       q_dtype, or torch.float8_e4m3fn / torch.float8_e5m2 (per-tensor k_scale/v_scale in run)
@@ -496,10 +497,12 @@ class BatchAttention:
             raise ValueError(f"kv_layout must be 'NHD' or 'HND' (got {kv_layout!r})")
         if not isinstance(variant, Variant):
             raise TypeError(f"variant must be a fi_backend.variants.Variant (got {type(variant).__name__})")
-        if workspace.num_qo_heads != num_qo_heads or workspace.head_dim != head_dim:
-            # partial_o rows are laid out [row, num_qo_heads, head_dim] by the kernel
-            raise ValueError(f"the workspace's num_qo_heads/head_dim ({workspace.num_qo_heads}, {workspace.head_dim}) "
-                             f"must equal the wrapper's ({num_qo_heads}, {head_dim})")
+        if (workspace.num_qo_heads, workspace.num_kv_heads, workspace.head_dim) != (num_qo_heads, num_kv_heads, head_dim):
+            # partial_o rows are laid out [row, num_qo_heads, head_dim] by the kernel; its item capacity and
+            # partial rows are sized for units between num_kv_heads and num_qo_heads
+            raise ValueError(f"the workspace's num_qo_heads/num_kv_heads/head_dim ({workspace.num_qo_heads}, "
+                             f"{workspace.num_kv_heads}, {workspace.head_dim}) must equal the wrapper's "
+                             f"({num_qo_heads}, {num_kv_heads}, {head_dim})")
         self.workspace = workspace
         self.device = workspace.buffer.device  # with its index: torch.device("cuda") != "cuda:0"
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
@@ -520,11 +523,14 @@ class BatchAttention:
             raise RuntimeError(f"prefill tile family of head_dim {head_dim}: members differ in CTAs per SM")
         self._use_member(0)
         self.num_head_chunks = self.group // int(self._launcher.heads_per_chunk)
-        self.grid = (workspace.num_ctas, num_kv_heads * self.num_head_chunks)
+        # Units: the query-head groups a work item runs for (KV head unit // num_head_chunks). The plan
+        # spreads (item, unit) pairs over the whole grid, so no SM idles for want of a head's queue.
+        self.num_units = num_kv_heads * self.num_head_chunks
+        self.grid = (workspace.num_ctas, 1)
 
         dev = self.device
         self._error_flags = torch.zeros(4, dtype=torch.int32, device=dev)
-        self._merge_counters = torch.zeros(workspace.max_tokens * self.grid[1], dtype=torch.int32, device=dev)
+        self._merge_counters = torch.zeros(workspace.max_tokens * self.num_units, dtype=torch.int32, device=dev)
         p = _Params()
         p.plan = workspace.plan_ptr
         p.items_offset = workspace.layout.items_offset
@@ -573,7 +579,8 @@ class BatchAttention:
         last = len(self._family) - 1
         for m, launcher in enumerate(self._family[:-1]):
             rows = int(launcher.rows_per_tile)
-            waves = int(torch.div(q_lens + (rows - 1), rows, rounding_mode="floor").sum()) / self.grid[0]
+            tiles = int(torch.div(q_lens + (rows - 1), rows, rounding_mode="floor").sum()) * self.num_units
+            waves = tiles / self.grid[0]
             if waves >= FAMILY_TILES_PER_CTA or (waves >= 1 and math.ceil(waves) <= FAMILY_WAVE_SLACK * waves):
                 return m
         return last
@@ -584,8 +591,8 @@ class BatchAttention:
     def recommended_num_ctas(device, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
                              q_dtype: torch.dtype = torch.bfloat16, kv_dtype: Optional[torch.dtype] = None,
                              variant: Variant = DEFAULT, kernel: str = "decode", tuning: Optional[dict] = None) -> int:
-        """CTAs per KV head that fill the GPU once (SMs x resident CTAs / KV-head CTAs): the num_ctas to
-        construct the Workspace with. Builds (or loads) the kernel module to read its occupancy."""
+        """CTAs that fill the GPU once (SMs x resident CTAs per SM): the num_ctas to construct the Workspace
+        with. Builds (or loads) the kernel module to read its occupancy."""
         device = torch.device(device)
         kv_dtype = q_dtype if kv_dtype is None else kv_dtype
         group = num_qo_heads // num_kv_heads
@@ -593,8 +600,7 @@ class BatchAttention:
         with torch.cuda.device(device):
             per_sm = launcher.blocks_per_sm()
             sms = torch.cuda.get_device_properties(device).multi_processor_count
-        grid_y = num_kv_heads * (group // int(launcher.heads_per_chunk))
-        return max(1, (sms * per_sm) // grid_y)
+        return max(1, sms * per_sm)
 
     @staticmethod
     def query_tile_rows(num_qo_heads: int, num_kv_heads: int, head_dim: int, *, q_dtype: torch.dtype = torch.bfloat16,
@@ -659,7 +665,7 @@ class BatchAttention:
         qo32 = qo_cpu.to(torch.int32)
         if len(self._family) > 1 and self._frozen is None:  # a captured graph keeps its kernel
             self._use_member(self._pick_member(qo32[1:] - qo32[:-1]))
-        ws.plan(qo32, kv_cpu.to(torch.int32), tile_q=self.rows_per_tile, causal=bool(causal),
+        ws.plan(qo32, kv_cpu.to(torch.int32), tile_q=self.rows_per_tile, num_units=self.num_units, causal=bool(causal),
                 kv_chunk_align=self.kv_tile, cost_q=self._cost_q)
 
         p = self._params

@@ -73,8 +73,8 @@ TUNING = None   # kernel-shape override for tuning runs (--tuning), see fi_backe
 
 
 def ours(case: Case, *, split=True, variant=None, plan_kw=None, num_ctas=None):
-    """(fn, setup, workspace): our decode kernel on the case; num_ctas: CTAs per KV head (default: the
-    recommended count)."""
+    """(fn, setup, workspace): our decode kernel on the case; num_ctas: CTAs of the grid (default:
+    the recommended count)."""
     from fi_backend import formats
     from fi_backend.workspace import Workspace
     from fi_backend.wrappers import BatchAttention
@@ -85,7 +85,7 @@ def ours(case: Case, *, split=True, variant=None, plan_kw=None, num_ctas=None):
         num_ctas = BatchAttention.recommended_num_ctas("cuda", HQ, HKV, D, q_dtype=DTYPE, kv_dtype=case.kv_dtype,
                                                        variant=variant, tuning=TUNING)
     ws = Workspace("cuda", max_requests=case.B, max_tokens=case.B, num_ctas=num_ctas, max_tile_q=16,
-                   num_qo_heads=HQ, head_dim=D)
+                   num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D)
     attn = BatchAttention(ws, HQ, HKV, D, q_dtype=DTYPE, kv_dtype=case.kv_dtype, page_size=case.page,
                           variant=variant, tuning=TUNING)
     bsr = formats.from_block_table(case.block_table, case.kv_lens.cuda(), case.qo_indptr.cuda(), case.page,

@@ -27,8 +27,10 @@ import numpy as np
 from fi_backend import scheduler
 from fi_backend.workspace import Workspace
 
-# 132 SMs (H100 SXM) * 2 CTAs per SM / 8 KV heads: the persistent grid per KV head.
-DEFAULT_NUM_CTAS = 132 * 2 // 8
+# 132 SMs (H100 SXM) x 1 CTA per SM (decode, head_dim 128, bf16: 8 warps): the persistent grid, serving
+# 8 units (Llama-3-8B's KV heads; each (item, unit) is placed on its own).
+DEFAULT_NUM_CTAS = 132
+DEFAULT_NUM_UNITS = 8
 BARS_US = {256: 100.0, 1024: 250.0}  # the project's host-time bars (median)
 
 
@@ -69,20 +71,22 @@ def kv_lengths(dist: str, batch: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def bench(batch: int, num_ctas: int, repeat: int, sets: int, seed: int, workspace: bool = True,
+          num_units: int = DEFAULT_NUM_UNITS,
           dist: str = "uniform", wrapper: bool = False) -> dict:
     rng = np.random.default_rng(seed)
     qo = np.arange(batch + 1, dtype=np.int32)
     inputs = [(qo, kv_lengths(dist, batch, rng)) for _ in range(sets)]
     kw = dict(tile_q=16, kv_chunk_align=64, cost_q=64.0) if wrapper else dict(tile_q=1)
     tile_q = kw["tile_q"]
-    # Room for every candidate plan: pairs <= batch, plus <= 2 * num_ctas split items.
-    views = scheduler.PlanViews.allocate(num_ctas, scheduler.max_items_for(batch, num_ctas), batch,
-                                         2 * num_ctas * tile_q)
+    # Room for every candidate plan: per unit, pairs <= batch, plus the split items' budget.
+    views = scheduler.PlanViews.allocate(num_ctas, scheduler.max_items_for(batch, num_ctas, num_units), batch,
+                                         scheduler.max_partial_rows_for(num_ctas, num_units, tile_q))
+    kw = dict(kw, num_units=num_units)
     plan = _time(lambda q, k: scheduler.plan_into(views, q, k, num_ctas=num_ctas, **kw), inputs, repeat)
     infos = [scheduler.plan_into(views, q, k, num_ctas=num_ctas, **kw) for q, k in inputs]
     unsplit = [scheduler.plan_into(views, q, k, num_ctas=num_ctas, force_kv_chunk=0, **kw) for q, k in inputs]
     info = infos[0]
-    out = {"batch": batch, "num_ctas": num_ctas, "dist": dist, "wrapper_settings": wrapper,
+    out = {"batch": batch, "num_ctas": num_ctas, "num_units": num_units, "dist": dist, "wrapper_settings": wrapper,
            "plan_us_median": round(plan["median_us"], 2),
            "plan_us_p90": round(plan["p90_us"], 2), "plan_us_min": round(plan["min_us"], 2),
            "num_items": info.num_items, "kv_chunk": info.kv_chunk, "repeat": repeat,
@@ -93,10 +97,10 @@ def bench(batch: int, num_ctas: int, repeat: int, sets: int, seed: int, workspac
         import torch
         device = "cuda" if torch.cuda.is_available() else "cpu"
         ws = Workspace(device, max_requests=batch, max_tokens=batch, num_ctas=num_ctas, max_tile_q=tile_q,
-                       num_qo_heads=32, head_dim=128)
+                       num_qo_heads=4 * num_units, num_kv_heads=num_units, head_dim=128)
         w = _time(lambda q, k: ws.plan(q, k, **kw), inputs, repeat)
         # The search keeps to the workspace's max_items: fewer splits here than above means the
-        # workspace is sized below scheduler.max_items_for(max_tokens, num_ctas).
+        # workspace is sized below scheduler.max_items_for(max_tokens, num_ctas, units).
         ws_split = sum(ws.plan(q, k, **kw).num_split_pairs > 0 for q, k in inputs)
         if device == "cuda":
             torch.cuda.synchronize()
@@ -111,7 +115,8 @@ def bench(batch: int, num_ctas: int, repeat: int, sets: int, seed: int, workspac
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, action="append", help="decode batch size (repeatable; default 256, 1024)")
-    ap.add_argument("--num-ctas", type=int, default=DEFAULT_NUM_CTAS)
+    ap.add_argument("--num-ctas", type=int, default=DEFAULT_NUM_CTAS, help="CTAs of the grid (default 132)")
+    ap.add_argument("--units", type=int, default=DEFAULT_NUM_UNITS, help="units each item runs for (default 8)")
     ap.add_argument("--repeat", type=int, default=5000)
     ap.add_argument("--sets", type=int, default=32, help="distinct random batches to rotate through")
     ap.add_argument("--seed", type=int, default=0)
@@ -121,20 +126,21 @@ def main(argv=None) -> None:
     ap.add_argument("--json", action="store_true", help="one JSON object per batch, nothing else")
     args = ap.parse_args(argv)
     for batch in args.batch or [256, 1024]:
-        r = bench(batch, args.num_ctas, args.repeat, args.sets, args.seed, dist=args.dist, wrapper=args.wrapper)
+        r = bench(batch, args.num_ctas, args.repeat, args.sets, args.seed, dist=args.dist, wrapper=args.wrapper,
+                  num_units=args.units)
         if args.json:
             print(json.dumps(r))
             continue
-        print(f"batch {batch:5d}  num_ctas {args.num_ctas:4d}: plan median {r['plan_us_median']:7.2f} us  "
+        print(f"batch {batch:5d}  num_ctas {args.num_ctas:4d} x {args.units} units: plan median {r['plan_us_median']:7.2f} us  "
               f"p90 {r['plan_us_p90']:7.2f} us  | Workspace.plan ({r['workspace_device']}) median "
               f"{r['workspace_plan_us_median']:7.2f} us" + (f"  (bar {r['bar_us']:.0f} us)" if "bar_us" in r else "")
               + f"  | {r['sets_split']}/{r['sets']} split, makespan / unsplit {r['makespan_over_unsplit']:.3f}")
-        for other in (66, 132):  # other grids: 4 or 2 KV heads on 132 SMs
-            if other != args.num_ctas:
-                o = bench(batch, other, max(args.repeat // 5, 200), args.sets, args.seed, workspace=False,
-                          dist=args.dist, wrapper=args.wrapper)
-                print(f"{'':11s}  num_ctas {other:4d}: plan median {o['plan_us_median']:7.2f} us  "
-                      f"p90 {o['plan_us_p90']:7.2f} us")
+        for units in (1, 2, 32):  # other head counts on the same grid
+            if units != args.units:
+                o = bench(batch, args.num_ctas, max(args.repeat // 5, 200), args.sets, args.seed, workspace=False,
+                          dist=args.dist, wrapper=args.wrapper, num_units=units)
+                print(f"{'':11s}  num_ctas {args.num_ctas:4d} x {units} units: plan median "
+                      f"{o['plan_us_median']:7.2f} us  p90 {o['plan_us_p90']:7.2f} us")
 
 
 if __name__ == "__main__":

@@ -233,7 +233,7 @@ class Paged:
 
 def ours_fn(case: Case, *, paged: Paged = None, variant=None, params=None, tuning=None, num_ctas=None):
     """(fn, out, info): our prefill kernel (kernel="prefill") on the case, ragged KV unless `paged`; tuning: one
-    kernel shape instead of the tile family; num_ctas: CTAs per KV head (default: the recommended count)."""
+    kernel shape instead of the tile family; num_ctas: CTAs of the grid (default: the recommended count)."""
     from fi_backend import formats, variants
     from fi_backend.workspace import Workspace
     from fi_backend.wrappers import BatchAttention
@@ -244,7 +244,7 @@ def ours_fn(case: Case, *, paged: Paged = None, variant=None, params=None, tunin
     tile_q = BatchAttention.query_tile_rows(case.hq, case.hkv, case.d, q_dtype=DTYPE, kv_dtype=DTYPE, variant=variant,
                                             kernel="prefill", tuning=tuning)
     ws = Workspace("cuda", max_requests=case.batch, max_tokens=case.rows, num_ctas=num_ctas, max_tile_q=tile_q,
-                   num_qo_heads=case.hq, head_dim=case.d)
+                   num_qo_heads=case.hq, num_kv_heads=case.hkv, head_dim=case.d)
     if paged is None:  # this step's K/V as a cache [total, 1, Hkv, D] with one token per block
         page_size = 1
         bsr = formats.from_ragged(case.indptr_dev, case.indptr_dev, num_kv_tokens=case.rows)
@@ -624,7 +624,7 @@ def variant_compile_child(out_path: str) -> None:
     t1 = time.perf_counter()
     tile_q = BatchAttention.query_tile_rows(hq, hkv, d, q_dtype=DTYPE, kv_dtype=DTYPE, variant=variant, kernel="prefill")
     ws = Workspace("cuda", max_requests=2, max_tokens=sum(q_lens), num_ctas=num_ctas, max_tile_q=tile_q,
-                   num_qo_heads=hq, head_dim=d)
+                   num_qo_heads=hq, num_kv_heads=hkv, head_dim=d)
     attn = BatchAttention(ws, hq, hkv, d, q_dtype=DTYPE, kv_dtype=DTYPE, page_size=1, variant=variant, kernel="prefill")
     bsr = formats.from_ragged(kv_indptr.cuda(), qo_indptr.cuda(), num_kv_tokens=sum(kv_lens))
     attn.plan(qo_indptr, torch.tensor(kv_lens, dtype=torch.int32), bsr, causal=True, scale=scale, bias=bias)

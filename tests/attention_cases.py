@@ -30,7 +30,7 @@ def make_wrapper(Hq, Hkv, D, *, q_dtype=torch.bfloat16, kv_dtype=None, page_size
     tile_q = BatchAttention.query_tile_rows(Hq, Hkv, D, q_dtype=q_dtype, kv_dtype=kv_dtype, variant=variant, kernel=kernel,
                                             tuning=tuning)
     ws = Workspace(DEV, max_requests=max_requests, max_tokens=max_tokens, num_ctas=num_ctas, max_tile_q=tile_q,
-                   num_qo_heads=Hq, head_dim=D)
+                   num_qo_heads=Hq, num_kv_heads=Hkv, head_dim=D)
     return BatchAttention(ws, Hq, Hkv, D, q_dtype=q_dtype, kv_dtype=kv_dtype, page_size=page_size,
                           kv_layout=kv_layout, variant=variant, kernel=kernel, tuning=tuning)
 

@@ -286,7 +286,8 @@ def test_mma_sync_family(D):
 def test_workspace_tile_too_small():
     from fi_backend.workspace import Workspace
     from fi_backend.wrappers import BatchAttention
-    ws = Workspace(DEV, max_requests=8, max_tokens=64, num_ctas=4, max_tile_q=16, num_qo_heads=8, head_dim=128)
+    ws = Workspace(DEV, max_requests=8, max_tokens=64, num_ctas=4, max_tile_q=16, num_qo_heads=8, num_kv_heads=8,
+                   head_dim=128)
     with pytest.raises(ValueError, match="max_tile_q"):
         BatchAttention(ws, 8, 8, 128, kernel="prefill")
     with pytest.raises(ValueError, match="kernel must be one of"):

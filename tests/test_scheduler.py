@@ -57,9 +57,14 @@ def length_order(pairs):
     return sorted(range(len(pairs)), key=lambda j: (-pairs[j][3], j))
 
 
-def walk_split(pairs, order, chunk, max_pairs, num_ctas):
+def share_of(num_ctas, num_units):
+    """CTAs of one unit's share: the split-item budget is MAX_SPLIT_ITEMS_PER_CTA times this."""
+    return cdiv(num_ctas, num_units)
+
+
+def walk_split(pairs, order, chunk, max_pairs, num_ctas, num_units=1):
     """[(pair, chunks)] a candidate (chunk, max_pairs) splits: see WalkSplit in planner.cc."""
-    budget, split, items = S.MAX_SPLIT_ITEMS_PER_CTA * num_ctas, [], 0
+    budget, split, items = S.MAX_SPLIT_ITEMS_PER_CTA * share_of(num_ctas, num_units), [], 0
     for j in order:
         if max_pairs is not None and len(split) == max_pairs:
             break
@@ -74,13 +79,13 @@ def walk_split(pairs, order, chunk, max_pairs, num_ctas):
     return split
 
 
-def candidate_set(pairs, num_ctas, min_kv_chunk, align):
+def candidate_set(pairs, num_ctas, min_kv_chunk, align, num_units=1):
     """The search's candidates (chunk, split pairs) in its order (ChooseSplit in planner.cc), rebuilt here
     from the rule's description."""
     if not pairs:
         return []
     lens = [p[3] for p in pairs]
-    n, m, max_len = len(pairs), num_ctas, max(lens)
+    n, m, max_len = len(pairs), share_of(num_ctas, num_units), max(lens)
     lo = round_up(min_kv_chunk, align)
     chunks = []
 
@@ -92,7 +97,7 @@ def candidate_set(pairs, num_ctas, min_kv_chunk, align):
     if n < m and smallest_chunk_within(lens, m, min_kv_chunk, align):
         add(smallest_chunk_within(lens, m, min_kv_chunk, align))
     for j in (1, 2, 3):
-        add(cdiv(sum(lens), j * m))
+        add(cdiv(num_units * sum(lens), j * num_ctas))
     if n < 2 * m and smallest_chunk_within(lens, 2 * m, min_kv_chunk, align):
         add(smallest_chunk_within(lens, 2 * m, min_kv_chunk, align))
     for k in range(2, 17):
@@ -100,7 +105,7 @@ def candidate_set(pairs, num_ctas, min_kv_chunk, align):
     order = length_order(pairs)
     out = []
     for chunk in chunks:
-        full = len(walk_split(pairs, order, chunk, None, m))
+        full = len(walk_split(pairs, order, chunk, None, num_ctas, num_units))
         if full:
             out.append((chunk, full))
             if full >= 2:
@@ -116,20 +121,20 @@ def total_cost(pairs, cost_q, cost_kv):
     return total
 
 
-def search_model(plan, pairs, *, num_ctas, min_kv_chunk, align, cost_q, cost_kv, exhaustive=False):
+def search_model(plan, pairs, *, num_ctas, min_kv_chunk, align, cost_q, cost_kv, num_units=1, exhaustive=False):
     """The chunk search replayed with forced candidates: plan(force_kv_chunk, force_split_pairs) -> PlanInfo
     or ValueError (the candidate does not fit). Returns (makespan, num_items, kv_chunk, split pairs) of the
     choice the search must make; with exhaustive=True, of the best candidate with no early stop."""
     info = plan(0, None)
     best = (info.makespan, info.num_items, 0, 0)
-    good_enough = (1 + S.BALANCED_SLACK) * (total_cost(pairs, cost_q, cost_kv) / num_ctas)
+    good_enough = (1 + S.BALANCED_SLACK) * (num_units * total_cost(pairs, cost_q, cost_kv) / num_ctas)
     if info.makespan <= good_enough and not exhaustive:
         return best
     order, seen = length_order(pairs), set()
-    for chunk, s in candidate_set(pairs, num_ctas, min_kv_chunk, align):
+    for chunk, s in candidate_set(pairs, num_ctas, min_kv_chunk, align, num_units):
         if best[0] <= good_enough and not exhaustive:
             break
-        ks = tuple(k for _, k in walk_split(pairs, order, chunk, s, num_ctas))
+        ks = tuple(k for _, k in walk_split(pairs, order, chunk, s, num_ctas, num_units))
         if ks in seen:  # the same plan as an earlier candidate
             continue
         seen.add(ks)
@@ -156,7 +161,14 @@ def lpt_reference(costs, num_ctas):
     return per_cta, max(load for load, _ in heap)
 
 
-def check_plan(d, info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align, cost_q, cost_kv):
+def chunk_index(d, items=None):
+    """Each item's KV chunk within its pair (0-based; 0 for a whole pair): its first partial row's offset
+    within its first row's partial rows."""
+    it = d.items if items is None else items
+    return np.where(it["partial_base"] >= 0, it["partial_base"] - d.merge_indptr[it["q_begin"]], 0)
+
+
+def check_plan(d, info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align, cost_q, cost_kv, num_units=1):
     qo = np.asarray(qo, dtype=np.int64)
     kv = np.asarray(kv, dtype=np.int64)
     B, num_rows = len(kv), int(qo[-1])
@@ -165,6 +177,7 @@ def check_plan(d, info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align
 
     # Header and summary.
     assert (d.num_rows, d.num_requests, d.num_ctas, d.tile_q) == (num_rows, B, num_ctas, tile_q)
+    assert d.num_units == num_units
     assert (info.num_items, info.num_rows, info.num_partial_rows, info.kv_chunk, info.num_split_rows) == (
         d.num_items, d.num_rows, d.num_partial_rows, d.kv_chunk, d.num_split_rows)
     chunk = d.kv_chunk
@@ -173,12 +186,22 @@ def check_plan(d, info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align
     # cta_indptr.
     assert d.cta_indptr[0] == 0 and d.cta_indptr[-1] == d.num_items and np.all(np.diff(d.cta_indptr) >= 0)
 
+    # Every unit runs the same items: the plan's items are those of unit 0, once per unit.
+    all_items = d.items
+    assert d.num_items % num_units == 0
+    n_unit = d.num_items // num_units
+    fields = [f for f in S.ITEM_FIELDS if f != "unit"]
+    assert np.all((all_items["unit"] >= 0) & (all_items["unit"] < num_units))
+    it = all_items[all_items["unit"] == 0]
+    key = lambda x: np.sort(np.array([tuple(r) for r in x[fields]], dtype=[(f, np.int32) for f in fields]))
+    for u in range(1, num_units):
+        assert np.array_equal(key(all_items[all_items["unit"] == u]), key(it))
+
     # Items belong to exactly one pair (whole query tiles).
-    it = d.items
     pair_of_begin = {p[1]: j for j, p in enumerate(pairs)}
     n_of_pair = np.zeros(n_pairs, dtype=np.int64)
-    item_pair = np.empty(d.num_items, dtype=np.int64)
-    for k in range(d.num_items):
+    item_pair = np.empty(n_unit, dtype=np.int64)
+    for k in range(n_unit):
         j = pair_of_begin[int(it["q_begin"][k])]
         req, q0, q1, length = pairs[j]
         assert (it["request"][k], it["q_end"][k]) == (req, q1)
@@ -193,7 +216,7 @@ def check_plan(d, info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align
         row_len[q0:q1] = length
     width = int(row_len.max(initial=0)) + 1
     cover = np.zeros((num_rows, width + 1), dtype=np.int64)
-    for k in range(d.num_items):
+    for k in range(n_unit):
         rows = np.arange(it["q_begin"][k], it["q_end"][k])
         cover[rows, it["kv_begin"][k]] += 1
         cover[rows, it["kv_end"][k]] -= 1
@@ -206,9 +229,10 @@ def check_plan(d, info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align
     split_pairs = set(np.flatnonzero(n_of_pair > 1).tolist())
     assert len(split_pairs) == info.num_split_pairs
     assert split_pairs == set(length_order(pairs)[:len(split_pairs)])
-    for k in range(d.num_items):
+    it_chunk = chunk_index(d, it)
+    for k in range(n_unit):
         j = item_pair[k]
-        n, b, e, c = n_of_pair[j], it["kv_begin"][k], it["kv_end"][k], it["chunk"][k]
+        n, b, e, c = n_of_pair[j], it["kv_begin"][k], it["kv_end"][k], it_chunk[k]
         assert it["partial_stride"][k] == n and 0 <= c < n
         if n == 1:
             assert it["partial_base"][k] == -1 and (b, e) == (0, pairs[j][3])
@@ -216,12 +240,14 @@ def check_plan(d, info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align
             assert chunk > 0 and pairs[j][3] > chunk and n == -(-pairs[j][3] // chunk)
             assert b % align == 0 and 0 < e - b <= chunk
             assert chunk % align == 0 and chunk >= min_kv_chunk
-    # The workspace bound (paper, appendix D): split items <= 2 * num_ctas, so partial rows
-    # <= 2 * num_ctas * tile_q.
+    # The workspace bound (paper, appendix D): split items <= 2 * ceil(num_ctas / num_units), so partial
+    # rows <= that * tile_q (a split item's replicas share its partial rows).
+    share = share_of(num_ctas, num_units)
     split_items = int(n_of_pair[n_of_pair > 1].sum())
-    assert split_items <= S.MAX_SPLIT_ITEMS_PER_CTA * num_ctas == 2 * num_ctas
-    assert d.num_partial_rows <= 2 * num_ctas * tile_q
-    assert d.num_items == n_pairs + split_items - len(split_pairs)
+    assert split_items <= S.MAX_SPLIT_ITEMS_PER_CTA * share == 2 * share
+    assert d.num_partial_rows <= 2 * share * tile_q
+    assert d.num_partial_rows <= S.max_partial_rows_for(num_ctas, num_units, tile_q)
+    assert n_unit == n_pairs + split_items - len(split_pairs)
 
     # Merge map: row r owns partial rows [merge_indptr[r], merge_indptr[r + 1]), n of them when split.
     mi = d.merge_indptr
@@ -236,12 +262,14 @@ def check_plan(d, info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align
     for k in np.flatnonzero(it["partial_base"] >= 0):
         rows = np.arange(it["q_begin"][k], it["q_end"][k])
         prow = it["partial_base"][k] + (rows - it["q_begin"][k]) * it["partial_stride"][k]
-        assert np.array_equal(prow, mi[rows] + it["chunk"][k])  # contiguous per row, chunk order
+        assert np.array_equal(prow, mi[rows] + it_chunk[k])  # contiguous per row, chunk order
         written[prow] += 1
     assert np.all(written == 1), "every partial row written exactly once"
 
-    # Assignment: exactly LPT, replayed in Python on the items in creation order.
-    creation = np.lexsort((it["chunk"], it["q_begin"]))
+    # Assignment: exactly LPT, replayed in Python on the (item, unit) replicas in creation order (items by
+    # request, tile and chunk; each item's units in order).
+    it = all_items
+    creation = np.lexsort((it["unit"], chunk_index(d), it["q_begin"]))
     costs = [cost_q * float(it["q_end"][k] - it["q_begin"][k]) + cost_kv * float(it["kv_end"][k] - it["kv_begin"][k])
              for k in creation]
     per_cta, makespan = lpt_reference(costs, num_ctas)
@@ -259,18 +287,22 @@ def check_plan(d, info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align
     return pairs
 
 
-def roomy_views(num_ctas, rows, tile_q, layout_ctas=None):
-    """A section no candidate overflows: pairs <= rows, plus <= 2 * num_ctas split items."""
-    assert S.max_items_for(rows, num_ctas) == rows + 2 * num_ctas
-    return S.PlanViews.allocate(layout_ctas or num_ctas, S.max_items_for(rows, num_ctas), max(rows, 1),
-                                2 * num_ctas * tile_q)
+def roomy_views(num_ctas, rows, tile_q, layout_ctas=None, num_units=1):
+    """A section no candidate overflows: per unit, pairs <= rows, plus <= 2 * ceil(num_ctas / num_units)
+    split items (whose partial rows the units share)."""
+    share = share_of(num_ctas, num_units)
+    assert S.max_items_for(rows, num_ctas, num_units) >= num_units * (rows + 2 * share)
+    assert S.max_partial_rows_for(num_ctas, num_units, tile_q) == 2 * share * tile_q
+    return S.PlanViews.allocate(layout_ctas or num_ctas, S.max_items_for(rows, num_ctas, num_units), max(rows, 1),
+                                S.max_partial_rows_for(num_ctas, num_units, tile_q))
 
 
 def run_plan(qo, kv, *, tile_q, num_ctas, causal=False, min_kv_chunk=1, align=1, cost_q=1.0, cost_kv=1.0,
-             layout_ctas=None, views=None, force_kv_chunk=None, force_split_pairs=None):
+             layout_ctas=None, views=None, force_kv_chunk=None, force_split_pairs=None, num_units=1):
     if views is None:
-        views = roomy_views(num_ctas, int(qo[-1]), tile_q, layout_ctas)
-    info = S.plan_into(views, qo, kv, tile_q=tile_q, num_ctas=num_ctas, causal=causal, min_kv_chunk=min_kv_chunk,
+        views = roomy_views(num_ctas, int(qo[-1]), tile_q, layout_ctas, num_units)
+    info = S.plan_into(views, qo, kv, tile_q=tile_q, num_ctas=num_ctas, num_units=num_units, causal=causal,
+                       min_kv_chunk=min_kv_chunk,
                        kv_chunk_align=align, cost_q=cost_q, cost_kv=cost_kv, force_kv_chunk=force_kv_chunk,
                        force_split_pairs=force_split_pairs)
     return views, info
@@ -316,6 +348,7 @@ def steps(draw, max_requests=24, max_kv=3000):
 plan_params = dict(
     tile_q=st.sampled_from([1, 2, 3, 8, 16, 64, 128]),
     num_ctas=st.integers(1, 80),
+    num_units=st.sampled_from([1, 1, 2, 3, 8]),
     causal=st.booleans(),
     min_kv_chunk=st.sampled_from([1, 7, 16, 128, 512]),
     align=st.sampled_from([1, 2, 3, 16, 64]),
@@ -326,46 +359,48 @@ plan_params = dict(
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(step=steps(), **plan_params)
-def test_plan_invariants(step, tile_q, num_ctas, causal, min_kv_chunk, align, cost_q, cost_kv):
+def test_plan_invariants(step, tile_q, num_ctas, num_units, causal, min_kv_chunk, align, cost_q, cost_kv):
     qo, kv = step
     views, info = run_plan(qo, kv, tile_q=tile_q, num_ctas=num_ctas, causal=causal, min_kv_chunk=min_kv_chunk,
-                           align=align, cost_q=cost_q, cost_kv=cost_kv)
+                           align=align, cost_q=cost_q, cost_kv=cost_kv, num_units=num_units)
     check_plan(S.decode_plan(views), info, qo, kv, tile_q=tile_q, num_ctas=num_ctas, causal=causal,
-               min_kv_chunk=min_kv_chunk, align=align, cost_q=cost_q, cost_kv=cost_kv)
+               min_kv_chunk=min_kv_chunk, align=align, cost_q=cost_q, cost_kv=cost_kv, num_units=num_units)
 
 
-def check_choice(info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align, cost_q, cost_kv):
+def check_choice(info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align, cost_q, cost_kv, num_units=1):
     """The search's choice against the no-split plan, the previous rule's plan and every candidate."""
     kw = dict(tile_q=tile_q, num_ctas=num_ctas, causal=causal, min_kv_chunk=min_kv_chunk, align=align,
-              cost_q=cost_q, cost_kv=cost_kv)
+              cost_q=cost_q, cost_kv=cost_kv, num_units=num_units)
     pairs = pairs_of(qo, kv, tile_q, causal)
     plan = forced(qo, kv, **kw)
     unsplit = plan(0, None)
-    assert unsplit.kv_chunk == 0 and unsplit.num_items == len(pairs) and unsplit.num_partial_rows == 0
+    assert unsplit.kv_chunk == 0 and unsplit.num_items == num_units * len(pairs) and unsplit.num_partial_rows == 0
     assert info.makespan <= unsplit.makespan
-    # The previous rule: with fewer pairs than CTAs, the smallest chunk that keeps items <= num_ctas,
-    # every longer pair split; else nothing split.
-    old_chunk = smallest_chunk_within([p[3] for p in pairs], num_ctas, min_kv_chunk, align)
+    # The previous rule: with fewer pairs than a unit's share of CTAs, the smallest chunk that keeps items
+    # <= that share, every longer pair split; else nothing split.
+    share = share_of(num_ctas, num_units)
+    old_chunk = smallest_chunk_within([p[3] for p in pairs], share, min_kv_chunk, align)
     if old_chunk:
         old = plan(old_chunk, None)
-        assert old.num_items <= num_ctas and old.num_split_pairs == sum(p[3] > old_chunk for p in pairs)
+        assert old.num_items <= num_units * share and old.num_split_pairs == sum(p[3] > old_chunk for p in pairs)
         assert info.makespan <= old.makespan
-    model = dict(num_ctas=num_ctas, min_kv_chunk=min_kv_chunk, align=align, cost_q=cost_q, cost_kv=cost_kv)
+    model = dict(num_ctas=num_ctas, min_kv_chunk=min_kv_chunk, align=align, cost_q=cost_q, cost_kv=cost_kv,
+                 num_units=num_units)
     # Exactly the search: the best candidate, in order, until one is within BALANCED_SLACK of the bound.
     assert (info.makespan, info.num_items, info.kv_chunk, info.num_split_pairs) == search_model(plan, pairs, **model)
     # So against every candidate, with no early stop, the choice is at most BALANCED_SLACK worse.
     best = search_model(plan, pairs, exhaustive=True, **model)
     assert info.makespan <= best[0] * (1 + S.BALANCED_SLACK)
-    lower_bound = total_cost(pairs, cost_q, cost_kv) / num_ctas
+    lower_bound = num_units * total_cost(pairs, cost_q, cost_kv) / num_ctas
     assert info.makespan <= max(best[0], (1 + S.BALANCED_SLACK) * lower_bound)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(step=steps(max_requests=100), **plan_params)
-def test_chunk_search(step, tile_q, num_ctas, causal, min_kv_chunk, align, cost_q, cost_kv):
+def test_chunk_search(step, tile_q, num_ctas, num_units, causal, min_kv_chunk, align, cost_q, cost_kv):
     qo, kv = step
     kw = dict(tile_q=tile_q, num_ctas=num_ctas, causal=causal, min_kv_chunk=min_kv_chunk, align=align,
-              cost_q=cost_q, cost_kv=cost_kv)
+              cost_q=cost_q, cost_kv=cost_kv, num_units=num_units)
     _, info = run_plan(qo, kv, **kw)
     check_choice(info, qo, kv, **kw)
 
@@ -562,13 +597,13 @@ def test_layout_matches_plan_h():
     for _ in range(200):
         c, mi, mr = (int(x) for x in rng.integers(1, 5000, 3))
         L = S.PlanLayout(c, mi, mr)
-        assert (L.cta_indptr_offset, L.items_offset, L.merge_indptr_offset, L.split_rows_offset,
+        assert (L.cta_indptr_offset, L.merge_indptr_offset, L.split_rows_offset, L.items_offset,
                 L.num_ints) == _planner.layout(c, mi, mr)
         assert all(o % 4 == 0 for o in (L.items_offset, L.merge_indptr_offset, L.split_rows_offset))
     assert _planner.item_fields() == tuple((name, k) for k, name in enumerate(S.ITEM_FIELDS))
     assert (_planner.HEADER_INTS, _planner.ITEM_INTS) == (S.HEADER_INTS, S.ITEM_INTS)
     for name in ("NUM_ITEMS", "NUM_ROWS", "NUM_PARTIAL_ROWS", "KV_CHUNK", "NUM_REQUESTS", "NUM_CTAS", "TILE_Q",
-                 "NUM_SPLIT_ROWS"):
+                 "NUM_SPLIT_ROWS", "NUM_UNITS"):
         assert getattr(_planner, name) == getattr(S, name)
 
 
@@ -593,15 +628,16 @@ def sentinel_views(num_ctas, max_items, max_rows, max_partial_rows, guard=64, fi
 
 @settings(max_examples=60, deadline=None)
 @given(step=steps(), **plan_params)
-def test_writes_stay_in_use_and_are_deterministic(step, tile_q, num_ctas, causal, min_kv_chunk, align, cost_q,
-                                                 cost_kv):
+def test_writes_stay_in_use_and_are_deterministic(step, tile_q, num_ctas, num_units, causal, min_kv_chunk, align,
+                                                 cost_q, cost_kv):
     qo, kv = step
     rows = int(qo[-1])
-    kw = dict(tile_q=tile_q, num_ctas=num_ctas, causal=causal, min_kv_chunk=min_kv_chunk, kv_chunk_align=align,
-              cost_q=cost_q, cost_kv=cost_kv)
-    a = sentinel_views(num_ctas + 3, max(num_ctas, rows) + 5, rows + 7, 2 * num_ctas * tile_q)
-    b = sentinel_views(num_ctas + 3, max(num_ctas, rows) + 5, rows + 7, 2 * num_ctas * tile_q)
-    c = sentinel_views(num_ctas + 3, max(num_ctas, rows) + 5, rows + 7, 2 * num_ctas * tile_q, fill=12345)
+    kw = dict(tile_q=tile_q, num_ctas=num_ctas, num_units=num_units, causal=causal, min_kv_chunk=min_kv_chunk,
+              kv_chunk_align=align, cost_q=cost_q, cost_kv=cost_kv)
+    caps = (num_ctas + 3, num_units * (max(num_ctas, rows) + 5), rows + 7, 2 * num_ctas * tile_q)
+    a = sentinel_views(*caps)
+    b = sentinel_views(*caps)
+    c = sentinel_views(*caps, fill=12345)
     ia = S.plan_into(a, qo, kv, **kw)
     ib = S.plan_into(b, qo, kv, **kw)
     ic = S.plan_into(c, qo, kv, **kw)
@@ -664,7 +700,8 @@ def test_single_long_request_fills_the_ctas():
         # As even as alignment allows: the chunks differ by at most one alignment unit.
         sizes = it["kv_end"] - it["kv_begin"]
         assert sizes.max() - sizes.min() <= align
-        assert info.num_partial_rows == info.num_items and list(np.sort(it["chunk"])) == list(range(info.num_items))
+        chunks = chunk_index(S.decode_plan(views))
+        assert info.num_partial_rows == info.num_items and list(np.sort(chunks)) == list(range(info.num_items))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -672,18 +709,20 @@ def test_single_long_request_fills_the_ctas():
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(step=steps(), **plan_params)
-def test_capacities(step, tile_q, num_ctas, causal, min_kv_chunk, align, cost_q, cost_kv):
+def test_capacities(step, tile_q, num_ctas, num_units, causal, min_kv_chunk, align, cost_q, cost_kv):
     """The search keeps to the section's capacities; only an unsplit plan that does not fit (or a forced
     candidate that does not) is an error, which names the bound and writes nothing."""
     qo, kv = step
-    kw = dict(tile_q=tile_q, num_ctas=num_ctas, causal=causal, min_kv_chunk=min_kv_chunk, kv_chunk_align=align,
-              cost_q=cost_q, cost_kv=cost_kv)
-    model_kw = dict(num_ctas=num_ctas, min_kv_chunk=min_kv_chunk, align=align, cost_q=cost_q, cost_kv=cost_kv)
+    kw = dict(tile_q=tile_q, num_ctas=num_ctas, num_units=num_units, causal=causal, min_kv_chunk=min_kv_chunk,
+              kv_chunk_align=align, cost_q=cost_q, cost_kv=cost_kv)
+    model_kw = dict(num_ctas=num_ctas, min_kv_chunk=min_kv_chunk, align=align, cost_q=cost_q, cost_kv=cost_kv,
+                    num_units=num_units)
     run_kw = dict(tile_q=tile_q, num_ctas=num_ctas, causal=causal, min_kv_chunk=min_kv_chunk, align=align,
-                  cost_q=cost_q, cost_kv=cost_kv)
+                  cost_q=cost_q, cost_kv=cost_kv, num_units=num_units)
     rows = int(qo[-1])
     pairs = pairs_of(qo, kv, tile_q, causal)
-    big = sentinel_views(num_ctas, rows + 2 * num_ctas, rows, 2 * num_ctas * tile_q)
+    roomy_items = S.max_items_for(rows, num_ctas, num_units)
+    big = sentinel_views(num_ctas, roomy_items, rows, S.max_partial_rows_for(num_ctas, num_units, tile_q))
     info = S.plan_into(big, qo, kv, **kw)
     # Exactly the capacities the plan needs are enough, and give the same plan.
     exact = sentinel_views(num_ctas, info.num_items, info.num_rows, info.num_partial_rows, guard=0)
@@ -710,9 +749,10 @@ def test_capacities(step, tile_q, num_ctas, causal, min_kv_chunk, align, cost_q,
     # Fewer items than pairs, or fewer rows than the step's: no plan fits.
     shrunk = []
     if pairs:
-        shrunk.append(("max_items", len(pairs), (num_ctas, len(pairs) - 1, rows, 2 * num_ctas * tile_q)))
+        need = num_units * len(pairs)
+        shrunk.append(("max_items", need, (num_ctas, need - 1, rows, 2 * num_ctas * tile_q)))
     if rows:
-        shrunk.append(("max_rows", rows, (num_ctas, rows + 2 * num_ctas, rows - 1, 2 * num_ctas * tile_q)))
+        shrunk.append(("max_rows", rows, (num_ctas, roomy_items, rows - 1, 2 * num_ctas * tile_q)))
     for bound, need, caps in shrunk:
         v = sentinel_views(*caps, guard=16)
         with pytest.raises(ValueError, match=bound) as e:

@@ -245,7 +245,7 @@ def test_pick_member_takes_large_tiles_in_whole_waves():
     wrappers.py: 1x2048 and 16x128 large, 8x300 and 1x1291 small, at 64 / 32 query rows and 16 CTAs)."""
     from types import SimpleNamespace
     fake = SimpleNamespace(_family=[SimpleNamespace(rows_per_tile=64), SimpleNamespace(rows_per_tile=32)],
-                           grid=(16, 8))
+                           grid=(128, 1), num_units=8)  # 16 CTAs per unit's share, as measured
     pick = lambda lens: W.BatchAttention._pick_member(fake, torch.tensor(lens, dtype=torch.int32))  # noqa: E731
     assert pick([2048]) == 0 and pick([128] * 16) == 0 and pick([1291] * 4) == 0 and pick([64] * 64) == 0
     assert pick([300] * 8) == 1 and pick([1291]) == 1 and pick([512]) == 1 and pick([256]) == 1

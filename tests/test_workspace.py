@@ -11,7 +11,8 @@ SENTINEL = 0xA5
 
 
 def make(device="cpu", **kw):
-    args = dict(max_requests=256, max_tokens=2048, num_ctas=33, max_tile_q=64, num_qo_heads=8, head_dim=128)
+    args = dict(max_requests=256, max_tokens=2048, num_ctas=33, max_tile_q=64, num_qo_heads=8, num_kv_heads=2,
+                head_dim=128)
     args.update(kw)
     return Workspace(device, **args)
 
@@ -34,8 +35,14 @@ def random_steps(rng, ws, n):
             q = np.minimum(kv, rng.integers(0, ws.max_tokens // B + 1, B))
         qo = np.concatenate([[0], np.cumsum(q)]).astype(np.int32)
         tile_q = int(rng.choice([1, 16, ws.max_tile_q]))
-        yield qo, kv.astype(np.int32), dict(tile_q=tile_q, causal=bool(rng.integers(2)),
+        units = int(rng.choice([ws.num_kv_heads, ws.num_qo_heads]))
+        yield qo, kv.astype(np.int32), dict(tile_q=tile_q, num_units=units, causal=bool(rng.integers(2)),
                                               kv_chunk_align=int(rng.choice([1, 16])))
+
+
+def used(ws, info):
+    """The plan section's prefix a plan uses (what plan() copies to the device)."""
+    return ws.layout.used_ints(info.num_items)
 
 
 def test_section_layout_and_sizes():
@@ -43,14 +50,17 @@ def test_section_layout_and_sizes():
     for _ in range(10):
         c, t, H, D = (int(rng.integers(1, 140)), int(rng.integers(1, 5000)), int(rng.integers(1, 65)),
                       int(rng.choice([64, 96, 128, 256])))
+        Hkv = int(rng.choice([k for k in range(1, H + 1) if H % k == 0]))
         tq = int(rng.integers(1, 129))
-        ws = make(num_ctas=c, max_tokens=t, max_tile_q=tq, num_qo_heads=H, head_dim=D)
-        assert ws.max_items == t + 2 * c and ws.num_ctas == c   # one item per pair, plus split chunks
+        ws = make(num_ctas=c, max_tokens=t, max_tile_q=tq, num_qo_heads=H, num_kv_heads=Hkv, head_dim=D)
+        # per unit (at most H of them) one item per pair, plus split chunks: 2 ceil(c / units) per unit
+        assert ws.max_items == H * t + 2 * (c + H) and ws.num_ctas == c
         assert ws.plan_section.numel() == _planner.layout(c, ws.max_items, t)[4]
-        assert ws.max_partial_rows == 2 * c * tq
-        assert ws.partial_o.shape == (2 * c * tq, H, D) and ws.partial_o.dtype == torch.float32
-        assert ws.partial_lse.shape == (2 * c * tq, H) and ws.partial_lse.dtype == torch.float32
-        assert (ws.partial_o.numel() + ws.partial_lse.numel()) * 4 == 2 * c * tq * H * (D + 1) * 4
+        P = 2 * (-(-c // Hkv)) * tq  # split items of one unit's share of the CTAs, tq rows each
+        assert ws.max_partial_rows == P
+        assert ws.partial_o.shape == (P, H, D) and ws.partial_o.dtype == torch.float32
+        assert ws.partial_lse.shape == (P, H) and ws.partial_lse.dtype == torch.float32
+        assert (ws.partial_o.numel() + ws.partial_lse.numel()) * 4 == P * H * (D + 1) * 4
         base = ws.buffer.data_ptr()
         ends = []
         for t_, ptr in ((ws.plan_section, ws.plan_ptr), (ws.partial_o, ws.partial_o_ptr),
@@ -71,10 +81,12 @@ def test_addresses_fixed_and_device_section_equals_staging():
         assert (ws.buffer.data_ptr(), ws.plan_ptr, ws.partial_o_ptr, ws.partial_lse_ptr,
                 ws.staging.data_ptr()) == ptrs
         assert (ws.plan_section.data_ptr(), ws.partial_o.data_ptr(), ws.partial_lse.data_ptr()) == ptrs[1:4]
-        assert torch.equal(ws.plan_section.cpu(), ws.staging.view(torch.int32))
+        n = used(ws, info)
+        assert torch.equal(ws.plan_section[:n].cpu(), ws.staging.view(torch.int32)[:n])
         d = ws.host_plan()
         assert (d.num_items, d.num_rows, d.num_partial_rows) == (info.num_items, int(qo[-1]), info.num_partial_rows)
         assert d.num_ctas == ws.num_ctas and info.num_partial_rows <= ws.max_partial_rows
+        assert d.num_units == kw["num_units"] and info.num_items <= ws.max_items
 
 
 def test_decode_batch_sizes_1_to_256_share_addresses():
@@ -83,14 +95,15 @@ def test_decode_batch_sizes_1_to_256_share_addresses():
     ptrs = (ws.plan_ptr, ws.partial_o_ptr, ws.partial_lse_ptr)
     for B in range(1, 257):
         qo = np.arange(B + 1, dtype=np.int32)
-        ws.plan(qo, rng.integers(1, 32768, B).astype(np.int32), tile_q=1)
+        info = ws.plan(qo, rng.integers(1, 32768, B).astype(np.int32), tile_q=1)
         assert (ws.plan_ptr, ws.partial_o_ptr, ws.partial_lse_ptr) == ptrs
-    assert torch.equal(ws.plan_section.cpu(), ws.staging.view(torch.int32))
+    n = used(ws, info)
+    assert torch.equal(ws.plan_section[:n].cpu(), ws.staging.view(torch.int32)[:n])
 
 
 def test_plans_never_write_outside_the_plan_section():
     rng = np.random.default_rng()
-    ws = make(max_tokens=1024, num_ctas=20, max_tile_q=16, num_qo_heads=2, head_dim=64)
+    ws = make(max_tokens=1024, num_ctas=20, max_tile_q=16, num_qo_heads=2, num_kv_heads=1, head_dim=64)
     plan_end = ws.plan_offset + ws.plan_section.numel() * 4
     ws.buffer[plan_end:] = SENTINEL
     for qo, kv, kw in random_steps(rng, ws, 60):
@@ -108,6 +121,10 @@ def test_bounds_name_themselves():
         ws.plan(np.array([0, 1], np.int32), np.array([100], np.int32), tile_q=17)
     with pytest.raises(ValueError, match="max_tokens must be an int >= 1"):
         make(max_tokens=0)
+    with pytest.raises(ValueError, match=r"num_units=1 must be in \[num_kv_heads, num_qo_heads\] = \[2, 8\]"):
+        ws.plan(np.array([0, 1], np.int32), np.array([100], np.int32), tile_q=1, num_units=1)
+    with pytest.raises(ValueError, match=r"num_qo_heads \(8\) must be a multiple of num_kv_heads \(3\)"):
+        make(num_kv_heads=3)
     # A failed plan leaves the last good plan in place.
     ws.plan(np.array([0, 3], np.int32), np.array([100], np.int32), tile_q=2)
     before = ws.plan_section.clone()
@@ -117,7 +134,8 @@ def test_bounds_name_themselves():
 
 
 def test_max_items_bound_holds_for_every_tile_q():
-    """max_items = max_tokens + 2 * num_ctas suffices: fill max_tokens with 1-row requests, tile_q = 1."""
+    """max_items and max_partial_rows suffice for every tile_q and unit count: fill max_tokens with 1-row
+    requests, tile_q = 1, as many units as query heads."""
     rng = np.random.default_rng()
     for num_ctas, max_tokens in ((64, 16), (8, 300), (33, 33)):
         ws = make(max_requests=max_tokens, max_tokens=max_tokens, num_ctas=num_ctas, max_tile_q=8)
@@ -126,9 +144,11 @@ def test_max_items_bound_holds_for_every_tile_q():
                 qo = np.arange(B + 1, dtype=np.int32)
                 qo[-1] = max_tokens
                 kv = (np.diff(qo) + rng.integers(0, 50000, B)).astype(np.int32)
-                info = ws.plan(qo, kv, tile_q=tile_q, causal=bool(rng.integers(2)), min_kv_chunk=1)
-                assert info.num_items <= ws.max_items
-                assert info.num_partial_rows <= 2 * num_ctas * tile_q <= ws.max_partial_rows
+                for units in (ws.num_kv_heads, ws.num_qo_heads):
+                    info = ws.plan(qo, kv, tile_q=tile_q, num_units=units, causal=bool(rng.integers(2)),
+                                   min_kv_chunk=1)
+                    assert info.num_items <= ws.max_items
+                    assert info.num_partial_rows <= 2 * (-(-num_ctas // units)) * tile_q <= ws.max_partial_rows
 
 
 def test_torch_inputs():
@@ -157,17 +177,21 @@ def test_cuda_workspace_copies_each_plan():
     plan_end = ws.plan_section.numel() * 4
     ws.buffer[plan_end:] = SENTINEL
     for qo, kv, kw in random_steps(rng, ws, 40):
-        ws.plan(qo, kv, **kw)
+        ws.plan_section.fill_(-7)
+        info = ws.plan(qo, kv, **kw)
         expect = ws.staging.view(torch.int32).clone()  # staging is only rewritten after the copy finished
         torch.cuda.current_stream().synchronize()
-        assert torch.equal(ws.plan_section.cpu(), expect)
+        n = used(ws, info)  # the used prefix is copied, nothing else
+        got = ws.plan_section.cpu()
+        assert torch.equal(got[:n], expect[:n]) and bool((got[n:] == -7).all())
         assert (ws.plan_ptr, ws.partial_o_ptr, ws.partial_lse_ptr) == ptrs
     # Back-to-back plans without synchronizing: each waits on the previous copy before reusing staging.
     steps = list(random_steps(rng, ws, 20))
     for qo, kv, kw in steps:
-        ws.plan(qo, kv, **kw)
+        info = ws.plan(qo, kv, **kw)
     torch.cuda.synchronize()
-    assert torch.equal(ws.plan_section.cpu(), ws.staging.view(torch.int32))
+    n = used(ws, info)
+    assert torch.equal(ws.plan_section[:n].cpu(), ws.staging.view(torch.int32)[:n])
     assert bool((ws.buffer[plan_end:] == SENTINEL).all())
     ref = S.PlanViews.allocate(ws.num_ctas, ws.max_items, ws.max_tokens, ws.max_partial_rows)
     qo, kv, kw = steps[-1]

@@ -1,8 +1,8 @@
 // Persistent decode attention over the BSR KV format, driven by the plan (csrc/plan.h).
 //
-// Grid (num_ctas, num_kv_heads * num_head_chunks), fixed: CTA (c, y) runs work queue c of the plan for
-// KV head y / num_head_chunks and the kHeadsPerChunk query heads of chunk y % num_head_chunks that
-// share it (head-group fusion: each KV byte is loaded once for all of them).
+// Grid (num_ctas), fixed: CTA c runs work queue c of the plan, all the GPU's CTAs for every head. An
+// item runs for its unit: KV head unit / num_head_chunks and the kHeadsPerChunk query heads of chunk
+// unit % num_head_chunks that share it (head-group fusion: each KV byte is loaded once for all of them).
 //
 // Tiles. A work item's query rows are packed with their heads into kRows "packed rows" (row-major:
 // packed row = local row * kHeadsPerChunk + local head); items with more rows run as several row
@@ -229,10 +229,9 @@ struct Kernel {
 
   static __device__ __forceinline__ void run(const Params& p, const VariantParams& vp, uint8_t* smem) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
-    const int kv_head = blockIdx.y / p.num_head_chunks;
     Cursor cur;
     int page[L::kLookups], slot[L::kLookups];
-    if (!L::start(p, vp, smem, kv_head, cur, page, slot)) return;
+    if (!L::start(p, vp, smem, cur, page, slot)) return;
 
     float2* md = reinterpret_cast<float2*>(smem + kStages * Cfg::kStageBytes);  // [warp][row] (m, d)
     int* merge_mask = reinterpret_cast<int*>(smem + kStages * Cfg::kStageBytes + Cfg::kMdBytes);
@@ -247,15 +246,16 @@ struct Kernel {
     for (int j = 0;; ++j) {
       const int st = j % kStages;
       uint8_t* stage = smem + st * Cfg::kStageBytes;
-      L::before_barrier(p, smem, kv_head, j, page, slot);
+      L::before_barrier(p, smem, j, cur, page, slot);
       ptx::cp_async_wait<kStages - 2>();
       __syncthreads();
-      L::step(p, vp, smem, kv_head, j, cur, page, slot);
+      L::step(p, vp, smem, j, cur, page, slot);
 
       const TileRecord* rec = reinterpret_cast<const TileRecord*>(stage + 2 * Cfg::kKvTileBytes + Cfg::kQSlotBytes);
       const int flags = rec->flags;
       if (flags & kEnd) break;
       const Work& w = rec->w;
+      const int kv_head = w.unit / p.num_head_chunks;  // for the hooks' contexts (unused ones cost nothing)
       if (flags & kFirst) {
         ri[0] = E::row_info(w, g);
         ri[1] = E::row_info(w, g + 8);
@@ -442,7 +442,7 @@ struct Kernel {
     }
     // Work is read from the record below, after the scratch overwrote nothing of it (it is past K/V/Q).
     const int row0 = w.row0, nrows = w.nrows, partial_base = w.partial_base, partial_stride = w.partial_stride;
-    const int item_q_begin = w.item_q_begin;
+    const int item_q_begin = w.item_q_begin, unit = w.unit;
     __syncthreads();  // every warp is done with this stage's K/V
     if (c == 0) {
 #pragma unroll
@@ -473,7 +473,7 @@ struct Kernel {
         const int pr = i / kVecs, dl = (i % kVecs) * 8;
         const int r = pr / kHPC;
         if (r >= nrows) continue;
-        const int q_row = row0 + r, qo_head = blockIdx.y * kHPC + pr % kHPC;
+        const int q_row = row0 + r, qo_head = unit * kHPC + pr % kHPC;
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
         float mmax = -INFINITY, den = 0.f;
         if constexpr (Variant::kUseSoftmax) {
@@ -526,7 +526,7 @@ struct Kernel {
       for (int r = 0; r < nrows; ++r) {
         const int q_row = row0 + r;
         const int chunks = __ldg(mi + q_row + 1) - __ldg(mi + q_row);
-        int32_t* counter = p.merge_counters + (int64_t)q_row * gridDim.y + blockIdx.y;
+        int32_t* counter = p.merge_counters + (int64_t)q_row * (p.num_qo_heads / kHPC) + unit;
         if (atomicAdd(counter, 1) == chunks - 1) {
           *counter = 0;  // nobody else touches it in this launch: leave it zeroed for the next
           mask |= 1 << r;
@@ -538,7 +538,7 @@ struct Kernel {
     const int mask = *merge_mask;
     if (mask) {
       __threadfence();
-      E::template merge_rows<8>(p, vp, row0, nrows, [mask](int r) { return (mask >> r) & 1; });
+      E::template merge_rows<8>(p, vp, unit, row0, nrows, [mask](int r) { return (mask >> r) & 1; });
     }
   }
 };

@@ -2,8 +2,8 @@
 // FlashAttention-2 on tensor cores for query tiles of many rows, sharing the decode kernel's loader,
 // plan reading, variant hooks and split merge (csrc/attention/shared.cuh).
 //
-// Grid (num_ctas, num_kv_heads * num_head_chunks), fixed, as for decode: CTA (c, y) runs work queue c
-// of the plan for KV head y / num_head_chunks and its kHeadsPerChunk query heads (head-group fusion:
+// Grid (num_ctas), fixed, as for decode: CTA c runs work queue c of the plan; an item runs for its unit,
+// KV head unit / num_head_chunks and its kHeadsPerChunk query heads (head-group fusion:
 // a query tile of kTileRows = 16 * kMFrags * kWarps "packed rows", packed row = local row * kHPC +
 // local head, so short queries of a GQA group fill the tile and each KV tile is loaded once for all
 // its heads).
@@ -527,10 +527,9 @@ struct Kernel {
 
   static __device__ __forceinline__ void run(const Params& p, const VariantParams& vp, uint8_t* smem) {
     const int warp = threadIdx.x >> 5;
-    const int kv_head = blockIdx.y / p.num_head_chunks;
     Cursor cur;
     int page[L::kLookups], slot[L::kLookups];
-    if (!L::start(p, vp, smem, kv_head, cur, page, slot)) return;
+    if (!L::start(p, vp, smem, cur, page, slot)) return;
 
     uint8_t* qbuf = smem + Cfg::kQAt;
     uint8_t* cbuf = qbuf + Cfg::kQBuffers * Cfg::kQBytes;
@@ -544,16 +543,17 @@ struct Kernel {
 
     for (int j = 0;; ++j) {
       uint8_t* stage = smem + (j % kStages) * Cfg::kStageBytes;
-      L::before_barrier(p, smem, kv_head, j, page, slot);
+      L::before_barrier(p, smem, j, cur, page, slot);
       ptx::cp_async_wait<kStages - 2>();
       if constexpr (kWgmma) wgmma::fence_proxy_async();  // the landed tile, for the tensor cores' reads
       __syncthreads();
-      L::step(p, vp, smem, kv_head, j, cur, page, slot);
+      L::step(p, vp, smem, j, cur, page, slot);
 
       const TileRecord* rec = reinterpret_cast<const TileRecord*>(stage + 2 * Cfg::kKvTileBytes);
       const int flags = rec->flags;
       if (flags & kEnd) break;
       const Work& w = rec->w;
+      const int kv_head = w.unit / p.num_head_chunks;  // for the hooks' contexts (unused ones cost nothing)
       // The unit's real rows: packed rows [first_pr, first_pr + kUnitRows) clipped to the sub-item.
       const int first_pr = kUnitRows * unit;
       const int last_r = min((first_pr + kUnitRows - 1) / kHPC, w.nrows - 1);
@@ -635,7 +635,7 @@ struct Kernel {
                                                 float (&o)[kMF][kDTiles][4], int* merge_flags) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int row0 = w.row0, nrows = w.nrows, item_q_begin = w.item_q_begin;
-    const int partial_base = w.partial_base, partial_stride = w.partial_stride;
+    const int partial_base = w.partial_base, partial_stride = w.partial_stride, unit = w.unit;
     const bool split = partial_base >= 0;
 #pragma unroll
     for (int mf = 0; mf < kMF; ++mf)
@@ -685,7 +685,7 @@ struct Kernel {
     for (int r = threadIdx.x; r < nrows; r += kThreads) {
       const int q_row = row0 + r;
       const int chunks = __ldg(mi + q_row + 1) - __ldg(mi + q_row);
-      int32_t* counter = p.merge_counters + (int64_t)q_row * gridDim.y + blockIdx.y;
+      int32_t* counter = p.merge_counters + (int64_t)q_row * (p.num_qo_heads / kHPC) + unit;
       const bool last = atomicAdd(counter, 1) == chunks - 1;
       if (last) *counter = 0;  // nobody else touches it in this launch: leave it zeroed for the next
       merge_flags[r] = last;
@@ -695,7 +695,7 @@ struct Kernel {
     for (int r = 0; r < nrows; ++r) any |= merge_flags[r] != 0;
     if (any) {
       __threadfence();
-      E::template merge_rows<2>(p, vp, row0, nrows, [merge_flags](int r) { return merge_flags[r] != 0; });
+      E::template merge_rows<2>(p, vp, unit, row0, nrows, [merge_flags](int r) { return merge_flags[r] != 0; });
     }
     __syncthreads();  // merge_flags are reused by the next split sub-item
   }

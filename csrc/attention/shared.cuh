@@ -109,10 +109,10 @@ struct Params {
   int32_t merge_indptr_offset;  // fi_plan_merge_indptr_offset(num_ctas, max_items)
   float* partial_o;             // [max_partial_rows, num_qo_heads, D]
   float* partial_lse;           // [max_partial_rows, num_qo_heads]
-  int32_t* merge_counters;      // [max_rows * gridDim.y], zero between launches
+  int32_t* merge_counters;      // [max_rows * units], zero between launches (units = num_qo_heads / kHPC)
   int32_t* error_flags;         // ErrorBits, or null
   int32_t num_qo_heads;
-  int32_t num_head_chunks;      // gridDim.y / num_kv_heads
+  int32_t num_head_chunks;      // units / num_kv_heads: unit u runs for KV head u / num_head_chunks
   float logits_scale;           // sm_scale * k_scale
   float v_scale;
   int32_t causal;
@@ -129,7 +129,7 @@ struct Work {
   int32_t kv_lo, kv_hi;  // KV tokens to read, [kv_lo, kv_hi) (after clipping)
   int32_t ntiles;
   int32_t partial_base, partial_stride, item_q_begin;
-  int32_t pad_;
+  int32_t unit;          // query heads [unit * kHPC, + kHPC) of KV head unit / num_head_chunks
   int64_t block_start;   // offset of the request's first KV block in kv_indices
 };
 
@@ -189,7 +189,7 @@ struct Loader {
                                                    Work& w) {
     const int4* raw = reinterpret_cast<const int4*>(p.plan + p.items_offset) + 2 * item;
     const int4 a = __ldg(raw), b = __ldg(raw + 1);
-    // FiWorkItem: request, q_begin, q_end, kv_begin | kv_end, partial_base, partial_stride, chunk
+    // FiWorkItem: request, q_begin, q_end, kv_begin | kv_end, partial_base, partial_stride, unit
     const int req = a.x, q_begin = a.y, q_end = a.z, kv_begin = a.w, kv_end = b.x;
     const int nsub = (q_end - q_begin + kRowsPerTile - 1) / kRowsPerTile;
     if (nsub <= 0) return 0;
@@ -203,6 +203,7 @@ struct Loader {
     w.item_q_begin = q_begin;
     w.partial_base = b.y;
     w.partial_stride = b.z;
+    w.unit = b.w;
     w.row0 = q_begin + sub * kRowsPerTile;
     w.nrows = min(kRowsPerTile, q_end - w.row0);
     w.q_idx0 = w.row0 - qs;
@@ -220,7 +221,6 @@ struct Loader {
     w.kv_lo = lo;
     w.kv_hi = hi;
     w.ntiles = max(1, (hi - lo + kTile - 1) / kTile);
-    w.pad_ = 0;
     return nsub;
   }
 
@@ -228,7 +228,7 @@ struct Loader {
   // the compute, so the rest of the Work is not kept: the record's copy is rebuilt at a sub-item's first
   // tile (begin_work again, thread 0) and copied from the previous tile's record after that.
   struct Pos {
-    int row0, nrows, kv_lo, kv_hi, ntiles;
+    int row0, nrows, kv_lo, kv_hi, ntiles, unit;
     int64_t block_start;
   };
   struct Cursor {
@@ -250,6 +250,7 @@ struct Loader {
     pos.kv_lo = w.kv_lo;
     pos.kv_hi = w.kv_hi;
     pos.ntiles = w.ntiles;
+    pos.unit = w.unit;
     pos.block_start = w.block_start;
   }
 
@@ -332,10 +333,12 @@ struct Loader {
     return reinterpret_cast<int64_t*>(smem + Cfg::kRowOffsetsAt) + (tile_no & 1) * kTile;
   }
 
-  // Publish the looked-up rows of tile number `tile_no` (its copies are issued after the next barrier).
-  static __device__ __forceinline__ void publish(const Params& p, uint8_t* smem, int tile_no, const int (&page)[kLookups],
-                                                 const int (&slot)[kLookups], int kv_head) {
+  // Publish the looked-up rows of tile number `tile_no`, the cursor's (its copies are issued after the
+  // next barrier).
+  static __device__ __forceinline__ void publish(const Params& p, uint8_t* smem, int tile_no, const Cursor& cur,
+                                                 const int (&page)[kLookups], const int (&slot)[kLookups]) {
     int64_t* offs = row_offsets(smem, tile_no);
+    const int kv_head = cur.w.unit / p.num_head_chunks;
 #pragma unroll
     for (int r = 0; r < kLookups; ++r) {
       const int row = lookup_row(r);
@@ -388,7 +391,7 @@ struct Loader {
         const int t = ptx::thread_index_here();
         const int ch = t % kChunksQ, pr0 = t / kChunksQ;
         const DQ* src = static_cast<const DQ*>(p.q) + (int64_t)(cur.w.row0 + pr0 / kHPC) * p.q_stride_row +
-                        (int64_t)(blockIdx.y * kHPC + pr0 % kHPC) * p.q_stride_head + ch * 8;
+                        (int64_t)(cur.w.unit * kHPC + pr0 % kHPC) * p.q_stride_head + ch * 8;
 #pragma unroll 1
         for (int pr = pr0; pr < Cfg::kTileRows; pr += kRound) {
           const bool ok = pr < Cfg::kPackedRows && pr / kHPC < cur.w.nrows;
@@ -401,7 +404,7 @@ struct Loader {
     if (cur.tile == 0) {  // query tile: packed row pr = local row * kHPC + local head, zeros past nrows
       constexpr int kChunksQ = kHeadDim * 2 / 16;
       const uint32_t qslot = ptx::smem_u32(stage + 2 * Cfg::kKvTileBytes);
-      const int head0 = blockIdx.y * kHPC;
+      const int head0 = cur.w.unit * kHPC;
 #pragma unroll
       for (int i = tid; i < kRows * kChunksQ; i += kThreads) {
         const int pr = i / kChunksQ, ch = i % kChunksQ;
@@ -437,8 +440,8 @@ struct Loader {
   // first item and the first kStages - 1 tiles issued; false when the queue is empty. step(): at the top
   // of iteration j (after the wait and barrier), issue the tile kStages - 1 ahead into the stage that
   // iteration j - 1 consumed, and move on.
-  static __device__ __forceinline__ bool start(const Params& p, const VariantParams& vp, uint8_t* smem, int kv_head,
-                                               Cursor& cur, int (&page)[kLookups], int (&slot)[kLookups]) {
+  static __device__ __forceinline__ bool start(const Params& p, const VariantParams& vp, uint8_t* smem, Cursor& cur,
+                                               int (&page)[kLookups], int (&slot)[kLookups]) {
     const int32_t* cta_indptr = p.plan + FI_PLAN_HEADER_INTS;
     cur.item = __ldg(cta_indptr + blockIdx.x);
     cur.item_end = __ldg(cta_indptr + blockIdx.x + 1);
@@ -447,7 +450,7 @@ struct Loader {
     prefetch_pages(p, cur, page, slot);
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
-      publish(p, smem, s, page, slot, kv_head);
+      publish(p, smem, s, cur, page, slot);
       __syncthreads();
       issue(p, vp, smem, s, cur);
       ptx::cp_async_commit();
@@ -458,13 +461,13 @@ struct Loader {
   }
 
   // Before iteration j's barrier: publish the lookups of the tile that iteration j issues.
-  static __device__ __forceinline__ void before_barrier(const Params& p, uint8_t* smem, int kv_head, int j,
+  static __device__ __forceinline__ void before_barrier(const Params& p, uint8_t* smem, int j, const Cursor& cur,
                                                         const int (&page)[kLookups], const int (&slot)[kLookups]) {
-    publish(p, smem, j + kStages - 1, page, slot, kv_head);
+    publish(p, smem, j + kStages - 1, cur, page, slot);
   }
 
-  static __device__ __forceinline__ void step(const Params& p, const VariantParams& vp, uint8_t* smem, int kv_head,
-                                              int j, Cursor& cur, int (&page)[kLookups], int (&slot)[kLookups]) {
+  static __device__ __forceinline__ void step(const Params& p, const VariantParams& vp, uint8_t* smem, int j,
+                                              Cursor& cur, int (&page)[kLookups], int (&slot)[kLookups]) {
     issue(p, vp, smem, j + kStages - 1, cur);
     ptx::cp_async_commit();
     advance(p, vp, cur);
@@ -500,7 +503,7 @@ struct Epilogue {
     ri.q_row = w.row0 + r;
     ri.q_idx = w.q_idx0 + r;
     ri.q_pos = w.pos_off + w.kv_len - w.q_len + ri.q_idx;
-    ri.qo_head = blockIdx.y * kHPC + pr % kHPC;
+    ri.qo_head = w.unit * kHPC + pr % kHPC;
     ri.climit = w.kv_len - w.q_len + ri.q_idx;  // causal (bottom-right): kv_idx <= climit
     ri.valid = pr < Cfg::kPackedRows && r < w.nrows;
     return ri;
@@ -556,7 +559,7 @@ struct Epilogue {
   }
 
   // Merge the partial states of the rows r of [row0, row0 + nrows) with merged(r) (all chunks written,
-  // fences done) for this CTA's heads. Every (row, head, 8 dims) unit is one thread's: a sub-item's rows
+  // fences done) for the query heads of `unit`. Every (row, head, 8 dims) unit is one thread's: a sub-item's rows
   // merge in parallel (one row at a time left most threads idle and made a 64-row tile's merge the tail
   // of short prefills). The merge runs between a CTA's items, so every other item of that CTA waits for
   // it: states are read kBatch at a time with no branch between the loads, so a batch costs one
@@ -564,8 +567,8 @@ struct Epilogue {
   // 16-chunk row took ~16 of them), and merged online (one pass: no separate pass for the max).
   // kBatch costs 9 registers per state: decode affords 8; prefill, at its 128-register cap, 2 (4 spilled).
   template <int kBatch, class Merged>
-  static __device__ __forceinline__ void merge_rows(const Params& p, const VariantParams& vp, int row0, int nrows,
-                                                    Merged merged) {
+  static __device__ __forceinline__ void merge_rows(const Params& p, const VariantParams& vp, int unit, int row0,
+                                                    int nrows, Merged merged) {
     const int32_t* mi = p.plan + p.merge_indptr_offset;
     constexpr int kVecs = kHeadDim / 8;
     for (int i = threadIdx.x; i < nrows * kHPC * kVecs; i += kThreads) {
@@ -574,7 +577,7 @@ struct Epilogue {
       const int q_row = row0 + r;
       const int j0 = __ldcg(mi + q_row), j1 = __ldcg(mi + q_row + 1);
       const int h = (i / kVecs) % kHPC, d0 = (i % kVecs) * 8;
-      const int qo_head = blockIdx.y * kHPC + h;
+      const int qo_head = unit * kHPC + h;
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       float mx = -INFINITY, den = 0.f;
       for (int jb = j0; jb < j1; jb += kBatch) {

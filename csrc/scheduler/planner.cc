@@ -106,13 +106,6 @@ inline void SelectIfBelow(uint64_t sib_load, int32_t sib_cta, uint64_t limit, ui
 #endif
 }
 
-// Items, by cost descending, that Planner::StartTree may place: the leading ones with cost > 0, at most m.
-int64_t FirstRound(const double* costs, int64_t n, int32_t m) {
-  int64_t count = 0;
-  while (count < n && count < m && costs[count] > 0.0) ++count;
-  return count;
-}
-
 }  // namespace
 
 PlanStatus Planner::Fail(PlanStatus status, const char* fmt, ...) {
@@ -162,9 +155,9 @@ void Planner::RadixSortKeys(int64_t n) {
 // The load sequence depends only on the sequence of costs, so items of equal cost may come in any order.
 //
 // LPT over the n entries whose keys_ hold (~CostBits(cost), creation index): sorts them by cost,
-// descending, ties in creation order (cost_order_, sorted_cost_), gives each to the least-loaded of
-// m CTAs (item_cta_, in that order), and returns the makespan.
-double Planner::SortAndAssign(int64_t n, int32_t m) {
+// descending, ties in creation order (cost_order_, sorted_cost_), gives each entry's `units` replicas,
+// in turn, to the least-loaded of m CTAs (item_cta_[k * units + u]), and returns the makespan.
+double Planner::SortAndAssign(int64_t n, int32_t m, int32_t units) {
   RadixSortKeys(n);
   cost_order_.resize(n);
   sorted_cost_.resize(n);
@@ -172,17 +165,28 @@ double Planner::SortAndAssign(int64_t n, int32_t m) {
     cost_order_[k] = (int32_t)keys_[2 * k + 1];
     sorted_cost_[k] = LoadOf(~keys_[2 * k]);
   }
-  item_cta_.resize(n);
-  const int64_t first = FirstRound(sorted_cost_.data(), n, m);
-  StartTree(m, sorted_cost_.data(), first);
-  uint64_t max_load = first > 0 ? CostBits(sorted_cost_[0]) : 0;
+  const int64_t total = n * units;
+  item_cta_.resize(total);
+  first_round_.resize(m);
+  int64_t first = 0;  // StartTree's first round: the leading replicas with cost > 0, at most m
+  while (first < total && first < m && sorted_cost_[first / units] > 0.0) {
+    first_round_[first] = sorted_cost_[first / units];
+    ++first;
+  }
+  StartTree(m, first_round_.data(), first);
+  uint64_t max_load = first > 0 ? CostBits(first_round_[0]) : 0;
   for (int64_t k = 0; k < first; ++k) item_cta_[k] = (int32_t)k;
-  for (int64_t k = first; k < n; ++k) {
+  for (int64_t k = first; k < total; ++k) {
     uint64_t load;
-    item_cta_[k] = Assign(sorted_cost_[k], &load);
+    item_cta_[k] = Assign(sorted_cost_[k / units], &load);
     max_load = std::max(max_load, load);
   }
   return LoadOf(max_load);
+}
+
+// Split items (counted once for all units) a plan may have: see kMaxSplitItemsPerCta.
+int64_t Planner::SplitBudget(const PlanInputs& in) const {
+  return kMaxSplitItemsPerCta * CeilDiv(in.num_ctas, in.num_units);
 }
 
 // StartTree does LPT's first round in one go: while a CTA is empty and the items cost > 0, the next item
@@ -222,12 +226,13 @@ __attribute__((always_inline)) inline int32_t Planner::Assign(double cost, uint6
 // The candidate (chunk, max_pairs): walking the pairs longest first, split each pair longer than chunk
 // into ceil(len / chunk) chunks, and stop at the first pair that is not longer, after max_pairs pairs
 // (max_pairs < 0: no such limit), or at the first pair whose chunks would take the split items past
-// kMaxSplitItemsPerCta * num_ctas. The last stop is what keeps every plan within the workspace: split
-// items <= 2 * num_ctas, each with <= tile_q rows, so partial rows <= 2 * num_ctas * tile_q.
+// SplitBudget = 2 * ceil(num_ctas / num_units). The last stop is what keeps every plan within the
+// workspace: split items <= that budget, each with <= tile_q rows and its partial rows shared by its
+// units' replicas, so partial rows <= budget * tile_q.
 Planner::Split Planner::WalkSplit(const PlanInputs& in, int64_t chunk, int64_t max_pairs) const {
   Split s;
   s.chunk = chunk;
-  const int64_t budget = kMaxSplitItemsPerCta * in.num_ctas;
+  const int64_t budget = SplitBudget(in);
   for (const int32_t j : len_order_) {
     if (s.num_split_pairs == max_pairs) break;
     const Pair& p = pairs_[j];
@@ -245,7 +250,7 @@ Planner::Split Planner::WalkSplit(const PlanInputs& in, int64_t chunk, int64_t m
 }
 
 // The LPT makespan of a candidate's items: the unsplit pairs (already by cost, descending) merged with
-// the split pairs' chunks (sorted here; there are <= 2 * num_ctas). Gives up, returning +inf, as soon as
+// the split pairs' chunks (sorted here; at most SplitBudget), each as its units' replicas. Gives up, returning +inf, as soon as
 // a CTA's load exceeds `bound` (or reaches it, when `strict`): loads only grow, so the candidate cannot
 // win any more.
 double Planner::EvaluateSplit(const PlanInputs& in, const Split& split, double bound, bool strict) {
@@ -290,12 +295,25 @@ double Planner::EvaluateSplit(const PlanInputs& in, const Split& split, double b
     }
     return true;
   };
+  // Each item `units` times: its replicas, one per unit.
+  const int32_t units = (int32_t)in.num_units;
+  double item_cost = 0.0;
+  int32_t replicas_left = 0;
+  auto next_replica = [&](double* cost) {
+    if (replicas_left == 0) {
+      if (!next(&item_cost)) return false;
+      replicas_left = units;
+    }
+    --replicas_left;
+    *cost = item_cost;
+    return true;
+  };
   const int32_t m = (int32_t)in.num_ctas;
   first_round_.resize(m);
   double cost = 0.0;
   int64_t count = 0;
-  bool held = false;  // `cost` is an item taken from next() but not yet assigned (a zero cost)
-  while (count < m && next(&cost)) {
+  bool held = false;  // `cost` is a replica taken from next_replica() but not yet assigned (a zero cost)
+  while (count < m && next_replica(&cost)) {
     if (!(cost > 0.0)) {
       held = true;
       break;
@@ -305,7 +323,7 @@ double Planner::EvaluateSplit(const PlanInputs& in, const Split& split, double b
   StartTree(m, first_round_.data(), count);
   uint64_t max_load = count > 0 ? CostBits(first_round_[0]) : 0, load = 0;
   bool gave_up = max_load >= limit;
-  while (!gave_up && (held || next(&cost))) {
+  while (!gave_up && (held || next_replica(&cost))) {
     held = false;
     Assign(cost, &load);
     max_load = std::max(max_load, load);
@@ -316,12 +334,13 @@ double Planner::EvaluateSplit(const PlanInputs& in, const Split& split, double b
 }
 
 // Algorithm 1's chunk choice, as a search over candidates (see WalkSplit), in this order:
-//   1. the previous rule's chunk, when pairs < num_ctas: the smallest whose full split makes <= num_ctas
-//      items. Its plan is exactly the previous rule's, and coming first it is always compared, so the
-//      choice is never worse than that rule;
-//   2. total KV / (j * num_ctas), j = 1, 2, 3: chunks near a CTA's fair share (one long request among
-//      short ones: the long one is cut to about the share, the short ones fill in around its chunks);
-//   3. the smallest chunk whose full split makes <= 2 * num_ctas items, when pairs < 2 * num_ctas;
+// With s = ceil(num_ctas / num_units), the CTAs of one unit's share:
+//   1. the previous rule's chunk, when pairs < s: the smallest whose full split makes <= s items. Its
+//      plan is exactly the previous rule's, and coming first it is always compared, so the choice is
+//      never worse than that rule;
+//   2. units * total KV / (j * num_ctas), j = 1, 2, 3: chunks near a CTA's fair share (one long request
+//      among short ones: the long one is cut to about the share, the short ones fill in around its chunks);
+//   3. the smallest chunk whose full split makes <= 2 s items, when pairs < 2 s;
 //   4. longest / k, k = 2 .. 16: the longest pair cut into k (a few long requests, or many equal ones).
 // Each chunk is rounded up to kv_chunk_align and to at least min_kv_chunk, kept if shorter than the
 // longest pair, and tried with the most pairs the split-item budget allows, then with half as many
@@ -330,15 +349,16 @@ double Planner::EvaluateSplit(const PlanInputs& in, const Split& split, double b
 // makespan is lower, or equal with fewer items (fewer partial states to write and merge). Skipped:
 // candidates that do not fit the section's capacities, and candidates that split the same pairs into
 // the same numbers of chunks as an earlier one (the same plan). The search stops as soon as the best
-// is within kBalancedSlack of the lower bound total cost / num_ctas, which keeps large batches (where a
-// split or two already reaches it) to one or two LPT passes. Every candidate's split items are
-// <= 2 * num_ctas by WalkSplit's budget, so every plan fits the workspace's partial rows.
+// is within kBalancedSlack of the lower bound units * total cost / num_ctas, which keeps large batches
+// (where a split or two already reaches it) to one or two LPT passes. Every candidate's split items are
+// within WalkSplit's budget, so every plan fits the workspace's partial rows.
 Planner::Split Planner::ChooseSplit(const PlanInputs& in, const PlanSection& section, double total_cost,
                                     double unsplit_makespan, double good_enough) {
   Split best;
   best.num_items = (int64_t)pairs_.size();
   double best_makespan = unsplit_makespan;
-  const int64_t n = (int64_t)pairs_.size(), m = in.num_ctas, align = in.kv_chunk_align;
+  const int64_t n = (int64_t)pairs_.size(), m = in.num_ctas, units = in.num_units, align = in.kv_chunk_align;
+  const int64_t share = CeilDiv(m, units);
   const int64_t lo = RoundUp(in.min_kv_chunk, align);
   const int64_t max_len = pairs_[len_order_[0]].kv_len;
   if (max_len <= lo) return best;  // no chunk may split anything
@@ -352,20 +372,20 @@ Planner::Split Planner::ChooseSplit(const PlanInputs& in, const PlanSection& sec
       if (chunks[k] == chunk) return;
     chunks[num_chunks++] = chunk;
   };
-  if (n < m) {
-    const int64_t chunk = SmallestChunkWithin(m, lo, align);
+  if (n < share) {
+    const int64_t chunk = SmallestChunkWithin(share, lo, align);
     if (chunk > 0) add(chunk);
   }
   int64_t total_kv = 0;
   for (const Pair& p : pairs_) total_kv += p.kv_len;
-  for (int64_t j = 1; j <= 3; ++j) add(CeilDiv(total_kv, j * m));
-  if (n < 2 * m) {
-    const int64_t chunk = SmallestChunkWithin(2 * m, lo, align);
+  for (int64_t j = 1; j <= 3; ++j) add(CeilDiv(units * total_kv, j * m));
+  if (n < 2 * share) {
+    const int64_t chunk = SmallestChunkWithin(2 * share, lo, align);
     if (chunk > 0) add(chunk);
   }
   for (int64_t k = 2; k <= 16; ++k) add(CeilDiv(max_len, k));
 
-  const double inv_m = 1.0 / (double)m;
+  const double inv_m = (double)units / (double)m;  // total cost of the items -> lower bound
   int num_seen = 0;
   for (int k = 0; k < num_chunks && best_makespan > good_enough; ++k) {
     const Split full = WalkSplit(in, chunks[k], -1);
@@ -389,10 +409,10 @@ Planner::Split Planner::ChooseSplit(const PlanInputs& in, const PlanSection& sec
       }
       if (repeat) continue;
       seen_[num_seen++] = split;
-      if (split.num_items > section.max_items || split.partial_rows > section.max_partial_rows) continue;
+      if (split.num_items * units > section.max_items || split.partial_rows > section.max_partial_rows) continue;
       // More (or as many) items than the best so far must beat its makespan; fewer may tie it.
       const bool strict = split.num_items >= best.num_items;
-      // Cheap bound first: the makespan is >= the candidate's total cost / num_ctas (a margin keeps
+      // Cheap bound first: the makespan is >= units * the candidate's total cost / num_ctas (a margin keeps
       // rounding from ever discarding a candidate that could win).
       const double total = total_cost + in.cost_q * (double)split.extra_rows;
       if (total * inv_m > best_makespan * (1.0 + 1e-9)) continue;
@@ -413,6 +433,8 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
     return Fail(S::kInvalidArgument, "num_requests must be >= 0, got %lld", (long long)in.num_requests);
   if (in.tile_q < 1) return Fail(S::kInvalidArgument, "tile_q must be >= 1, got %lld", (long long)in.tile_q);
   if (in.num_ctas < 1) return Fail(S::kInvalidArgument, "num_ctas must be >= 1, got %lld", (long long)in.num_ctas);
+  if (in.num_units < 1 || in.num_units > INT32_MAX)
+    return Fail(S::kInvalidArgument, "num_units must be in [1, 2^31), got %lld", (long long)in.num_units);
   if (in.min_kv_chunk < 1)
     return Fail(S::kInvalidArgument, "min_kv_chunk must be >= 1 token, got %lld", (long long)in.min_kv_chunk);
   if (in.kv_chunk_align < 1)
@@ -494,10 +516,11 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
     }
   }
   const int64_t num_pairs = (int64_t)pairs_.size();
-  // Every plan has at least one item per pair.
-  if (num_pairs > section.max_items)
-    return Fail(S::kCapacityExceeded, "max_items=%lld but the plan needs %lld work items", (long long)section.max_items,
-                (long long)num_pairs);
+  const int32_t units = (int32_t)in.num_units;
+  // Every plan has at least one item per pair and unit.
+  if (num_pairs * units > section.max_items)
+    return Fail(S::kCapacityExceeded, "max_items=%lld but the plan needs %lld work items (%lld pairs x %d units)",
+                (long long)section.max_items, (long long)(num_pairs * units), (long long)num_pairs, units);
 
   // ---- the unsplit plan: pairs by cost, descending (ties in creation order), then LPT ----------
   // Sorting the complemented cost bits ascending sorts the costs descending.
@@ -507,12 +530,12 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
     keys_[2 * j] = ~CostBits(pairs_[j].cost);
     keys_[2 * j + 1] = (uint64_t)j;
   }
-  const double unsplit_makespan = SortAndAssign(num_pairs, m);
+  const double unsplit_makespan = SortAndAssign(num_pairs, m, units);
 
   // ---- KV chunks: a fixed candidate, "no split" when already balanced, or the search -----------
   Split split;  // chunk 0: nothing split
   split.num_items = num_pairs;
-  const double good_enough = (1.0 + kBalancedSlack) * (total_cost / (double)m);
+  const double good_enough = (1.0 + kBalancedSlack) * ((double)units * total_cost / (double)m);
   if (num_pairs > 0 && in.force_kv_chunk != 0 && (in.force_kv_chunk > 0 || unsplit_makespan > good_enough)) {
     // Pairs by KV length, descending, ties in creation order: the order splits are handed out.
     keys_.resize(2 * num_pairs);
@@ -535,22 +558,22 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
     }
   }
   const int64_t chunk = split.chunk;
-  if (split.num_items > section.max_items)
+  if (split.num_items * units > section.max_items)
     return Fail(S::kCapacityExceeded, "max_items=%lld but the plan needs %lld work items", (long long)section.max_items,
-                (long long)split.num_items);
+                (long long)(split.num_items * units));
   if (split.partial_rows > section.max_partial_rows)
     return Fail(S::kCapacityExceeded, "max_partial_rows=%lld but the plan needs %lld partial rows",
                 (long long)section.max_partial_rows, (long long)split.partial_rows);
 
   // ---- work items (nothing is written before this point) ---------------------------------------
   int32_t* const base = section.data;
-  int32_t* const merge_indptr = base + fi_plan_merge_indptr_offset(section.num_ctas, section.max_items);
-  int32_t* const split_rows = base + fi_plan_split_rows_offset(section.num_ctas, section.max_items, section.max_rows);
-  const int64_t n_items = split.num_items;
+  int32_t* const merge_indptr = base + fi_plan_merge_indptr_offset(section.num_ctas);
+  int32_t* const split_rows = base + fi_plan_split_rows_offset(section.num_ctas, section.max_rows);
+  const int64_t n_items = split.num_items;  // before replication: n_items * units are written
   int64_t num_split_rows = 0;
   double makespan = unsplit_makespan;
   // The items in LPT order: order[k] indexes items_ (split plan) or pairs_ (unsplit plan); the CTA of
-  // the k-th is item_cta_[k].
+  // its replica for unit u is item_cta_[k * units + u].
   const int32_t* order = cost_order_.data();
   merge_indptr[0] = 0;
   if (split.num_split_pairs == 0) {
@@ -580,7 +603,7 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
       for (int64_t c = 0; c < n; ++c) {
         const int64_t kv_end = kv_begin + shape.Size(c, n, align);
         *item++ = Item{FiWorkItem{p.request, p.q_begin, p.q_end, (int32_t)kv_begin, (int32_t)kv_end,
-                                  (int32_t)(partial + c), (int32_t)n, (int32_t)c},
+                                  (int32_t)(partial + c), (int32_t)n, 0},
                        ItemCost(in.cost_q, in.cost_kv, rows, kv_end - kv_begin)};
         kv_begin = kv_end;
       }
@@ -600,32 +623,39 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
       keys_[2 * k] = ~CostBits(items_[k].cost);
       keys_[2 * k + 1] = (uint64_t)k;
     }
-    makespan = SortAndAssign(n_items, m);  // cost_order_ now holds the item order (pairs' no longer needed)
+    makespan = SortAndAssign(n_items, m, units);  // cost_order_ now holds the item order (pairs' no longer needed)
     order = cost_order_.data();
   }
 
   // ---- write: header, cta_indptr, items grouped by CTA in assignment order ---------------------
   int32_t* const header = base;
   int32_t* const cta_indptr = base + fi_plan_cta_indptr_offset();
-  FiWorkItem* const out_items = reinterpret_cast<FiWorkItem*>(base + fi_plan_items_offset(section.num_ctas));
+  FiWorkItem* const out_items =
+      reinterpret_cast<FiWorkItem*>(base + fi_plan_items_offset(section.num_ctas, section.max_rows));
+  const int64_t n_out = n_items * units;
   cta_fill_.assign(m + 1, 0);
   int32_t* fill = cta_fill_.data();
-  for (int64_t k = 0; k < n_items; ++k) ++fill[item_cta_[k] + 1];
+  for (int64_t k = 0; k < n_out; ++k) ++fill[item_cta_[k] + 1];
   for (int32_t c = 0; c < m; ++c) fill[c + 1] += fill[c];
   for (int32_t c = 0; c <= m; ++c) cta_indptr[c] = fill[c];
   // CTAs the layout has beyond num_ctas get no items, so a kernel launched on the full grid is correct.
-  for (int64_t c = m + 1; c <= section.num_ctas; ++c) cta_indptr[c] = (int32_t)n_items;
-  if (split.num_split_pairs == 0) {
-    for (int64_t k = 0; k < n_items; ++k) {
+  for (int64_t c = m + 1; c <= section.num_ctas; ++c) cta_indptr[c] = (int32_t)n_out;
+  for (int64_t k = 0, kr = 0; k < n_items; ++k) {
+    FiWorkItem work;
+    if (split.num_split_pairs == 0) {
       const Pair& p = pairs_[order[k]];
-      out_items[fill[item_cta_[k]]++] = FiWorkItem{p.request, p.q_begin, p.q_end, 0, p.kv_len, -1, 1, 0};
+      work = FiWorkItem{p.request, p.q_begin, p.q_end, 0, p.kv_len, -1, 1, 0};
+    } else {
+      work = items_[order[k]].work;
     }
-  } else {
-    for (int64_t k = 0; k < n_items; ++k) out_items[fill[item_cta_[k]]++] = items_[order[k]].work;
+    for (int32_t u = 0; u < units; ++u, ++kr) {
+      work.unit = u;
+      out_items[fill[item_cta_[kr]]++] = work;
+    }
   }
 
   for (int h = 0; h < FI_PLAN_HEADER_INTS; ++h) header[h] = 0;
-  header[FI_PLAN_NUM_ITEMS] = (int32_t)n_items;
+  header[FI_PLAN_NUM_ITEMS] = (int32_t)n_out;
   header[FI_PLAN_NUM_ROWS] = (int32_t)num_rows;
   header[FI_PLAN_NUM_PARTIAL_ROWS] = (int32_t)split.partial_rows;
   header[FI_PLAN_KV_CHUNK] = (int32_t)chunk;
@@ -633,8 +663,9 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
   header[FI_PLAN_NUM_CTAS] = m;
   header[FI_PLAN_TILE_Q] = (int32_t)in.tile_q;
   header[FI_PLAN_NUM_SPLIT_ROWS] = (int32_t)num_split_rows;
+  header[FI_PLAN_NUM_UNITS] = units;
 
-  summary->num_items = n_items;
+  summary->num_items = n_out;
   summary->num_rows = num_rows;
   summary->num_partial_rows = split.partial_rows;
   summary->kv_chunk = chunk;

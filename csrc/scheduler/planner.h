@@ -4,9 +4,10 @@
 // Input: the step's query rows per request (qo_indptr) and KV lengths. Each request's rows are cut into
 // query tiles of tile_q rows; a (request, tile) "pair" reads KV positions [0, len) where len = kv_len,
 // or with causal masking (bottom-right aligned) len = kv_len - q_len + tile_end. Long pairs may be split
-// into KV chunks; the items (whole pairs and chunks) are then assigned longest-processing-time first
-// (LPT) to the least loaded CTA, cost = cost_q * rows + cost_kv * KV tokens. The result is written in
-// place into a plan section laid out as csrc/plan.h describes.
+// into KV chunks; every item (whole pair or chunk) is run for each of num_units query-head groups, and
+// these (item, unit) replicas are assigned longest-processing-time first (LPT) to the least loaded of
+// all num_ctas CTAs, cost = cost_q * rows + cost_kv * KV tokens. The result is written in place into a
+// plan section laid out as csrc/plan.h describes.
 //
 // Which pairs are split, and into what chunks, is a candidate (L, s): walking the pairs by KV length,
 // longest first, each pair longer than L is cut into ceil(len / L) chunks with boundaries aligned to
@@ -23,11 +24,12 @@
 
 namespace fi {
 
-// Split items (chunks of split pairs) per CTA a plan may have: the workspace holds
-// kMaxSplitItemsPerCta * num_ctas * tile_q partial rows (the paper's bound, appendix D).
+// Split items (chunks of split pairs) per CTA a plan may have, counting an item once for all its units
+// (their partial rows are shared): the workspace holds kMaxSplitItemsPerCta * ceil(num_ctas / num_units)
+// * tile_q partial rows (the paper's bound, appendix D, with the CTAs of one unit's share).
 constexpr int64_t kMaxSplitItemsPerCta = 2;
 // The chunk search stops (and, for the unsplit plan, does not start) once the best plan's makespan is
-// within this fraction above total cost / num_ctas, a lower bound of every candidate's makespan
+// within this fraction above units * total cost / num_ctas, a lower bound of every candidate's makespan
 // (splitting only adds items' fixed costs): it trades at most 2% of balance for host time.
 constexpr double kBalancedSlack = 0.02;
 
@@ -36,7 +38,8 @@ struct PlanInputs {
   const int32_t* kv_lens = nullptr;    // [num_requests], KV tokens of each request (its query is the suffix)
   int64_t num_requests = 0;
   int64_t tile_q = 1;          // query rows per tile, >= 1
-  int64_t num_ctas = 1;        // CTAs of the persistent kernel per KV head, >= 1
+  int64_t num_ctas = 1;        // CTAs of the persistent kernel (the whole grid), >= 1
+  int64_t num_units = 1;       // query-head groups every item is run for (FiWorkItem::unit), >= 1
   bool causal = false;
   int64_t min_kv_chunk = 1;    // smallest KV chunk (tokens) a split may produce, >= 1
   int64_t kv_chunk_align = 1;  // chunk boundaries are multiples of this (page size or KV tile), >= 1
@@ -44,7 +47,7 @@ struct PlanInputs {
   double cost_kv = 1.0;
   // A fixed candidate instead of the search (tests, tuning): force_kv_chunk = 0 splits nothing; L > 0
   // (a multiple of kv_chunk_align, >= min_kv_chunk) is the candidate (L, force_split_pairs), where
-  // force_split_pairs < 0 means as many pairs as the 2 * num_ctas split items allow. -1: search.
+  // force_split_pairs < 0 means as many pairs as the split-item budget allows. -1: search.
   int64_t force_kv_chunk = -1;
   int64_t force_split_pairs = -1;
 };
@@ -120,7 +123,8 @@ class Planner {
   Split ChooseSplit(const PlanInputs& in, const PlanSection& section, double total_cost, double unsplit_makespan,
                     double good_enough);
   void RadixSortKeys(int64_t n);
-  double SortAndAssign(int64_t n, int32_t m);
+  double SortAndAssign(int64_t n, int32_t m, int32_t units);
+  int64_t SplitBudget(const PlanInputs& in) const;
   void StartTree(int32_t m, const double* first, int64_t count);
   inline int32_t Assign(double cost, uint64_t* new_load);
 
@@ -139,7 +143,7 @@ class Planner {
   std::vector<Slot> tree_;
   std::vector<double> first_round_;
   int32_t leaves_ = 0;
-  std::vector<int32_t> item_cta_;  // CTA of each item, in assignment order
+  std::vector<int32_t> item_cta_;  // CTA of each (item, unit), in assignment order (units innermost)
   std::vector<int32_t> cta_fill_;
   char error_[512] = {0};
 };

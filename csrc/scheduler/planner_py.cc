@@ -57,12 +57,13 @@ struct BufferGuard {
 
 PyObject* Plan(PyObject*, PyObject* args) {
   PyObject *section_obj, *qo_obj, *kv_obj;
-  Py_ssize_t layout_ctas, max_items, max_rows, max_partial_rows, tile_q, num_ctas, min_kv_chunk, kv_chunk_align;
+  Py_ssize_t layout_ctas, max_items, max_rows, max_partial_rows, tile_q, num_ctas, num_units, min_kv_chunk,
+      kv_chunk_align;
   Py_ssize_t force_kv_chunk = -1, force_split_pairs = -1;
   int causal;
   double cost_q, cost_kv;
-  if (!PyArg_ParseTuple(args, "OnnnnOOnnpnndd|nn:plan", &section_obj, &layout_ctas, &max_items, &max_rows,
-                        &max_partial_rows, &qo_obj, &kv_obj, &tile_q, &num_ctas, &causal, &min_kv_chunk,
+  if (!PyArg_ParseTuple(args, "OnnnnOOnnnpnndd|nn:plan", &section_obj, &layout_ctas, &max_items, &max_rows,
+                        &max_partial_rows, &qo_obj, &kv_obj, &tile_q, &num_ctas, &num_units, &causal, &min_kv_chunk,
                         &kv_chunk_align, &cost_q, &cost_kv, &force_kv_chunk, &force_split_pairs))
     return nullptr;
 
@@ -87,6 +88,7 @@ PyObject* Plan(PyObject*, PyObject* args) {
   in.num_requests = num_requests;
   in.tile_q = tile_q;
   in.num_ctas = num_ctas;
+  in.num_units = num_units;
   in.causal = causal != 0;
   in.min_kv_chunk = min_kv_chunk;
   in.kv_chunk_align = kv_chunk_align;
@@ -116,9 +118,10 @@ PyObject* Plan(PyObject*, PyObject* args) {
 PyObject* Layout(PyObject*, PyObject* args) {
   Py_ssize_t num_ctas, max_items, max_rows;
   if (!PyArg_ParseTuple(args, "nnn:layout", &num_ctas, &max_items, &max_rows)) return nullptr;
-  return Py_BuildValue("(LLLLL)", (long long)fi_plan_cta_indptr_offset(), (long long)fi_plan_items_offset(num_ctas),
-                       (long long)fi_plan_merge_indptr_offset(num_ctas, max_items),
-                       (long long)fi_plan_split_rows_offset(num_ctas, max_items, max_rows),
+  return Py_BuildValue("(LLLLL)", (long long)fi_plan_cta_indptr_offset(),
+                       (long long)fi_plan_merge_indptr_offset(num_ctas),
+                       (long long)fi_plan_split_rows_offset(num_ctas, max_rows),
+                       (long long)fi_plan_items_offset(num_ctas, max_rows),
                        (long long)fi_plan_ints(num_ctas, max_items, max_rows));
 }
 
@@ -127,19 +130,19 @@ PyObject* ItemFields(PyObject*, PyObject*) {
 #define FI_FIELD(f) #f, (Py_ssize_t)(offsetof(FiWorkItem, f) / 4)
   return Py_BuildValue("((sn)(sn)(sn)(sn)(sn)(sn)(sn)(sn))", FI_FIELD(request), FI_FIELD(q_begin), FI_FIELD(q_end),
                        FI_FIELD(kv_begin), FI_FIELD(kv_end), FI_FIELD(partial_base), FI_FIELD(partial_stride),
-                       FI_FIELD(chunk));
+                       FI_FIELD(unit));
 #undef FI_FIELD
 }
 
 PyMethodDef kMethods[] = {
     {"plan", Plan, METH_VARARGS,
      "plan(section, layout_num_ctas, max_items, max_rows, max_partial_rows, qo_indptr, kv_lens, tile_q, num_ctas, "
-     "causal, min_kv_chunk, kv_chunk_align, cost_q, cost_kv[, force_kv_chunk=-1, force_split_pairs=-1]) -> "
+     "num_units, causal, min_kv_chunk, kv_chunk_align, cost_q, cost_kv[, force_kv_chunk=-1, force_split_pairs=-1]) -> "
      "(num_items, num_rows, num_partial_rows, kv_chunk, num_split_rows, makespan, num_split_pairs)\n\nWrites the "
      "plan into `section` (int32, csrc/plan.h layout) in place. force_kv_chunk -1 searches for the chunk; 0 splits "
      "nothing; L > 0 uses the candidate (L, force_split_pairs) (see csrc/scheduler/planner.h)."},
     {"layout", Layout, METH_VARARGS,
-     "layout(num_ctas, max_items, max_rows) -> (cta_indptr, items, merge_indptr, split_rows, total) offsets in "
+     "layout(num_ctas, max_items, max_rows) -> (cta_indptr, merge_indptr, split_rows, items, total) offsets in "
      "int32 units, from csrc/plan.h"},
     {"item_fields", ItemFields, METH_NOARGS, "item_fields() -> ((name, offset in int32 units), ...) of FiWorkItem"},
     {nullptr, nullptr, 0, nullptr},
@@ -169,6 +172,7 @@ PyMODINIT_FUNC PyInit__planner(void) {
       {"NUM_CTAS", FI_PLAN_NUM_CTAS},
       {"TILE_Q", FI_PLAN_TILE_Q},
       {"NUM_SPLIT_ROWS", FI_PLAN_NUM_SPLIT_ROWS},
+      {"NUM_UNITS", FI_PLAN_NUM_UNITS},
       {"MAX_SPLIT_ITEMS_PER_CTA", (long)fi::kMaxSplitItemsPerCta},
   };
   for (const auto& c : constants) {

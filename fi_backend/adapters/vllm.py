@@ -270,11 +270,13 @@ def _make_wrapper(kernel: str, *, device, num_qo_heads: int, num_kv_heads: int, 
     from fi_backend.wrappers import BatchAttention
     num_ctas = BatchAttention.recommended_num_ctas(device, num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype,
                                                    kv_dtype=kv_dtype, variant=variant, kernel=kernel)
-    # (a workspace holds 2 * num_ctas * max_tile_q partial rows: sized by the kernel's own query tile)
+    # (a workspace holds 2 * ceil(num_ctas / num_kv_heads) * max_tile_q partial rows: sized by the kernel's
+    # own query tile; num_ctas is the whole grid, shared by every head)
     tile_q = BatchAttention.query_tile_rows(num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype,
                                             variant=variant, kernel=kernel)
     ws = Workspace(device, max_requests=max_requests, max_tokens=max_rows, num_ctas=num_ctas,
-                   max_tile_q=tile_q, num_qo_heads=num_qo_heads, head_dim=head_dim)
+                   max_tile_q=tile_q, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                   head_dim=head_dim)
     wrapper = BatchAttention(ws, num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype,
                              page_size=page_size, kv_layout="NHD", variant=variant, kernel=kernel)
     _wrappers.add(wrapper)
