@@ -170,14 +170,17 @@ _PREFILL_SHAPES_WGMMA = {
 # against 8 x 2. 128-row tiles at two CTAs per SM (8 x 1, min_blocks 2) measured slower than 16 x 1:
 # 0.854 / 0.954 / 0.990 of FA2 against 0.915 / 1.050 / 0.956 in one run (perf/results/prefill_b2.json).
 # The pick rule (FAMILY_*) was re-timed at b105cd5: every pick within 3% of the fastest member.
-# Where the rest of the gap to FA2 at 16x1k / 4x4k is (0.88 / 0.96 at c8c7873, 1.04 at 1x16k): causal
-# sub-item k of 256 rows gives the four warpgroups 4k+1 .. 4k+4 steps, and the CTA barrier per KV tile
-# makes each wait for the longest; busy fraction sum(16k+10) / sum(16k+16) over a request's sub-items
-# is 85% / 95.6% / 98.8% at 1k / 4k / 16k, the measured ratios' shape. Warpgroups that consume tiles at
-# their own pace (per-stage full / empty barriers, a producer) would remove it. Grids use 128 of the 132
-# SMs (work queues per KV head, 132 // 8 = 16 CTAs each): 120 CTAs instead of 128 took 5.4-7.1% longer at
-# 4x4k, 4.7-9.1% at 16x1k, and 1.0-1.3% for decode at batch 256 x 16k (three runs; perf.sm_scaling), so
-# work items that name their KV head, spread over all 132 SMs, should give about 3% / 3% / 0.5% back.
+# Where the rest of the gap to FA2 at 16x1k / 4x4k is (at dea4f06: 32/32 heads 0.91 / 0.99, 32/8 0.89 /
+# 0.98; 1.03-1.05 at 1x16k): at 32/32, causal sub-item k of 256 rows gives the four warpgroups 4k+1 ..
+# 4k+4 steps and the CTA barrier per KV tile makes each wait for the longest (busy fraction 85% / 95.6% /
+# 98.8% at 1k / 4k / 16k). At 32/8 a warpgroup's 64 packed rows are 16 query rows of 4 heads, all four
+# warpgroups take the same steps, and the gap is about the same: so per-sub-item costs (the epilogue,
+# the masked diagonal tile, the pipeline's turn between sub-items) weigh as much as that idle at 1k.
+# Warpgroups that consume tiles at their own pace (per-stage full / empty barriers, a producer warp, as
+# FA3 does) are the next step for both. Grids used 128 of the 132 SMs while work queues were per KV
+# head (132 // 8 = 16 CTAs each); items now name their unit and the grid is all 132 CTAs: 132 vs 128
+# CTAs in one run (perf.sm_scaling, perf/results/sm_scaling.json) 16x1k 516 vs 529 us, 4x4k 1506 vs
+# 1532 us, decode batch 256 x 16k 5671 vs 5672 us (memory-bound: no change).
 FAMILY_TILES_PER_CTA = 3
 FAMILY_WAVE_SLACK = 1.1
 PREFILL_MAX_HEADS_PER_CHUNK = 16

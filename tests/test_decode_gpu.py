@@ -183,8 +183,10 @@ def test_graph_rejects_new_bsr_storage():
 
 def test_errors():
     BatchAttention, Workspace = _lazy()
-    ws = Workspace(DEV, max_requests=8, max_tokens=8, num_ctas=8, max_tile_q=16, num_qo_heads=8, num_kv_heads=8,
+    ws = Workspace(DEV, max_requests=8, max_tokens=8, num_ctas=8, max_tile_q=16, num_qo_heads=8, num_kv_heads=2,
                    head_dim=128)
+    with pytest.raises(ValueError, match=r"num_kv_heads/head_dim \(8, 2, 128\) must equal the wrapper's \(8, 8, 128\)"):
+        BatchAttention(ws, 8, 8, 128)
     with pytest.raises(ValueError, match="head_dim"):
         BatchAttention(ws, 8, 8, 96)
     with pytest.raises(TypeError, match="q_dtype"):

@@ -797,3 +797,43 @@ def test_section_too_small_is_refused():
     views.section = views.section[:-1]  # a caller handing the extension a short buffer
     with pytest.raises(ValueError, match="needs"):
         S.plan_into(views, np.arange(2, dtype=np.int32), np.array([4], np.int32), tile_q=1, num_ctas=8)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Units: every (item, unit) on its own, over the whole grid.
+
+def test_units_use_every_cta():
+    """33 equal decode requests on 132 CTAs for 8 units (Llama-3-8B's KV heads on the H100): the 264
+    replicas fill every CTA twice, makespan 2 requests. Queues per unit (132 // 8 = 16 CTAs each) would
+    leave 4 CTAs idle and run 3 requests on some CTAs; the split-item budget is per unit's share."""
+    qo, kv = decode_step(np.full(33, 4096))
+    kw = dict(tile_q=1, num_ctas=132, causal=False, min_kv_chunk=128, align=64, cost_q=64.0, cost_kv=1.0)
+    views, info = run_plan(qo, kv, num_units=8, **kw)
+    d = S.decode_plan(views)
+    check_plan(d, info, qo, kv, num_units=8, **kw)
+    check_choice(info, qo, kv, num_units=8, **kw)
+    assert np.all(np.diff(d.cta_indptr) == 2) and info.makespan == 2 * (64 + 4096)
+    per_unit = run_plan(qo, kv, num_units=1, **dict(kw, num_ctas=16))[1]
+    assert per_unit.makespan > info.makespan
+    # Each unit's replicas of a request land on distinct (request, unit) slots: every pair once per unit.
+    seen = set(zip(d.items["request"].tolist(), d.items["unit"].tolist()))
+    assert seen == {(r, u) for r in range(33) for u in range(8)}
+
+
+def test_units_share_split_partial_rows():
+    """One long request among short ones, 8 units on 132 CTAs: the long request is split once for all
+    units (ceil(132 / 8) * 2 = 34 split items at most), each chunk's 8 replicas write the same partial
+    rows (their own heads), and the makespan comes within 20% of the lower bound."""
+    rng = np.random.default_rng()
+    kv = np.insert(rng.integers(256, 769, 63), int(rng.integers(0, 64)), 32768)
+    qo, kv = decode_step(kv)
+    kw = dict(tile_q=1, num_ctas=132, causal=False, min_kv_chunk=128, align=64, cost_q=64.0, cost_kv=1.0)
+    views, info = run_plan(qo, kv, num_units=8, **kw)
+    d = S.decode_plan(views)
+    check_plan(d, info, qo, kv, num_units=8, **kw)
+    assert info.num_split_pairs >= 1 and info.num_partial_rows <= 34
+    split = d.items[d.items["partial_base"] >= 0]
+    for u in range(8):
+        assert np.array_equal(np.sort(split[split["unit"] == u]["partial_base"]), np.sort(split[split["unit"] == 0]["partial_base"]))
+    lower_bound = 8 * total_cost(pairs_of(qo, kv, 1, False), 64.0, 1.0) / 132
+    assert info.makespan <= 1.2 * lower_bound
