@@ -92,7 +92,7 @@ def ours(case: Case, *, split=True, variant=None, plan_kw=None, num_ctas=None):
                                    num_kv_blocks=case.num_pages)
     attn.plan(case.qo_indptr, case.kv_lens, bsr, **(plan_kw or {}))
     if not split:  # the same kernel with one work item per request: the plan without KV splitting
-        ws.plan(case.qo_indptr, case.kv_lens, tile_q=attn.rows_per_tile, min_kv_chunk=1 << 30,
+        ws.plan(case.qo_indptr, case.kv_lens, tile_q=attn.rows_per_tile, num_units=attn.num_units, min_kv_chunk=1 << 30,
                 kv_chunk_align=int(attn.kv_tile), cost_q=float(attn.kv_tile))
     kv = case.kv_pairs
     state = {"i": 0}

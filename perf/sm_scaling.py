@@ -1,6 +1,8 @@
 """How our kernels' time scales with the number of CTAs (one per SM): the grid at the recommended count
-(all 132 of the H100's SMs) and 4 and 12 CTAs fewer (128: what grids of one queue per KV head used at 8
-KV heads, 16 CTAs each; 120). Work items name their unit (KV head), so any count serves every head. Decode: 32/8 heads, head_dim 128, page 16, KV sets rotated (perf.decode.Case), anchor
+and 4 and 12 CTAs fewer. Prefill's recommended grid is all 132 of the H100's SMs (132, 128: what grids of
+one queue per KV head used at 8 KV heads, 16 CTAs each; 120); decode's is the largest multiple of its
+units (128 at 8 KV heads; then 124, 116). Work items name their unit (KV head), so any count serves every
+head. Decode: 32/8 heads, head_dim 128, page 16, KV sets rotated (perf.decode.Case), anchor
 FlashInfer's best decode path; prefill: causal, 32/8 heads, ragged (perf.prefill.Case), anchor FlashInfer's
 FA2 template; both timed on the same inputs in the same process. Median of CUDA-event timings.
 
