@@ -255,7 +255,7 @@ struct Kernel {
       const int flags = rec->flags;
       if (flags & kEnd) break;
       const Work& w = rec->w;
-      const int kv_head = w.unit / p.num_head_chunks;  // for the hooks' contexts (unused ones cost nothing)
+      const int kv_head = kv_head_of(p, w.unit);  // for the hooks' contexts (unused ones cost nothing)
       if (flags & kFirst) {
         ri[0] = E::row_info(w, g);
         ri[1] = E::row_info(w, g + 8);

@@ -553,7 +553,7 @@ struct Kernel {
       const int flags = rec->flags;
       if (flags & kEnd) break;
       const Work& w = rec->w;
-      const int kv_head = w.unit / p.num_head_chunks;  // for the hooks' contexts (unused ones cost nothing)
+      const int kv_head = kv_head_of(p, w.unit);  // for the hooks' contexts (unused ones cost nothing)
       // The unit's real rows: packed rows [first_pr, first_pr + kUnitRows) clipped to the sub-item.
       const int first_pr = kUnitRows * unit;
       const int last_r = min((first_pr + kUnitRows - 1) / kHPC, w.nrows - 1);

@@ -166,6 +166,13 @@ __device__ __forceinline__ int colblock_offset(int row, int chunk) {
   return (chunk >> 3) * (kRows * 128) + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
 }
 
+// KV head of a unit (FiWorkItem::unit). num_head_chunks is 1 unless a GQA group is larger than the
+// kernel's heads per chunk: skip the integer division (a long instruction sequence, run per tile by the
+// loader) in that common case.
+__device__ __forceinline__ int kv_head_of(const Params& p, int unit) {
+  return p.num_head_chunks == 1 ? unit : unit / p.num_head_chunks;
+}
+
 __device__ __forceinline__ void report(int32_t* flags, int32_t bit) {
   if (flags != nullptr) atomicOr(flags, bit);
 }
@@ -338,7 +345,7 @@ struct Loader {
   static __device__ __forceinline__ void publish(const Params& p, uint8_t* smem, int tile_no, const Cursor& cur,
                                                  const int (&page)[kLookups], const int (&slot)[kLookups]) {
     int64_t* offs = row_offsets(smem, tile_no);
-    const int kv_head = cur.w.unit / p.num_head_chunks;
+    const int kv_head = kv_head_of(p, cur.w.unit);
 #pragma unroll
     for (int r = 0; r < kLookups; ++r) {
       const int row = lookup_row(r);
