@@ -266,16 +266,29 @@ def check_plan(d, info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align
         written[prow] += 1
     assert np.all(written == 1), "every partial row written exactly once"
 
-    # Assignment: exactly LPT, replayed in Python on the (item, unit) replicas in creation order (items by
-    # request, tile and chunk; each item's units in order).
+    # Assignment: exactly LPT, replayed in Python on the items in creation order (by request, tile and
+    # chunk). Unit blocks (the CTAs divide by the units): unit u runs on CTAs [u m', (u + 1) m'), m' =
+    # num_ctas / num_units, each block the same LPT plan over m' CTAs. Else LPT over the (item, unit)
+    # replicas (each item's units in order) on all the CTAs.
     it = all_items
-    creation = np.lexsort((it["unit"], chunk_index(d), it["q_begin"]))
-    costs = [cost_q * float(it["q_end"][k] - it["q_begin"][k]) + cost_kv * float(it["kv_end"][k] - it["kv_begin"][k])
-             for k in creation]
-    per_cta, makespan = lpt_reference(costs, num_ctas)
+    cost_of = lambda k: cost_q * float(it["q_end"][k] - it["q_begin"][k]) + cost_kv * float(it["kv_end"][k] -  # noqa: E731
+                                                                                           it["kv_begin"][k])
     got = [list(range(d.cta_indptr[c], d.cta_indptr[c + 1])) for c in range(num_ctas)]
-    assert [[int(creation[k]) for k in ks] for ks in per_cta] == got
-    assert info.makespan == pytest.approx(makespan, rel=1e-12, abs=0)
+    if num_units > 1 and num_ctas % num_units == 0:
+        mb = num_ctas // num_units
+        for u in range(num_units):
+            mine = np.flatnonzero(it["unit"] == u)
+            creation = mine[np.lexsort((chunk_index(d, it[mine]), it["q_begin"][mine]))]
+            per_cta, makespan = lpt_reference([cost_of(k) for k in creation], mb)
+            assert [[int(creation[k]) for k in ks] for ks in per_cta] == got[u * mb:(u + 1) * mb]
+            assert info.makespan == pytest.approx(makespan, rel=1e-12, abs=0)
+        costs = [cost_of(k) for k in range(d.num_items)]
+    else:
+        creation = np.lexsort((it["unit"], chunk_index(d), it["q_begin"]))
+        costs = [cost_of(k) for k in creation]
+        per_cta, makespan = lpt_reference(costs, num_ctas)
+        assert [[int(creation[k]) for k in ks] for ks in per_cta] == got
+        assert info.makespan == pytest.approx(makespan, rel=1e-12, abs=0)
 
     # Makespan bounds that hold for list scheduling (see test_makespan_small_instances_vs_optimum).
     if d.num_items:
@@ -803,9 +816,10 @@ def test_section_too_small_is_refused():
 # Units: every (item, unit) on its own, over the whole grid.
 
 def test_units_use_every_cta():
-    """33 equal decode requests on 132 CTAs for 8 units (Llama-3-8B's KV heads on the H100): the 264
-    replicas fill every CTA twice, makespan 2 requests. Queues per unit (132 // 8 = 16 CTAs each) would
-    leave 4 CTAs idle and run 3 requests on some CTAs; the split-item budget is per unit's share."""
+    """33 equal decode requests on 132 CTAs for 8 units (Llama-3-8B's KV heads on the H100; 132 does not
+    divide by 8, so replicas are placed one by one): the 264 replicas fill every CTA twice, makespan 2
+    requests. Queues per unit (132 // 8 = 16 CTAs each) would leave 4 CTAs idle and run 3 requests on
+    some CTAs; the split-item budget is per unit's share."""
     qo, kv = decode_step(np.full(33, 4096))
     kw = dict(tile_q=1, num_ctas=132, causal=False, min_kv_chunk=128, align=64, cost_q=64.0, cost_kv=1.0)
     views, info = run_plan(qo, kv, num_units=8, **kw)
@@ -837,3 +851,22 @@ def test_units_share_split_partial_rows():
         assert np.array_equal(np.sort(split[split["unit"] == u]["partial_base"]), np.sort(split[split["unit"] == 0]["partial_base"]))
     lower_bound = 8 * total_cost(pairs_of(qo, kv, 1, False), 64.0, 1.0) / 132
     assert info.makespan <= 1.2 * lower_bound
+
+
+def test_unit_blocks_when_the_ctas_divide_by_the_units():
+    """128 CTAs for 8 units: unit u's replicas run on CTAs [16 u, 16 u + 16), each block the plan of 16
+    CTAs for one unit (the same items, makespan and CTA lists)."""
+    rng = np.random.default_rng()
+    qo, kv = decode_step(rng.integers(20, 2000, 64))
+    kw = dict(tile_q=4, causal=False, min_kv_chunk=128, align=64, cost_q=64.0, cost_kv=1.0)
+    views, info = run_plan(qo, kv, num_ctas=128, num_units=8, **kw)
+    d = S.decode_plan(views)
+    check_plan(d, info, qo, kv, num_ctas=128, num_units=8, **kw)
+    one_v, one = run_plan(qo, kv, num_ctas=16, num_units=1, **kw)
+    o = S.decode_plan(one_v)
+    assert info.makespan == one.makespan and info.num_items == 8 * one.num_items
+    fields = [f for f in S.ITEM_FIELDS if f != "unit"]
+    for u in range(8):
+        assert np.array_equal(d.cta_indptr[16 * u:16 * u + 17] - d.cta_indptr[16 * u], o.cta_indptr)
+        block = d.items[d.cta_indptr[16 * u]:d.cta_indptr[16 * u + 16]]
+        assert np.all(block["unit"] == u) and all(np.array_equal(block[f], o.items[f]) for f in fields)

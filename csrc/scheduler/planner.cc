@@ -168,18 +168,24 @@ double Planner::SortAndAssign(int64_t n, int32_t m, int32_t units) {
   const int64_t total = n * units;
   item_cta_.resize(total);
   first_round_.resize(m);
-  int64_t first = 0;  // StartTree's first round: the leading replicas with cost > 0, at most m
-  while (first < total && first < m && sorted_cost_[first / units] > 0.0) {
-    first_round_[first] = sorted_cost_[first / units];
-    ++first;
+  // StartTree's first round: the leading replicas with cost > 0, at most m. Replica r is item r / units
+  // (counted with item and unit indices: a division per replica costs as much as the tree update).
+  int64_t first = 0;
+  for (int64_t k = 0, u = 0; first < total && first < m && sorted_cost_[k] > 0.0; ++first) {
+    first_round_[first] = sorted_cost_[k];
+    if (++u == units) u = 0, ++k;
   }
   StartTree(m, first_round_.data(), first);
   uint64_t max_load = first > 0 ? CostBits(first_round_[0]) : 0;
   for (int64_t k = 0; k < first; ++k) item_cta_[k] = (int32_t)k;
-  for (int64_t k = first; k < total; ++k) {
-    uint64_t load;
-    item_cta_[k] = Assign(sorted_cost_[k / units], &load);
-    max_load = std::max(max_load, load);
+  int64_t r = first;
+  for (int64_t k = first / units; k < n; ++k) {
+    const double cost = sorted_cost_[k];
+    for (int64_t end = (k + 1) * units; r < end; ++r) {
+      uint64_t load;
+      item_cta_[r] = Assign(cost, &load);
+      max_load = std::max(max_load, load);
+    }
   }
   return LoadOf(max_load);
 }
@@ -352,8 +358,8 @@ double Planner::EvaluateSplit(const PlanInputs& in, const Split& split, double b
 // is within kBalancedSlack of the lower bound units * total cost / num_ctas, which keeps large batches
 // (where a split or two already reaches it) to one or two LPT passes. Every candidate's split items are
 // within WalkSplit's budget, so every plan fits the workspace's partial rows.
-Planner::Split Planner::ChooseSplit(const PlanInputs& in, const PlanSection& section, double total_cost,
-                                    double unsplit_makespan, double good_enough) {
+Planner::Split Planner::ChooseSplit(const PlanInputs& in, const PlanSection& section, int64_t replicas,
+                                    double total_cost, double unsplit_makespan, double good_enough) {
   Split best;
   best.num_items = (int64_t)pairs_.size();
   double best_makespan = unsplit_makespan;
@@ -409,7 +415,7 @@ Planner::Split Planner::ChooseSplit(const PlanInputs& in, const PlanSection& sec
       }
       if (repeat) continue;
       seen_[num_seen++] = split;
-      if (split.num_items * units > section.max_items || split.partial_rows > section.max_partial_rows) continue;
+      if (split.num_items * replicas > section.max_items || split.partial_rows > section.max_partial_rows) continue;
       // More (or as many) items than the best so far must beat its makespan; fewer may tie it.
       const bool strict = split.num_items >= best.num_items;
       // Cheap bound first: the makespan is >= units * the candidate's total cost / num_ctas (a margin keeps
@@ -522,20 +528,32 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
     return Fail(S::kCapacityExceeded, "max_items=%lld but the plan needs %lld work items (%lld pairs x %d units)",
                 (long long)section.max_items, (long long)(num_pairs * units), (long long)num_pairs, units);
 
+  // Unit blocks: when the CTAs divide by the units, unit u runs on its own CTAs [u m', (u + 1) m'),
+  // m' = num_ctas / units, all in one plan: LPT over the pairs on m' CTAs (makespan and split budget are
+  // the replicated plan's), one pass over n items instead of n * units. Decode grids are made so
+  // (wrappers.recommended_num_ctas), and on the H100 they measured best with it. Otherwise every (item,
+  // unit) replica is placed on its own, over all the CTAs. `lin` holds the LPT's grid.
+  const bool blocks = units > 1 && in.num_ctas % units == 0;
+  PlanInputs lin = in;
+  if (blocks) {
+    lin.num_ctas = in.num_ctas / units;
+    lin.num_units = 1;
+  }
+  const int32_t m = (int32_t)lin.num_ctas, lpt_units = (int32_t)lin.num_units;
+
   // ---- the unsplit plan: pairs by cost, descending (ties in creation order), then LPT ----------
   // Sorting the complemented cost bits ascending sorts the costs descending.
-  const int32_t m = (int32_t)in.num_ctas;
   keys_.resize(2 * num_pairs);
   for (int64_t j = 0; j < num_pairs; ++j) {
     keys_[2 * j] = ~CostBits(pairs_[j].cost);
     keys_[2 * j + 1] = (uint64_t)j;
   }
-  const double unsplit_makespan = SortAndAssign(num_pairs, m, units);
+  const double unsplit_makespan = SortAndAssign(num_pairs, m, lpt_units);
 
   // ---- KV chunks: a fixed candidate, "no split" when already balanced, or the search -----------
   Split split;  // chunk 0: nothing split
   split.num_items = num_pairs;
-  const double good_enough = (1.0 + kBalancedSlack) * ((double)units * total_cost / (double)m);
+  const double good_enough = (1.0 + kBalancedSlack) * ((double)lpt_units * total_cost / (double)m);
   if (num_pairs > 0 && in.force_kv_chunk != 0 && (in.force_kv_chunk > 0 || unsplit_makespan > good_enough)) {
     // Pairs by KV length, descending, ties in creation order: the order splits are handed out.
     keys_.resize(2 * num_pairs);
@@ -551,10 +569,10 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
     for (int64_t k = 0; k < num_pairs; ++k) rank_[cost_order_[k]] = (int32_t)k;
     skip_.assign(num_pairs, 0);
     if (in.force_kv_chunk > 0) {
-      split = WalkSplit(in, in.force_kv_chunk, in.force_split_pairs);
+      split = WalkSplit(lin, in.force_kv_chunk, in.force_split_pairs);
       if (split.num_split_pairs == 0) split = Split{0, 0, 0, num_pairs, 0, 0};
     } else {
-      split = ChooseSplit(in, section, total_cost, unsplit_makespan, good_enough);
+      split = ChooseSplit(lin, section, units, total_cost, unsplit_makespan, good_enough);
     }
   }
   const int64_t chunk = split.chunk;
@@ -623,7 +641,7 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
       keys_[2 * k] = ~CostBits(items_[k].cost);
       keys_[2 * k + 1] = (uint64_t)k;
     }
-    makespan = SortAndAssign(n_items, m, units);  // cost_order_ now holds the item order (pairs' no longer needed)
+    makespan = SortAndAssign(n_items, m, lpt_units);  // cost_order_ now holds the item order (pairs' no longer needed)
     order = cost_order_.data();
   }
 
@@ -633,14 +651,20 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
   FiWorkItem* const out_items =
       reinterpret_cast<FiWorkItem*>(base + fi_plan_items_offset(section.num_ctas, section.max_rows));
   const int64_t n_out = n_items * units;
-  cta_fill_.assign(m + 1, 0);
+  const int32_t grid = (int32_t)in.num_ctas;
+  // The CTA of the k-th item's replica for unit u.
+  auto cta_of = [&](int64_t k, int32_t u) {
+    return blocks ? u * m + item_cta_[k] : item_cta_[k * units + u];
+  };
+  cta_fill_.assign(grid + 1, 0);
   int32_t* fill = cta_fill_.data();
-  for (int64_t k = 0; k < n_out; ++k) ++fill[item_cta_[k] + 1];
-  for (int32_t c = 0; c < m; ++c) fill[c + 1] += fill[c];
-  for (int32_t c = 0; c <= m; ++c) cta_indptr[c] = fill[c];
+  for (int64_t k = 0; k < n_items; ++k)
+    for (int32_t u = 0; u < units; ++u) ++fill[cta_of(k, u) + 1];
+  for (int32_t c = 0; c < grid; ++c) fill[c + 1] += fill[c];
+  for (int32_t c = 0; c <= grid; ++c) cta_indptr[c] = fill[c];
   // CTAs the layout has beyond num_ctas get no items, so a kernel launched on the full grid is correct.
-  for (int64_t c = m + 1; c <= section.num_ctas; ++c) cta_indptr[c] = (int32_t)n_out;
-  for (int64_t k = 0, kr = 0; k < n_items; ++k) {
+  for (int64_t c = grid + 1; c <= section.num_ctas; ++c) cta_indptr[c] = (int32_t)n_out;
+  for (int64_t k = 0; k < n_items; ++k) {
     FiWorkItem work;
     if (split.num_split_pairs == 0) {
       const Pair& p = pairs_[order[k]];
@@ -648,9 +672,9 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
     } else {
       work = items_[order[k]].work;
     }
-    for (int32_t u = 0; u < units; ++u, ++kr) {
+    for (int32_t u = 0; u < units; ++u) {
       work.unit = u;
-      out_items[fill[item_cta_[kr]]++] = work;
+      out_items[fill[cta_of(k, u)]++] = work;
     }
   }
 
@@ -660,7 +684,7 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
   header[FI_PLAN_NUM_PARTIAL_ROWS] = (int32_t)split.partial_rows;
   header[FI_PLAN_KV_CHUNK] = (int32_t)chunk;
   header[FI_PLAN_NUM_REQUESTS] = (int32_t)B;
-  header[FI_PLAN_NUM_CTAS] = m;
+  header[FI_PLAN_NUM_CTAS] = grid;
   header[FI_PLAN_TILE_Q] = (int32_t)in.tile_q;
   header[FI_PLAN_NUM_SPLIT_ROWS] = (int32_t)num_split_rows;
   header[FI_PLAN_NUM_UNITS] = units;

@@ -6,8 +6,10 @@
 // or with causal masking (bottom-right aligned) len = kv_len - q_len + tile_end. Long pairs may be split
 // into KV chunks; every item (whole pair or chunk) is run for each of num_units query-head groups, and
 // these (item, unit) replicas are assigned longest-processing-time first (LPT) to the least loaded of
-// all num_ctas CTAs, cost = cost_q * rows + cost_kv * KV tokens. The result is written in place into a
-// plan section laid out as csrc/plan.h describes.
+// all num_ctas CTAs, cost = cost_q * rows + cost_kv * KV tokens. When num_ctas divides by num_units, unit
+// u gets its own block of num_ctas / num_units CTAs instead and every unit the same LPT plan over its
+// block ("unit blocks"). The result is written in place into a plan section laid out as csrc/plan.h
+// describes.
 //
 // Which pairs are split, and into what chunks, is a candidate (L, s): walking the pairs by KV length,
 // longest first, each pair longer than L is cut into ceil(len / L) chunks with boundaries aligned to
@@ -120,8 +122,10 @@ class Planner {
   int64_t SmallestChunkWithin(int64_t max_items, int64_t lo, int64_t align) const;
   Split WalkSplit(const PlanInputs& in, int64_t chunk, int64_t max_pairs) const;
   double EvaluateSplit(const PlanInputs& in, const Split& split, double bound, bool strict);
-  Split ChooseSplit(const PlanInputs& in, const PlanSection& section, double total_cost, double unsplit_makespan,
-                    double good_enough);
+  // `in` is the LPT's grid (unit blocks: one unit on num_ctas / units CTAs); replicas: items written per
+  // item (the units), for the section's capacity.
+  Split ChooseSplit(const PlanInputs& in, const PlanSection& section, int64_t replicas, double total_cost,
+                    double unsplit_makespan, double good_enough);
   void RadixSortKeys(int64_t n);
   double SortAndAssign(int64_t n, int32_t m, int32_t units);
   int64_t SplitBudget(const PlanInputs& in) const;
