@@ -600,8 +600,9 @@ class BatchAttention:
         The decode kernel takes the largest multiple of its units (query-head groups) within that: it is
         memory-bound, and 128 CTAs already read KV at the copy rate, so 4 more SMs add no bandwidth, while
         a grid that divides by the units splits a uniform batch evenly without cutting KV into chunks to
-        merge (H100, 32/8 heads, batch 256 x 1k / 4k / 16k: 132 CTAs 377.8 / 1436 / 5700 us, 128 CTAs 370.1
-        / 1427 / 5679, FlashInfer 367.0 / 1425 / 5668). Prefill is compute-bound and takes every SM
+        merge, and plans as unit blocks (csrc/scheduler/planner.h). H100, 32/8 heads, batch 256 x 1k / 4k /
+        16k (perf/results/decode_grid.json): 132 CTAs 374.6 / 1425 / 5650 us, 128 CTAs 367.1 / 1418 / 5652,
+        FlashInfer 366.5 / 1418 / 5633. Prefill is compute-bound and takes every SM
         (perf/results/sm_scaling.json: 132 CTAs 2-3% faster than 128)."""
         device = torch.device(device)
         kv_dtype = q_dtype if kv_dtype is None else kv_dtype
