@@ -30,7 +30,6 @@
 #pragma once
 
 #include <math.h>
-#include <stddef.h>
 #include <stdint.h>
 
 #include "../plan.h"
@@ -236,7 +235,7 @@ struct Loader {
   // the compute, so the rest of the Work is not kept: the record's copy is rebuilt at a sub-item's first
   // tile (begin_work again, thread 0) and copied from the previous tile's record after that.
   struct Pos {
-    int row0, nrows, kv_lo, kv_hi, ntiles;
+    int row0, nrows, kv_lo, kv_hi, ntiles, unit;
     int64_t block_start;
   };
   struct Cursor {
@@ -258,6 +257,7 @@ struct Loader {
     pos.kv_lo = w.kv_lo;
     pos.kv_hi = w.kv_hi;
     pos.ntiles = w.ntiles;
+    pos.unit = w.unit;
     pos.block_start = w.block_start;
   }
 
@@ -286,13 +286,6 @@ struct Loader {
     }
     ++cur.item;
     seek_item(p, vp, cur);
-  }
-
-  // The unit of the cursor's item, read from the plan where the loader needs it (an L1 hit, the same address
-  // for every thread) rather than kept in the cursor's registers, which live through the compute.
-  static __device__ __forceinline__ int cursor_unit(const Params& p, const Cursor& cur) {
-    return __ldg(p.plan + p.items_offset + (int64_t)cur.item * (int)(sizeof(FiWorkItem) / 4) +
-                 (int)(offsetof(FiWorkItem, unit) / 4));
   }
 
   static __device__ __forceinline__ int lookup_row(int r) { return (int)threadIdx.x + r * kThreads; }
@@ -352,7 +345,7 @@ struct Loader {
   static __device__ __forceinline__ void publish(const Params& p, uint8_t* smem, int tile_no, const Cursor& cur,
                                                  const int (&page)[kLookups], const int (&slot)[kLookups]) {
     int64_t* offs = row_offsets(smem, tile_no);
-    const int kv_head = kv_head_of(p, cursor_unit(p, cur));
+    const int kv_head = kv_head_of(p, cur.w.unit);
 #pragma unroll
     for (int r = 0; r < kLookups; ++r) {
       const int row = lookup_row(r);
@@ -405,7 +398,7 @@ struct Loader {
         const int t = ptx::thread_index_here();
         const int ch = t % kChunksQ, pr0 = t / kChunksQ;
         const DQ* src = static_cast<const DQ*>(p.q) + (int64_t)(cur.w.row0 + pr0 / kHPC) * p.q_stride_row +
-                        (int64_t)(cursor_unit(p, cur) * kHPC + pr0 % kHPC) * p.q_stride_head + ch * 8;
+                        (int64_t)(cur.w.unit * kHPC + pr0 % kHPC) * p.q_stride_head + ch * 8;
 #pragma unroll 1
         for (int pr = pr0; pr < Cfg::kTileRows; pr += kRound) {
           const bool ok = pr < Cfg::kPackedRows && pr / kHPC < cur.w.nrows;
@@ -418,7 +411,7 @@ struct Loader {
     if (cur.tile == 0) {  // query tile: packed row pr = local row * kHPC + local head, zeros past nrows
       constexpr int kChunksQ = kHeadDim * 2 / 16;
       const uint32_t qslot = ptx::smem_u32(stage + 2 * Cfg::kKvTileBytes);
-      const int head0 = cursor_unit(p, cur) * kHPC;
+      const int head0 = cur.w.unit * kHPC;
 #pragma unroll
       for (int i = tid; i < kRows * kChunksQ; i += kThreads) {
         const int pr = i / kChunksQ, ch = i % kChunksQ;
