@@ -13,6 +13,10 @@ plain memcpy on a CPU-only one).
 
 --wrapper plans as the decode wrapper does (query tiles of 16 rows, chunks aligned to a 64-token KV
 tile, cost_q = 64); the default is the planner's own defaults (tile_q = 1, cost_q = cost_kv = 1).
+--num-ctas is the whole grid and --units the query-head groups every item runs for: a grid that divides
+by the units plans as unit blocks (one LPT pass over the items), another places every (item, unit)
+replica on its own (csrc/scheduler/planner.h). perf/results/plan_host_time.json has both on this
+project's CPU machine.
 """
 from __future__ import annotations
 
