@@ -105,8 +105,8 @@ struct Params {
   const int32_t* kv_pos_start;  // or null: positions start at 0
   // Plan section and workspace
   const int32_t* plan;
-  int32_t items_offset;         // fi_plan_items_offset(num_ctas), int32 units
-  int32_t merge_indptr_offset;  // fi_plan_merge_indptr_offset(num_ctas, max_items)
+  int32_t items_offset;         // fi_plan_items_offset(num_ctas, max_rows), int32 units
+  int32_t merge_indptr_offset;  // fi_plan_merge_indptr_offset(num_ctas)
   float* partial_o;             // [max_partial_rows, num_qo_heads, D]
   float* partial_lse;           // [max_partial_rows, num_qo_heads]
   int32_t* merge_counters;      // [max_rows * units], zero between launches (units = num_qo_heads / kHPC)
