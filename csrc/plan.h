@@ -12,8 +12,9 @@
 //
 // unit: the query-head group the item is run for: KV head unit / num_head_chunks and query heads
 // [unit * heads_per_chunk, (unit + 1) * heads_per_chunk). Every (request, query tile) pair is run for every
-// unit of the launch; each (item, unit) is placed on a CTA of its own, so one fixed grid of all the GPU's
-// CTAs serves every head (queues per KV head left SMs idle when the CTAs did not divide by the heads).
+// unit of the launch, and the planner places the (item, unit) replicas over the whole grid (in blocks of
+// CTAs per unit when the CTAs divide by the units: csrc/scheduler/planner.h), so one fixed grid of any
+// size serves every head (queues per KV head left SMs idle when the CTAs did not divide by the heads).
 //
 // partial_base < 0: the item covers the request's whole KV for these rows ("write-through"): results
 // go straight to the output rows.
