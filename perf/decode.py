@@ -129,6 +129,11 @@ def check_close(case: Case, ours_out, fi_out):
     return err
 
 
+def flashinfer_best_us(case: Case, rep: int = 50) -> float:
+    """The anchor's median time on the case: FlashInfer's faster decode path (tensor cores on or off)."""
+    return min(time_us(f, setup=s, rep=rep)["median_us"] for f, s, _ in (flashinfer_fn(case, tc) for tc in (True, False)))
+
+
 def measure(case: Case, rep, copy_gbps, *, with_fi=True, split_baseline=False):
     fn, setup, _ = ours(case)
     r = {"batch": case.B, "kv_bytes": case.kv_bytes, "bytes": case.bytes, "sets": case.sets, "page_size": case.page}

@@ -23,8 +23,7 @@ def main() -> int:
     rows = []
     for b, kv in SHAPES:
         case = D.Case([kv] * b, 16)
-        fi = min(time_us(f, setup=s, rep=50)["median_us"] for f, s, _ in
-                 (D.flashinfer_fn(case, tc) for tc in (True, False)))
+        fi = D.flashinfer_best_us(case)
         rec = BatchAttention.recommended_num_ctas("cuda", D.HQ, D.HKV, D.D, q_dtype=D.DTYPE, kv_dtype=case.kv_dtype)
         for num_ctas in sorted({sms, rec}, reverse=True):
             for split in (True, False):

@@ -31,8 +31,7 @@ def main() -> int:
     rows = []
     for b, kv in DECODE_SHAPES:
         case = D.Case([kv] * b, 16)
-        anchor = min(time_us(f, setup=s, rep=50)["median_us"] for f, s, _ in
-                     (D.flashinfer_fn(case, tc) for tc in (True, False)))
+        anchor = D.flashinfer_best_us(case)
         full = BatchAttention.recommended_num_ctas("cuda", D.HQ, D.HKV, D.D, q_dtype=D.DTYPE, kv_dtype=case.kv_dtype)
         for fewer in FEWER:
             fn, setup, _ = D.ours(case, num_ctas=full - fewer)

@@ -190,10 +190,10 @@ double Planner::SortAndAssign(int64_t n, int32_t m, int32_t units) {
   return LoadOf(max_load);
 }
 
-// Split items (counted once for all units) a plan may have: see kMaxSplitItemsPerCta.
-int64_t Planner::SplitBudget(const PlanInputs& in) const {
-  return kMaxSplitItemsPerCta * CeilDiv(in.num_ctas, in.num_units);
-}
+// CTAs of one unit's share of the grid, and the split items (counted once for all units) a plan may
+// have: see kMaxSplitItemsPerCta.
+int64_t Planner::UnitShare(const PlanInputs& in) const { return CeilDiv(in.num_ctas, in.num_units); }
+int64_t Planner::SplitBudget(const PlanInputs& in) const { return kMaxSplitItemsPerCta * UnitShare(in); }
 
 // StartTree does LPT's first round in one go: while a CTA is empty and the items cost > 0, the next item
 // goes to the lowest-indexed empty CTA, so the first `count` (<= m) items land on CTAs 0, 1, ... in
@@ -364,7 +364,7 @@ Planner::Split Planner::ChooseSplit(const PlanInputs& in, const PlanSection& sec
   best.num_items = (int64_t)pairs_.size();
   double best_makespan = unsplit_makespan;
   const int64_t n = (int64_t)pairs_.size(), m = in.num_ctas, units = in.num_units, align = in.kv_chunk_align;
-  const int64_t share = CeilDiv(m, units);
+  const int64_t share = UnitShare(in);
   const int64_t lo = RoundUp(in.min_kv_chunk, align);
   const int64_t max_len = pairs_[len_order_[0]].kv_len;
   if (max_len <= lo) return best;  // no chunk may split anything

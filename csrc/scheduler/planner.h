@@ -128,6 +128,7 @@ class Planner {
                     double unsplit_makespan, double good_enough);
   void RadixSortKeys(int64_t n);
   double SortAndAssign(int64_t n, int32_t m, int32_t units);
+  int64_t UnitShare(const PlanInputs& in) const;
   int64_t SplitBudget(const PlanInputs& in) const;
   void StartTree(int32_t m, const double* first, int64_t count);
   inline int32_t Assign(double cost, uint64_t* new_load);
