@@ -15,14 +15,19 @@ plain memcpy on a CPU-only one).
 tile, cost_q = 64); the default is the planner's own defaults (tile_q = 1, cost_q = cost_kv = 1).
 --num-ctas is the whole grid and --units the query-head groups every item runs for: a grid that divides
 by the units plans as unit blocks (one LPT pass over the items), another places every (item, unit)
-replica on its own (csrc/scheduler/planner.h). perf/results/plan_host_time.json has both on this
-project's CPU machine.
+replica on its own (csrc/scheduler/planner.h).
+
+--write NAME times the project's table into perf/results/NAME.json (plan_host_time): the decode wrapper's
+settings, uniform / skewed / sharegpt batches of 256 and 1024, 8 units on 128 CTAs (unit blocks) and on
+132 (replicas), each against the anchor on the same inputs in the same process: the plan of queues per
+KV head (num_ctas // units CTAs, one unit) that the planner made before items named their unit.
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import os
 import statistics
 import time
 
@@ -116,6 +121,31 @@ def bench(batch: int, num_ctas: int, repeat: int, sets: int, seed: int, workspac
     return out
 
 
+def write_table(name: str, repeat: int, sets: int, seed: int) -> None:
+    import platform
+
+    from perf.common import write_result
+    rows = []
+    for dist in ("uniform", "skewed", "sharegpt"):
+        for num_ctas in (128, 132):
+            for batch in (256, 1024):
+                r = bench(batch, num_ctas, repeat, sets, seed, dist=dist, wrapper=True)
+                a = bench(batch, num_ctas // DEFAULT_NUM_UNITS, repeat, sets, seed, workspace=False, dist=dist,
+                          wrapper=True, num_units=1)
+                r.update({"anchor": "queues per KV head", "anchor_num_ctas": a["num_ctas"],
+                          "anchor_plan_us_median": a["plan_us_median"],
+                          "ratio_anchor_over_ours": round(a["plan_us_median"] / r["plan_us_median"], 3)})
+                rows.append(r)
+                print(f"{dist:8s} batch {batch:5d}  {num_ctas} CTAs x {DEFAULT_NUM_UNITS} units: plan median "
+                      f"{r['plan_us_median']:7.2f} us (bar {r.get('bar_us', 0):.0f}); per-KV-head queues "
+                      f"({a['num_ctas']} CTAs) {a['plan_us_median']:7.2f} us", flush=True)
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    write_result(name, {"host": {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version()},
+                        "command": f"python -m perf.plan --write {name} --repeat {repeat} --sets {sets} --seed {seed}",
+                        "rows": rows})
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, action="append", help="decode batch size (repeatable; default 256, 1024)")
@@ -128,7 +158,11 @@ def main(argv=None) -> None:
                     help="KV lengths of the batches (default uniform in 1..4096)")
     ap.add_argument("--wrapper", action="store_true", help="the decode wrapper's settings (tile_q 16, align 64)")
     ap.add_argument("--json", action="store_true", help="one JSON object per batch, nothing else")
+    ap.add_argument("--write", metavar="NAME", help="the project's table into perf/results/NAME.json (see above)")
     args = ap.parse_args(argv)
+    if args.write:
+        write_table(args.write, args.repeat, args.sets, args.seed)
+        return
     for batch in args.batch or [256, 1024]:
         r = bench(batch, args.num_ctas, args.repeat, args.sets, args.seed, dist=args.dist, wrapper=args.wrapper,
                   num_units=args.units)
