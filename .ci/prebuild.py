@@ -42,6 +42,16 @@ def specs():
         out.extend(prefill_spec(V.DEFAULT, D, "bf16", "bf16", 4, tuning=t) for t in prefill_family_shapes(D, "bf16", wgmma=False))
     out.append(prefill_spec(V.DEFAULT, 128, "bf16", "fp8_e4m3", 4, tuning=prefill_family_shapes(128, "fp8_e4m3", wgmma=False)[0]))
     out.append(prefill_spec(V.ROPE, 128, "bf16", "bf16", 4, tuning=prefill_family_shapes(128, "bf16", wgmma=False)[0]))
+    # The warp-specialised prefill (tuning producer=1): tests/test_prefill_gpu.py (_WS) and perf A/B runs.
+    ws = {64: {"warps": 12, "producer": 1}, 128: {"warps": 12, "producer": 1}, 256: {"warps": 4, "producer": 1}}
+    for (D, g), q in itertools.product(((64, 1), (128, 1), (128, 4), (128, 8), (256, 4)), ("bf16", "fp16")):
+        out.append(prefill_spec(V.DEFAULT, D, q, q, g, tuning=ws[D]))
+    for name in _VARIANTS:
+        if not name.startswith("rope"):
+            out.append(prefill_spec(V.BUILTIN_VARIANTS[name], 128, "bf16", "bf16", 4, tuning=ws[128]))
+    for name, g in itertools.product(("soft_cap", "window", "alibi", "default"), (1, 4)):
+        for t in (ws[128], {"warps": 8, "mfrags": 1, "stages": 3, "producer": 1}, {"warps": 8, "mfrags": 2, "producer": 1}):
+            out.append(prefill_spec(V.BUILTIN_VARIANTS[name], 128, "bf16", "bf16", g, tuning=t))
     seen, uniq = set(), []
     for s in out:
         if s.memo_key not in seen:

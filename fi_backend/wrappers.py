@@ -223,7 +223,7 @@ def _prefill_family(head_dim: int, kv_bytes: int, wgmma: Optional[bool] = None,
     if wgmma and variant is not None and variant.mask_is_kv_range:
         table = {**table, **_PREFILL_SHAPES_WGMMA_WINDOW}
     keys = ("warps", "mfrags", "tile", "stages", "step")
-    return [{**dict(zip(keys, s)), "wgmma": int(wgmma)} for s in table[(head_dim, kv_bytes)]]
+    return [{**dict(zip(keys, s)), "wgmma": int(wgmma), "producer": 0} for s in table[(head_dim, kv_bytes)]]
 
 
 def prefill_family_shapes(head_dim: int, kv_dtype: str, wgmma: Optional[bool] = None,
@@ -247,7 +247,9 @@ def _prefill_smem_bytes(head_dim: int, kv_bytes: int, shape: dict, q_buffers: in
     convert = 2 * shape["tile"] * head_dim * 2 if kv_bytes == 1 else 0
     tile_rows = 16 * shape["mfrags"] * shape["warps"]
     row_offsets = 2 * shape["tile"] * 8  # the loader's published row offsets, two tiles
-    return shape["stages"] * stage + q_buffers * tile_rows * head_dim * 2 + convert + tile_rows * 4 + row_offsets
+    barriers = 16 * shape["stages"] if shape.get("producer") else 0  # full / empty mbarriers per stage
+    return (shape["stages"] * stage + q_buffers * tile_rows * head_dim * 2 + convert + tile_rows * 4 + row_offsets
+            + barriers)
 
 
 def _prefill_q_buffers(variant: Variant, head_dim: int, kv_bytes: int, shape: dict) -> int:
@@ -276,7 +278,8 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     """The JIT module of the prefill kernel for one (variant, head_dim, dtypes, GQA group), tile family
     member `member` (0: the largest query tile; see _PREFILL_SHAPES_SYNC / _WGMMA).
     tuning (benchmarks): overrides of warps / mfrags / tile / stages / step (default: min(step, tile)) / wgmma
-    (1: Hopper warpgroup MMAs, sm_90a only), q_buffers (1, or the stages: the loader's query copy; default
+    (1: Hopper warpgroup MMAs, sm_90a only) / producer (1: warp-specialised, a producer warpgroup loads the
+    tiles for `warps` compute warps; wgmma, the query copy, 16-bit KV, no KeyTransform), q_buffers (1, or the stages: the loader's query copy; default
     _prefill_q_buffers's choice), and
     min_blocks (CTAs per SM the register budget is cut for; default 1: the kernel's own need)."""
     if head_dim not in HEAD_DIMS:
@@ -290,7 +293,7 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     tuning = dict(tuning or {})
     min_blocks = int(tuning.pop("min_blocks", 1))
     q_buffers = tuning.pop("q_buffers", None)
-    unknown = set(tuning) - {"warps", "mfrags", "tile", "stages", "step", "wgmma"}
+    unknown = set(tuning) - {"warps", "mfrags", "tile", "stages", "step", "wgmma", "producer"}
     if unknown:
         raise ValueError(f"unknown prefill tuning keys {sorted(unknown)}")
     shape.update(tuning)
@@ -299,11 +302,17 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
                          "leave it unset with an H100 / H200 as the current device")
     if "step" not in tuning:
         shape["step"] = min(shape["step"], shape["tile"])
+    shape["producer"] = int(shape.get("producer", 0))
+    if shape["producer"]:
+        _check_producer(variant, head_dim, kv_bytes, shape)
     smem = _prefill_smem_bytes(head_dim, kv_bytes, shape)
     if smem > SMEM_PER_CTA:
         raise ValueError(f"prefill kernel shape {shape} for head_dim {head_dim} needs {smem} bytes of shared "
                          f"memory; a CTA may use at most {SMEM_PER_CTA}")
-    chosen = _prefill_q_buffers(variant, head_dim, kv_bytes, shape)
+    chosen = shape["stages"] if shape["producer"] else _prefill_q_buffers(variant, head_dim, kv_bytes, shape)
+    if shape["producer"] and q_buffers not in (None, shape["stages"]):
+        raise ValueError(f"a warp-specialised prefill kernel (producer=1) needs q_buffers = stages ({shape['stages']}); "
+                         f"got {q_buffers}")
     if q_buffers is None:
         q_buffers = chosen
     elif q_buffers != 1 and (q_buffers != shape["stages"] or
@@ -312,15 +321,38 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
                          f"wgmma, no QueryTransform and within {SMEM_PER_CTA} bytes of shared memory; got {q_buffers}")
     config = ", ".join([str(head_dim), str(shape["hpc"]), _C_TYPE[q_dtype], _C_TYPE[kv_dtype], str(shape["warps"]),
                         str(shape["mfrags"]), str(shape["tile"]), str(shape["stages"]), str(shape["step"]),
-                        "true" if shape["wgmma"] else "false", str(q_buffers)])
+                        "true" if shape["wgmma"] else "false", str(q_buffers),
+                        "true" if shape["producer"] else "false"])
     tag = f"{variant.name}_{q_dtype}_{kv_dtype}_d{head_dim}_h{shape['hpc']}"
     if shape != default_shape:  # a tuning equal to the largest member is that member's module
-        tag += "_w{warps}m{mfrags}t{tile}s{stages}k{step}".format(**shape) + ("_wg" if shape["wgmma"] else "")
+        tag += ("_w{warps}m{mfrags}t{tile}s{stages}k{step}".format(**shape) + ("_wg" if shape["wgmma"] else "")
+                + ("_p" if shape["producer"] else ""))
     if q_buffers != chosen:
         tag += f"_q{q_buffers}"
     if min_blocks != 1:
         tag += f"_b{min_blocks}"
     return _attention_spec("prefill", variant, config, min_blocks, tag, [])
+
+
+def _check_producer(variant: Variant, head_dim: int, kv_bytes: int, shape: dict) -> None:
+    """Whether a shape can run warp-specialised (prefill::Config::kProducer): the producer warpgroup copies the
+    query tiles (so wgmma, no QueryTransform) and K/V straight into the MMAs' layout (16-bit KV, no
+    KeyTransform), 8 / 16 / 4 query rows per copy round at head_dim 64 / 128 / 256 (a whole number of GQA
+    groups)."""
+    why = []
+    if not shape.get("wgmma"):
+        why.append("wgmma=1")
+    if kv_bytes != 2:
+        why.append("a 16-bit KV cache (fp8 KV is converted by every warp per tile)")
+    if variant.query_transform or variant.key_transform:
+        why.append("no QueryTransform / KeyTransform (RoPE)")
+    rows_per_round = 128 // (head_dim * 2 // 16)
+    if rows_per_round % shape["hpc"] or (16 * shape["mfrags"] * shape["warps"]) % rows_per_round:
+        why.append(f"heads per chunk dividing {rows_per_round}")
+    if shape["warps"] % 4:
+        why.append("whole compute warpgroups (warps a multiple of 4)")
+    if why:
+        raise ValueError(f"tuning producer=1 (warp-specialised prefill) needs {', '.join(why)}; shape {shape}")
 
 
 def _attention_spec(kernel: str, variant: Variant, config: str, min_blocks: int, tag: str,

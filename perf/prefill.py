@@ -370,6 +370,13 @@ def fa2_section(a) -> dict:
             t = measure(fn, a.rep)
             r.update(ours_us=t["median_us"], ours_p10_us=t["p10_us"], ours_p90_us=t["p90_us"], rep=t["rep"])
             r["ours_tflops"] = tflops(flops, r["ours_us"])
+            if a.fa2_tunings:  # the same inputs with other kernel shapes forced: an A/B in one process
+                r["ours_us_by_tuning"] = {}
+                for tuning in a.fa2_tunings:
+                    tfn, tout, _ = ours_fn(case, tuning=tuning)
+                    r["ours_us_by_tuning"][json.dumps(tuning)] = measure(tfn, a.rep)["median_us"]
+                    _check(f"fa2 {hkv} kv heads {b}x{s} {json.dumps(tuning)} vs ours", diff_stats(tout, out))
+                    del tfn, tout
             anchors = [("fi_fa2", fa2.fn)] + ([("fi_fa3", fa3.fn)] if fa3 else [])
             if vfunc is not None:
                 anchors.append(("vllm_fa3", lambda c: vllm_fn(vfunc, c)))
@@ -390,6 +397,10 @@ def fa2_section(a) -> dict:
                 r[f"check_vs_{key}"] = _check(f"fa2 {hkv} kv heads {b}x{s} ours vs {key}", diff_stats(out, aout))
                 msg += f" | {key} {r[f'{key}_tflops']:5.0f} TF/s ratio {r[f'ratio_{key}_over_ours']:.3f}"
                 del afn, aout
+            if "ours_us_by_tuning" in r and "fi_fa2_us" in r:
+                r["ratio_fi_fa2_over_ours_by_tuning"] = {t: r["fi_fa2_us"] / us for t, us in r["ours_us_by_tuning"].items()}
+                msg += " | by tuning " + ", ".join(f"{t} {us:.1f} us ({r['fi_fa2_us'] / us:.3f})"
+                                                   for t, us in r["ours_us_by_tuning"].items())
             if "ratio_fi_fa2_over_ours" in r:
                 r["bar_met"] = r["ratio_fi_fa2_over_ours"] >= BARS["fa2_ratio_min"]
                 msg += f" | max|diff| vs fa2 {r['check_vs_fi_fa2']['max_abs_diff']:.2e}"
@@ -397,7 +408,7 @@ def fa2_section(a) -> dict:
             log(msg)
             del fn, out, case
             torch.cuda.empty_cache()
-    return {**_stamp(), "tuning": a.tuning, "flashinfer": flashinfer.__version__,
+    return {**_stamp(), "tuning": a.tuning, "tunings": a.fa2_tunings, "flashinfer": flashinfer.__version__,
             "vllm_fa3": "available" if vfunc else vllm_reason,
             "first_call_s": {"fi_fa2": fa2.first_call_s, "fi_fa3": fa3.first_call_s if fa3 else None},
             "anchor_errors": broken,
@@ -730,6 +741,19 @@ def write_report(json_path) -> Path:
             cells.append(_f(x.get("check_vs_fi_fa2", {}).get("max_abs_diff"), ".2e"))
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+        tunings = list(dict.fromkeys(t for x in s["rows"] for t in x.get("ours_us_by_tuning", {})))
+        if tunings:  # --fa2-tunings: ours with kernel shapes forced, same inputs, same process
+            lines += ["Ours with the kernel shape forced (us, and FI FA2 / ours from the same run; `pick`: the "
+                      "wrapper's own choice):", "",
+                      "| heads q/kv | batch x len | pick | " + " | ".join(f"`{t}`" for t in tunings) + " |",
+                      "|---|---|---|" + "---|" * len(tunings)]
+            for x in s["rows"]:
+                by = x.get("ours_us_by_tuning", {})
+                fa2 = x.get("fi_fa2_us")
+                cell = lambda us: "-" if us is None else f"{us:.1f}" + (f" ({fa2 / us:.3f})" if fa2 else "")  # noqa: E731
+                lines.append(f"| {x['num_qo_heads']}/{x['num_kv_heads']} | {x['batch']}x{x['seq_len']} | "
+                             f"{cell(x['ours_us'])} | " + " | ".join(cell(by.get(t)) for t in tunings) + " |")
+            lines.append("")
     if "paged" in r:
         s = r["paged"]
         fi = any("fi_fa2_page16_us" in x for x in s["rows"])
@@ -823,6 +847,9 @@ def main(argv=None):
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's FlashAttention-3 anchor")
     ap.add_argument("--fi-paged", action="store_true", help="paged section: also FlashInfer's FA2 paged wrapper")
     ap.add_argument("--flex-lengths", help="flex lengths, comma-separated (default 512..16384; --quick 1024,4096)")
+    ap.add_argument("--fa2-tunings", type=json.loads, default=None,
+                    help="fa2 section: also time ours with each of these kernel shapes forced, same inputs, a JSON list "
+                         "of tuning dicts (rows gain ours_us_by_tuning; outputs checked against the default's)")
     ap.add_argument("--flex-tunings", type=json.loads, default=None,
                     help="flex section: also time ours with each of these kernel shapes forced, a JSON list of tuning "
                          "dicts (rows gain ours_us_by_tuning)")

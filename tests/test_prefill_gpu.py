@@ -186,10 +186,42 @@ def test_ragged_plus_paged_prefix_merged():
     check(out, None, o_ref, None, TOL[torch.bfloat16], "ragged + paged merged")
 
 
-def test_cuda_graph_replay_after_replan():
+# The warp-specialised prefill (prefill::Config::kProducer): a producer warpgroup loads, the compute
+# warpgroups consume tiles through mbarriers at their own pace. Forced by tuning, head_dim 256 at one
+# compute warpgroup (two of its query buffers and stages fit).
+_WS = {64: {"warps": 12, "producer": 1}, 128: {"warps": 12, "producer": 1}, 256: {"warps": 4, "producer": 1}}
+
+
+@pytest.mark.parametrize("D,group", [(64, 1), (128, 1), (128, 4), (128, 8), (256, 4)])
+def test_warp_specialised(D, group):
+    """Every query length and KV kind of the matrix (long KV: split chunks, merged by the compute warps'
+    own barrier), paged and page 1, and a non-causal batch."""
+    Hkv = 2
+    for page in (1, 16):
+        k = _PAGES.index(page) + _DIMS.index(D) + _GROUPS.index(group)
+        q_lens, kv_lens = _batch(k)
+        dtype = (torch.bfloat16, torch.float16)[k % 2]
+        attn = prefill(Hkv * group, Hkv, D, q_dtype=dtype, page_size=page, tuning=_WS[D])
+        run_case(attn, kv_lens, q_lens, dtype=dtype, causal=True,
+                 what=f"warp-specialised page={page} D={D} group={group} q={q_lens} kv={kv_lens}")
+    run_case(attn, [16000, 1500, 128], [1000, 200, 128], dtype=dtype, causal=False, what="warp-specialised non-causal")
+
+
+_WS_VARIANTS = [n for n in _VARIANT_NAMES if not n.startswith("rope")]
+
+
+@pytest.mark.parametrize("name", _WS_VARIANTS)
+def test_warp_specialised_variants(name):
+    Hq, Hkv, D = 16, 4, 128
+    attn = prefill(Hq, Hkv, D, page_size=16, variant=_variant_case(name, Hq)[1], tuning=_WS[D])
+    run_variant_case(attn, name, [1500, 3, 1017, 4000, 300], [1, 3, 17, 128, 300], torch.bfloat16)
+
+
+@pytest.mark.parametrize("tuning", [None, _WS[128]], ids=["default", "warp_specialised"])
+def test_cuda_graph_replay_after_replan(tuning):
     """Capture once, re-plan with other lengths and a smaller batch in the same BSR tensors, replay."""
     Hq, Hkv, D, page = 16, 4, 128, 16
-    attn = prefill(Hq, Hkv, D, page_size=page, max_tokens=2048, max_requests=16)
+    attn = prefill(Hq, Hkv, D, page_size=page, max_tokens=2048, max_requests=16, tuning=tuning)
     batch = PersistentBatch(8, 200, page)
     cache, k, v = random_kv(batch.num_blocks, page, Hkv, D, torch.bfloat16)
     rows = 1500

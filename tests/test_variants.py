@@ -239,6 +239,30 @@ def test_prefill_family_follows_the_arch_list(monkeypatch):
     assert W.prefill_family_shapes(128, "bf16", wgmma=True)[0]["wgmma"] == 1  # explicit beats the list
 
 
+def test_warp_specialised_prefill_specs(monkeypatch):
+    """producer=1 (a producer warpgroup, prefill::Config::kProducer): its own module with the query copy in
+    every stage, refused by name where it cannot run (fp8 KV, RoPE, mma.sync, GQA groups that do not
+    divide the producer's query rows per copy round)."""
+    monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", "90a")
+    ws = {"warps": 12, "producer": 1}
+    spec = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning=ws)
+    config = spec.params["CONFIG"].split(", ")
+    assert config[-1] == "true" and config[-2] == config[7], config  # producer, q_buffers == stages
+    assert spec.memo_key != W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={"warps": 12}).memo_key
+    assert W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4).params["CONFIG"].endswith("false")
+    with pytest.raises(ValueError, match="producer=1.*16-bit KV"):
+        W.prefill_spec(V.DEFAULT, 128, "bf16", "fp8_e4m3", 4, tuning=ws)
+    with pytest.raises(ValueError, match="producer=1.*RoPE"):
+        W.prefill_spec(V.ROPE, 128, "bf16", "bf16", 4, tuning=ws)
+    with pytest.raises(ValueError, match="producer=1.*heads per chunk dividing 4"):
+        W.prefill_spec(V.DEFAULT, 256, "bf16", "bf16", 8, tuning={"warps": 4, "producer": 1})
+    with pytest.raises(ValueError, match="q_buffers"):
+        W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "q_buffers": 1})
+    monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", "80")
+    with pytest.raises(ValueError, match="producer=1.*wgmma=1"):
+        W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning=ws)
+
+
 def test_pick_member_takes_large_tiles_in_whole_waves():
     """plan()'s tile pick: the large tile when each CTA gets FAMILY_TILES_PER_CTA of them or they fill whole
     waves of CTAs; the small one when large tiles would leave CTAs idle (the H100 measurements in

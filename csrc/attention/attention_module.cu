@@ -33,7 +33,7 @@ using Cfg = fi::{{KERNEL}}::Config<{{CONFIG}}>;
 using Impl = fi::{{KERNEL}}::Kernel<Cfg, Variant, VariantParams>;
 
 // MIN_BLOCKS: CTAs per SM that shared memory allows; the register budget follows from it.
-__global__ void __launch_bounds__(Cfg::kThreads, {{MIN_BLOCKS}})
+__global__ void __launch_bounds__(Cfg::kLaunchThreads, {{MIN_BLOCKS}})
     attention_kernel(const __grid_constant__ fi::attn::Params p, const __grid_constant__ VariantParams vp) {
   extern __shared__ __align__(1024) uint8_t smem[];  // 1024: wgmma swizzle atoms
   Impl::run(p, vp, smem);
@@ -61,7 +61,7 @@ FI_EXPORT int fi_attention_run(const fi::attn::Params* p, const VariantParams* v
   if (rc) return rc;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   FI_CUDA_TRY(cudaStreamIsCapturing((cudaStream_t)stream, &capture));
-  attention_kernel<<<dim3(grid_x, grid_y), dim3(Cfg::kThreads), Cfg::kSmemBytes, (cudaStream_t)stream>>>(*p, *vp);
+  attention_kernel<<<dim3(grid_x, grid_y), dim3(Cfg::kLaunchThreads), Cfg::kSmemBytes, (cudaStream_t)stream>>>(*p, *vp);
   const int err = (int)cudaGetLastError();
   return err ? err : (capture == cudaStreamCaptureStatusActive ? -1 : 0);
 }
@@ -72,7 +72,7 @@ FI_EXPORT int fi_attention_layout(int64_t* out, int n) {
   int64_t tmp[64];
   int i = 0;
   if (out == nullptr || n < 64) out = tmp;
-  out[i++] = Cfg::kThreads;
+  out[i++] = Cfg::kLaunchThreads;
   out[i++] = Cfg::kSmemBytes;
   out[i++] = Cfg::kTile;
   out[i++] = Cfg::kPackedRows;
@@ -104,6 +104,6 @@ FI_EXPORT int fi_attention_occupancy(int* blocks_per_sm) {
   FI_REQUIRE(blocks_per_sm != nullptr);
   const int rc = configure();
   if (rc) return rc;
-  return (int)cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, attention_kernel, Cfg::kThreads,
+  return (int)cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, attention_kernel, Cfg::kLaunchThreads,
                                                             Cfg::kSmemBytes);
 }

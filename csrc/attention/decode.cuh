@@ -58,6 +58,8 @@ struct Config {
   static constexpr int kWarps = kWarps_;
   static constexpr int kStages = kStages_;
   static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kLaunchThreads = kThreads;
+  static constexpr int kLoaderThreads = kThreads, kLoaderThread0 = 0;  // every thread loads (shared.cuh)
   static constexpr int kSub = kSub_;  // 16-token blocks per warp per tile
   static constexpr int kTile = 16 * kSub * kWarps;
   static constexpr bool kFp8 = KV::kFp8;

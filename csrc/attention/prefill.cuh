@@ -62,7 +62,7 @@ namespace prefill {
 using namespace attn;  // Params, Work, TileRecord, Loader, Epilogue (shared.cuh)
 
 template <int kHeadDim_, int kHeadsPerChunk_, class DQ_, class DKV_, int kWarps_, int kMFrags_, int kTileKv_,
-          int kStages_, int kStepKv_, bool kWgmma_ = false, int kQBuffers_ = 1>
+          int kStages_, int kStepKv_, bool kWgmma_ = false, int kQBuffers_ = 1, bool kProducer_ = false>
 struct Config {
   using DQ = DQ_;
   using DKV = DKV_;
@@ -70,7 +70,21 @@ struct Config {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kHeadsPerChunk = kHeadsPerChunk_;
   static constexpr int kWarps = kWarps_;
-  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kThreads = 32 * kWarps;  // the compute warps
+  // Warp-specialised (kProducer): a producer warpgroup after the kWarps compute warps walks the plan and
+  // issues the tiles (Loader::produce), stages handed over through full / empty mbarriers; the compute
+  // warps never wait for each other per tile. setmaxnreg moves registers from the producer to them.
+  static constexpr bool kProducer = kProducer_;
+  static constexpr int kLaunchThreads = kThreads + (kProducer ? 128 : 0);
+  static constexpr int kLoaderThreads = kProducer ? 128 : kThreads;
+  static constexpr int kLoaderThread0 = kProducer ? kThreads : 0;
+  // Registers a thread (multiples of 8, 64K a CTA): the compute warps' share after 40 for the producer, at
+  // most 240; the producer then takes what is left (it keeps the cursor and the copy addresses). Only
+  // where the launch leaves fewer than 240 a thread (384 threads and more): else every warp has enough.
+  static constexpr bool kMoveRegs = kProducer && kLaunchThreads >= 384;
+  static constexpr int kComputeRegsFit = (65536 - 128 * 40) / kThreads / 8 * 8;
+  static constexpr int kComputeRegs = kComputeRegsFit > 240 ? 240 : kComputeRegsFit;
+  static constexpr int kProducerRegs = (65536 - kThreads * kComputeRegs) / 128 / 8 * 8;
   static constexpr int kStages = kStages_;
   static constexpr int kTile = kTileKv_;  // KV tokens per stage
   static constexpr int kStep = kStepKv_;  // KV tokens per compute step (S registers: 4 kMFrags kStep / 8)
@@ -93,7 +107,7 @@ struct Config {
   static constexpr int kKSteps = kHeadDim / 16;
   static constexpr int kRowBytes = kHeadDim * KV::kBytes;
   static constexpr int kChunksPerRow = kRowBytes / 16;
-  static constexpr int kRowsPerRound = kThreads / kChunksPerRow;
+  static constexpr int kRowsPerRound = kLoaderThreads / kChunksPerRow;
   static constexpr int kTokensPerThread = (kTile + kRowsPerRound - 1) / kRowsPerRound;  // last round partial (12 warps)
   static constexpr int kKvTileBytes = kTile * kRowBytes;
   static constexpr int kCRowBytes = kHeadDim * 2;  // the 16-bit copy of a converted tile
@@ -113,7 +127,8 @@ struct Config {
   // warps load Q themselves (load_q). fi_backend/wrappers.py (_prefill_q_buffers) decides, per variant.
   static constexpr int kQBuffers = kQBuffers_;
   static constexpr int kRowOffsetsAt = kQAt + kQBuffers * kQBytes + kConvertBytes + kFlagBytes;
-  static constexpr int kSmemBytes = kRowOffsetsAt + 2 * kTile * 8;  // the loader's row offsets (shared.cuh)
+  static constexpr int kBarriersAt = kRowOffsetsAt + 2 * kTile * 8;  // after the loader's row offsets (shared.cuh)
+  static constexpr int kSmemBytes = kBarriersAt + (kProducer ? 16 * kStages : 0);  // full[], empty[] mbarriers
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim must be 64, 128 or 256");
   static_assert(kStages >= 2, "the pipeline needs at least two stages");
@@ -121,7 +136,9 @@ struct Config {
   static_assert(kHeadsPerChunk >= 1 && kHeadsPerChunk <= kTileRows, "heads per chunk must fit in a tile");
   static_assert(kTile >= 16 && (kTile & (kTile - 1)) == 0, "KV tile: a power of two >= 16 (16-token blocks, tree max)");
   static_assert(kStep >= 16 && (kStep & (kStep - 1)) == 0 && kTile % kStep == 0, "compute step: a power of two dividing the tile");
-  static_assert(kThreads % kChunksPerRow == 0, "loader shape");
+  static_assert(kLoaderThreads % kChunksPerRow == 0, "loader shape");
+  static_assert(!kProducer || (kWgmma && kQBuffers == kStages && !kFp8),
+                "warp-specialised: wgmma, the loader's query copy, 16-bit KV (no conversion pass)");
   static_assert(kChunksPerRow >= 4, "rows of at least 64 bytes");
   static_assert(!kWgmma || (kWarps % 4 == 0 && (kStep == 32 || kStep == 64 || kStep == 128 || kStep == 256)),
                 "wgmma: whole warpgroups, a compute step of 32, 64, 128 or 256 tokens (the MMA's n)");
@@ -525,11 +542,42 @@ struct Kernel {
 
   // ------------------------------------------------------------------ the kernel
 
+  // The compute warps' own barrier (finish): with a producer warpgroup, __syncthreads would wait for it.
+  static __device__ __forceinline__ void sync_compute() {
+    if constexpr (Cfg::kProducer) ptx::bar_sync(8, kThreads);
+    else __syncthreads();
+  }
+
+  // A compute warp is done with a stage (warp-specialised): its reads, the tensor cores' included
+  // (compute_tile waits for its MMAs), are over.
+  static __device__ __forceinline__ void release(uint32_t empty, int j) {
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) ptx::mbar_arrive(empty + 8 * (j % kStages));
+  }
+
   static __device__ __forceinline__ void run(const Params& p, const VariantParams& vp, uint8_t* smem) {
     const int warp = threadIdx.x >> 5;
     Cursor cur;
     int page[L::kLookups], slot[L::kLookups];
-    if (!L::start(p, vp, smem, cur, page, slot)) return;
+    const uint32_t full = ptx::smem_u32(smem + Cfg::kBarriersAt), empty = full + 8 * kStages;
+    if constexpr (Cfg::kProducer) {
+      static_assert(!kConvert, "warp-specialised: no conversion pass (it would need every warp per tile)");
+      if (threadIdx.x == 0) {
+        for (int s = 0; s < kStages; ++s) {
+          ptx::mbar_init(full + 8 * s, L::kThreads + 1);  // every loading thread's copies + the record
+          ptx::mbar_init(empty + 8 * s, Cfg::kWarps);     // every compute warp
+        }
+      }
+      __syncthreads();
+      if (threadIdx.x >= kThreads) {
+        if constexpr (Cfg::kMoveRegs) ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
+        L::produce(p, vp, smem, full, empty);
+        return;
+      }
+      if constexpr (Cfg::kMoveRegs) ptx::setmaxnreg_inc<Cfg::kComputeRegs>();
+    } else {
+      if (!L::start(p, vp, smem, cur, page, slot)) return;
+    }
 
     uint8_t* qbuf = smem + Cfg::kQAt;
     uint8_t* cbuf = qbuf + Cfg::kQBuffers * Cfg::kQBytes;
@@ -543,11 +591,16 @@ struct Kernel {
 
     for (int j = 0;; ++j) {
       uint8_t* stage = smem + (j % kStages) * Cfg::kStageBytes;
-      L::before_barrier(p, smem, j, cur, page, slot);
-      ptx::cp_async_wait<kStages - 2>();
-      if constexpr (kWgmma) wgmma::fence_proxy_async();  // the landed tile, for the tensor cores' reads
-      __syncthreads();
-      L::step(p, vp, smem, j, cur, page, slot);
+      if constexpr (Cfg::kProducer) {
+        ptx::mbar_wait(full + 8 * (j % kStages), (j / kStages) & 1);
+        wgmma::fence_proxy_async();  // the landed tile (cp.async writes, generic proxy), for the tensor cores
+      } else {
+        L::before_barrier(p, smem, j, cur, page, slot);
+        ptx::cp_async_wait<kStages - 2>();
+        if constexpr (kWgmma) wgmma::fence_proxy_async();  // the landed tile, for the tensor cores' reads
+        __syncthreads();
+        L::step(p, vp, smem, j, cur, page, slot);
+      }
 
       const TileRecord* rec = reinterpret_cast<const TileRecord*>(stage + 2 * Cfg::kKvTileBytes);
       const int flags = rec->flags;
@@ -624,7 +677,13 @@ struct Kernel {
           compute_tile<false>(p, vp, qs, ks, vs, st * kStep, w, step_begin, n_valid, kv_head, m_run, d_run, o);
       }
 
-      if (flags & kLast) finish(p, vp, w, m_run, d_run, o, merge_flags);
+      if constexpr (Cfg::kProducer) {  // the record is read by finish: release after it
+        if (!(flags & kLast)) release(empty, j);
+      }
+      if (flags & kLast) {
+        finish(p, vp, w, m_run, d_run, o, merge_flags);
+        if constexpr (Cfg::kProducer) release(empty, j);
+      }
     }
   }
 
@@ -680,7 +739,7 @@ struct Kernel {
 
     // Arrival (threadfence reduction pattern): the CTA that writes a row's last chunk merges the row.
     __threadfence();
-    __syncthreads();
+    sync_compute();
     const int32_t* mi = p.plan + p.merge_indptr_offset;
     for (int r = threadIdx.x; r < nrows; r += kThreads) {
       const int q_row = row0 + r;
@@ -690,14 +749,14 @@ struct Kernel {
       if (last) *counter = 0;  // nobody else touches it in this launch: leave it zeroed for the next
       merge_flags[r] = last;
     }
-    __syncthreads();
+    sync_compute();
     bool any = false;
     for (int r = 0; r < nrows; ++r) any |= merge_flags[r] != 0;
     if (any) {
       __threadfence();
       E::template merge_rows<2>(p, vp, unit, row0, nrows, [merge_flags](int r) { return merge_flags[r] != 0; });
     }
-    __syncthreads();  // merge_flags are reused by the next split sub-item
+    sync_compute();  // merge_flags are reused by the next split sub-item
   }
 };
 

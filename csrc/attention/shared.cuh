@@ -180,7 +180,10 @@ __device__ __forceinline__ void report(int32_t* flags, int32_t bit) {
 template <class Cfg, class Variant, class VariantParams>
 struct Loader {
   using DQ = typename Cfg::DQ;
-  static constexpr int kThreads = Cfg::kThreads;
+  // The loading threads: the whole CTA, or the producer warpgroup (threads [kLoaderThread0, + 128)) of
+  // a warp-specialised kernel (produce()).
+  static constexpr int kThreads = Cfg::kLoaderThreads;
+  static __device__ __forceinline__ int tid() { return (int)threadIdx.x - Cfg::kLoaderThread0; }
   static constexpr int kTile = Cfg::kTile;
   static constexpr int kRows = Cfg::kRows;
   static constexpr int kHeadDim = Cfg::kHeadDim;
@@ -288,7 +291,7 @@ struct Loader {
     seek_item(p, vp, cur);
   }
 
-  static __device__ __forceinline__ int lookup_row(int r) { return (int)threadIdx.x + r * kThreads; }
+  static __device__ __forceinline__ int lookup_row(int r) { return tid() + r * kThreads; }
 
   // Page ids of this thread's lookup rows of the cursor's tile: page[r] (INT_MIN: index outside
   // kv_indices) and slot[r] (< 0: not a KV token of the item; nothing is loaded).
@@ -313,12 +316,13 @@ struct Loader {
     // (one tile ahead of its copies) do not wait on DRAM. 32 ids per 128-byte line.
     if constexpr (FI_DECODE_INDEX_AHEAD > 0) {
       const int ahead_begin = tile_begin + FI_DECODE_INDEX_AHEAD * kTile;
-      if (!cur.done && threadIdx.x < 8 && ahead_begin < cur.w.kv_hi) {
+      const int t = tid();
+      if (!cur.done && t < 8 && ahead_begin < cur.w.kv_hi) {
         int b0, b1, s0;
         ptx::divmod(p.page_div, ahead_begin, b0, s0);
         ptx::divmod(p.page_div, min(ahead_begin + kTile, cur.w.kv_hi) - 1, b1, s0);
         const int64_t first = (cur.w.block_start + b0) & ~int64_t(31);
-        const int64_t line = first + 32 * threadIdx.x;
+        const int64_t line = first + 32 * t;
         if (line <= cur.w.block_start + b1 && line < p.num_kv_indices) ptx::prefetch_l2(p.kv_indices + line);
       }
     }
@@ -357,7 +361,7 @@ struct Loader {
   // Q slot (first tile of a sub-item), K and V rows.
   static __device__ __forceinline__ void issue(const Params& p, const VariantParams& vp, uint8_t* smem, int tile_no,
                                                const Cursor& cur) {
-    const int tid = threadIdx.x;
+    const int tid = Loader::tid();
     uint8_t* stage = smem + (tile_no % kStages) * Cfg::kStageBytes;
     TileRecord* rec = reinterpret_cast<TileRecord*>(stage + 2 * Cfg::kKvTileBytes + Cfg::kQSlotBytes);
     if (cur.done) {
@@ -395,7 +399,7 @@ struct Loader {
         constexpr int kRound = kThreads / kChunksQ;
         static_assert(kThreads % kChunksQ == 0 && kRound % kHPC == 0 && Cfg::kTileRows % kRound == 0, "query copy");
         const uint32_t qbuf = ptx::smem_u32(smem + Cfg::kQAt + qslot * Cfg::kQBytes);
-        const int t = ptx::thread_index_here();
+        const int t = ptx::thread_index_here() - Cfg::kLoaderThread0;
         const int ch = t % kChunksQ, pr0 = t / kChunksQ;
         const DQ* src = static_cast<const DQ*>(p.q) + (int64_t)(cur.w.row0 + pr0 / kHPC) * p.q_stride_row +
                         (int64_t)(cur.w.unit * kHPC + pr0 % kHPC) * p.q_stride_head + ch * 8;
@@ -479,6 +483,40 @@ struct Loader {
     ptx::cp_async_commit();
     advance(p, vp, cur);
     prefetch_pages(p, cur, page, slot);
+  }
+
+  // The same walk in a producer warpgroup of its own (warp-specialised prefill), run by the loading
+  // threads only: tile j goes into stage j % kStages once the compute warps have released the stage's
+  // previous tile (its "empty" barrier, full[] / empty[] 8 bytes apart per stage); each thread's copies
+  // arrive on the stage's "full" barrier as they land, thread 0's arrival publishes the record. The
+  // compute side consumes tiles at its own pace: a warpgroup with nothing to do in a tile (past the
+  // causal diagonal) runs ahead instead of waiting at a CTA barrier. The walk ends after the kEnd record.
+  static __device__ __forceinline__ void produce(const Params& p, const VariantParams& vp, uint8_t* smem,
+                                                 uint32_t full, uint32_t empty) {
+    static_assert(kThreads == 128 && Cfg::kLoaderThread0 > 0, "a producer warpgroup after the compute warps");
+    constexpr int kBarrierId = 9;  // the producer's own named barrier (the compute side's is 8)
+    Cursor cur;
+    int page[kLookups], slot[kLookups];
+    const int32_t* cta_indptr = p.plan + FI_PLAN_HEADER_INTS;
+    cur.item = __ldg(cta_indptr + blockIdx.x);
+    cur.item_end = __ldg(cta_indptr + blockIdx.x + 1);
+    seek_item(p, vp, cur);
+    prefetch_pages(p, cur, page, slot);
+#pragma unroll 1
+    for (int j = 0;; ++j) {
+      const int s = j % kStages;
+      ptx::mbar_wait(empty + 8 * s, ((j / kStages) & 1) ^ 1);
+      // Row offsets are double-buffered by tile parity: the barrier below also orders this tile's
+      // publish after every loading thread's copies of tile j - 2 (issued before the last barrier).
+      publish(p, smem, j, cur, page, slot);
+      ptx::bar_sync(kBarrierId, kThreads);
+      issue(p, vp, smem, j, cur);
+      ptx::cp_async_mbar_arrive(full + 8 * s);
+      if (tid() == 0) ptx::mbar_arrive(full + 8 * s);  // the record (ordinary stores): released here
+      if (cur.done) return;
+      advance(p, vp, cur);
+      prefetch_pages(p, cur, page, slot);
+    }
   }
 };
 
