@@ -46,6 +46,10 @@ def specs():
     ws = {64: {"warps": 12, "producer": 1}, 128: {"warps": 12, "producer": 1}, 256: {"warps": 4, "producer": 1}}
     for (D, g), q in itertools.product(((64, 1), (128, 1), (128, 4), (128, 8), (256, 4)), ("bf16", "fp16")):
         out.append(prefill_spec(V.DEFAULT, D, q, q, g, tuning=ws[D]))
+    for (g, q), t in itertools.product(((4, "bf16"), (4, "fp16"), (1, "bf16"), (1, "fp16")),
+                                       ({"warps": 8, "mfrags": 1, "stages": 3, "producer": 1},
+                                        {"warps": 8, "mfrags": 2, "producer": 1})):
+        out.append(prefill_spec(V.DEFAULT, 128, q, q, g, tuning=t))
     for name in _VARIANTS:
         if not name.startswith("rope"):
             out.append(prefill_spec(V.BUILTIN_VARIANTS[name], 128, "bf16", "bf16", 4, tuning=ws[128]))

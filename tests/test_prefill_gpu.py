@@ -192,16 +192,22 @@ def test_ragged_plus_paged_prefix_merged():
 _WS = {64: {"warps": 12, "producer": 1}, 128: {"warps": 12, "producer": 1}, 256: {"warps": 4, "producer": 1}}
 
 
-@pytest.mark.parametrize("D,group", [(64, 1), (128, 1), (128, 4), (128, 8), (256, 4)])
-def test_warp_specialised(D, group):
+# Two compute warpgroups (384 threads: registers move from the producer), one or two fragments each.
+_WS8 = {"w8": {"warps": 8, "mfrags": 1, "stages": 3, "producer": 1}, "w8m2": {"warps": 8, "mfrags": 2, "producer": 1}}
+
+
+@pytest.mark.parametrize("D,group,shape", [(64, 1, None), (128, 1, None), (128, 4, None), (128, 8, None), (256, 4, None),
+                                           (128, 4, "w8"), (128, 1, "w8m2")])
+def test_warp_specialised(D, group, shape):
     """Every query length and KV kind of the matrix (long KV: split chunks, merged by the compute warps'
     own barrier), paged and page 1, and a non-causal batch."""
     Hkv = 2
+    tuning = _WS8[shape] if shape else _WS[D]
     for page in (1, 16):
         k = _PAGES.index(page) + _DIMS.index(D) + _GROUPS.index(group)
         q_lens, kv_lens = _batch(k)
         dtype = (torch.bfloat16, torch.float16)[k % 2]
-        attn = prefill(Hkv * group, Hkv, D, q_dtype=dtype, page_size=page, tuning=_WS[D])
+        attn = prefill(Hkv * group, Hkv, D, q_dtype=dtype, page_size=page, tuning=tuning)
         run_case(attn, kv_lens, q_lens, dtype=dtype, causal=True,
                  what=f"warp-specialised page={page} D={D} group={group} q={q_lens} kv={kv_lens}")
     run_case(attn, [16000, 1500, 128], [1000, 200, 128], dtype=dtype, causal=False, what="warp-specialised non-causal")

@@ -78,13 +78,21 @@ struct Config {
   static constexpr int kLaunchThreads = kThreads + (kProducer ? 128 : 0);
   static constexpr int kLoaderThreads = kProducer ? 128 : kThreads;
   static constexpr int kLoaderThread0 = kProducer ? kThreads : 0;
-  // Registers a thread (multiples of 8, 64K a CTA): the compute warps' share after 40 for the producer, at
-  // most 240; the producer then takes what is left (it keeps the cursor and the copy addresses). Only
-  // where the launch leaves fewer than 240 a thread (384 threads and more): else every warp has enough.
+  // Registers a thread (multiples of 8). The CTA's pool is what it launched with (64K / threads a thread,
+  // rounded down to 8, as ptxas allocates under __launch_bounds__(threads, 1)); setmaxnreg only moves
+  // registers within it (an increase beyond what the producer gave back waits forever). The compute
+  // warps' share after 40 for the producer, at most 240; the producer then takes what is left (it keeps
+  // the cursor and the copy addresses). Only where the launch leaves fewer than 240 a thread (384
+  // threads and more): else every warp has enough.
   static constexpr bool kMoveRegs = kProducer && kLaunchThreads >= 384;
-  static constexpr int kComputeRegsFit = (65536 - 128 * 40) / kThreads / 8 * 8;
+  static constexpr int kEntryRegs = (65536 / kLaunchThreads > 255 ? 255 : 65536 / kLaunchThreads) / 8 * 8;
+  static constexpr int kRegPool = kEntryRegs * kLaunchThreads;
+  static constexpr int kComputeRegsFit = (kRegPool - 128 * 40) / kThreads / 8 * 8;
   static constexpr int kComputeRegs = kComputeRegsFit > 240 ? 240 : kComputeRegsFit;
-  static constexpr int kProducerRegs = (65536 - kThreads * kComputeRegs) / 128 / 8 * 8;
+  static constexpr int kProducerRegs = (kRegPool - kThreads * kComputeRegs) / 128 / 8 * 8;
+  static_assert(!kMoveRegs || (kProducerRegs >= 24 && kProducerRegs <= kEntryRegs && kComputeRegs >= kEntryRegs &&
+                               kThreads * kComputeRegs + 128 * kProducerRegs <= kRegPool),
+                "setmaxnreg: registers moved within the CTA's pool");
   static constexpr int kStages = kStages_;
   static constexpr int kTile = kTileKv_;  // KV tokens per stage
   static constexpr int kStep = kStepKv_;  // KV tokens per compute step (S registers: 4 kMFrags kStep / 8)
