@@ -43,7 +43,7 @@ def specs():
     out.append(prefill_spec(V.DEFAULT, 128, "bf16", "fp8_e4m3", 4, tuning=prefill_family_shapes(128, "fp8_e4m3", wgmma=False)[0]))
     out.append(prefill_spec(V.ROPE, 128, "bf16", "bf16", 4, tuning=prefill_family_shapes(128, "bf16", wgmma=False)[0]))
     # The warp-specialised prefill (tuning producer=1): tests/test_prefill_gpu.py (_WS) and perf A/B runs.
-    ws = {64: {"warps": 12, "producer": 1}, 128: {"warps": 12, "producer": 1}, 256: {"warps": 4, "producer": 1}}
+    ws = {64: {"warps": 12, "mfrags": 1, "producer": 1}, 128: {"warps": 12, "mfrags": 1, "producer": 1}, 256: {"warps": 4, "mfrags": 1, "producer": 1}}
     for (D, g), q in itertools.product(((64, 1), (128, 1), (128, 4), (128, 8), (256, 4)), ("bf16", "fp16")):
         out.append(prefill_spec(V.DEFAULT, D, q, q, g, tuning=ws[D]))
     for (g, q), t in itertools.product(((4, "bf16"), (4, "fp16"), (1, "bf16"), (1, "fp16")),

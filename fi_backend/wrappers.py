@@ -176,8 +176,8 @@ _PREFILL_SHAPES_WGMMA = {
 # 98.8% at 1k / 4k / 16k). At 32/8 a warpgroup's 64 packed rows are 16 query rows of 4 heads, all four
 # warpgroups take the same steps, and the gap is about the same: so per-sub-item costs (the epilogue,
 # the masked diagonal tile, the pipeline's turn between sub-items) weigh as much as that idle at 1k.
-# Warpgroups that consume tiles at their own pace (per-stage full / empty barriers, a producer warp, as
-# FA3 does) are the next step for both. Grids used 128 of the 132 SMs while work queues were per KV
+# Warpgroups that consume tiles at their own pace (per-stage full / empty barriers, a producer warpgroup,
+# as FA3 does) came next: _PREFILL_WS_MEMBER0 below. Grids used 128 of the 132 SMs while work queues were per KV
 # head (132 // 8 = 16 CTAs each); items now name their unit and the grid is all 132 CTAs: 132 vs 128
 # CTAs in one run (perf.sm_scaling, perf/results/sm_scaling.json) 16x1k 516 vs 529 us, 4x4k 1506 vs
 # 1532 us, decode batch 256 x 16k 5671 vs 5672 us (memory-bound: no change).
@@ -195,6 +195,45 @@ _PREFILL_SHAPES_WGMMA_WINDOW = {
 }
 
 
+# Warp-specialised member 0 (producer=1, prefill::Config::kProducer: a producer warpgroup issues the tiles,
+# the compute warpgroups consume them through mbarriers at their own pace, registers moved to them) for
+# the variants that can run it (16-bit KV, no QueryTransform / KeyTransform, heads per chunk dividing the
+# producer's query rows per copy round). Same process, same inputs (perf/results/prefill_ws_ab.json,
+# prefill_ws_flex.json at c0694a2, H100), us or ratio to FlashInfer's FA2:
+#   no logits hooks: 8 compute warps x 2 fragments (256-row tiles, 232 registers) against 16 x 1 without a
+#     producer: 32/32 heads 16x1k / 4x4k / 1x16k 0.939 / 1.041 / 1.118 vs 0.895 / 1.005 / 1.065, 32/8
+#     0.992 / 1.181 / 1.246 vs 0.877 / 0.990 / 1.071; 12 x 1 0.845 / 0.943 / 1.094 and 0.913 / 1.143 / 1.253;
+#     8 x 1 (128-row tiles, 3 stages) 0.776 / 0.792 / 1.035.
+#   logits hooks (soft-cap, ALiBi, window; 16 heads 16x1k / 16x4k): 12 x 1 (192-row tiles, 152 registers)
+#     soft-cap 327 / 3442 us, ALiBi 316 / 3406, window 307 / 1713 against 432 / 4076, 365 / 3741, 373 / 2135
+#     without a producer and 432 / 3968, 354 / 3619, 389 / 2483 at 8 x 2.
+_PREFILL_WS_MEMBER0 = {
+    128: {"plain": (8, 2, 64, 2, 64), "hooks": (12, 1, 64, 2, 64)},
+}
+
+
+def _producer_blockers(variant: Optional[Variant], head_dim: int, kv_bytes: int, shape: dict) -> list:
+    """Why a shape cannot run warp-specialised (empty: it can): the producer warpgroup copies the query
+    tiles (wgmma, no QueryTransform) and K/V straight into the MMAs' layout (16-bit KV, no KeyTransform),
+    128 // (head_dim / 8) query rows per copy round (a whole number of GQA groups)."""
+    why = []
+    if not shape.get("wgmma"):
+        why.append("wgmma=1")
+    if kv_bytes != 2:
+        why.append("a 16-bit KV cache (fp8 KV is converted by every warp per tile)")
+    if variant is not None and (variant.query_transform or variant.key_transform):
+        why.append("no QueryTransform / KeyTransform (RoPE)")
+    rows_per_round = 128 // (head_dim * 2 // 16)
+    if rows_per_round % shape.get("hpc", 1) or (16 * shape["mfrags"] * shape["warps"]) % rows_per_round:
+        why.append(f"heads per chunk dividing {rows_per_round}")
+    if shape["warps"] % 4:
+        why.append("whole compute warpgroups (warps a multiple of 4)")
+    smem = _prefill_smem_bytes(head_dim, kv_bytes, {**shape, "producer": 1}, shape["stages"])
+    if smem > SMEM_PER_CTA:
+        why.append(f"a query buffer per stage within {SMEM_PER_CTA} bytes of shared memory (this shape: {smem})")
+    return why
+
+
 def _prefill_shape(head_dim: int, kv_bytes: int, group: int, member: int = 0,
                    variant: Optional[Variant] = None) -> dict:
     """Prefill kernel shape (member of the family of the head_dim and variant, _prefill_family): hpc (query
@@ -202,7 +241,7 @@ def _prefill_shape(head_dim: int, kv_bytes: int, group: int, member: int = 0,
     warps, mfrags (16-row m fragments per warp), tile (KV tokens per stage), stages, step (KV tokens per
     compute step, a divisor of the tile), wgmma (1: Hopper's warpgroup MMAs, see prefill_uses_wgmma)."""
     hpc = max(d for d in range(1, min(group, PREFILL_MAX_HEADS_PER_CHUNK) + 1) if group % d == 0)
-    return {"hpc": hpc, **_prefill_family(head_dim, kv_bytes, variant=variant)[member]}
+    return {"hpc": hpc, **_prefill_family(head_dim, kv_bytes, variant=variant, hpc=hpc)[member]}
 
 
 def prefill_uses_wgmma() -> bool:
@@ -216,14 +255,23 @@ def prefill_uses_wgmma() -> bool:
 
 
 def _prefill_family(head_dim: int, kv_bytes: int, wgmma: Optional[bool] = None,
-                    variant: Optional[Variant] = None) -> list:
+                    variant: Optional[Variant] = None, hpc: int = 1) -> list:
+    """The family's shapes (variant None: the default variant's), member 0 warp-specialised where the variant,
+    KV type and heads per chunk allow it (_PREFILL_WS_MEMBER0)."""
     if wgmma is None:
         wgmma = prefill_uses_wgmma()
     table = _PREFILL_SHAPES_WGMMA if wgmma else _PREFILL_SHAPES_SYNC
     if wgmma and variant is not None and variant.mask_is_kv_range:
         table = {**table, **_PREFILL_SHAPES_WGMMA_WINDOW}
     keys = ("warps", "mfrags", "tile", "stages", "step")
-    return [{**dict(zip(keys, s)), "wgmma": int(wgmma), "producer": 0} for s in table[(head_dim, kv_bytes)]]
+    family = [{**dict(zip(keys, s)), "wgmma": int(wgmma), "producer": 0} for s in table[(head_dim, kv_bytes)]]
+    ws = _PREFILL_WS_MEMBER0.get(head_dim) if wgmma else None
+    if ws:
+        hooks = variant is not None and bool(variant.logits_transform or variant.logits_mask)
+        shape = {**dict(zip(keys, ws["hooks" if hooks else "plain"])), "wgmma": 1, "producer": 1}
+        if not _producer_blockers(variant, head_dim, kv_bytes, {**shape, "hpc": hpc}):
+            family[0] = shape
+    return family
 
 
 def prefill_family_shapes(head_dim: int, kv_dtype: str, wgmma: Optional[bool] = None,
@@ -261,6 +309,8 @@ def _prefill_q_buffers(variant: Variant, head_dim: int, kv_bytes: int, shape: di
     the copy's registers and the shared memory it takes from L1, which holds the spills. At 12 warps the
     copy measured faster with hooks (16x1k: window 360 vs 377 us, ALiBi 357 vs 391); at 8 warps (the
     second member) it was not timed with hooks."""
+    if shape.get("producer"):  # the producer warpgroup copies every sub-item's query tile
+        return shape["stages"]
     hooks = variant.logits_transform or variant.logits_mask
     copy = _prefill_q_copy_possible(variant, head_dim, kv_bytes, shape) and not (hooks and shape["warps"] >= 16)
     return shape["stages"] if copy else 1
@@ -309,7 +359,7 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     if smem > SMEM_PER_CTA:
         raise ValueError(f"prefill kernel shape {shape} for head_dim {head_dim} needs {smem} bytes of shared "
                          f"memory; a CTA may use at most {SMEM_PER_CTA}")
-    chosen = shape["stages"] if shape["producer"] else _prefill_q_buffers(variant, head_dim, kv_bytes, shape)
+    chosen = _prefill_q_buffers(variant, head_dim, kv_bytes, shape)
     if shape["producer"] and q_buffers not in (None, shape["stages"]):
         raise ValueError(f"a warp-specialised prefill kernel (producer=1) needs q_buffers = stages ({shape['stages']}); "
                          f"got {q_buffers}")
@@ -335,22 +385,7 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
 
 
 def _check_producer(variant: Variant, head_dim: int, kv_bytes: int, shape: dict) -> None:
-    """Whether a shape can run warp-specialised (prefill::Config::kProducer): the producer warpgroup copies the
-    query tiles (so wgmma, no QueryTransform) and K/V straight into the MMAs' layout (16-bit KV, no
-    KeyTransform), 8 / 16 / 4 query rows per copy round at head_dim 64 / 128 / 256 (a whole number of GQA
-    groups)."""
-    why = []
-    if not shape.get("wgmma"):
-        why.append("wgmma=1")
-    if kv_bytes != 2:
-        why.append("a 16-bit KV cache (fp8 KV is converted by every warp per tile)")
-    if variant.query_transform or variant.key_transform:
-        why.append("no QueryTransform / KeyTransform (RoPE)")
-    rows_per_round = 128 // (head_dim * 2 // 16)
-    if rows_per_round % shape["hpc"] or (16 * shape["mfrags"] * shape["warps"]) % rows_per_round:
-        why.append(f"heads per chunk dividing {rows_per_round}")
-    if shape["warps"] % 4:
-        why.append("whole compute warpgroups (warps a multiple of 4)")
+    why = _producer_blockers(variant, head_dim, kv_bytes, shape)
     if why:
         raise ValueError(f"tuning producer=1 (warp-specialised prefill) needs {', '.join(why)}; shape {shape}")
 

@@ -189,7 +189,7 @@ def test_ragged_plus_paged_prefix_merged():
 # The warp-specialised prefill (prefill::Config::kProducer): a producer warpgroup loads, the compute
 # warpgroups consume tiles through mbarriers at their own pace. Forced by tuning, head_dim 256 at one
 # compute warpgroup (two of its query buffers and stages fit).
-_WS = {64: {"warps": 12, "producer": 1}, 128: {"warps": 12, "producer": 1}, 256: {"warps": 4, "producer": 1}}
+_WS = {64: {"warps": 12, "mfrags": 1, "producer": 1}, 128: {"warps": 12, "mfrags": 1, "producer": 1}, 256: {"warps": 4, "mfrags": 1, "producer": 1}}
 
 
 # Two compute warpgroups (384 threads: registers move from the producer), one or two fragments each.

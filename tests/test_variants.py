@@ -95,9 +95,16 @@ def test_prefill_shared_memory_mirror_matches(build_env, monkeypatch):
         kv_bytes = 1 if kv.startswith("fp8") else 2
         shape = W._prefill_shape(d, kv_bytes, g, m, v)
         assert shape["wgmma"]
-        assert shape["warps"] == (12 if v.mask_is_kv_range and d == 128 and m == 0 else W._prefill_family(d, kv_bytes)[m]["warps"])
+        hooks = bool(v.logits_transform or v.logits_mask)
+        ws = d == 128 and m == 0 and kv_bytes == 2 and not (v.query_transform or v.key_transform)
+        assert shape["producer"] == int(ws), (v.name, d, kv, m)
+        if ws:  # warp-specialised member 0 (_PREFILL_WS_MEMBER0): 12 x 1 with logits hooks, else 8 x 2
+            assert (shape["warps"], shape["mfrags"]) == ((12, 1) if hooks else (8, 2)), (v.name, shape)
+        else:
+            assert shape["warps"] == (12 if v.mask_is_kv_range and d == 128 and m == 0
+                                      else W._prefill_family(d, kv_bytes)[m]["warps"])
         qb = W._prefill_q_buffers(v, d, kv_bytes, shape)
-        hooks_at_16 = (v.logits_transform or v.logits_mask) and shape["warps"] >= 16
+        hooks_at_16 = hooks and shape["warps"] >= 16
         assert qb == (1 if v.query_transform or hooks_at_16 or d == 256 else shape["stages"]), (v.name, d, qb)
         assert launcher.smem_bytes == W._prefill_smem_bytes(d, kv_bytes, shape, qb) <= W.SMEM_PER_CTA, (v.name, d, kv, m)
 
@@ -244,18 +251,24 @@ def test_warp_specialised_prefill_specs(monkeypatch):
     every stage, refused by name where it cannot run (fp8 KV, RoPE, mma.sync, GQA groups that do not
     divide the producer's query rows per copy round)."""
     monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", "90a")
-    ws = {"warps": 12, "producer": 1}
+    ws = {"warps": 12, "mfrags": 1, "producer": 1}
     spec = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning=ws)
     config = spec.params["CONFIG"].split(", ")
     assert config[-1] == "true" and config[-2] == config[7], config  # producer, q_buffers == stages
-    assert spec.memo_key != W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={"warps": 12}).memo_key
-    assert W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4).params["CONFIG"].endswith("false")
+    no_producer = {"warps": 12, "mfrags": 1, "producer": 0}
+    assert spec.memo_key != W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning=no_producer).memo_key
+    # member 0 by default where it can (_PREFILL_WS_MEMBER0); not with fp8 KV, RoPE, or 16 heads a chunk
+    assert W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4).params["CONFIG"].endswith("true")
+    assert W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, member=1).params["CONFIG"].endswith("false")
+    assert W.prefill_spec(V.DEFAULT, 128, "bf16", "fp8_e4m3", 4).params["CONFIG"].endswith("false")
+    assert W.prefill_spec(V.ROPE, 128, "bf16", "bf16", 4).params["CONFIG"].endswith("false")
+    assert W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 16).params["CONFIG"].endswith("false")
     with pytest.raises(ValueError, match="producer=1.*16-bit KV"):
         W.prefill_spec(V.DEFAULT, 128, "bf16", "fp8_e4m3", 4, tuning=ws)
     with pytest.raises(ValueError, match="producer=1.*RoPE"):
         W.prefill_spec(V.ROPE, 128, "bf16", "bf16", 4, tuning=ws)
     with pytest.raises(ValueError, match="producer=1.*heads per chunk dividing 4"):
-        W.prefill_spec(V.DEFAULT, 256, "bf16", "bf16", 8, tuning={"warps": 4, "producer": 1})
+        W.prefill_spec(V.DEFAULT, 256, "bf16", "bf16", 8, tuning={"warps": 4, "mfrags": 1, "producer": 1})
     with pytest.raises(ValueError, match="q_buffers"):
         W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "q_buffers": 1})
     monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", "80")

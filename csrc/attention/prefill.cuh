@@ -33,9 +33,14 @@
 // other's MMAs (compute_tile); the H100 family runs 16 warps x 1 fragment instead (four warpgroups hide
 // each other's MMA -> softmax -> MMA latency better, even where variants spill; fi_backend/wrappers.py).
 // Tried and slower: fragments pairing an early and a late 64-row block with MMAs skipped for fragments
-// past the causal diagonal (more registers, 3-5% slower at every length). Next: overlap across steps
-// (S of the next step during this one's P.V), a producer warp with TMA or its own barriers instead of
-// one CTA barrier per tile.
+// past the causal diagonal (more registers, 3-5% slower at every length).
+// Warp-specialised (Cfg::kProducer, the default for 16-bit KV without Q/K transforms: wrappers.py,
+// _PREFILL_WS_MEMBER0): a producer warpgroup runs the loader (Loader::produce) and hands stages over
+// through full / empty mbarriers, so there is no CTA barrier per tile: a warpgroup with less to do in a
+// tile (causal diagonal, window edges) runs up to kStages tiles ahead, and the compute warps never issue
+// copies or page lookups. setmaxnreg gives the compute warps the registers the producer does not need
+// (8 x 2 fragments at 232, 12 x 1 at 152). Next: overlap across steps (S of the next step during this
+// one's P.V), as FA3 does.
 // MMAs run in the query's type. fp8 KV and key transforms (RoPE) go through one pass over the landed
 // tile: fp8 is converted exactly into a 16-bit copy (e4m3 and e5m2 are exact in bf16 and fp16), a
 // KeyTransform rotates K in fp32 in that pass; the per-tensor scales fold into the logits scale and
