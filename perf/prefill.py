@@ -346,6 +346,18 @@ def measure(fn, rep: int) -> dict:
     return time_us(fn, rep=timed_reps((time.perf_counter() - t0) * 1e6, rep))
 
 
+def time_tunings(case: Case, tunings: list, rep: int, out, label: str, **kw) -> dict:
+    """Median us of ours with each kernel shape forced, on the same inputs in the same process (an A/B of
+    shapes), keyed by the tuning's JSON; each output checked against `out` (the wrapper's own pick)."""
+    by = {}
+    for tuning in tunings:
+        tfn, tout, _ = ours_fn(case, tuning=tuning, **kw)
+        by[json.dumps(tuning)] = measure(tfn, rep)["median_us"]
+        _check(f"{label} {json.dumps(tuning)} vs the pick", diff_stats(tout, out))
+        del tfn, tout
+    return by
+
+
 # ------------------------------------------------------------------------------------------------ sections
 
 def fa2_section(a) -> dict:
@@ -370,13 +382,8 @@ def fa2_section(a) -> dict:
             t = measure(fn, a.rep)
             r.update(ours_us=t["median_us"], ours_p10_us=t["p10_us"], ours_p90_us=t["p90_us"], rep=t["rep"])
             r["ours_tflops"] = tflops(flops, r["ours_us"])
-            if a.fa2_tunings:  # the same inputs with other kernel shapes forced: an A/B in one process
-                r["ours_us_by_tuning"] = {}
-                for tuning in a.fa2_tunings:
-                    tfn, tout, _ = ours_fn(case, tuning=tuning)
-                    r["ours_us_by_tuning"][json.dumps(tuning)] = measure(tfn, a.rep)["median_us"]
-                    _check(f"fa2 {hkv} kv heads {b}x{s} {json.dumps(tuning)} vs ours", diff_stats(tout, out))
-                    del tfn, tout
+            if a.fa2_tunings:
+                r["ours_us_by_tuning"] = time_tunings(case, a.fa2_tunings, a.rep, out, f"fa2 {hkv} kv heads {b}x{s}")
             anchors = [("fi_fa2", fa2.fn)] + ([("fi_fa3", fa3.fn)] if fa3 else [])
             if vfunc is not None:
                 anchors.append(("vllm_fa3", lambda c: vllm_fn(vfunc, c)))
@@ -559,12 +566,9 @@ def flex_section(a) -> dict:
                  "date": stamp["date"], "commit": stamp["commit"]}
             r["ours_us"] = measure(fn, a.rep)["median_us"]
             r["ours_tflops"] = tflops(flops, r["ours_us"])
-            if a.flex_tunings:  # the same inputs with other kernel shapes forced (choosing a variant's shape)
-                r["ours_us_by_tuning"] = {}
-                for tuning in a.flex_tunings:
-                    tfn, _, _ = ours_fn(case, variant=variant, params=params, tuning=tuning)
-                    r["ours_us_by_tuning"][json.dumps(tuning)] = measure(tfn, a.rep)["median_us"]
-                    del tfn
+            if a.flex_tunings:
+                r["ours_us_by_tuning"] = time_tunings(case, a.flex_tunings, a.rep, out, f"flex {name} {b}x{s}",
+                                                      variant=variant, params=params)
                 log(f"flex {name:20s} {b:2d}x{s:5d}: ours us " + ", ".join(
                     f"{k} {v:.1f}" for k, v in [("pick", r["ours_us"]), *r["ours_us_by_tuning"].items()]))
             res = {}
@@ -715,6 +719,24 @@ def _f(x, spec=".1f"):
     return "-" if x is None else format(x, spec)
 
 
+def _tuning_table(rows: list, anchor: str, anchor_key: str, label: str, label_of) -> list:
+    """Markdown lines of ours with kernel shapes forced (--fa2-tunings / --flex-tunings; none: no lines), us and
+    the anchor's time over ours from the same run, beside the wrapper's own pick."""
+    tunings = list(dict.fromkeys(t for x in rows for t in x.get("ours_us_by_tuning", {})))
+    if not tunings:
+        return []
+    lines = [f"Ours with the kernel shape forced (us, and {anchor} / ours from the same run; `pick`: the wrapper's "
+             "own choice):", "",
+             f"| {label} | batch x len | pick | " + " | ".join(f"`{t}`" for t in tunings) + " |",
+             "|---|---|---|" + "---|" * len(tunings)]
+    for x in rows:
+        by, ref = x.get("ours_us_by_tuning", {}), x.get(anchor_key)
+        cell = lambda us: "-" if us is None else f"{us:.1f}" + (f" ({ref / us:.3f})" if ref else "")  # noqa: E731
+        lines.append(f"| {label_of(x)} | {x['batch']}x{x['seq_len']} | {cell(x['ours_us'])} | "
+                     + " | ".join(cell(by.get(t)) for t in tunings) + " |")
+    return lines + [""]
+
+
 def write_report(json_path) -> Path:
     """perf/results/<name>.md: the tables of a results JSON (its figures; nothing recomputed but formatting)."""
     r = json.loads(Path(json_path).read_text())
@@ -741,19 +763,8 @@ def write_report(json_path) -> Path:
             cells.append(_f(x.get("check_vs_fi_fa2", {}).get("max_abs_diff"), ".2e"))
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
-        tunings = list(dict.fromkeys(t for x in s["rows"] for t in x.get("ours_us_by_tuning", {})))
-        if tunings:  # --fa2-tunings: ours with kernel shapes forced, same inputs, same process
-            lines += ["Ours with the kernel shape forced (us, and FI FA2 / ours from the same run; `pick`: the "
-                      "wrapper's own choice):", "",
-                      "| heads q/kv | batch x len | pick | " + " | ".join(f"`{t}`" for t in tunings) + " |",
-                      "|---|---|---|" + "---|" * len(tunings)]
-            for x in s["rows"]:
-                by = x.get("ours_us_by_tuning", {})
-                fa2 = x.get("fi_fa2_us")
-                cell = lambda us: "-" if us is None else f"{us:.1f}" + (f" ({fa2 / us:.3f})" if fa2 else "")  # noqa: E731
-                lines.append(f"| {x['num_qo_heads']}/{x['num_kv_heads']} | {x['batch']}x{x['seq_len']} | "
-                             f"{cell(x['ours_us'])} | " + " | ".join(cell(by.get(t)) for t in tunings) + " |")
-            lines.append("")
+        lines += _tuning_table(s["rows"], "FI FA2", "fi_fa2_us", "heads q/kv",
+                               lambda x: f"{x['num_qo_heads']}/{x['num_kv_heads']}")
     if "paged" in r:
         s = r["paged"]
         fi = any("fi_fa2_page16_us" in x for x in s["rows"])
@@ -784,18 +795,7 @@ def write_report(json_path) -> Path:
                          f"{_f(x['ratio_flex_over_ours'], '.3f')} | {_f(x.get('flex_first_call_s'))} | "
                          f"{_f(x['check_vs_flex']['max_abs_diff'], '.2e')} |")
         lines.append("")
-        tunings = list(dict.fromkeys(t for x in s["rows"] for t in x.get("ours_us_by_tuning", {})))
-        if tunings:  # --flex-tunings: ours with kernel shapes forced, same inputs
-            lines += ["Ours with the kernel shape forced (us, and flex / ours from the same run; `pick`: the wrapper's "
-                      "own choice):", "",
-                      "| variant | batch x len | pick | " + " | ".join(f"`{t}`" for t in tunings) + " |",
-                      "|---|---|---|" + "---|" * len(tunings)]
-            for x in s["rows"]:
-                by = x.get("ours_us_by_tuning", {})
-                cell = lambda us: "-" if us is None else f"{us:.1f} ({x['flex_us'] / us:.3f})"  # noqa: E731
-                lines.append(f"| {x['variant']} | {x['batch']}x{x['seq_len']} | {cell(x['ours_us'])} | "
-                             + " | ".join(cell(by.get(t)) for t in tunings) + " |")
-            lines.append("")
+        lines += _tuning_table(s["rows"], "flex", "flex_us", "variant", lambda x: x["variant"])
     if "family" in r:
         s = r["family"]
         n = len(s["members"])
