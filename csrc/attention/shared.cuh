@@ -451,12 +451,17 @@ struct Loader {
   // first item and the first kStages - 1 tiles issued; false when the queue is empty. step(): at the top
   // of iteration j (after the wait and barrier), issue the tile kStages - 1 ahead into the stage that
   // iteration j - 1 consumed, and move on.
-  static __device__ __forceinline__ bool start(const Params& p, const VariantParams& vp, uint8_t* smem, Cursor& cur,
-                                               int (&page)[kLookups], int (&slot)[kLookups]) {
+  // The cursor at the CTA's first item (done when its queue is empty).
+  static __device__ __forceinline__ void seek_queue(const Params& p, const VariantParams& vp, Cursor& cur) {
     const int32_t* cta_indptr = p.plan + FI_PLAN_HEADER_INTS;
     cur.item = __ldg(cta_indptr + blockIdx.x);
     cur.item_end = __ldg(cta_indptr + blockIdx.x + 1);
     seek_item(p, vp, cur);
+  }
+
+  static __device__ __forceinline__ bool start(const Params& p, const VariantParams& vp, uint8_t* smem, Cursor& cur,
+                                               int (&page)[kLookups], int (&slot)[kLookups]) {
+    seek_queue(p, vp, cur);
     if (cur.done) return false;
     prefetch_pages(p, cur, page, slot);
 #pragma unroll
@@ -497,10 +502,7 @@ struct Loader {
     constexpr int kBarrierId = 9;  // the producer's own named barrier (the compute side's is 8)
     Cursor cur;
     int page[kLookups], slot[kLookups];
-    const int32_t* cta_indptr = p.plan + FI_PLAN_HEADER_INTS;
-    cur.item = __ldg(cta_indptr + blockIdx.x);
-    cur.item_end = __ldg(cta_indptr + blockIdx.x + 1);
-    seek_item(p, vp, cur);
+    seek_queue(p, vp, cur);  // an empty queue: the first tile is the kEnd record
     prefetch_pages(p, cur, page, slot);
 #pragma unroll 1
     for (int j = 0;; ++j) {
