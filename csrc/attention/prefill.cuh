@@ -425,19 +425,17 @@ struct Kernel {
     a[3] = ptx::pack2<kBf16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
   }
 
-  // Scale, LogitsTransform and LogitsMask (natural units), then the online softmax in log2 units, of m
-  // fragment mf: S becomes P in place, O is rescaled. kMask: the per-element mask runs (else the step is
-  // full, visible to every row, and the softmax works on raw logits with the scale folded into its
-  // exponent: one FFMA per element).
+  // Scale, LogitsTransform and LogitsMask (natural units), in place on S of m fragment mf. kMask: the
+  // per-element mask runs (else the step is full, visible to every row, and without a LogitsTransform S
+  // stays raw: the softmax folds the scale into its exponent, one FFMA per element).
   template <bool kMask>
-  static __device__ __forceinline__ void softmax_frag(const Params& p, const VariantParams& vp, const Work& w,
-                                                      int tile_begin, int n_valid, int kv_head, int mf,
-                                                      float (&s)[kNTiles][4], float (&m_run)[2], float (&d_run)[2],
-                                                      float (&o)[kDTiles][4]) {
+  static __device__ __forceinline__ void logits_frag(const Params& p, const VariantParams& vp, const Work& w,
+                                                     int tile_begin, int n_valid, int kv_head, int mf,
+                                                     float (&s)[kNTiles][4]) {
     constexpr bool kRaw = !kMask && !Variant::kHasLogitsTransform;
+    if constexpr (kRaw && Variant::kUseSoftmax) return;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c = lane & 3, g = lane >> 2;
     const float scale_log2 = p.logits_scale * kLog2e;
-    float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       constexpr bool kCtx = Variant::kHasLogitsMask || Variant::kHasLogitsTransform;  // hooks see LogitsCtx
@@ -466,11 +464,8 @@ struct Kernel {
           if constexpr (Variant::kUseSoftmax) {
             if constexpr (Variant::kHasLogitsTransform)
               y = ok ? Variant::logits_transform(vp, x * p.logits_scale, ctx) * kLog2e : -INFINITY;
-            else if constexpr (kRaw)
-              y = x;
             else
               y = ok ? x * scale_log2 : -INFINITY;
-
           } else {
             if constexpr (Variant::kHasLogitsTransform)
               y = ok ? Variant::logits_transform(vp, x * p.logits_scale, ctx) : 0.f;
@@ -480,10 +475,34 @@ struct Kernel {
           s[nt][e] = y;
         }
     }
+  }
+
+  // The logits pass, then the online softmax, of m fragment mf: S becomes P in place, O is rescaled.
+  // kMode: kFull, kMasked (logits_frag's kMask), or kMaskedIf: masked iff `masked`, one copy of the
+  // softmax and the MMAs for both (wgmma: with a full and a masked copy of the step, each its own wgmma
+  // pipeline, ptxas ran out of registers at 8 x 2 (232) and 16 x 1 (128) and serialised every wgmma of
+  // the kernel, C7512: each HGMMA waited for before the next issued; perf/ptxas.py reports it).
+  static constexpr int kFull = 0, kMasked = 1, kMaskedIf = 2;
+  template <int kMode>
+  static __device__ __forceinline__ void softmax_frag(const Params& p, const VariantParams& vp, const Work& w,
+                                                      int tile_begin, int n_valid, int kv_head, int mf, bool masked,
+                                                      float (&s)[kNTiles][4], float (&m_run)[2], float (&d_run)[2],
+                                                      float (&o)[kDTiles][4]) {
+    bool raw;  // S holds raw logits (scale not applied)
+    if constexpr (kMode == kMaskedIf) {
+      if (masked) logits_frag<true>(p, vp, w, tile_begin, n_valid, kv_head, mf, s);
+      else logits_frag<false>(p, vp, w, tile_begin, n_valid, kv_head, mf, s);
+      raw = !masked && !Variant::kHasLogitsTransform;
+    } else {
+      logits_frag<kMode == kMasked>(p, vp, w, tile_begin, n_valid, kv_head, mf, s);
+      raw = kMode == kFull && !Variant::kHasLogitsTransform;
+    }
+    const float scale_log2 = p.logits_scale * kLog2e;
+    float mx[2] = {-INFINITY, -INFINITY};
 
     // ---- online softmax of rows g (hf 0) and g + 8 (hf 1); a row lives in the 4 lanes of a quad
     if constexpr (Variant::kUseSoftmax) {
-      const float sl = kRaw ? scale_log2 : 1.f;  // raw logits -> log2 units
+      const float sl = raw ? scale_log2 : 1.f;  // raw logits -> log2 units
       float alpha[2];
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
@@ -524,10 +543,10 @@ struct Kernel {
   // wgmma: a fragment's softmax runs while the tensor cores work on the other fragment's MMAs (S of all
   // fragments issued first; before fragment mf's softmax, kMF - 1 groups may still be in flight: the
   // later fragments' S and the earlier fragments' P.V).
-  template <bool kMask>
+  template <int kMode>
   static __device__ __forceinline__ void compute_tile(const Params& p, const VariantParams& vp, uint32_t qs,
                                                       uint32_t ks, uint32_t vs, int t0, const Work& w, int tile_begin,
-                                                      int n_valid, int kv_head, float (&m_run)[kMF][2],
+                                                      int n_valid, int kv_head, bool masked, float (&m_run)[kMF][2],
                                                       float (&d_run)[kMF][2], float (&o)[kMF][kDTiles][4]) {
     float s[kMF][kNTiles][4];
     if constexpr (kWgmma) {
@@ -540,7 +559,7 @@ struct Kernel {
 #pragma unroll
       for (int mf = 0; mf < kMF; ++mf) {
         wgmma::wait<kMF - 1>();
-        softmax_frag<kMask>(p, vp, w, tile_begin, n_valid, kv_head, mf, s[mf], m_run[mf], d_run[mf], o[mf]);
+        softmax_frag<kMode>(p, vp, w, tile_begin, n_valid, kv_head, mf, masked, s[mf], m_run[mf], d_run[mf], o[mf]);
         pv_wgmma(vs, t0, s[mf], o[mf]);
         wgmma::commit();
       }
@@ -549,7 +568,7 @@ struct Kernel {
       qk_sync(qs, ks, t0, s);
 #pragma unroll
       for (int mf = 0; mf < kMF; ++mf)
-        softmax_frag<kMask>(p, vp, w, tile_begin, n_valid, kv_head, mf, s[mf], m_run[mf], d_run[mf], o[mf]);
+        softmax_frag<kMode>(p, vp, w, tile_begin, n_valid, kv_head, mf, masked, s[mf], m_run[mf], d_run[mf], o[mf]);
       pv_sync(vs, t0, s, o);
     }
   }
@@ -685,10 +704,13 @@ struct Kernel {
                                (Variant::kMaskIsKvRange && (w.pos_off + step_begin < range_lo ||
                                                             w.pos_off + step_begin + kStep > range_hi)) ||
                                (p.causal && step_begin + kStep - 1 > climit_lo) || !(p.logits_scale > 0.f);
-        if (need_mask)
-          compute_tile<true>(p, vp, qs, ks, vs, st * kStep, w, step_begin, n_valid, kv_head, m_run, d_run, o);
+        if constexpr (kWgmma)
+          compute_tile<kMaskedIf>(p, vp, qs, ks, vs, st * kStep, w, step_begin, n_valid, kv_head, need_mask, m_run,
+                                  d_run, o);
+        else if (need_mask)
+          compute_tile<kMasked>(p, vp, qs, ks, vs, st * kStep, w, step_begin, n_valid, kv_head, true, m_run, d_run, o);
         else
-          compute_tile<false>(p, vp, qs, ks, vs, st * kStep, w, step_begin, n_valid, kv_head, m_run, d_run, o);
+          compute_tile<kFull>(p, vp, qs, ks, vs, st * kStep, w, step_begin, n_valid, kv_head, false, m_run, d_run, o);
       }
 
       if constexpr (Cfg::kProducer) {  // the record is read by finish: release after it
