@@ -208,8 +208,12 @@ _PREFILL_SHAPES_WGMMA_WINDOW = {
 #     soft-cap 327 / 3442 us, ALiBi 316 / 3406, window 307 / 1713 against 432 / 4076, 365 / 3741, 373 / 2135
 #     without a producer and 432 / 3968, 354 / 3619, 389 / 2483 at 8 x 2.
 _PREFILL_WS_MEMBER0 = {
-    128: {"plain": (8, 2, 64, 2, 64), "hooks": (12, 1, 64, 2, 64)},
+    128: {"plain": (8, 2, 64, 3, 64), "hooks": (12, 1, 64, 2, 64)},
 }
+# Query buffers of a warp-specialised kernel: the sub-item running and the next one, whose query tile the
+# producer copies ahead; each released through a barrier when its sub-item ends, so the stages are free
+# to be more (8 x 2: three 32 KB stages beside two 64 KB query buffers).
+PREFILL_PRODUCER_Q_BUFFERS = 2
 
 
 def _producer_blockers(variant: Optional[Variant], head_dim: int, kv_bytes: int, shape: dict) -> list:
@@ -228,9 +232,10 @@ def _producer_blockers(variant: Optional[Variant], head_dim: int, kv_bytes: int,
         why.append(f"heads per chunk dividing {rows_per_round}")
     if shape["warps"] % 4:
         why.append("whole compute warpgroups (warps a multiple of 4)")
-    smem = _prefill_smem_bytes(head_dim, kv_bytes, {**shape, "producer": 1}, shape["stages"])
+    smem = _prefill_smem_bytes(head_dim, kv_bytes, {**shape, "producer": 1}, PREFILL_PRODUCER_Q_BUFFERS)
     if smem > SMEM_PER_CTA:
-        why.append(f"a query buffer per stage within {SMEM_PER_CTA} bytes of shared memory (this shape: {smem})")
+        why.append(f"{PREFILL_PRODUCER_Q_BUFFERS} query buffers within {SMEM_PER_CTA} bytes of shared memory "
+                   f"(this shape: {smem})")
     return why
 
 
@@ -289,15 +294,16 @@ def prefill_family_size(head_dim: int, kv_dtype: str, tuning: Optional[dict] = N
 
 def _prefill_smem_bytes(head_dim: int, kv_bytes: int, shape: dict, q_buffers: int = 1) -> int:
     """Shared memory of a prefill shape with q_buffers query tiles; mirrors prefill::Config::kSmemBytes."""
-    record = 80
+    record = 80  # a TileRecord per stage, apart from the stages
     align = 1024 if shape.get("wgmma") else 128
-    stage = (2 * shape["tile"] * head_dim * kv_bytes + record + align - 1) // align * align
+    stage = (2 * shape["tile"] * head_dim * kv_bytes + align - 1) // align * align
     convert = 2 * shape["tile"] * head_dim * 2 if kv_bytes == 1 else 0
     tile_rows = 16 * shape["mfrags"] * shape["warps"]
     row_offsets = 2 * shape["tile"] * 8  # the loader's published row offsets, two tiles
-    barriers = 16 * shape["stages"] if shape.get("producer") else 0  # full / empty mbarriers per stage
-    return (shape["stages"] * stage + q_buffers * tile_rows * head_dim * 2 + convert + tile_rows * 4 + row_offsets
-            + barriers)
+    # full / empty mbarriers per stage, qempty per query buffer
+    barriers = 16 * shape["stages"] + 8 * q_buffers if shape.get("producer") else 0
+    return (shape["stages"] * (stage + record) + q_buffers * tile_rows * head_dim * 2 + convert + tile_rows * 4
+            + row_offsets + barriers)
 
 
 def _prefill_q_buffers(variant: Variant, head_dim: int, kv_bytes: int, shape: dict) -> int:
@@ -310,7 +316,7 @@ def _prefill_q_buffers(variant: Variant, head_dim: int, kv_bytes: int, shape: di
     copy measured faster with hooks (16x1k: window 360 vs 377 us, ALiBi 357 vs 391); at 8 warps (the
     second member) it was not timed with hooks."""
     if shape.get("producer"):  # the producer warpgroup copies every sub-item's query tile
-        return shape["stages"]
+        return PREFILL_PRODUCER_Q_BUFFERS
     hooks = variant.logits_transform or variant.logits_mask
     copy = _prefill_q_copy_possible(variant, head_dim, kv_bytes, shape) and not (hooks and shape["warps"] >= 16)
     return shape["stages"] if copy else 1
@@ -360,11 +366,16 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
         raise ValueError(f"prefill kernel shape {shape} for head_dim {head_dim} needs {smem} bytes of shared "
                          f"memory; a CTA may use at most {SMEM_PER_CTA}")
     chosen = _prefill_q_buffers(variant, head_dim, kv_bytes, shape)
-    if shape["producer"] and q_buffers not in (None, shape["stages"]):
-        raise ValueError(f"a warp-specialised prefill kernel (producer=1) needs q_buffers = stages ({shape['stages']}); "
-                         f"got {q_buffers}")
+    if shape["producer"] and q_buffers is not None and not (isinstance(q_buffers, int) and q_buffers >= 2):
+        raise ValueError(f"a warp-specialised prefill kernel (producer=1) needs q_buffers >= 2 (the producer copies "
+                         f"the next sub-item's query tile while this one runs); got {q_buffers}")
     if q_buffers is None:
         q_buffers = chosen
+    elif shape["producer"]:
+        smem = _prefill_smem_bytes(head_dim, kv_bytes, shape, q_buffers)
+        if smem > SMEM_PER_CTA:
+            raise ValueError(f"tuning q_buffers {q_buffers} with shape {shape} needs {smem} bytes of shared memory; "
+                             f"a CTA may use at most {SMEM_PER_CTA}")
     elif q_buffers != 1 and (q_buffers != shape["stages"] or
                              not _prefill_q_copy_possible(variant, head_dim, kv_bytes, shape)):
         raise ValueError(f"tuning q_buffers must be 1 or the stages ({shape['stages']}), and more than 1 only with "

@@ -105,7 +105,8 @@ def test_prefill_shared_memory_mirror_matches(build_env, monkeypatch):
                                       else W._prefill_family(d, kv_bytes)[m]["warps"])
         qb = W._prefill_q_buffers(v, d, kv_bytes, shape)
         hooks_at_16 = hooks and shape["warps"] >= 16
-        assert qb == (1 if v.query_transform or hooks_at_16 or d == 256 else shape["stages"]), (v.name, d, qb)
+        assert qb == (W.PREFILL_PRODUCER_Q_BUFFERS if ws else
+                      1 if v.query_transform or hooks_at_16 or d == 256 else shape["stages"]), (v.name, d, qb)
         assert launcher.smem_bytes == W._prefill_smem_bytes(d, kv_bytes, shape, qb) <= W.SMEM_PER_CTA, (v.name, d, kv, m)
 
 
@@ -247,14 +248,18 @@ def test_prefill_family_follows_the_arch_list(monkeypatch):
 
 
 def test_warp_specialised_prefill_specs(monkeypatch):
-    """producer=1 (a producer warpgroup, prefill::Config::kProducer): its own module with the query copy in
-    every stage, refused by name where it cannot run (fp8 KV, RoPE, mma.sync, GQA groups that do not
-    divide the producer's query rows per copy round)."""
+    """producer=1 (a producer warpgroup, prefill::Config::kProducer): its own module with the query copy into
+    PREFILL_PRODUCER_Q_BUFFERS buffers (or q_buffers >= 2), refused by name where it cannot run (fp8 KV, RoPE,
+    mma.sync, GQA groups that do not divide the producer's query rows per copy round, shared memory)."""
     monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", "90a")
     ws = {"warps": 12, "mfrags": 1, "producer": 1}
     spec = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning=ws)
     config = spec.params["CONFIG"].split(", ")
-    assert config[-1] == "true" and config[-2] == config[7], config  # producer, q_buffers == stages
+    assert config[-1] == "true" and config[-2] == str(W.PREFILL_PRODUCER_Q_BUFFERS), config  # producer, q_buffers
+    three = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "stages": 3}).params["CONFIG"].split(", ")
+    assert three[7] == "3" and three[-2] == "2", three  # more stages than query buffers
+    assert W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "stages": 2, "q_buffers": 3}).params["CONFIG"].split(
+        ", ")[-2] == "3"
     no_producer = {"warps": 12, "mfrags": 1, "producer": 0}
     assert spec.memo_key != W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning=no_producer).memo_key
     # member 0 by default where it can (_PREFILL_WS_MEMBER0); not with fp8 KV, RoPE, or 16 heads a chunk
@@ -269,8 +274,10 @@ def test_warp_specialised_prefill_specs(monkeypatch):
         W.prefill_spec(V.ROPE, 128, "bf16", "bf16", 4, tuning=ws)
     with pytest.raises(ValueError, match="producer=1.*heads per chunk dividing 4"):
         W.prefill_spec(V.DEFAULT, 256, "bf16", "bf16", 8, tuning={"warps": 4, "mfrags": 1, "producer": 1})
-    with pytest.raises(ValueError, match="q_buffers"):
+    with pytest.raises(ValueError, match="q_buffers >= 2"):
         W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "q_buffers": 1})
+    with pytest.raises(ValueError, match="q_buffers 4 .* at most"):  # 4 x 48 KB of queries + 2 stages
+        W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "stages": 2, "q_buffers": 4})
     monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", "80")
     with pytest.raises(ValueError, match="producer=1.*wgmma=1"):
         W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning=ws)

@@ -60,6 +60,7 @@ struct Config {
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kLaunchThreads = kThreads;
   static constexpr int kLoaderThreads = kThreads, kLoaderThread0 = 0;  // every thread loads (shared.cuh)
+  static constexpr bool kProducer = false;  // no producer warpgroup (shared.cuh)
   static constexpr int kSub = kSub_;  // 16-token blocks per warp per tile
   static constexpr int kTile = 16 * kSub * kWarps;
   static constexpr bool kFp8 = KV::kFp8;
@@ -86,6 +87,10 @@ struct Config {
   static constexpr int kRowOffsetsAt = kStages * kStageBytes + kMdBytes + 16;  // the loader's (shared.cuh)
   static constexpr int kSmemBytes = kRowOffsetsAt + 2 * kTile * 8;
   static __device__ __forceinline__ int tile_offset(int row, int chunk) { return rowmajor_offset<kRowBytes>(row, chunk); }
+  // Stage s's tile record: after its K, V and query slot.
+  static __device__ __forceinline__ TileRecord* record(uint8_t* smem, int s) {
+    return reinterpret_cast<TileRecord*>(smem + s * kStageBytes + 2 * kKvTileBytes + kQSlotBytes);
+  }
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim must be 64, 128 or 256");
   static_assert(kRows == 8 || kRows == 16, "packed rows per tile must be 8 or 16");
@@ -253,7 +258,7 @@ struct Kernel {
       __syncthreads();
       L::step(p, vp, smem, j, cur, page, slot);
 
-      const TileRecord* rec = reinterpret_cast<const TileRecord*>(stage + 2 * Cfg::kKvTileBytes + Cfg::kQSlotBytes);
+      const TileRecord* rec = Cfg::record(smem, st);
       const int flags = rec->flags;
       if (flags & kEnd) break;
       const Work& w = rec->w;

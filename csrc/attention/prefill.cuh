@@ -25,7 +25,7 @@
 // K from shared memory through descriptors, O += P V takes P from registers and V from shared memory:
 // the tensor cores read the operands themselves, without the per-warp ldmatrix traffic. For variants
 // without a QueryTransform or logits hooks, the loader copies each sub-item's query tile with its first
-// KV tile into a buffer per stage (Cfg::kQBuffers), so the queries' global-memory latency no longer
+// KV tile into a query buffer (Cfg::kQBuffers), so the queries' global-memory latency no longer
 // stalls every warp at each sub-item's start (2-12% on the fa2 benchmark shapes). The loader and
 // the fp8 / RoPE pass write 16-bit tiles in wgmma's 128-byte-swizzled column blocks (Cfg::tile_offset);
 // shared memory written by ordinary stores or cp.async is fenced into the async proxy before the
@@ -40,8 +40,9 @@
 // through full / empty mbarriers, so there is no CTA barrier per tile: a warpgroup with less to do in a
 // tile (causal diagonal, window edges) runs up to kStages tiles ahead, and the compute warps never issue
 // copies or page lookups. setmaxnreg gives the compute warps the registers the producer does not need
-// (8 x 2 fragments at 232, 12 x 1 at 152). Next: overlap across steps (S of the next step during this
-// one's P.V), as FA3 does.
+// (8 x 2 fragments at 232, 12 x 1 at 152). Its two query buffers are released through barriers, not
+// tied to the stages, so 8 x 2 runs three 32 KB stages. Next: overlap across steps (S of the next step
+// during this one's P.V), as FA3 does.
 // MMAs run in the query's type. fp8 KV and key transforms (RoPE) go through one pass over the landed
 // tile: fp8 is converted exactly into a 16-bit copy (e4m3 and e5m2 are exact in bf16 and fp16), a
 // KeyTransform rotates K in fp32 in that pass; the per-tensor scales fold into the logits scale and
@@ -128,7 +129,9 @@ struct Config {
   static constexpr int kCChunksPerRow = kCRowBytes / 16;
   static constexpr int kCTileBytes = kTile * kCRowBytes;
   static constexpr int kStageAlign = kWgmma ? 1024 : 128;  // wgmma's swizzle atoms are 1024-byte aligned
-  static constexpr int kStageBytes = (2 * kKvTileBytes + (int)sizeof(TileRecord) + kStageAlign - 1) / kStageAlign * kStageAlign;
+  // A stage is its K and V tiles only (the tile records live apart, kRecordsAt): at 8 x 2, three 32 KB
+  // stages then fit beside two 64 KB query buffers (a record per stage would round each up to 33 KB).
+  static constexpr int kStageBytes = (2 * kKvTileBytes + kStageAlign - 1) / kStageAlign * kStageAlign;
   static constexpr int kConvertBytes = kFp8 ? 2 * kCTileBytes : 0;
   static constexpr int kQRowBytes = kHeadDim * 2;  // the query tile, [kTileRows][D], swizzled
   static constexpr int kQChunksPerRow = kQRowBytes / 16;
@@ -136,22 +139,27 @@ struct Config {
   static constexpr int kFlagBytes = kTileRows * 4;  // rows whose split merge this CTA owns
   static constexpr int kQAt = kStages * kStageBytes;
   // wgmma reads Q from shared memory, so the loader can copy the next sub-item's query tile with its first
-  // KV tile (kQBuffers = kStages, one buffer per stage; shared.cuh): its global-memory latency then
-  // overlaps the current sub-item instead of stalling every warp at each sub-item's start. Else (1) the
-  // warps load Q themselves (load_q). fi_backend/wrappers.py (_prefill_q_buffers) decides, per variant.
+  // KV tile (kQBuffers > 1; shared.cuh): its global-memory latency then overlaps the current sub-item
+  // instead of stalling every warp at each sub-item's start. Without a producer, one buffer per stage;
+  // with one, two or more, each released by the compute warps through a barrier when its sub-item ends.
+  // Else (1) the warps load Q themselves (load_q). fi_backend/wrappers.py (_prefill_q_buffers) decides.
   static constexpr int kQBuffers = kQBuffers_;
-  static constexpr int kRowOffsetsAt = kQAt + kQBuffers * kQBytes + kConvertBytes + kFlagBytes;
+  static constexpr int kRecordsAt = kQAt + kQBuffers * kQBytes + kConvertBytes + kFlagBytes;
+  static constexpr int kRowOffsetsAt = kRecordsAt + kStages * (int)sizeof(TileRecord);
   static constexpr int kBarriersAt = kRowOffsetsAt + 2 * kTile * 8;  // after the loader's row offsets (shared.cuh)
-  static constexpr int kSmemBytes = kBarriersAt + (kProducer ? 16 * kStages : 0);  // full[], empty[] mbarriers
+  // full[kStages], empty[kStages], qempty[kQBuffers] mbarriers
+  static constexpr int kSmemBytes = kBarriersAt + (kProducer ? 16 * kStages + 8 * kQBuffers : 0);
+  static_assert(sizeof(TileRecord) % 8 == 0 && kRecordsAt % 16 == 0, "tile records, row offsets: 8-byte aligned");
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim must be 64, 128 or 256");
   static_assert(kStages >= 2, "the pipeline needs at least two stages");
-  static_assert(kQBuffers == 1 || (kWgmma && kQBuffers == kStages), "query buffers: 1, or one per stage (wgmma)");
+  static_assert(kQBuffers == 1 || (kWgmma && (kQBuffers == kStages || (kProducer && kQBuffers >= 2))),
+                "query buffers: 1, one per stage (wgmma), or 2 or more released through barriers (producer)");
   static_assert(kHeadsPerChunk >= 1 && kHeadsPerChunk <= kTileRows, "heads per chunk must fit in a tile");
   static_assert(kTile >= 16 && (kTile & (kTile - 1)) == 0, "KV tile: a power of two >= 16 (16-token blocks, tree max)");
   static_assert(kStep >= 16 && (kStep & (kStep - 1)) == 0 && kTile % kStep == 0, "compute step: a power of two dividing the tile");
   static_assert(kLoaderThreads % kChunksPerRow == 0, "loader shape");
-  static_assert(!kProducer || (kWgmma && kQBuffers == kStages && !kFp8),
+  static_assert(!kProducer || (kWgmma && kQBuffers >= 2 && !kFp8),
                 "warp-specialised: wgmma, the loader's query copy, 16-bit KV (no conversion pass)");
   static_assert(kChunksPerRow >= 4, "rows of at least 64 bytes");
   static_assert(!kWgmma || (kWarps % 4 == 0 && (kStep == 32 || kStep == 64 || kStep == 128 || kStep == 256)),
@@ -166,6 +174,10 @@ struct Config {
   static __device__ __forceinline__ int mma_offset(int row, int chunk) {
     if constexpr (kWgmma) return colblock_offset<kTile>(row, chunk);
     else return rowmajor_offset<kCRowBytes>(row, chunk);
+  }
+  // Stage s's tile record.
+  static __device__ __forceinline__ TileRecord* record(uint8_t* smem, int s) {
+    return reinterpret_cast<TileRecord*>(smem + kRecordsAt) + s;
   }
   static __device__ __forceinline__ int q_offset(int row, int chunk) {
     if constexpr (kWgmma) return colblock_offset<kTileRows>(row, chunk);
@@ -587,12 +599,18 @@ struct Kernel {
     __syncwarp();
     if ((threadIdx.x & 31) == 0) ptx::mbar_arrive(empty + 8 * (j % kStages));
   }
+  // ... and with a sub-item's query buffer (after finish: its MMAs, waited for, were the last reads).
+  static __device__ __forceinline__ void release_query(uint32_t qempty, int qslot) {
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0) ptx::mbar_arrive(qempty + 8 * qslot);
+  }
 
   static __device__ __forceinline__ void run(const Params& p, const VariantParams& vp, uint8_t* smem) {
     const int warp = threadIdx.x >> 5;
     Cursor cur;
     int page[L::kLookups], slot[L::kLookups];
-    const uint32_t full = ptx::smem_u32(smem + Cfg::kBarriersAt), empty = full + 8 * kStages;
+    const uint32_t full = ptx::smem_u32(smem + Cfg::kBarriersAt), empty = full + 8 * kStages,
+                   qempty = empty + 8 * kStages;
     if constexpr (Cfg::kProducer) {
       static_assert(!kConvert, "warp-specialised: no conversion pass (it would need every warp per tile)");
       if (threadIdx.x == 0) {
@@ -600,11 +618,12 @@ struct Kernel {
           ptx::mbar_init(full + 8 * s, L::kThreads + 1);  // every loading thread's copies + the record
           ptx::mbar_init(empty + 8 * s, Cfg::kWarps);     // every compute warp
         }
+        for (int b = 0; b < Cfg::kQBuffers; ++b) ptx::mbar_init(qempty + 8 * b, Cfg::kWarps);
       }
       __syncthreads();
       if (threadIdx.x >= kThreads) {
         if constexpr (Cfg::kMoveRegs) ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
-        L::produce(p, vp, smem, full, empty);
+        L::produce(p, vp, smem, full, empty, qempty);
         return;
       }
       if constexpr (Cfg::kMoveRegs) ptx::setmaxnreg_inc<Cfg::kComputeRegs>();
@@ -635,7 +654,7 @@ struct Kernel {
         L::step(p, vp, smem, j, cur, page, slot);
       }
 
-      const TileRecord* rec = reinterpret_cast<const TileRecord*>(stage + 2 * Cfg::kKvTileBytes);
+      const TileRecord* rec = Cfg::record(smem, j % kStages);
       const int flags = rec->flags;
       if (flags & kEnd) break;
       const Work& w = rec->w;
@@ -718,7 +737,10 @@ struct Kernel {
       }
       if (flags & kLast) {
         finish(p, vp, w, m_run, d_run, o, merge_flags);
-        if constexpr (Cfg::kProducer) release(empty, j);
+        if constexpr (Cfg::kProducer) {
+          release_query(qempty, rec->qslot);
+          release(empty, j);
+        }
       }
     }
   }

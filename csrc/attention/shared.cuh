@@ -25,7 +25,8 @@
 // memory), kRowBytes,
 // kChunksPerRow, kRowsPerRound, kTokensPerThread, kKvTileBytes, kStages, kStageBytes, kRowOffsetsAt (2 kTile
 // int64 of shared memory for the published row offsets), tile_offset(row, chunk) (where the loader puts a
-// 16-byte chunk of a tile row).
+// 16-byte chunk of a tile row), record(smem, s) (stage s's TileRecord).
+// kProducer (prefill) and kLoaderThreads / kLoaderThread0: see produce().
 // Epilogue (below) also needs kKSteps, kFragFp8 and kQBf16.
 #pragma once
 
@@ -246,13 +247,16 @@ struct Loader {
     bool done;
     Pos w;
   };
-  // The loader copies query tiles where the kernel has a buffer per stage (prefill on Hopper, for some
+  // The loader copies query tiles where the kernel has query buffers (prefill on Hopper, for some
   // variants: fi_backend/wrappers.py, _prefill_q_buffers). Sub-item n uses buffer n % kQBuffers
-  // (TileRecord::qslot): sub-item n - kStages ended at least kStages - 1 tiles before sub-item n's first
-  // tile, so it was consumed before that tile (and its query copy) is issued.
+  // (TileRecord::qslot). With a buffer per stage, sub-item n - kStages ended at least kStages - 1 tiles
+  // before sub-item n's first tile, so it was consumed before that tile (and its query copy) is issued.
+  // A producer warpgroup (produce()) instead waits for the buffer's release (its "qempty" barrier), so
+  // it can run more stages than query buffers.
   static constexpr bool kQCopy = Cfg::kQBuffers > 1;
   static_assert(!kQCopy || !Variant::kHasQueryTransform, "a QueryTransform rotates Q in registers (load_q)");
-  static_assert(Cfg::kQBuffers == 1 || Cfg::kQBuffers == kStages, "query buffers: one, or one per stage");
+  static_assert(Cfg::kQBuffers == 1 || Cfg::kQBuffers == kStages || Cfg::kProducer,
+                "query buffers: one, one per stage, or released through barriers (producer)");
 
   static __device__ __forceinline__ void set_pos(Pos& pos, const Work& w) {
     pos.row0 = w.row0;
@@ -363,7 +367,8 @@ struct Loader {
                                                const Cursor& cur) {
     const int tid = Loader::tid();
     uint8_t* stage = smem + (tile_no % kStages) * Cfg::kStageBytes;
-    TileRecord* rec = reinterpret_cast<TileRecord*>(stage + 2 * Cfg::kKvTileBytes + Cfg::kQSlotBytes);
+    TileRecord* rec = Cfg::record(smem, tile_no % kStages);
+    const TileRecord* prev = Cfg::record(smem, (tile_no + kStages - 1) % kStages);
     if (cur.done) {
       if (tid == 0) rec->flags = kEnd;
       return;
@@ -374,8 +379,7 @@ struct Loader {
     int qslot = 0;
     if constexpr (kQCopy) {
       if (tile_no > 0) {
-        const uint8_t* prev = smem + ((tile_no + kStages - 1) % kStages) * Cfg::kStageBytes;
-        qslot = reinterpret_cast<const TileRecord*>(prev + 2 * Cfg::kKvTileBytes + Cfg::kQSlotBytes)->qslot;
+        qslot = prev->qslot;
         if (cur.tile == 0) qslot = qslot + 1 == Cfg::kQBuffers ? 0 : qslot + 1;
       }
     }
@@ -383,8 +387,7 @@ struct Loader {
       if (cur.tile == 0) {
         begin_work(p, vp, cur.item, cur.sub, rec->w);
       } else {  // the previous tile, same sub-item, is not consumed before this one is issued
-        const uint8_t* prev = smem + ((tile_no + kStages - 1) % kStages) * Cfg::kStageBytes;
-        rec->w = reinterpret_cast<const TileRecord*>(prev + 2 * Cfg::kKvTileBytes + Cfg::kQSlotBytes)->w;
+        rec->w = prev->w;
       }
       rec->tile_kv_begin = tile_begin;
       rec->n_valid = cur.w.kv_hi - tile_begin;
@@ -496,18 +499,25 @@ struct Loader {
   // arrive on the stage's "full" barrier as they land, thread 0's arrival publishes the record. The
   // compute side consumes tiles at its own pace: a warpgroup with nothing to do in a tile (past the
   // causal diagonal) runs ahead instead of waiting at a CTA barrier. The walk ends after the kEnd record.
+  // A sub-item's query copy waits for its buffer's "qempty" barrier (8 bytes apart per buffer): the
+  // compute warps release a buffer when they finish the sub-item that used it.
   static __device__ __forceinline__ void produce(const Params& p, const VariantParams& vp, uint8_t* smem,
-                                                 uint32_t full, uint32_t empty) {
+                                                 uint32_t full, uint32_t empty, uint32_t qempty) {
     static_assert(kThreads == 128 && Cfg::kLoaderThread0 > 0, "a producer warpgroup after the compute warps");
     constexpr int kBarrierId = 9;  // the producer's own named barrier (the compute side's is 8)
     Cursor cur;
     int page[kLookups], slot[kLookups];
     seek_queue(p, vp, cur);  // an empty queue: the first tile is the kEnd record
     prefetch_pages(p, cur, page, slot);
+    int nsub = 0;  // sub-items issued: the next one's query buffer is nsub % kQBuffers
 #pragma unroll 1
     for (int j = 0;; ++j) {
       const int s = j % kStages;
       ptx::mbar_wait(empty + 8 * s, ((j / kStages) & 1) ^ 1);
+      if (kQCopy && !cur.done && cur.tile == 0) {
+        ptx::mbar_wait(qempty + 8 * (nsub % Cfg::kQBuffers), ((nsub / Cfg::kQBuffers) & 1) ^ 1);
+        ++nsub;
+      }
       // Row offsets are double-buffered by tile parity: the barrier below also orders this tile's
       // publish after every loading thread's copies of tile j - 2 (issued before the last barrier).
       publish(p, smem, j, cur, page, slot);
