@@ -207,8 +207,14 @@ _PREFILL_SHAPES_WGMMA_WINDOW = {
 #   logits hooks (soft-cap, ALiBi, window; 16 heads 16x1k / 16x4k): 12 x 1 (192-row tiles, 152 registers)
 #     soft-cap 327 / 3442 us, ALiBi 316 / 3406, window 307 / 1713 against 432 / 4076, 365 / 3741, 373 / 2135
 #     without a producer and 432 / 3968, 354 / 3619, 389 / 2483 at 8 x 2.
+#   After the compute step became one copy (no wgmma serialisation) and the query buffers left the stages
+#   (perf/results/prefill_ab21.md, prefill_flex21.md at 1e66a28): 8 x 2 with 3 stages against 2, 32/32
+#   16x1k / 4x4k / 1x16k 484 / 1313 / 5107 vs 494 / 1293 / 4900 us, 32/8 417 / 1219 / 4613 vs 427 / 1217 /
+#   4686; 12 x 1 with logits hooks, 3 stages against 2 (16x1k / 16x4k): soft-cap 307 / 3187 vs 327 / 3402,
+#   ALiBi 296 / 3090 vs 316 / 3416, window 284 / 1506 vs 307 / 1702 (4 stages: 303 / 3376, 294 / 3291,
+#   283 / 1511).
 _PREFILL_WS_MEMBER0 = {
-    128: {"plain": (8, 2, 64, 3, 64), "hooks": (12, 1, 64, 2, 64)},
+    128: {"plain": (8, 2, 64, 3, 64), "hooks": (12, 1, 64, 3, 64)},
 }
 # Query buffers of a warp-specialised kernel: the sub-item running and the next one, whose query tile the
 # producer copies ahead; each released through a barrier when its sub-item ends, so the stages are free

@@ -150,6 +150,7 @@ class Planner {
   int32_t leaves_ = 0;
   std::vector<int32_t> item_cta_;  // CTA of each (item, unit), in assignment order (units innermost)
   std::vector<int32_t> cta_fill_;
+  std::vector<int32_t> lpt_rank_;  // LPT position of each item, by creation index (the write order)
   char error_[512] = {0};
 };
 
