@@ -6,8 +6,8 @@ first check before spending GPU time on a shape (prefill.cuh's 2-fragment shapes
     python -m perf.ptxas --kernel prefill --variant alibi --kv-dtype fp8_e4m3 --head-dim 128 --group 4
 
 Prints one line per shape: registers per thread, the spill stores / loads ptxas reports (bytes), and
-whether ptxas serialised the kernel's wgmmas (C7512: every HGMMA waited for before the next issues, the
-tensor cores' pipeline lost; it says why, usually "insufficient register resources").
+whether ptxas serialised the kernel's wgmmas (C7512, C7518, ...: every HGMMA waited for before the next
+issues, the tensor cores' pipeline lost; it says why, e.g. "insufficient register resources").
 The scratch cache (default: a temporary directory) keeps these builds apart from the real kernel cache:
 the extra flag changes the modules' identity.
 """
@@ -59,10 +59,11 @@ def main(argv=None) -> int:
             print(f"{a.kernel} {json.dumps(tuning)}: no ptxas report (module was cached without -v?)", flush=True)
             continue
         st, ld = (max(int(s) for s, _ in spills), max(int(x) for _, x in spills)) if spills else (0, 0)
-        serial = re.search(r"\(C7512\).*?serialized due to ([^\n]*?) for the function", log)
+        serial = re.search(r"\((C75\d\d)\).*?wgmma.mma_async instructions are serialized due to ([^\n]*?) (?:for|in) the "
+                           r"function", log)
         print(f"{a.kernel} {a.variant} {a.q_dtype}/{kv} d{a.head_dim} g{a.group} {json.dumps(tuning)}: "
               f"{max(int(r) for r in regs)} registers, spill stores {st} B, loads {ld} B"
-              + (f", WGMMA SERIALISED ({serial.group(1)})" if serial else "")
+              + (f", WGMMA SERIALISED ({serial.group(1)}: {serial.group(2)})" if serial else "")
               + f" ({time.perf_counter() - t0:.1f} s)", flush=True)
     return 0
 
