@@ -255,23 +255,15 @@ def test_warp_specialised_prefill_specs(monkeypatch):
     ws = {"warps": 12, "mfrags": 1, "producer": 1}
     spec = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning=ws)
     config = spec.params["CONFIG"].split(", ")
-    # ..., q_buffers, producer, defer (one fragment: no deferred P.V)
-    assert config[-3:] == [str(W.PREFILL_PRODUCER_Q_BUFFERS), "true", "false"], config
+    assert config[-1] == "true" and config[-2] == str(W.PREFILL_PRODUCER_Q_BUFFERS), config  # producer, q_buffers
     three = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "stages": 3}).params["CONFIG"].split(", ")
-    assert three[7] == "3" and three[-3] == "2", three  # more stages than query buffers
+    assert three[7] == "3" and three[-2] == "2", three  # more stages than query buffers
     assert W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "stages": 2, "q_buffers": 3}).params["CONFIG"].split(
-        ", ")[-3] == "3"
-    # the deferred P.V: the default with two fragments, refused with one; defer=0 is its own module
-    two = {"warps": 8, "mfrags": 2, "producer": 1}
-    assert W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning=two).params["CONFIG"].endswith("true, true")
-    no_defer = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**two, "defer": 0})
-    assert no_defer.params["CONFIG"].endswith("true, false") and "_defer0" in no_defer.tag
-    with pytest.raises(ValueError, match="defer=1.*mfrags=2"):
-        W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "defer": 1})
+        ", ")[-2] == "3"
     no_producer = {"warps": 12, "mfrags": 1, "producer": 0}
     assert spec.memo_key != W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning=no_producer).memo_key
     # member 0 by default where it can (_PREFILL_WS_MEMBER0); not with fp8 KV, RoPE, or 16 heads a chunk
-    assert W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4).params["CONFIG"].endswith("true, true")
+    assert W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4).params["CONFIG"].endswith("true")
     assert W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, member=1).params["CONFIG"].endswith("false")
     assert W.prefill_spec(V.DEFAULT, 128, "bf16", "fp8_e4m3", 4).params["CONFIG"].endswith("false")
     assert W.prefill_spec(V.ROPE, 128, "bf16", "bf16", 4).params["CONFIG"].endswith("false")

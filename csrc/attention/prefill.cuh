@@ -41,8 +41,12 @@
 // tile (causal diagonal, window edges) runs up to kStages tiles ahead, and the compute warps never issue
 // copies or page lookups. setmaxnreg gives the compute warps the registers the producer does not need
 // (8 x 2 fragments at 232, 12 x 1 at 152). Its two query buffers are released through barriers, not
-// tied to the stages, so 8 x 2 runs three 32 KB stages. Next: overlap across steps (S of the next step
-// during this one's P.V), as FA3 does.
+// tied to the stages, so 8 x 2 runs three 32 KB stages.
+// Tried and slower (6b1ced4, perf/results/prefill_defer_ab.md): FA3's overlap across steps at 8 x 2, the
+// last fragment's P.V issued with the next step's S MMAs, P kept in registers: 8-15% slower (16x1k 499
+// vs 454 us), at 240 registers (232 made ptxas serialise the wgmmas) with spills in the loop and the
+// producer at 24. ptxas serialises every wgmma of the kernel when one is in flight across the loop
+// (C7513, C7514, C7518) or issued under a branch (C7520); perf/ptxas.py reports it.
 // MMAs run in the query's type. fp8 KV and key transforms (RoPE) go through one pass over the landed
 // tile: fp8 is converted exactly into a 16-bit copy (e4m3 and e5m2 are exact in bf16 and fp16), a
 // KeyTransform rotates K in fp32 in that pass; the per-tensor scales fold into the logits scale and
@@ -69,8 +73,7 @@ namespace prefill {
 using namespace attn;  // Params, Work, TileRecord, Loader, Epilogue (shared.cuh)
 
 template <int kHeadDim_, int kHeadsPerChunk_, class DQ_, class DKV_, int kWarps_, int kMFrags_, int kTileKv_,
-          int kStages_, int kStepKv_, bool kWgmma_ = false, int kQBuffers_ = 1, bool kProducer_ = false,
-          bool kDeferPV_ = false>
+          int kStages_, int kStepKv_, bool kWgmma_ = false, int kQBuffers_ = 1, bool kProducer_ = false>
 struct Config {
   using DQ = DQ_;
   using DKV = DKV_;
@@ -93,14 +96,9 @@ struct Config {
   // the cursor and the copy addresses). Only where the launch leaves fewer than 240 a thread (384
   // threads and more): else every warp has enough.
   static constexpr bool kMoveRegs = kProducer && kLaunchThreads >= 384;
-  // The last fragment's P.V deferred to the next step (Kernel::DeferredPV): warp-specialised, wgmma, two
-  // fragments. Its P stays in registers across the step: the compute warps then take 240 registers and
-  // leave the producer 24 (at 232 ptxas ran out and serialised every wgmma, C7512).
-  static constexpr bool kDeferPV = kDeferPV_;
-  static constexpr int kProducerMinRegs = kDeferPV ? 24 : 40;
   static constexpr int kEntryRegs = (65536 / kLaunchThreads > 255 ? 255 : 65536 / kLaunchThreads) / 8 * 8;
   static constexpr int kRegPool = kEntryRegs * kLaunchThreads;
-  static constexpr int kComputeRegsFit = (kRegPool - 128 * kProducerMinRegs) / kThreads / 8 * 8;
+  static constexpr int kComputeRegsFit = (kRegPool - 128 * 40) / kThreads / 8 * 8;
   static constexpr int kComputeRegs = kComputeRegsFit > 240 ? 240 : kComputeRegsFit;
   static constexpr int kProducerRegs = (kRegPool - kThreads * kComputeRegs) / 128 / 8 * 8;
   static_assert(!kMoveRegs || (kProducerRegs >= 24 && kProducerRegs <= kEntryRegs && kComputeRegs >= kEntryRegs &&
@@ -168,7 +166,6 @@ struct Config {
   static_assert(!kProducer || (kWgmma && kQBuffers >= 2 && !kFp8),
                 "warp-specialised: wgmma, the loader's query copy, 16-bit KV (no conversion pass)");
   static_assert(kChunksPerRow >= 4, "rows of at least 64 bytes");
-  static_assert(!kDeferPV || (kProducer && kWgmma && kMFrags == 2), "deferred P.V: warp-specialised, wgmma, 2 fragments");
   static_assert(!kWgmma || (kWarps % 4 == 0 && (kStep == 32 || kStep == 64 || kStep == 128 || kStep == 256)),
                 "wgmma: whole warpgroups, a compute step of 32, 64, 128 or 256 tokens (the MMA's n)");
 
@@ -429,10 +426,6 @@ struct Kernel {
 #pragma unroll
     for (int kk = 0; kk < kStep / 16; ++kk) p_fragment(s, kk, a[kk]);
     wgmma::fence();  // P and the rescaled O, written by this thread, before the MMAs read them
-    pv_issue(vs, t0, a, o);
-  }
-  static __device__ __forceinline__ void pv_issue(uint32_t vs, int t0, const uint32_t (&a)[kStep / 16][4],
-                                                  float (&o)[kDTiles][4]) {
 #pragma unroll
     for (int kk = 0; kk < kStep / 16; ++kk) {
       const uint64_t b = wgmma::desc(vs + Cfg::mma_offset(t0 + 16 * kk, 0), kTile * 128, 1024);
@@ -566,56 +559,13 @@ struct Kernel {
   // wgmma: a fragment's softmax runs while the tensor cores work on the other fragment's MMAs (S of all
   // fragments issued first; before fragment mf's softmax, kMF - 1 groups may still be in flight: the
   // later fragments' S and the earlier fragments' P.V).
-  // Warp-specialised with two fragments (kDeferPV, as FA3's intra-warpgroup overlap): the last fragment's
-  // P.V is issued with the next step's S MMAs (DeferredPV), so the tensor cores have work queued across
-  // the step boundary instead of idling through the wait, the loop and the next tile's barrier. Nothing
-  // is in flight across the loop (ptxas serialises every wgmma otherwise): P stays in registers. The
-  // stage that P.V reads is released once it is done, here or by flush_pv.
-  static constexpr bool kDeferPV = Cfg::kDeferPV;
-  struct DeferredPV {
-    uint32_t a[kStep / 16][4];  // P of the last fragment, packed
-    uint32_t v;                 // its V: shared memory address of the step's first token (Cfg::mma_offset)
-    int tile;                   // the CTA's tile number it reads, -1: none
-  };
   template <int kMode>
   static __device__ __forceinline__ void compute_tile(const Params& p, const VariantParams& vp, uint32_t qs,
                                                       uint32_t ks, uint32_t vs, int t0, const Work& w, int tile_begin,
                                                       int n_valid, int kv_head, bool masked, float (&m_run)[kMF][2],
-                                                      float (&d_run)[kMF][2], float (&o)[kMF][kDTiles][4],
-                                                      DeferredPV& dpv, int j, uint32_t empty) {
+                                                      float (&d_run)[kMF][2], float (&o)[kMF][kDTiles][4]) {
     float s[kMF][kNTiles][4];
-    if constexpr (kDeferPV) {
-      // A sub-item's first step has no deferred P.V: it runs one of P = 0 over this step's V instead (a
-      // branch around the wgmma would serialise them all: C7520).
-      const bool had = dpv.tile >= 0;
-      if (!had) {
-#pragma unroll
-        for (int kk = 0; kk < kStep / 16; ++kk) dpv.a[kk][0] = dpv.a[kk][1] = dpv.a[kk][2] = dpv.a[kk][3] = 0u;
-        dpv.v = vs + Cfg::mma_offset(t0, 0);
-      }
-      wgmma::fence();
-#pragma unroll
-      for (int mf = 0; mf < kMF; ++mf) {
-        qk_wgmma(qs, ks, t0, mf, s[mf]);
-        wgmma::commit();
-      }
-      pv_issue(dpv.v, 0, dpv.a, o[1]);
-      wgmma::commit();
-      wgmma::wait<2>();  // S of fragment 0
-      softmax_frag<kMode>(p, vp, w, tile_begin, n_valid, kv_head, 0, masked, s[0], m_run[0], d_run[0], o[0]);
-      pv_wgmma(vs, t0, s[0], o[0]);
-      wgmma::commit();
-      wgmma::wait<1>();  // S of fragment 1 and the deferred P.V (fragment 1's O is rescaled next)
-      const int done = dpv.tile;
-      ptx::mbar_arrive_if(empty + 8 * ((done < 0 ? 0 : done) % kStages),
-                          had && done != j && (threadIdx.x & 31) == 0);  // its stage, unless this tile's
-      softmax_frag<kMode>(p, vp, w, tile_begin, n_valid, kv_head, 1, masked, s[1], m_run[1], d_run[1], o[1]);
-#pragma unroll
-      for (int kk = 0; kk < kStep / 16; ++kk) p_fragment(s[1], kk, dpv.a[kk]);
-      dpv.v = vs + Cfg::mma_offset(t0, 0);
-      dpv.tile = j;
-      wgmma::wait<0>();  // fragment 0's P.V (issued before fragment 1's softmax: done by now, mostly)
-    } else if constexpr (kWgmma) {
+    if constexpr (kWgmma) {
       wgmma::fence();
 #pragma unroll
       for (int mf = 0; mf < kMF; ++mf) {
@@ -652,16 +602,6 @@ struct Kernel {
   static __device__ __forceinline__ void release(uint32_t empty, int j) {
     __syncwarp();
     if ((threadIdx.x & 31) == 0) ptx::mbar_arrive(empty + 8 * (j % kStages));
-  }
-  // kDeferPV: run the deferred P.V, if any, and release the stage it read unless it is tile j's.
-  static __device__ __forceinline__ void flush_pv(DeferredPV& dpv, float (&o)[kDTiles][4], int j, uint32_t empty) {
-    if (dpv.tile < 0) return;
-    wgmma::fence();
-    pv_issue(dpv.v, 0, dpv.a, o);
-    wgmma::commit();
-    wgmma::wait<0>();
-    if (dpv.tile != j) release(empty, dpv.tile);
-    dpv.tile = -1;
   }
   // ... and with a sub-item's query buffer (after finish: its MMAs, waited for, were the last reads).
   static __device__ __forceinline__ void release_query(uint32_t qempty, int qslot) {
@@ -705,8 +645,6 @@ struct Kernel {
     constexpr int kUnitRows = Cfg::kUnitRows;
     const int unit = warp / kUnitWarps;  // a warp, or a warpgroup with wgmma: they skip steps together
 
-    DeferredPV dpv;
-    dpv.tile = -1;
     for (int j = 0;; ++j) {
       uint8_t* stage = smem + (j % kStages) * Cfg::kStageBytes;
       if constexpr (Cfg::kProducer) {
@@ -776,7 +714,6 @@ struct Kernel {
         range_hi = hi;
         seen_lo = lo;
       }
-      bool stepped = false;
 #pragma unroll 1
       for (int st = 0; st < kTile / kStep; ++st) {
         const int step_begin = rec->tile_kv_begin + st * kStep, n_valid = rec->n_valid - st * kStep;
@@ -790,32 +727,24 @@ struct Kernel {
                                (Variant::kMaskIsKvRange && (w.pos_off + step_begin < range_lo ||
                                                             w.pos_off + step_begin + kStep > range_hi)) ||
                                (p.causal && step_begin + kStep - 1 > climit_lo) || !(p.logits_scale > 0.f);
-        stepped = true;
         if constexpr (kWgmma)
           compute_tile<kMaskedIf>(p, vp, qs, ks, vs, st * kStep, w, step_begin, n_valid, kv_head, need_mask, m_run,
-                                  d_run, o, dpv, j, empty);
+                                  d_run, o);
         else if (need_mask)
-          compute_tile<kMasked>(p, vp, qs, ks, vs, st * kStep, w, step_begin, n_valid, kv_head, true, m_run, d_run, o,
-                                dpv, j, empty);
+          compute_tile<kMasked>(p, vp, qs, ks, vs, st * kStep, w, step_begin, n_valid, kv_head, true, m_run, d_run, o);
         else
-          compute_tile<kFull>(p, vp, qs, ks, vs, st * kStep, w, step_begin, n_valid, kv_head, false, m_run, d_run, o,
-                              dpv, j, empty);
+          compute_tile<kFull>(p, vp, qs, ks, vs, st * kStep, w, step_begin, n_valid, kv_head, false, m_run, d_run, o);
       }
 
-      if constexpr (Cfg::kProducer) {
-        // kDeferPV: a tile that stepped holds its stage for its deferred P.V (the next step releases it);
-        // one that did not, and a sub-item's last, run the deferred P.V now (O complete for finish; no
-        // stage held while this warp waits for later tiles, one of which may need it).
-        if (!(kDeferPV && stepped && !(flags & kLast))) {
-          if constexpr (kDeferPV) flush_pv(dpv, o[1], j, empty);
-          if (flags & kLast) {
-            finish(p, vp, w, m_run, d_run, o, merge_flags);  // the record is read by finish: release after it
-            release_query(qempty, rec->qslot);
-          }
+      if constexpr (Cfg::kProducer) {  // the record is read by finish: release after it
+        if (!(flags & kLast)) release(empty, j);
+      }
+      if (flags & kLast) {
+        finish(p, vp, w, m_run, d_run, o, merge_flags);
+        if constexpr (Cfg::kProducer) {
+          release_query(qempty, rec->qslot);
           release(empty, j);
         }
-      } else if (flags & kLast) {
-        finish(p, vp, w, m_run, d_run, o, merge_flags);
       }
     }
   }
