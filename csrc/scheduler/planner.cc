@@ -668,16 +668,17 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
   for (int32_t c = 0; c <= grid; ++c) cta_indptr[c] = fill[c];
   // CTAs the layout has beyond num_ctas get no items, so a kernel launched on the full grid is correct.
   for (int64_t c = grid + 1; c <= section.num_ctas; ++c) cta_indptr[c] = (int32_t)n_out;
-  lpt_rank_.resize(n_items);
-  for (int64_t k = 0; k < n_items; ++k) lpt_rank_[order[k]] = (int32_t)k;
+  // Item i in creation order is the rank_[i]-th in LPT order, whose replicas' CTAs cta_of gives.
+  rank_.resize(n_items);
+  for (int64_t k = 0; k < n_items; ++k) rank_[order[k]] = (int32_t)k;
   for (int64_t i = 0; i < n_items; ++i) {
-    const int64_t k = lpt_rank_[i];
+    const int64_t k = rank_[i];
     FiWorkItem work;
     if (split.num_split_pairs == 0) {
-      const Pair& p = pairs_[order[k]];
+      const Pair& p = pairs_[i];
       work = FiWorkItem{p.request, p.q_begin, p.q_end, 0, p.kv_len, -1, 1, 0};
     } else {
-      work = items_[order[k]].work;
+      work = items_[i].work;
     }
     for (int32_t u = 0; u < units; ++u) {
       work.unit = u;

@@ -137,7 +137,7 @@ class Planner {
   std::vector<Pair> pairs_;
   std::vector<int32_t> cost_order_;  // pairs by cost descending, ties in creation order
   std::vector<double> sorted_cost_;  // their costs, in that order
-  std::vector<int32_t> rank_;        // position of each pair in cost_order_
+  std::vector<int32_t> rank_;        // position of each pair (of each item, once written) in cost_order_
   std::vector<uint8_t> skip_;        // by position in cost_order_: split in the candidate being evaluated
   std::vector<int32_t> len_order_;  // pairs by KV length descending, ties in creation order
   std::vector<int32_t> chunks_of_;  // chunks of each pair in the chosen plan (0: whole)
@@ -151,7 +151,6 @@ class Planner {
   int32_t leaves_ = 0;
   std::vector<int32_t> item_cta_;  // CTA of each (item, unit), in assignment order (units innermost)
   std::vector<int32_t> cta_fill_;
-  std::vector<int32_t> lpt_rank_;  // LPT position of each item, by creation index (the write order)
   char error_[512] = {0};
 };
 
