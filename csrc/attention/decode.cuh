@@ -533,7 +533,7 @@ struct Kernel {
       for (int r = 0; r < nrows; ++r) {
         const int q_row = row0 + r;
         const int chunks = __ldg(mi + q_row + 1) - __ldg(mi + q_row);
-        int32_t* counter = p.merge_counters + (int64_t)q_row * (p.num_qo_heads / kHPC) + unit;
+        int32_t* counter = E::merge_counter(p, q_row, unit);
         if (atomicAdd(counter, 1) == chunks - 1) {
           *counter = 0;  // nobody else touches it in this launch: leave it zeroed for the next
           mask |= 1 << r;

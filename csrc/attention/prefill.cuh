@@ -258,7 +258,7 @@ struct Kernel {
     }
     if constexpr (kWgmma) {  // the warpgroup's MMAs read all four warps' rows, through the async proxy
       wgmma::fence_proxy_async();
-      asm volatile("bar.sync %0, 128;\n" ::"r"(1 + (warp >> 2)) : "memory");
+      ptx::bar_sync(1 + (warp >> 2), 128);
     } else {
       __syncwarp();
     }
@@ -597,16 +597,12 @@ struct Kernel {
     else __syncthreads();
   }
 
-  // A compute warp is done with a stage (warp-specialised): its reads, the tensor cores' included
-  // (compute_tile waits for its MMAs), are over.
-  static __device__ __forceinline__ void release(uint32_t empty, int j) {
+  // A compute warp is done with what barrier `bar` guards (warp-specialised): a stage ("empty") or a
+  // sub-item's query buffer ("qempty", after finish); its reads, the tensor cores' included
+  // (compute_tile waits for its MMAs), are over. One arrival per warp.
+  static __device__ __forceinline__ void release(uint32_t bar) {
     __syncwarp();
-    if ((threadIdx.x & 31) == 0) ptx::mbar_arrive(empty + 8 * (j % kStages));
-  }
-  // ... and with a sub-item's query buffer (after finish: its MMAs, waited for, were the last reads).
-  static __device__ __forceinline__ void release_query(uint32_t qempty, int qslot) {
-    __syncwarp();
-    if ((threadIdx.x & 31) == 0) ptx::mbar_arrive(qempty + 8 * qslot);
+    if ((threadIdx.x & 31) == 0) ptx::mbar_arrive(bar);
   }
 
   static __device__ __forceinline__ void run(const Params& p, const VariantParams& vp, uint8_t* smem) {
@@ -737,13 +733,13 @@ struct Kernel {
       }
 
       if constexpr (Cfg::kProducer) {  // the record is read by finish: release after it
-        if (!(flags & kLast)) release(empty, j);
+        if (!(flags & kLast)) release(empty + 8 * (j % kStages));
       }
       if (flags & kLast) {
         finish(p, vp, w, m_run, d_run, o, merge_flags);
         if constexpr (Cfg::kProducer) {
-          release_query(qempty, rec->qslot);
-          release(empty, j);
+          release(qempty + 8 * rec->qslot);
+          release(empty + 8 * (j % kStages));
         }
       }
     }
@@ -806,7 +802,7 @@ struct Kernel {
     for (int r = threadIdx.x; r < nrows; r += kThreads) {
       const int q_row = row0 + r;
       const int chunks = __ldg(mi + q_row + 1) - __ldg(mi + q_row);
-      int32_t* counter = p.merge_counters + (int64_t)q_row * (p.num_qo_heads / kHPC) + unit;
+      int32_t* counter = E::merge_counter(p, q_row, unit);
       const bool last = atomicAdd(counter, 1) == chunks - 1;
       if (last) *counter = 0;  // nobody else touches it in this launch: leave it zeroed for the next
       merge_flags[r] = last;

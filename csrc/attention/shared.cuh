@@ -623,6 +623,11 @@ struct Epilogue {
   // L2 round trip (a loop that skipped empty states issued one state's loads per round trip, and a
   // 16-chunk row took ~16 of them), and merged online (one pass: no separate pass for the max).
   // kBatch costs 9 registers per state: decode affords 8; prefill, at its 128-register cap, 2 (4 spilled).
+  // Row q_row's arrival counter for the query heads of `unit` (Params::merge_counters: [rows][units]).
+  static __device__ __forceinline__ int32_t* merge_counter(const Params& p, int q_row, int unit) {
+    return p.merge_counters + (int64_t)q_row * (p.num_qo_heads / kHPC) + unit;
+  }
+
   template <int kBatch, class Merged>
   static __device__ __forceinline__ void merge_rows(const Params& p, const VariantParams& vp, int unit, int row0,
                                                     int nrows, Merged merged) {
