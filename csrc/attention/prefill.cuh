@@ -73,7 +73,8 @@ namespace prefill {
 using namespace attn;  // Params, Work, TileRecord, Loader, Epilogue (shared.cuh)
 
 template <int kHeadDim_, int kHeadsPerChunk_, class DQ_, class DKV_, int kWarps_, int kMFrags_, int kTileKv_,
-          int kStages_, int kStepKv_, bool kWgmma_ = false, int kQBuffers_ = 1, bool kProducer_ = false>
+          int kStages_, int kStepKv_, bool kWgmma_ = false, int kQBuffers_ = 1, bool kProducer_ = false,
+          bool kDeferPV_ = false>
 struct Config {
   using DQ = DQ_;
   using DKV = DKV_;
@@ -96,6 +97,9 @@ struct Config {
   // the cursor and the copy addresses). Only where the launch leaves fewer than 240 a thread (384
   // threads and more): else every warp has enough.
   static constexpr bool kMoveRegs = kProducer && kLaunchThreads >= 384;
+  // FA3's intra-warpgroup overlap (Kernel::DeferredPV): a step's P.V is issued with the next step's S
+  // MMAs and runs under that step's softmax; warp-specialised, one fragment a warp.
+  static constexpr bool kDeferPV = kDeferPV_;
   static constexpr int kEntryRegs = (65536 / kLaunchThreads > 255 ? 255 : 65536 / kLaunchThreads) / 8 * 8;
   static constexpr int kRegPool = kEntryRegs * kLaunchThreads;
   static constexpr int kComputeRegsFit = (kRegPool - 128 * 40) / kThreads / 8 * 8;
@@ -166,6 +170,7 @@ struct Config {
   static_assert(!kProducer || (kWgmma && kQBuffers >= 2 && !kFp8),
                 "warp-specialised: wgmma, the loader's query copy, 16-bit KV (no conversion pass)");
   static_assert(kChunksPerRow >= 4, "rows of at least 64 bytes");
+  static_assert(!kDeferPV || (kProducer && kWgmma && kMFrags == 1), "deferred P.V: warp-specialised, wgmma, 1 fragment");
   static_assert(!kWgmma || (kWarps % 4 == 0 && (kStep == 32 || kStep == 64 || kStep == 128 || kStep == 256)),
                 "wgmma: whole warpgroups, a compute step of 32, 64, 128 or 256 tokens (the MMA's n)");
 
@@ -337,13 +342,17 @@ struct Kernel {
   // Maximum of this lane's elements of row half hf (C-fragment slots 2 hf, 2 hf + 1 of every n tile), as a
   // tree: a serial chain of FMNMX waits on each result (ncu: "stall wait" led the prefill kernel).
   static __device__ __forceinline__ float row_max(const float (&s)[kNTiles][4], int hf) {
-    float m[kNTiles];
+    // Four running maxima over one flat loop: a tree (`for (w = kNTiles / 2; w >= 1; w /= 2)`) stayed a
+    // rolled loop at 16 n tiles (step 128), its array in local memory.
+    constexpr int kParts = kNTiles < 4 ? kNTiles : 4;
+    float m[kParts];
 #pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt) m[nt] = fmaxf(s[nt][2 * hf], s[nt][2 * hf + 1]);
+    for (int nt = 0; nt < kNTiles; ++nt) {
+      const float v = fmaxf(s[nt][2 * hf], s[nt][2 * hf + 1]);
+      m[nt % kParts] = nt < kParts ? v : fmaxf(m[nt % kParts], v);
+    }
 #pragma unroll
-    for (int w = kNTiles / 2; w >= 1; w /= 2)
-#pragma unroll
-      for (int i = 0; i < w; ++i) m[i] = fmaxf(m[i], m[i + w]);
+    for (int i = 1; i < kParts; ++i) m[0] = fmaxf(m[0], m[i]);
     return m[0];
   }
 
@@ -426,9 +435,14 @@ struct Kernel {
 #pragma unroll
     for (int kk = 0; kk < kStep / 16; ++kk) p_fragment(s, kk, a[kk]);
     wgmma::fence();  // P and the rescaled O, written by this thread, before the MMAs read them
+    pv_issue(vs + Cfg::mma_offset(t0, 0), a, o);
+  }
+  // P.V's MMAs from packed P; v: the shared-memory address of the step's first V row (Cfg::mma_offset).
+  static __device__ __forceinline__ void pv_issue(uint32_t v, const uint32_t (&a)[kStep / 16][4],
+                                                  float (&o)[kDTiles][4]) {
 #pragma unroll
     for (int kk = 0; kk < kStep / 16; ++kk) {
-      const uint64_t b = wgmma::desc(vs + Cfg::mma_offset(t0 + 16 * kk, 0), kTile * 128, 1024);
+      const uint64_t b = wgmma::desc(v + Cfg::mma_offset(16 * kk, 0), kTile * 128, 1024);
       wgmma::Mma<kHeadDim, kBf16>::template rs<1>(reinterpret_cast<float(&)[kDTiles * 4]>(o), a[kk], b, 1);
     }
   }
@@ -499,11 +513,13 @@ struct Kernel {
   // pipeline, ptxas ran out of registers at 8 x 2 (232) and 16 x 1 (128) and serialised every wgmma of
   // the kernel, C7512: each HGMMA waited for before the next issued; perf/ptxas.py reports it).
   static constexpr int kFull = 0, kMasked = 1, kMaskedIf = 2;
-  template <int kMode>
+  // kRescale false: O is left alone (a P.V may still be accumulating into it) and its factors are
+  // returned in alpha; rescale_o applies them once that P.V is done.
+  template <int kMode, bool kRescale = true>
   static __device__ __forceinline__ void softmax_frag(const Params& p, const VariantParams& vp, const Work& w,
                                                       int tile_begin, int n_valid, int kv_head, int mf, bool masked,
                                                       float (&s)[kNTiles][4], float (&m_run)[2], float (&d_run)[2],
-                                                      float (&o)[kDTiles][4]) {
+                                                      float (&o)[kDTiles][4], float (&alpha)[2]) {
     bool raw;  // S holds raw logits (scale not applied)
     if constexpr (kMode == kMaskedIf) {
       if (masked) logits_frag<true>(p, vp, w, tile_begin, n_valid, kv_head, mf, s);
@@ -519,7 +535,6 @@ struct Kernel {
     // ---- online softmax of rows g (hf 0) and g + 8 (hf 1); a row lives in the 4 lanes of a quad
     if constexpr (Variant::kUseSoftmax) {
       const float sl = raw ? scale_log2 : 1.f;  // raw logits -> log2 units
-      float alpha[2];
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         mx[hf] = row_max(s, hf);
@@ -542,15 +557,19 @@ struct Kernel {
         const float sum = (sum4[0] + sum4[1]) + (sum4[2] + sum4[3]);
         d_run[hf] = d_run[hf] * alpha[hf] + sum;  // per lane; the quad's sum is taken at the end
       }
-      // Once a row's maximum settles, alpha is 1: skip the rescale when it is for all of the warp's rows.
-      if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+      if constexpr (kRescale) rescale_o(alpha, o);
+    }
+  }
+
+  // Once a row's maximum settles, alpha is 1: skip the rescale when it is for all of the warp's rows.
+  static __device__ __forceinline__ void rescale_o(const float (&alpha)[2], float (&o)[kDTiles][4]) {
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt) {
-          o[dt][0] *= alpha[0];
-          o[dt][1] *= alpha[0];
-          o[dt][2] *= alpha[1];
-          o[dt][3] *= alpha[1];
-        }
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        o[dt][0] *= alpha[0];
+        o[dt][1] *= alpha[0];
+        o[dt][2] *= alpha[1];
+        o[dt][3] *= alpha[1];
       }
     }
   }
@@ -559,13 +578,47 @@ struct Kernel {
   // wgmma: a fragment's softmax runs while the tensor cores work on the other fragment's MMAs (S of all
   // fragments issued first; before fragment mf's softmax, kMF - 1 groups may still be in flight: the
   // later fragments' S and the earlier fragments' P.V).
+  // Deferred P.V (Cfg::kDeferPV, FA3's intra-warpgroup overlap with one fragment): a step issues its S
+  // MMAs and then the previous step's P.V, waits for S only, and runs its softmax while the tensor cores
+  // do that P.V; O is rescaled once it is done. Both are issued and waited for within the step (a wgmma
+  // in flight across the loop serialises them all). P waits in registers, and the stage its V is in is
+  // held until its P.V is done: released by the next step, or by flush_pv.
+  struct DeferredPV {
+    uint32_t a[kStep / 16][4];  // P, packed
+    uint32_t v;                 // its V: shared memory address of the step's first row (Cfg::mma_offset)
+    int tile;                   // the CTA's tile number j it reads, -1: none pending
+  };
   template <int kMode>
   static __device__ __forceinline__ void compute_tile(const Params& p, const VariantParams& vp, uint32_t qs,
                                                       uint32_t ks, uint32_t vs, int t0, const Work& w, int tile_begin,
                                                       int n_valid, int kv_head, bool masked, float (&m_run)[kMF][2],
-                                                      float (&d_run)[kMF][2], float (&o)[kMF][kDTiles][4]) {
+                                                      float (&d_run)[kMF][2], float (&o)[kMF][kDTiles][4],
+                                                      DeferredPV& dpv, int j, uint32_t empty) {
     float s[kMF][kNTiles][4];
-    if constexpr (kWgmma) {
+    float alpha[2] = {1.f, 1.f};  // (left so without a softmax)
+    if constexpr (Cfg::kDeferPV) {
+      const int pending = dpv.tile;
+      if (pending < 0) {  // a sub-item's first step: a P.V of P = 0 (a wgmma under a branch: C7520)
+#pragma unroll
+        for (int kk = 0; kk < kStep / 16; ++kk) dpv.a[kk][0] = dpv.a[kk][1] = dpv.a[kk][2] = dpv.a[kk][3] = 0u;
+        dpv.v = vs + Cfg::mma_offset(t0, 0);
+      }
+      wgmma::fence();
+      qk_wgmma(qs, ks, t0, 0, s[0]);
+      wgmma::commit();
+      pv_issue(dpv.v, dpv.a, o[0]);
+      wgmma::commit();
+      wgmma::wait<1>();  // S (groups complete in order; the P.V may still run)
+      softmax_frag<kMode, false>(p, vp, w, tile_begin, n_valid, kv_head, 0, masked, s[0], m_run[0], d_run[0], o[0],
+                                 alpha);
+#pragma unroll
+      for (int kk = 0; kk < kStep / 16; ++kk) p_fragment(s[0], kk, dpv.a[kk]);
+      wgmma::wait<0>();  // the previous step's P.V: O is complete up to it, its stage is free
+      if (pending >= 0 && pending != j) release(empty + 8 * (pending % kStages));
+      rescale_o(alpha, o[0]);
+      dpv.v = vs + Cfg::mma_offset(t0, 0);
+      dpv.tile = j;
+    } else if constexpr (kWgmma) {
       wgmma::fence();
 #pragma unroll
       for (int mf = 0; mf < kMF; ++mf) {
@@ -575,7 +628,8 @@ struct Kernel {
 #pragma unroll
       for (int mf = 0; mf < kMF; ++mf) {
         wgmma::wait<kMF - 1>();
-        softmax_frag<kMode>(p, vp, w, tile_begin, n_valid, kv_head, mf, masked, s[mf], m_run[mf], d_run[mf], o[mf]);
+        softmax_frag<kMode>(p, vp, w, tile_begin, n_valid, kv_head, mf, masked, s[mf], m_run[mf], d_run[mf], o[mf],
+                            alpha);
         pv_wgmma(vs, t0, s[mf], o[mf]);
         wgmma::commit();
       }
@@ -584,7 +638,8 @@ struct Kernel {
       qk_sync(qs, ks, t0, s);
 #pragma unroll
       for (int mf = 0; mf < kMF; ++mf)
-        softmax_frag<kMode>(p, vp, w, tile_begin, n_valid, kv_head, mf, masked, s[mf], m_run[mf], d_run[mf], o[mf]);
+        softmax_frag<kMode>(p, vp, w, tile_begin, n_valid, kv_head, mf, masked, s[mf], m_run[mf], d_run[mf], o[mf],
+                            alpha);
       pv_sync(vs, t0, s, o);
     }
   }
@@ -603,6 +658,17 @@ struct Kernel {
   static __device__ __forceinline__ void release(uint32_t bar) {
     __syncwarp();
     if ((threadIdx.x & 31) == 0) ptx::mbar_arrive(bar);
+  }
+  // Cfg::kDeferPV: run the pending P.V, if any, and release its stage unless it is tile j's (released by
+  // the caller).
+  static __device__ __forceinline__ void flush_pv(DeferredPV& dpv, float (&o)[kDTiles][4], int j, uint32_t empty) {
+    if (dpv.tile < 0) return;
+    wgmma::fence();
+    pv_issue(dpv.v, dpv.a, o);
+    wgmma::commit();
+    wgmma::wait<0>();
+    if (dpv.tile != j) release(empty + 8 * (dpv.tile % kStages));
+    dpv.tile = -1;
   }
 
   static __device__ __forceinline__ void run(const Params& p, const VariantParams& vp, uint8_t* smem) {
@@ -641,6 +707,8 @@ struct Kernel {
     constexpr int kUnitRows = Cfg::kUnitRows;
     const int unit = warp / kUnitWarps;  // a warp, or a warpgroup with wgmma: they skip steps together
 
+    DeferredPV dpv;
+    dpv.tile = -1;
     for (int j = 0;; ++j) {
       uint8_t* stage = smem + (j % kStages) * Cfg::kStageBytes;
       if constexpr (Cfg::kProducer) {
@@ -710,6 +778,7 @@ struct Kernel {
         range_hi = hi;
         seen_lo = lo;
       }
+      bool stepped = false;
 #pragma unroll 1
       for (int st = 0; st < kTile / kStep; ++st) {
         const int step_begin = rec->tile_kv_begin + st * kStep, n_valid = rec->n_valid - st * kStep;
@@ -723,24 +792,32 @@ struct Kernel {
                                (Variant::kMaskIsKvRange && (w.pos_off + step_begin < range_lo ||
                                                             w.pos_off + step_begin + kStep > range_hi)) ||
                                (p.causal && step_begin + kStep - 1 > climit_lo) || !(p.logits_scale > 0.f);
+        stepped = true;
         if constexpr (kWgmma)
           compute_tile<kMaskedIf>(p, vp, qs, ks, vs, st * kStep, w, step_begin, n_valid, kv_head, need_mask, m_run,
-                                  d_run, o);
+                                  d_run, o, dpv, j, empty);
         else if (need_mask)
-          compute_tile<kMasked>(p, vp, qs, ks, vs, st * kStep, w, step_begin, n_valid, kv_head, true, m_run, d_run, o);
+          compute_tile<kMasked>(p, vp, qs, ks, vs, st * kStep, w, step_begin, n_valid, kv_head, true, m_run, d_run, o,
+                                dpv, j, empty);
         else
-          compute_tile<kFull>(p, vp, qs, ks, vs, st * kStep, w, step_begin, n_valid, kv_head, false, m_run, d_run, o);
+          compute_tile<kFull>(p, vp, qs, ks, vs, st * kStep, w, step_begin, n_valid, kv_head, false, m_run, d_run, o,
+                              dpv, j, empty);
       }
 
-      if constexpr (Cfg::kProducer) {  // the record is read by finish: release after it
-        if (!(flags & kLast)) release(empty + 8 * (j % kStages));
-      }
-      if (flags & kLast) {
-        finish(p, vp, w, m_run, d_run, o, merge_flags);
-        if constexpr (Cfg::kProducer) {
-          release(qempty + 8 * rec->qslot);
+      if constexpr (Cfg::kProducer) {
+        // Cfg::kDeferPV: a tile that stepped holds its stage for its pending P.V (the next step releases it);
+        // one that did not, and a sub-item's last, run the pending P.V now (O complete for finish; no stage
+        // held while this warp waits for later tiles, which may need it).
+        if (!(Cfg::kDeferPV && stepped && !(flags & kLast))) {
+          if constexpr (Cfg::kDeferPV) flush_pv(dpv, o[0], j, empty);
+          if (flags & kLast) {
+            finish(p, vp, w, m_run, d_run, o, merge_flags);  // the record is read by finish: release after it
+            release(qempty + 8 * rec->qslot);
+          }
           release(empty + 8 * (j % kStages));
         }
+      } else if (flags & kLast) {
+        finish(p, vp, w, m_run, d_run, o, merge_flags);
       }
     }
   }
