@@ -611,11 +611,25 @@ struct Kernel {
       wgmma::wait<1>();  // S (groups complete in order; the P.V may still run)
       softmax_frag<kMode, false>(p, vp, w, tile_begin, n_valid, kv_head, 0, masked, s[0], m_run[0], d_run[0], o[0],
                                  alpha);
+      // The previous step's P.V: O is complete up to it, its stage is free. The wait sits in both arms of
+      // the rescale's branch: alone, ptxas hoisted it to the start of its basic block, before the softmax.
+      if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+        wgmma::wait<0>();
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          o[0][dt][0] *= alpha[0];
+          o[0][dt][1] *= alpha[0];
+          o[0][dt][2] *= alpha[1];
+          o[0][dt][3] *= alpha[1];
+        }
+      } else {
+        wgmma::wait<0>();
+      }
+      if (pending >= 0 && pending != j) release(empty + 8 * (pending % kStages));
+      // P packed only now: its registers are the A operand of the P.V that was in flight (ptxas gives the
+      // loop-carried P one set), and writing them earlier made ptxas wait for that P.V before the softmax.
 #pragma unroll
       for (int kk = 0; kk < kStep / 16; ++kk) p_fragment(s[0], kk, dpv.a[kk]);
-      wgmma::wait<0>();  // the previous step's P.V: O is complete up to it, its stage is free
-      if (pending >= 0 && pending != j) release(empty + 8 * (pending % kStages));
-      rescale_o(alpha, o[0]);
       dpv.v = vs + Cfg::mma_offset(t0, 0);
       dpv.tile = j;
     } else if constexpr (kWgmma) {
