@@ -50,18 +50,11 @@ def specs():
                                        ({"warps": 8, "mfrags": 1, "stages": 3, "producer": 1},
                                         {"warps": 8, "mfrags": 2, "producer": 1})):
         out.append(prefill_spec(V.DEFAULT, 128, q, q, g, tuning=t))
-    # the deferred P.V (defer=1): test_warp_specialised's "w8d" / "w12d", test_warp_specialised_variants
-    w8d = {"warps": 8, "mfrags": 1, "tile": 128, "stages": 2, "step": 128, "producer": 1, "defer": 1}
-    w12d = {"warps": 12, "mfrags": 1, "stages": 3, "producer": 1, "defer": 1}
-    for (g, t), q in itertools.product(((4, w8d), (1, w8d), (8, w12d), (1, w12d)), ("bf16", "fp16")):
-        out.append(prefill_spec(V.DEFAULT, 128, q, q, g, tuning=t))
     for name in _VARIANTS:
         if not name.startswith("rope"):
             out.append(prefill_spec(V.BUILTIN_VARIANTS[name], 128, "bf16", "bf16", 4, tuning=ws[128]))
-            out.append(prefill_spec(V.BUILTIN_VARIANTS[name], 128, "bf16", "bf16", 4, tuning=w12d))
     for name, g in itertools.product(("soft_cap", "window", "alibi", "default"), (1, 4)):
-        for t in (ws[128], {"warps": 8, "mfrags": 1, "stages": 3, "producer": 1}, {"warps": 8, "mfrags": 2, "producer": 1},
-                  w12d, w8d, {**w8d, "defer": 0}, {"warps": 8, "mfrags": 1, "stages": 4, "producer": 1, "defer": 1}):
+        for t in (ws[128], {"warps": 8, "mfrags": 1, "stages": 3, "producer": 1}, {"warps": 8, "mfrags": 2, "producer": 1}):
             out.append(prefill_spec(V.BUILTIN_VARIANTS[name], 128, "bf16", "bf16", g, tuning=t))
     seen, uniq = set(), []
     for s in out:

@@ -341,9 +341,8 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     member `member` (0: the largest query tile; see _PREFILL_SHAPES_SYNC / _WGMMA).
     tuning (benchmarks): overrides of warps / mfrags / tile / stages / step (default: min(step, tile)) / wgmma
     (1: Hopper warpgroup MMAs, sm_90a only) / producer (1: warp-specialised, a producer warpgroup loads the
-    tiles for `warps` compute warps; wgmma, the query copy, 16-bit KV, no KeyTransform), defer (1: a step's
-    P.V runs under the next step's softmax, FA3's intra-warpgroup overlap; producer=1 and mfrags=1 only),
-    q_buffers (1, or the stages: the loader's query copy; default _prefill_q_buffers's choice), and
+    tiles for `warps` compute warps; wgmma, the query copy, 16-bit KV, no KeyTransform), q_buffers (1, or the stages: the loader's query copy; default
+    _prefill_q_buffers's choice), and
     min_blocks (CTAs per SM the register budget is cut for; default 1: the kernel's own need)."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
@@ -356,7 +355,6 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     tuning = dict(tuning or {})
     min_blocks = int(tuning.pop("min_blocks", 1))
     q_buffers = tuning.pop("q_buffers", None)
-    defer = tuning.pop("defer", 0)
     unknown = set(tuning) - {"warps", "mfrags", "tile", "stages", "step", "wgmma", "producer"}
     if unknown:
         raise ValueError(f"unknown prefill tuning keys {sorted(unknown)}")
@@ -369,10 +367,6 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     shape["producer"] = int(shape.get("producer", 0))
     if shape["producer"]:
         _check_producer(variant, head_dim, kv_bytes, shape)
-    if defer not in (0, 1):
-        raise ValueError(f"tuning defer must be 0 or 1, got {defer!r}")
-    if defer and not (shape["producer"] and shape["mfrags"] == 1):
-        raise ValueError(f"tuning defer=1 (deferred P.V) needs producer=1 and mfrags=1; shape {shape}")
     smem = _prefill_smem_bytes(head_dim, kv_bytes, shape)
     if smem > SMEM_PER_CTA:
         raise ValueError(f"prefill kernel shape {shape} for head_dim {head_dim} needs {smem} bytes of shared "
@@ -395,13 +389,11 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     config = ", ".join([str(head_dim), str(shape["hpc"]), _C_TYPE[q_dtype], _C_TYPE[kv_dtype], str(shape["warps"]),
                         str(shape["mfrags"]), str(shape["tile"]), str(shape["stages"]), str(shape["step"]),
                         "true" if shape["wgmma"] else "false", str(q_buffers),
-                        "true" if shape["producer"] else "false"] + (["true"] if defer else []))
+                        "true" if shape["producer"] else "false"])
     tag = f"{variant.name}_{q_dtype}_{kv_dtype}_d{head_dim}_h{shape['hpc']}"
     if shape != default_shape:  # a tuning equal to the largest member is that member's module
         tag += ("_w{warps}m{mfrags}t{tile}s{stages}k{step}".format(**shape) + ("_wg" if shape["wgmma"] else "")
                 + ("_p" if shape["producer"] else ""))
-    if defer:
-        tag += "_defer"
     if q_buffers != chosen:
         tag += f"_q{q_buffers}"
     if min_blocks != 1:

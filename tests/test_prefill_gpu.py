@@ -193,15 +193,11 @@ _WS = {64: {"warps": 12, "mfrags": 1, "producer": 1}, 128: {"warps": 12, "mfrags
 
 
 # Two compute warpgroups (384 threads: registers move from the producer), one or two fragments each.
-# "d": a step's P.V deferred under the next step's softmax (defer=1, one fragment), at 128- and 64-token steps.
-_WS8 = {"w8": {"warps": 8, "mfrags": 1, "stages": 3, "producer": 1}, "w8m2": {"warps": 8, "mfrags": 2, "producer": 1},
-        "w8d": {"warps": 8, "mfrags": 1, "tile": 128, "stages": 2, "step": 128, "producer": 1, "defer": 1},
-        "w12d": {"warps": 12, "mfrags": 1, "stages": 3, "producer": 1, "defer": 1}}
+_WS8 = {"w8": {"warps": 8, "mfrags": 1, "stages": 3, "producer": 1}, "w8m2": {"warps": 8, "mfrags": 2, "producer": 1}}
 
 
 @pytest.mark.parametrize("D,group,shape", [(64, 1, None), (128, 1, None), (128, 4, None), (128, 8, None), (256, 4, None),
-                                           (128, 4, "w8"), (128, 1, "w8m2"), (128, 4, "w8d"), (128, 1, "w8d"),
-                                           (128, 8, "w12d")])
+                                           (128, 4, "w8"), (128, 1, "w8m2")])
 def test_warp_specialised(D, group, shape):
     """Every query length and KV kind of the matrix (long KV: split chunks, merged by the compute warps'
     own barrier), paged and page 1, and a non-causal batch."""
@@ -220,11 +216,10 @@ def test_warp_specialised(D, group, shape):
 _WS_VARIANTS = [n for n in _VARIANT_NAMES if not n.startswith("rope")]
 
 
-@pytest.mark.parametrize("shape", [None, "w12d"])
 @pytest.mark.parametrize("name", _WS_VARIANTS)
-def test_warp_specialised_variants(name, shape):
+def test_warp_specialised_variants(name):
     Hq, Hkv, D = 16, 4, 128
-    attn = prefill(Hq, Hkv, D, page_size=16, variant=_variant_case(name, Hq)[1], tuning=_WS8[shape] if shape else _WS[D])
+    attn = prefill(Hq, Hkv, D, page_size=16, variant=_variant_case(name, Hq)[1], tuning=_WS[D])
     run_variant_case(attn, name, [1500, 3, 1017, 4000, 300], [1, 3, 17, 128, 300], torch.bfloat16)
 
 

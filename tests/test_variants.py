@@ -260,16 +260,6 @@ def test_warp_specialised_prefill_specs(monkeypatch):
     assert three[7] == "3" and three[-2] == "2", three  # more stages than query buffers
     assert W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "stages": 2, "q_buffers": 3}).params["CONFIG"].split(
         ", ")[-2] == "3"
-    # defer=1 (deferred P.V, prefill::Config::kDeferPV): its own module, one fragment with a producer only
-    deferred = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "defer": 1})
-    assert deferred.params["CONFIG"].endswith("true, true") and "_defer" in deferred.tag
-    assert deferred.memo_key != spec.memo_key
-    with pytest.raises(ValueError, match="defer=1.*mfrags=1"):
-        W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "mfrags": 2, "warps": 8, "defer": 1})
-    with pytest.raises(ValueError, match="defer=1.*producer=1"):
-        W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={"warps": 8, "mfrags": 1, "producer": 0, "defer": 1})
-    with pytest.raises(ValueError, match="defer must be 0 or 1"):
-        W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "defer": 2})
     no_producer = {"warps": 12, "mfrags": 1, "producer": 0}
     assert spec.memo_key != W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning=no_producer).memo_key
     # member 0 by default where it can (_PREFILL_WS_MEMBER0); not with fp8 KV, RoPE, or 16 heads a chunk

@@ -42,6 +42,14 @@
 // copies or page lookups. setmaxnreg gives the compute warps the registers the producer does not need
 // (8 x 2 fragments at 232, 12 x 1 at 152). Its two query buffers are released through barriers, not
 // tied to the stages, so 8 x 2 runs three 32 KB stages.
+// Tried and slower (4d16d09, perf/results/prefill_ab28.md, prefill_flex28.md): FA3's intra-warpgroup overlap
+// at one fragment a warp (a step's S MMAs, then the previous step's P.V, the softmax under that P.V, P
+// in registers across the step, the stage its V is in held until it is done; a zero P.V at a sub-item's
+// first step, since a wgmma under a branch serialises them all, C7520): 8 x 1 with 128-token tiles and
+// steps 637 / 2057 / 7478 us at 16x1k / 4x4k / 1x16k against 469 / 1431 / 5063 without it, 12 x 1
+// 498 / 1481 / 5077 against 452 / 1372 / 5072 (prefill_ab26.md), every flex variant slower too. ptxas
+// hoists a lone wgmma wait to the start of its basic block: the wait for that P.V went before the
+// softmax until it was put in both arms of the rescale branch (which did not make it faster).
 // Tried and slower (6b1ced4, perf/results/prefill_defer_ab.md): FA3's overlap across steps at 8 x 2, the
 // last fragment's P.V issued with the next step's S MMAs, P kept in registers: 8-15% slower (16x1k 499
 // vs 454 us), at 240 registers (232 made ptxas serialise the wgmmas) with spills in the loop and the
@@ -73,8 +81,7 @@ namespace prefill {
 using namespace attn;  // Params, Work, TileRecord, Loader, Epilogue (shared.cuh)
 
 template <int kHeadDim_, int kHeadsPerChunk_, class DQ_, class DKV_, int kWarps_, int kMFrags_, int kTileKv_,
-          int kStages_, int kStepKv_, bool kWgmma_ = false, int kQBuffers_ = 1, bool kProducer_ = false,
-          bool kDeferPV_ = false>
+          int kStages_, int kStepKv_, bool kWgmma_ = false, int kQBuffers_ = 1, bool kProducer_ = false>
 struct Config {
   using DQ = DQ_;
   using DKV = DKV_;
@@ -97,9 +104,6 @@ struct Config {
   // the cursor and the copy addresses). Only where the launch leaves fewer than 240 a thread (384
   // threads and more): else every warp has enough.
   static constexpr bool kMoveRegs = kProducer && kLaunchThreads >= 384;
-  // FA3's intra-warpgroup overlap (Kernel::DeferredPV): a step's P.V is issued with the next step's S
-  // MMAs and runs under that step's softmax; warp-specialised, one fragment a warp.
-  static constexpr bool kDeferPV = kDeferPV_;
   static constexpr int kEntryRegs = (65536 / kLaunchThreads > 255 ? 255 : 65536 / kLaunchThreads) / 8 * 8;
   static constexpr int kRegPool = kEntryRegs * kLaunchThreads;
   static constexpr int kComputeRegsFit = (kRegPool - 128 * 40) / kThreads / 8 * 8;
@@ -170,7 +174,6 @@ struct Config {
   static_assert(!kProducer || (kWgmma && kQBuffers >= 2 && !kFp8),
                 "warp-specialised: wgmma, the loader's query copy, 16-bit KV (no conversion pass)");
   static_assert(kChunksPerRow >= 4, "rows of at least 64 bytes");
-  static_assert(!kDeferPV || (kProducer && kWgmma && kMFrags == 1), "deferred P.V: warp-specialised, wgmma, 1 fragment");
   static_assert(!kWgmma || (kWarps % 4 == 0 && (kStep == 32 || kStep == 64 || kStep == 128 || kStep == 256)),
                 "wgmma: whole warpgroups, a compute step of 32, 64, 128 or 256 tokens (the MMA's n)");
 
@@ -339,11 +342,14 @@ struct Kernel {
 
   // The warp's rows: m fragment mf holds packed rows 16 (kMF warp + mf) + g (+ 8); S and O in C-fragment
   // layout (c0/c1: row g, c2/c3: row g + 8). Masks use each row's limits, computed here from the record.
-  // Maximum of this lane's elements of row half hf (C-fragment slots 2 hf, 2 hf + 1 of every n tile), as a
-  // tree: a serial chain of FMNMX waits on each result (ncu: "stall wait" led the prefill kernel).
+  // Maximum of this lane's elements of row half hf (C-fragment slots 2 hf, 2 hf + 1 of every n tile), in
+  // four independent chains: one serial chain of FMNMX waits on each result (ncu: "stall wait" led the
+  // prefill kernel).
   static __device__ __forceinline__ float row_max(const float (&s)[kNTiles][4], int hf) {
-    // Four running maxima over one flat loop: a tree (`for (w = kNTiles / 2; w >= 1; w /= 2)`) stayed a
-    // rolled loop at 16 n tiles (step 128), its array in local memory.
+    // Four running maxima over one flat loop: the tree it replaced (`for (w = kNTiles / 2; w >= 1; w /= 2)`)
+    // stayed a rolled loop at 16 n tiles (128-token steps), its array in local memory: 8 x 1 with 128-token
+    // tiles and steps took 653 / 2380 / 9604 us at 16x1k / 4x4k / 1x16k, 469 / 1431 / 5063 after
+    // (perf/results/prefill_ab26.md, prefill_ab28.md). 64-token steps: the same registers and spills.
     constexpr int kParts = kNTiles < 4 ? kNTiles : 4;
     float m[kParts];
 #pragma unroll
@@ -435,14 +441,9 @@ struct Kernel {
 #pragma unroll
     for (int kk = 0; kk < kStep / 16; ++kk) p_fragment(s, kk, a[kk]);
     wgmma::fence();  // P and the rescaled O, written by this thread, before the MMAs read them
-    pv_issue(vs + Cfg::mma_offset(t0, 0), a, o);
-  }
-  // P.V's MMAs from packed P; v: the shared-memory address of the step's first V row (Cfg::mma_offset).
-  static __device__ __forceinline__ void pv_issue(uint32_t v, const uint32_t (&a)[kStep / 16][4],
-                                                  float (&o)[kDTiles][4]) {
 #pragma unroll
     for (int kk = 0; kk < kStep / 16; ++kk) {
-      const uint64_t b = wgmma::desc(v + Cfg::mma_offset(16 * kk, 0), kTile * 128, 1024);
+      const uint64_t b = wgmma::desc(vs + Cfg::mma_offset(t0 + 16 * kk, 0), kTile * 128, 1024);
       wgmma::Mma<kHeadDim, kBf16>::template rs<1>(reinterpret_cast<float(&)[kDTiles * 4]>(o), a[kk], b, 1);
     }
   }
@@ -513,13 +514,11 @@ struct Kernel {
   // pipeline, ptxas ran out of registers at 8 x 2 (232) and 16 x 1 (128) and serialised every wgmma of
   // the kernel, C7512: each HGMMA waited for before the next issued; perf/ptxas.py reports it).
   static constexpr int kFull = 0, kMasked = 1, kMaskedIf = 2;
-  // kRescale false: O is left alone (a P.V may still be accumulating into it) and its factors are
-  // returned in alpha; rescale_o applies them once that P.V is done.
-  template <int kMode, bool kRescale = true>
+  template <int kMode>
   static __device__ __forceinline__ void softmax_frag(const Params& p, const VariantParams& vp, const Work& w,
                                                       int tile_begin, int n_valid, int kv_head, int mf, bool masked,
                                                       float (&s)[kNTiles][4], float (&m_run)[2], float (&d_run)[2],
-                                                      float (&o)[kDTiles][4], float (&alpha)[2]) {
+                                                      float (&o)[kDTiles][4]) {
     bool raw;  // S holds raw logits (scale not applied)
     if constexpr (kMode == kMaskedIf) {
       if (masked) logits_frag<true>(p, vp, w, tile_begin, n_valid, kv_head, mf, s);
@@ -535,6 +534,7 @@ struct Kernel {
     // ---- online softmax of rows g (hf 0) and g + 8 (hf 1); a row lives in the 4 lanes of a quad
     if constexpr (Variant::kUseSoftmax) {
       const float sl = raw ? scale_log2 : 1.f;  // raw logits -> log2 units
+      float alpha[2];
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         mx[hf] = row_max(s, hf);
@@ -557,19 +557,15 @@ struct Kernel {
         const float sum = (sum4[0] + sum4[1]) + (sum4[2] + sum4[3]);
         d_run[hf] = d_run[hf] * alpha[hf] + sum;  // per lane; the quad's sum is taken at the end
       }
-      if constexpr (kRescale) rescale_o(alpha, o);
-    }
-  }
-
-  // Once a row's maximum settles, alpha is 1: skip the rescale when it is for all of the warp's rows.
-  static __device__ __forceinline__ void rescale_o(const float (&alpha)[2], float (&o)[kDTiles][4]) {
-    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+      // Once a row's maximum settles, alpha is 1: skip the rescale when it is for all of the warp's rows.
+      if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-      for (int dt = 0; dt < kDTiles; ++dt) {
-        o[dt][0] *= alpha[0];
-        o[dt][1] *= alpha[0];
-        o[dt][2] *= alpha[1];
-        o[dt][3] *= alpha[1];
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          o[dt][0] *= alpha[0];
+          o[dt][1] *= alpha[0];
+          o[dt][2] *= alpha[1];
+          o[dt][3] *= alpha[1];
+        }
       }
     }
   }
@@ -578,61 +574,13 @@ struct Kernel {
   // wgmma: a fragment's softmax runs while the tensor cores work on the other fragment's MMAs (S of all
   // fragments issued first; before fragment mf's softmax, kMF - 1 groups may still be in flight: the
   // later fragments' S and the earlier fragments' P.V).
-  // Deferred P.V (Cfg::kDeferPV, FA3's intra-warpgroup overlap with one fragment): a step issues its S
-  // MMAs and then the previous step's P.V, waits for S only, and runs its softmax while the tensor cores
-  // do that P.V; O is rescaled once it is done. Both are issued and waited for within the step (a wgmma
-  // in flight across the loop serialises them all). P waits in registers, and the stage its V is in is
-  // held until its P.V is done: released by the next step, or by flush_pv.
-  struct DeferredPV {
-    uint32_t a[kStep / 16][4];  // P, packed
-    uint32_t v;                 // its V: shared memory address of the step's first row (Cfg::mma_offset)
-    int tile;                   // the CTA's tile number j it reads, -1: none pending
-  };
   template <int kMode>
   static __device__ __forceinline__ void compute_tile(const Params& p, const VariantParams& vp, uint32_t qs,
                                                       uint32_t ks, uint32_t vs, int t0, const Work& w, int tile_begin,
                                                       int n_valid, int kv_head, bool masked, float (&m_run)[kMF][2],
-                                                      float (&d_run)[kMF][2], float (&o)[kMF][kDTiles][4],
-                                                      DeferredPV& dpv, int j, uint32_t empty) {
+                                                      float (&d_run)[kMF][2], float (&o)[kMF][kDTiles][4]) {
     float s[kMF][kNTiles][4];
-    float alpha[2] = {1.f, 1.f};  // (left so without a softmax)
-    if constexpr (Cfg::kDeferPV) {
-      const int pending = dpv.tile;
-      if (pending < 0) {  // a sub-item's first step: a P.V of P = 0 (a wgmma under a branch: C7520)
-#pragma unroll
-        for (int kk = 0; kk < kStep / 16; ++kk) dpv.a[kk][0] = dpv.a[kk][1] = dpv.a[kk][2] = dpv.a[kk][3] = 0u;
-        dpv.v = vs + Cfg::mma_offset(t0, 0);
-      }
-      wgmma::fence();
-      qk_wgmma(qs, ks, t0, 0, s[0]);
-      wgmma::commit();
-      pv_issue(dpv.v, dpv.a, o[0]);
-      wgmma::commit();
-      wgmma::wait<1>();  // S (groups complete in order; the P.V may still run)
-      softmax_frag<kMode, false>(p, vp, w, tile_begin, n_valid, kv_head, 0, masked, s[0], m_run[0], d_run[0], o[0],
-                                 alpha);
-      // The previous step's P.V: O is complete up to it, its stage is free. The wait sits in both arms of
-      // the rescale's branch: alone, ptxas hoisted it to the start of its basic block, before the softmax.
-      if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-        wgmma::wait<0>();
-#pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt) {
-          o[0][dt][0] *= alpha[0];
-          o[0][dt][1] *= alpha[0];
-          o[0][dt][2] *= alpha[1];
-          o[0][dt][3] *= alpha[1];
-        }
-      } else {
-        wgmma::wait<0>();
-      }
-      if (pending >= 0 && pending != j) release(empty + 8 * (pending % kStages));
-      // P packed only now: its registers are the A operand of the P.V that was in flight (ptxas gives the
-      // loop-carried P one set), and writing them earlier made ptxas wait for that P.V before the softmax.
-#pragma unroll
-      for (int kk = 0; kk < kStep / 16; ++kk) p_fragment(s[0], kk, dpv.a[kk]);
-      dpv.v = vs + Cfg::mma_offset(t0, 0);
-      dpv.tile = j;
-    } else if constexpr (kWgmma) {
+    if constexpr (kWgmma) {
       wgmma::fence();
 #pragma unroll
       for (int mf = 0; mf < kMF; ++mf) {
@@ -642,8 +590,7 @@ struct Kernel {
 #pragma unroll
       for (int mf = 0; mf < kMF; ++mf) {
         wgmma::wait<kMF - 1>();
-        softmax_frag<kMode>(p, vp, w, tile_begin, n_valid, kv_head, mf, masked, s[mf], m_run[mf], d_run[mf], o[mf],
-                            alpha);
+        softmax_frag<kMode>(p, vp, w, tile_begin, n_valid, kv_head, mf, masked, s[mf], m_run[mf], d_run[mf], o[mf]);
         pv_wgmma(vs, t0, s[mf], o[mf]);
         wgmma::commit();
       }
@@ -652,8 +599,7 @@ struct Kernel {
       qk_sync(qs, ks, t0, s);
 #pragma unroll
       for (int mf = 0; mf < kMF; ++mf)
-        softmax_frag<kMode>(p, vp, w, tile_begin, n_valid, kv_head, mf, masked, s[mf], m_run[mf], d_run[mf], o[mf],
-                            alpha);
+        softmax_frag<kMode>(p, vp, w, tile_begin, n_valid, kv_head, mf, masked, s[mf], m_run[mf], d_run[mf], o[mf]);
       pv_sync(vs, t0, s, o);
     }
   }
@@ -672,17 +618,6 @@ struct Kernel {
   static __device__ __forceinline__ void release(uint32_t bar) {
     __syncwarp();
     if ((threadIdx.x & 31) == 0) ptx::mbar_arrive(bar);
-  }
-  // Cfg::kDeferPV: run the pending P.V, if any, and release its stage unless it is tile j's (released by
-  // the caller).
-  static __device__ __forceinline__ void flush_pv(DeferredPV& dpv, float (&o)[kDTiles][4], int j, uint32_t empty) {
-    if (dpv.tile < 0) return;
-    wgmma::fence();
-    pv_issue(dpv.v, dpv.a, o);
-    wgmma::commit();
-    wgmma::wait<0>();
-    if (dpv.tile != j) release(empty + 8 * (dpv.tile % kStages));
-    dpv.tile = -1;
   }
 
   static __device__ __forceinline__ void run(const Params& p, const VariantParams& vp, uint8_t* smem) {
@@ -721,8 +656,6 @@ struct Kernel {
     constexpr int kUnitRows = Cfg::kUnitRows;
     const int unit = warp / kUnitWarps;  // a warp, or a warpgroup with wgmma: they skip steps together
 
-    DeferredPV dpv;
-    dpv.tile = -1;
     for (int j = 0;; ++j) {
       uint8_t* stage = smem + (j % kStages) * Cfg::kStageBytes;
       if constexpr (Cfg::kProducer) {
@@ -792,7 +725,6 @@ struct Kernel {
         range_hi = hi;
         seen_lo = lo;
       }
-      bool stepped = false;
 #pragma unroll 1
       for (int st = 0; st < kTile / kStep; ++st) {
         const int step_begin = rec->tile_kv_begin + st * kStep, n_valid = rec->n_valid - st * kStep;
@@ -806,32 +738,24 @@ struct Kernel {
                                (Variant::kMaskIsKvRange && (w.pos_off + step_begin < range_lo ||
                                                             w.pos_off + step_begin + kStep > range_hi)) ||
                                (p.causal && step_begin + kStep - 1 > climit_lo) || !(p.logits_scale > 0.f);
-        stepped = true;
         if constexpr (kWgmma)
           compute_tile<kMaskedIf>(p, vp, qs, ks, vs, st * kStep, w, step_begin, n_valid, kv_head, need_mask, m_run,
-                                  d_run, o, dpv, j, empty);
+                                  d_run, o);
         else if (need_mask)
-          compute_tile<kMasked>(p, vp, qs, ks, vs, st * kStep, w, step_begin, n_valid, kv_head, true, m_run, d_run, o,
-                                dpv, j, empty);
+          compute_tile<kMasked>(p, vp, qs, ks, vs, st * kStep, w, step_begin, n_valid, kv_head, true, m_run, d_run, o);
         else
-          compute_tile<kFull>(p, vp, qs, ks, vs, st * kStep, w, step_begin, n_valid, kv_head, false, m_run, d_run, o,
-                              dpv, j, empty);
+          compute_tile<kFull>(p, vp, qs, ks, vs, st * kStep, w, step_begin, n_valid, kv_head, false, m_run, d_run, o);
       }
 
-      if constexpr (Cfg::kProducer) {
-        // Cfg::kDeferPV: a tile that stepped holds its stage for its pending P.V (the next step releases it);
-        // one that did not, and a sub-item's last, run the pending P.V now (O complete for finish; no stage
-        // held while this warp waits for later tiles, which may need it).
-        if (!(Cfg::kDeferPV && stepped && !(flags & kLast))) {
-          if constexpr (Cfg::kDeferPV) flush_pv(dpv, o[0], j, empty);
-          if (flags & kLast) {
-            finish(p, vp, w, m_run, d_run, o, merge_flags);  // the record is read by finish: release after it
-            release(qempty + 8 * rec->qslot);
-          }
+      if constexpr (Cfg::kProducer) {  // the record is read by finish: release after it
+        if (!(flags & kLast)) release(empty + 8 * (j % kStages));
+      }
+      if (flags & kLast) {
+        finish(p, vp, w, m_run, d_run, o, merge_flags);
+        if constexpr (Cfg::kProducer) {
+          release(qempty + 8 * rec->qslot);
           release(empty + 8 * (j % kStages));
         }
-      } else if (flags & kLast) {
-        finish(p, vp, w, m_run, d_run, o, merge_flags);
       }
     }
   }
