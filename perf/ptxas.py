@@ -5,7 +5,7 @@ first check before spending GPU time on a shape (prefill.cuh's 2-fragment shapes
     python -m perf.ptxas --kernel prefill --tunings '[{}, {"warps": 8, "mfrags": 2, "tile": 64, "stages": 2}]'
     python -m perf.ptxas --kernel prefill --variant alibi --kv-dtype fp8_e4m3 --head-dim 128 --group 4
 
-Prints one line per shape: registers per thread, the spill stores / loads ptxas reports (bytes), and
+Prints one line per shape: registers per thread, the spill stores / loads and stack frame ptxas reports (bytes), and
 whether ptxas serialised the kernel's wgmmas (C7512, C7518, ...: every HGMMA waited for before the next
 issues, the tensor cores' pipeline lost; it says why, e.g. "insufficient register resources").
 The scratch cache (default: a temporary directory) keeps these builds apart from the real kernel cache:
@@ -55,6 +55,9 @@ def main(argv=None) -> int:
         log = log_path.read_text() if log_path.exists() else ""
         regs = re.findall(r"Used (\d+) registers", log)
         spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        # Stack frame beyond the spills: a local array (dynamically indexed, or a loop ptxas left rolled), as
+        # row_max's tree at 128-token steps was (prefill.cuh): local-memory traffic the spill count misses.
+        frames = [int(x) for x in re.findall(r"(\d+) bytes stack frame", log)]
         if not regs:
             print(f"{a.kernel} {json.dumps(tuning)}: no ptxas report (module was cached without -v?)", flush=True)
             continue
@@ -62,7 +65,7 @@ def main(argv=None) -> int:
         serial = re.search(r"\((C75\d\d)\).*?wgmma.mma_async instructions are serialized due to ([^\n]*?) (?:for|in) the "
                            r"function", log)
         print(f"{a.kernel} {a.variant} {a.q_dtype}/{kv} d{a.head_dim} g{a.group} {json.dumps(tuning)}: "
-              f"{max(int(r) for r in regs)} registers, spill stores {st} B, loads {ld} B"
+              f"{max(int(r) for r in regs)} registers, spill stores {st} B, loads {ld} B, stack frame {max(frames, default=0)} B"
               + (f", WGMMA SERIALISED ({serial.group(1)}: {serial.group(2)})" if serial else "")
               + f" ({time.perf_counter() - t0:.1f} s)", flush=True)
     return 0
