@@ -747,15 +747,15 @@ struct Kernel {
           compute_tile<kFull>(p, vp, qs, ks, vs, st * kStep, w, step_begin, n_valid, kv_head, false, m_run, d_run, o);
       }
 
-      // One release of the stage on every path (as one branch, not two: 24 bytes of stack at 8 x 2, not 72).
-      if constexpr (Cfg::kProducer) {
-        if (flags & kLast) {
-          finish(p, vp, w, m_run, d_run, o, merge_flags);  // the record is read by finish: release after it
-          release(qempty + 8 * rec->qslot);
-        }
-        release(empty + 8 * (j % kStages));
-      } else if (flags & kLast) {
+      if constexpr (Cfg::kProducer) {  // the record is read by finish: release after it
+        if (!(flags & kLast)) release(empty + 8 * (j % kStages));
+      }
+      if (flags & kLast) {
         finish(p, vp, w, m_run, d_run, o, merge_flags);
+        if constexpr (Cfg::kProducer) {
+          release(qempty + 8 * rec->qslot);
+          release(empty + 8 * (j % kStages));
+        }
       }
     }
   }
