@@ -341,9 +341,9 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     member `member` (0: the largest query tile; see _PREFILL_SHAPES_SYNC / _WGMMA).
     tuning (benchmarks): overrides of warps / mfrags / tile / stages / step (default: min(step, tile)) / wgmma
     (1: Hopper warpgroup MMAs, sm_90a only) / producer (1: warp-specialised, a producer warpgroup loads the
-    tiles for `warps` compute warps; wgmma, the query copy, 16-bit KV, no KeyTransform), q_buffers (1, or the stages: the loader's query copy; default
-    _prefill_q_buffers's choice), and
-    min_blocks (CTAs per SM the register budget is cut for; default 1: the kernel's own need)."""
+    tiles for `warps` compute warps; wgmma, the query copy, 16-bit KV, no KeyTransform), q_buffers (1, or
+    the stages: the loader's query copy; with a producer, 2 or more; default _prefill_q_buffers's choice),
+    and min_blocks (CTAs per SM the register budget is cut for; default 1: the kernel's own need)."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
     kv_bytes = 1 if kv_dtype.startswith("fp8") else 2
@@ -365,8 +365,9 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     if "step" not in tuning:
         shape["step"] = min(shape["step"], shape["tile"])
     shape["producer"] = int(shape.get("producer", 0))
-    if shape["producer"]:
-        _check_producer(variant, head_dim, kv_bytes, shape)
+    why = _producer_blockers(variant, head_dim, kv_bytes, shape) if shape["producer"] else []
+    if why:
+        raise ValueError(f"tuning producer=1 (warp-specialised prefill) needs {', '.join(why)}; shape {shape}")
     smem = _prefill_smem_bytes(head_dim, kv_bytes, shape)
     if smem > SMEM_PER_CTA:
         raise ValueError(f"prefill kernel shape {shape} for head_dim {head_dim} needs {smem} bytes of shared "
@@ -399,12 +400,6 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     if min_blocks != 1:
         tag += f"_b{min_blocks}"
     return _attention_spec("prefill", variant, config, min_blocks, tag, [])
-
-
-def _check_producer(variant: Variant, head_dim: int, kv_bytes: int, shape: dict) -> None:
-    why = _producer_blockers(variant, head_dim, kv_bytes, shape)
-    if why:
-        raise ValueError(f"tuning producer=1 (warp-specialised prefill) needs {', '.join(why)}; shape {shape}")
 
 
 def _attention_spec(kernel: str, variant: Variant, config: str, min_blocks: int, tag: str,
