@@ -56,6 +56,22 @@ def specs():
     for name, g in itertools.product(("soft_cap", "window", "alibi", "default"), (1, 4)):
         for t in (ws[128], {"warps": 8, "mfrags": 1, "stages": 3, "producer": 1}, {"warps": 8, "mfrags": 2, "producer": 1}):
             out.append(prefill_spec(V.BUILTIN_VARIANTS[name], 128, "bf16", "bf16", g, tuning=t))
+    # Ping-pong (tuning pingpong=1): tests/test_prefill_gpu.py (_PP, the variants at 12 x 1) and perf A/B runs.
+    pp = {"w8m2pp": {"warps": 8, "mfrags": 2, "producer": 1, "pingpong": 1},
+          "w8t128pp": {"warps": 8, "mfrags": 1, "tile": 128, "stages": 2, "step": 128, "producer": 1, "pingpong": 1},
+          "w12pp": {"warps": 12, "mfrags": 1, "producer": 1, "pingpong": 1}}
+    for q in ("bf16", "fp16"):
+        out.extend([prefill_spec(V.DEFAULT, 128, q, q, 4, tuning=pp["w8m2pp"]),
+                    prefill_spec(V.DEFAULT, 128, q, q, 1, tuning=pp["w8t128pp"]),
+                    prefill_spec(V.DEFAULT, 128, q, q, 8, tuning=pp["w12pp"])])
+    for name in _VARIANTS:
+        if not name.startswith("rope"):
+            out.append(prefill_spec(V.BUILTIN_VARIANTS[name], 128, "bf16", "bf16", 4, tuning={**ws[128], "pingpong": 1}))
+    for name, g in itertools.product(("soft_cap", "window", "alibi", "default"), (1, 4)):
+        for t in pp.values():
+            out.append(prefill_spec(V.BUILTIN_VARIANTS[name], 128, "bf16", "bf16", g, tuning=t))
+    for g in (1, 4):  # the 8 x 1 shape with 128-token tiles, without ping-pong (A/B)
+        out.append(prefill_spec(V.DEFAULT, 128, "bf16", "bf16", g, tuning={**pp["w8t128pp"], "pingpong": 0}))
     seen, uniq = set(), []
     for s in out:
         if s.memo_key not in seen:

@@ -275,11 +275,12 @@ def _prefill_family(head_dim: int, kv_bytes: int, wgmma: Optional[bool] = None,
     if wgmma and variant is not None and variant.mask_is_kv_range:
         table = {**table, **_PREFILL_SHAPES_WGMMA_WINDOW}
     keys = ("warps", "mfrags", "tile", "stages", "step")
-    family = [{**dict(zip(keys, s)), "wgmma": int(wgmma), "producer": 0} for s in table[(head_dim, kv_bytes)]]
+    family = [{**dict(zip(keys, s)), "wgmma": int(wgmma), "producer": 0, "pingpong": 0}
+              for s in table[(head_dim, kv_bytes)]]
     ws = _PREFILL_WS_MEMBER0.get(head_dim) if wgmma else None
     if ws:
         hooks = variant is not None and bool(variant.logits_transform or variant.logits_mask)
-        shape = {**dict(zip(keys, ws["hooks" if hooks else "plain"])), "wgmma": 1, "producer": 1}
+        shape = {**dict(zip(keys, ws["hooks" if hooks else "plain"])), "wgmma": 1, "producer": 1, "pingpong": 0}
         if not _producer_blockers(variant, head_dim, kv_bytes, {**shape, "hpc": hpc}):
             family[0] = shape
     return family
@@ -355,7 +356,7 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     tuning = dict(tuning or {})
     min_blocks = int(tuning.pop("min_blocks", 1))
     q_buffers = tuning.pop("q_buffers", None)
-    unknown = set(tuning) - {"warps", "mfrags", "tile", "stages", "step", "wgmma", "producer"}
+    unknown = set(tuning) - {"warps", "mfrags", "tile", "stages", "step", "wgmma", "producer", "pingpong"}
     if unknown:
         raise ValueError(f"unknown prefill tuning keys {sorted(unknown)}")
     shape.update(tuning)
@@ -368,6 +369,12 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     why = _producer_blockers(variant, head_dim, kv_bytes, shape) if shape["producer"] else []
     if why:
         raise ValueError(f"tuning producer=1 (warp-specialised prefill) needs {', '.join(why)}; shape {shape}")
+    shape["pingpong"] = int(shape.get("pingpong", 0))
+    if shape["pingpong"] not in (0, 1):
+        raise ValueError(f"tuning pingpong must be 0 or 1, got {shape['pingpong']}")
+    if shape["pingpong"] and not (shape["producer"] and shape["warps"] in (8, 12, 16)):
+        raise ValueError(f"tuning pingpong=1 needs producer=1 and warps 8, 12 or 16 (two to four compute "
+                         f"warpgroups taking turns); shape {shape}")
     smem = _prefill_smem_bytes(head_dim, kv_bytes, shape)
     if smem > SMEM_PER_CTA:
         raise ValueError(f"prefill kernel shape {shape} for head_dim {head_dim} needs {smem} bytes of shared "
@@ -390,11 +397,11 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     config = ", ".join([str(head_dim), str(shape["hpc"]), _C_TYPE[q_dtype], _C_TYPE[kv_dtype], str(shape["warps"]),
                         str(shape["mfrags"]), str(shape["tile"]), str(shape["stages"]), str(shape["step"]),
                         "true" if shape["wgmma"] else "false", str(q_buffers),
-                        "true" if shape["producer"] else "false"])
+                        "true" if shape["producer"] else "false", "true" if shape["pingpong"] else "false"])
     tag = f"{variant.name}_{q_dtype}_{kv_dtype}_d{head_dim}_h{shape['hpc']}"
     if shape != default_shape:  # a tuning equal to the largest member is that member's module
         tag += ("_w{warps}m{mfrags}t{tile}s{stages}k{step}".format(**shape) + ("_wg" if shape["wgmma"] else "")
-                + ("_p" if shape["producer"] else ""))
+                + ("_p" if shape["producer"] else "") + ("_pp" if shape["pingpong"] else ""))
     if q_buffers != chosen:
         tag += f"_q{q_buffers}"
     if min_blocks != 1:

@@ -247,6 +247,10 @@ def test_prefill_family_follows_the_arch_list(monkeypatch):
     assert W.prefill_family_shapes(128, "bf16", wgmma=True)[0]["wgmma"] == 1  # explicit beats the list
 
 
+def _producer(spec) -> str:
+    return spec.params["CONFIG"].split(", ")[-2]  # prefill::Config's kProducer (then kPingPong)
+
+
 def test_warp_specialised_prefill_specs(monkeypatch):
     """producer=1 (a producer warpgroup, prefill::Config::kProducer): its own module with the query copy into
     PREFILL_PRODUCER_Q_BUFFERS buffers (or q_buffers >= 2), refused by name where it cannot run (fp8 KV, RoPE,
@@ -255,19 +259,28 @@ def test_warp_specialised_prefill_specs(monkeypatch):
     ws = {"warps": 12, "mfrags": 1, "producer": 1}
     spec = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning=ws)
     config = spec.params["CONFIG"].split(", ")
-    assert config[-1] == "true" and config[-2] == str(W.PREFILL_PRODUCER_Q_BUFFERS), config  # producer, q_buffers
+    # ..., q_buffers, producer, pingpong
+    assert config[-2] == "true" and config[-3] == str(W.PREFILL_PRODUCER_Q_BUFFERS) and config[-1] == "false", config
     three = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "stages": 3}).params["CONFIG"].split(", ")
-    assert three[7] == "3" and three[-2] == "2", three  # more stages than query buffers
+    assert three[7] == "3" and three[-3] == "2", three  # more stages than query buffers
     assert W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "stages": 2, "q_buffers": 3}).params["CONFIG"].split(
-        ", ")[-2] == "3"
+        ", ")[-3] == "3"
     no_producer = {"warps": 12, "mfrags": 1, "producer": 0}
+    pp = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "pingpong": 1})
+    assert pp.params["CONFIG"].split(", ")[-2:] == ["true", "true"] and pp.memo_key != spec.memo_key
+    with pytest.raises(ValueError, match="pingpong=1 needs producer=1"):
+        W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**no_producer, "pingpong": 1})
+    with pytest.raises(ValueError, match="pingpong=1 needs .*warps 8, 12 or 16"):
+        W.prefill_spec(V.DEFAULT, 64, "bf16", "bf16", 4, tuning={"warps": 4, "mfrags": 1, "producer": 1, "pingpong": 1})
+    with pytest.raises(ValueError, match="pingpong must be 0 or 1"):
+        W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "pingpong": 2})
     assert spec.memo_key != W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning=no_producer).memo_key
     # member 0 by default where it can (_PREFILL_WS_MEMBER0); not with fp8 KV, RoPE, or 16 heads a chunk
-    assert W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4).params["CONFIG"].endswith("true")
-    assert W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, member=1).params["CONFIG"].endswith("false")
-    assert W.prefill_spec(V.DEFAULT, 128, "bf16", "fp8_e4m3", 4).params["CONFIG"].endswith("false")
-    assert W.prefill_spec(V.ROPE, 128, "bf16", "bf16", 4).params["CONFIG"].endswith("false")
-    assert W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 16).params["CONFIG"].endswith("false")
+    assert _producer(W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4)) == "true"
+    assert _producer(W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, member=1)) == "false"
+    assert _producer(W.prefill_spec(V.DEFAULT, 128, "bf16", "fp8_e4m3", 4)) == "false"
+    assert _producer(W.prefill_spec(V.ROPE, 128, "bf16", "bf16", 4)) == "false"
+    assert _producer(W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 16)) == "false"
     with pytest.raises(ValueError, match="producer=1.*16-bit KV"):
         W.prefill_spec(V.DEFAULT, 128, "bf16", "fp8_e4m3", 4, tuning=ws)
     with pytest.raises(ValueError, match="producer=1.*RoPE"):

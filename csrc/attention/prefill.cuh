@@ -81,7 +81,8 @@ namespace prefill {
 using namespace attn;  // Params, Work, TileRecord, Loader, Epilogue (shared.cuh)
 
 template <int kHeadDim_, int kHeadsPerChunk_, class DQ_, class DKV_, int kWarps_, int kMFrags_, int kTileKv_,
-          int kStages_, int kStepKv_, bool kWgmma_ = false, int kQBuffers_ = 1, bool kProducer_ = false>
+          int kStages_, int kStepKv_, bool kWgmma_ = false, int kQBuffers_ = 1, bool kProducer_ = false,
+          bool kPingPong_ = false>
 struct Config {
   using DQ = DQ_;
   using DKV = DKV_;
@@ -95,6 +96,13 @@ struct Config {
   // warps never wait for each other per tile. setmaxnreg moves registers from the producer to them.
   static constexpr bool kProducer = kProducer_;
   static constexpr int kLaunchThreads = kThreads + (kProducer ? 128 : 0);
+  // Ping-pong (FA3's inter-warpgroup schedule): the compute warpgroups issue their S = Q K^T MMAs in
+  // turn, one compute step each, through named barriers (kPingPongBar + warpgroup), so one warpgroup's
+  // softmax runs while the next one's MMAs occupy the tensor cores instead of all of them meeting in
+  // the softmax with the tensor cores idle. Every warpgroup takes its turn at every step of every
+  // tile, skipped steps included (a named barrier needs equal counts).
+  static constexpr bool kPingPong = kPingPong_;
+  static constexpr int kPingPongBar = 10;  // 10 .. 10 + warpgroups - 1 (8: compute side, 9: the producer)
   static constexpr int kLoaderThreads = kProducer ? 128 : kThreads;
   static constexpr int kLoaderThread0 = kProducer ? kThreads : 0;
   // Registers a thread (multiples of 8). The CTA's pool is what it launched with (64K / threads a thread,
@@ -174,6 +182,8 @@ struct Config {
   static_assert(!kProducer || (kWgmma && kQBuffers >= 2 && !kFp8),
                 "warp-specialised: wgmma, the loader's query copy, 16-bit KV (no conversion pass)");
   static_assert(kChunksPerRow >= 4, "rows of at least 64 bytes");
+  static_assert(!kPingPong || (kProducer && kWarps >= 8 && kWarps <= 16),
+                "ping-pong: warp-specialised, two to four compute warpgroups");
   static_assert(!kWgmma || (kWarps % 4 == 0 && (kStep == 32 || kStep == 64 || kStep == 128 || kStep == 256)),
                 "wgmma: whole warpgroups, a compute step of 32, 64, 128 or 256 tokens (the MMA's n)");
 
@@ -582,11 +592,13 @@ struct Kernel {
     float s[kMF][kNTiles][4];
     if constexpr (kWgmma) {
       wgmma::fence();
+      if constexpr (Cfg::kPingPong) pingpong_wait();
 #pragma unroll
       for (int mf = 0; mf < kMF; ++mf) {
         qk_wgmma(qs, ks, t0, mf, s[mf]);
         wgmma::commit();
       }
+      if constexpr (Cfg::kPingPong) pingpong_pass();
 #pragma unroll
       for (int mf = 0; mf < kMF; ++mf) {
         wgmma::wait<kMF - 1>();
@@ -605,6 +617,16 @@ struct Kernel {
   }
 
   // ------------------------------------------------------------------ the kernel
+
+  // Ping-pong turns (Cfg::kPingPong): warpgroup u waits for its turn at barrier kPingPongBar + u (the
+  // previous warpgroup's pass, 128 + 128 threads), issues, and passes the turn to u + 1 (mod the count).
+  static constexpr int kComputeWGs = Cfg::kWarps / 4;
+  static __device__ __forceinline__ void pingpong_wait() {
+    ptx::bar_sync(Cfg::kPingPongBar + (threadIdx.x >> 7), 256);
+  }
+  static __device__ __forceinline__ void pingpong_pass() {
+    ptx::bar_arrive(Cfg::kPingPongBar + ((threadIdx.x >> 7) + 1) % kComputeWGs, 256);
+  }
 
   // The compute warps' own barrier (finish): with a producer warpgroup, __syncthreads would wait for it.
   static __device__ __forceinline__ void sync_compute() {
@@ -655,6 +677,11 @@ struct Kernel {
     float m_run[kMF][2], d_run[kMF][2], o[kMF][kDTiles][4];
     constexpr int kUnitRows = Cfg::kUnitRows;
     const int unit = warp / kUnitWarps;  // a warp, or a warpgroup with wgmma: they skip steps together
+    // The first turn is warpgroup 0's: the last one passes it a turn ahead (and warpgroup 0 takes the
+    // last warpgroup's final pass after the loop, so the barrier ends with no arrival pending).
+    if constexpr (Cfg::kPingPong) {
+      if (unit == kComputeWGs - 1) pingpong_pass();
+    }
 
     for (int j = 0;; ++j) {
       uint8_t* stage = smem + (j % kStages) * Cfg::kStageBytes;
@@ -671,7 +698,12 @@ struct Kernel {
 
       const TileRecord* rec = Cfg::record(smem, j % kStages);
       const int flags = rec->flags;
-      if (flags & kEnd) break;
+      if (flags & kEnd) {
+        if constexpr (Cfg::kPingPong) {
+          if (unit == 0) pingpong_wait();
+        }
+        break;
+      }
       const Work& w = rec->w;
       const int kv_head = kv_head_of(p, w.unit);  // for the hooks' contexts (unused ones cost nothing)
       // The unit's real rows: packed rows [first_pr, first_pr + kUnitRows) clipped to the sub-item.
@@ -728,10 +760,20 @@ struct Kernel {
 #pragma unroll 1
       for (int st = 0; st < kTile / kStep; ++st) {
         const int step_begin = rec->tile_kv_begin + st * kStep, n_valid = rec->n_valid - st * kStep;
-        if (!unit_active || n_valid <= 0 || (p.causal && step_begin > climit_hi)) break;
+        bool stop = !unit_active || n_valid <= 0 || (p.causal && step_begin > climit_hi);  // nor any later step
+        bool skip = stop;
         if constexpr (Variant::kMaskIsKvRange) {
-          if (w.pos_off + step_begin >= seen_hi) break;
-          if (w.pos_off + step_begin + min(n_valid, kStep) <= seen_lo) continue;
+          stop = stop || w.pos_off + step_begin >= seen_hi;
+          skip = stop || w.pos_off + step_begin + min(n_valid, kStep) <= seen_lo;
+        }
+        if (skip) {
+          if constexpr (Cfg::kPingPong) {  // the turn is taken and passed all the same
+            pingpong_wait();
+            pingpong_pass();
+            continue;
+          }
+          if (stop) break;
+          continue;
         }
         // (a non-positive scale would break the raw-logit maximum: it takes the masked path)
         const bool need_mask = (Variant::kHasLogitsMask && !Variant::kMaskIsKvRange) || n_valid < kStep ||

@@ -80,6 +80,10 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
 __device__ __forceinline__ void bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// Arrive at named barrier `id` without waiting (the barrier completes when `threads` have arrived or synced).
+__device__ __forceinline__ void bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 // Per-warpgroup register budget (sm_90a; every warp of the warpgroup runs it).
 template <int kRegs>
 __device__ __forceinline__ void setmaxnreg_inc() {
