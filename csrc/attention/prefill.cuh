@@ -409,15 +409,23 @@ struct Kernel {
   // rows of the fragment, B = K (K-major: rows of the tile, 8-row atoms 1024 bytes apart), both through
   // descriptors at the k step's first chunk (its 16 dims are 32 bytes into a 128-byte column block; the
   // fragment's and the step's first rows are multiples of 8, so the swizzle leaves that chunk in place).
+  // One descriptor each for the k steps' first chunk, advanced by the chunk's offset from row 0 (rows a
+  // multiple of 8 apart: the offsets add). qs, ks: warp-uniform (uniform()), so the descriptors stay in
+  // uniform registers.
   static __device__ __forceinline__ void qk_wgmma(uint32_t qs, uint32_t ks, int t0, int mf, float (&s)[kNTiles][4]) {
-    const int row0 = wg_frag_row0(threadIdx.x >> 7, mf);
+    const int row0 = wg_frag_row0(uniform(threadIdx.x >> 7), mf);
+    const uint64_t a0 = wgmma::desc(qs + Cfg::q_offset(row0, 0), 16, 1024);
+    const uint64_t b0 = wgmma::desc(ks + Cfg::mma_offset(t0, 0), 16, 1024);
 #pragma unroll
     for (int kstep = 0; kstep < kKSteps; ++kstep) {
-      const uint64_t a = wgmma::desc(qs + Cfg::q_offset(row0, 2 * kstep), 16, 1024);
-      const uint64_t b = wgmma::desc(ks + Cfg::mma_offset(t0, 2 * kstep), 16, 1024);
+      const uint64_t a = wgmma::desc_advance(a0, Cfg::q_offset(0, 2 * kstep));
+      const uint64_t b = wgmma::desc_advance(b0, Cfg::mma_offset(0, 2 * kstep));
       wgmma::Mma<kStep, kBf16>::template ss<0>(reinterpret_cast<float(&)[kNTiles * 4]>(s), a, b, kstep > 0);
     }
   }
+
+  // x as the compiler sees a warp-uniform value (lane 0's, broadcast): kept in uniform registers.
+  static __device__ __forceinline__ uint32_t uniform(uint32_t x) { return __shfl_sync(0xffffffffu, x, 0); }
 
   // O += P V (mma.sync): P's A fragment is S's C fragment of two n tiles; V's B fragments by ldmatrix.trans.
   static __device__ __forceinline__ void pv_sync(uint32_t vs, int t0, const float (&s)[kMF][kNTiles][4],
@@ -451,9 +459,10 @@ struct Kernel {
 #pragma unroll
     for (int kk = 0; kk < kStep / 16; ++kk) p_fragment(s, kk, a[kk]);
     wgmma::fence();  // P and the rescaled O, written by this thread, before the MMAs read them
+    const uint64_t b0 = wgmma::desc(vs + Cfg::mma_offset(t0, 0), kTile * 128, 1024);
 #pragma unroll
     for (int kk = 0; kk < kStep / 16; ++kk) {
-      const uint64_t b = wgmma::desc(vs + Cfg::mma_offset(t0 + 16 * kk, 0), kTile * 128, 1024);
+      const uint64_t b = wgmma::desc_advance(b0, Cfg::mma_offset(16 * kk, 0));
       wgmma::Mma<kHeadDim, kBf16>::template rs<1>(reinterpret_cast<float(&)[kDTiles * 4]>(o), a[kk], b, 1);
     }
   }
@@ -710,7 +719,7 @@ struct Kernel {
       const int first_pr = kUnitRows * unit;
       const int last_r = min((first_pr + kUnitRows - 1) / kHPC, w.nrows - 1);
       const bool unit_active = first_pr < Cfg::kPackedRows && first_pr / kHPC < w.nrows;
-      const uint32_t qs = L::kQCopy ? qs0 + rec->qslot * Cfg::kQBytes : qs0;
+      const uint32_t qs = uniform(L::kQCopy ? qs0 + rec->qslot * Cfg::kQBytes : qs0);
       if (flags & kFirst) {
         // With the loader's query copy (L::kQCopy) the tile is in qs already. The __syncwarp costs nothing
         // and keeps ptxas from serialising the wgmmas for lack of registers (C7512 without it).
@@ -727,7 +736,7 @@ struct Kernel {
         }
       }
 
-      uint32_t ks = ptx::smem_u32(stage), vs = ks + Cfg::kKvTileBytes;
+      uint32_t ks = uniform(ptx::smem_u32(stage)), vs = ks + Cfg::kKvTileBytes;
       if constexpr (kConvert) {
         convert_tile(vp, stage, cbuf, rec, kv_head);
         if constexpr (kWgmma) wgmma::fence_proxy_async();

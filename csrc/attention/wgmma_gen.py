@@ -26,6 +26,12 @@ __device__ __forceinline__ uint64_t desc(uint32_t smem_addr, uint32_t lbo, uint3
   return (uint64_t)((smem_addr & 0x3FFFFu) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32) |
          (1ull << 62);
 }
+// The same operand `bytes` further on (a multiple of 16; the address stays in the 256 KB window): the start
+// address is the low 14 bits, so one 32-bit add, not a rebuild per MMA (ncu: the rebuilds, and the moves of
+// each descriptor into uniform registers, were a third of the prefill compute warps' instructions).
+__device__ __forceinline__ uint64_t desc_advance(uint64_t d, uint32_t bytes) {
+  return (d & 0xFFFFFFFF00000000ull) | (uint32_t)((uint32_t)d + (bytes >> 4));
+}
 
 #ifdef FI_WGMMA
 // Orders this thread's register writes before the warpgroup's next wgmma reads them (accumulators, A).
