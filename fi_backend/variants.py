@@ -16,7 +16,8 @@ user's. A hook is the BODY of a C++ function (the signature is fixed by the hook
   i = d < D/2 (HF "rotate_half" pairing), or (2i, 2i + 1) when rotary_interleave=True. ctx.pos is the
   position of the query (key), ctx.head its head. k is seen before the fp8 k_scale is applied.
 * logits = q.k * sm_scale (* k_scale) in natural units; LogitsCtx has request, q_row, q_idx, q_pos,
-  kv_idx, kv_pos, qo_head, kv_head, q_len, kv_len. Positions: query row r of request i is at
+  kv_idx, kv_pos, qo_head, kv_head, q_len, kv_len, and rel_pos = kv_pos - q_pos as a float (exact below
+  2^24; cheaper than converting the ints per element). Positions: query row r of request i is at
   kv_pos_start[i] + kv_len_i - q_len_i + (r - qo_indptr[i]); KV token t at kv_pos_start[i] + t.
 * use_softmax=False: the output is sum_j p_j v_j with p_j = logits_transform(...) (0 where masked),
   unnormalised, and there is no LSE (sigmoid attention).
@@ -363,7 +364,7 @@ SLIDING_WINDOW = Variant(
 
 ALIBI = Variant(
     "alibi", params={"alibi_slopes": "float32[]"},
-    logits_transform="return logits + __ldg(params.alibi_slopes + ctx.qo_head) * (float)(ctx.kv_pos - ctx.q_pos);")
+    logits_transform="return logits + __ldg(params.alibi_slopes + ctx.qo_head) * ctx.rel_pos;")
 
 SIGMOID = Variant(
     "sigmoid", params={"sigmoid_bias": "float"}, defaults={"sigmoid_bias": 0.0}, use_softmax=False,

@@ -334,7 +334,8 @@ struct Kernel {
             LogitsCtx ctx;
             if constexpr (Variant::kHasLogitsMask || Variant::kHasLogitsTransform) {
               ctx = LogitsCtx{w.request, ri[hf].q_row, ri[hf].q_idx, ri[hf].q_pos, kv_idx, w.pos_off + kv_idx,
-                              ri[hf].qo_head, kv_head, w.q_len, w.kv_len};
+                              ri[hf].qo_head, kv_head, w.q_len, w.kv_len,
+                              (float)(w.pos_off + kv_idx - ri[hf].q_pos)};  // memory-bound: converted here
             }
             if constexpr (Variant::kHasLogitsMask) ok = ok && Variant::logits_mask(vp, ctx);
             float y;

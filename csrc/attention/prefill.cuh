@@ -491,6 +491,24 @@ struct Kernel {
       constexpr bool kCtx = Variant::kHasLogitsMask || Variant::kHasLogitsTransform;  // hooks see LogitsCtx
       RowInfo ri;
       if constexpr (kMask || kCtx) ri = E::row_info(w, frag_row0(warp, mf) + 8 * hf + g);
+      float rel0 = 0.f;  // LogitsCtx::rel_pos of this lane's first column: one conversion a row
+      if constexpr (kCtx) rel0 = (float)(w.pos_off + tile_begin + 2 * c - ri.q_pos);
+      // The row's visible columns as one interval, in this lane's columns 2 c + 8 nt + e2: the element
+      // test is then a compare or two against constants, not the causal limit and the variant's mask
+      // recomputed per element (the window's mask is its KV range, kMaskIsKvRange).
+      int lim_lo = 0, lim_hi = 0;
+      if constexpr (kMask) {
+        int hi_t = ri.valid ? n_valid : 0;
+        if (p.causal) hi_t = min(hi_t, ri.climit - tile_begin + 1);
+        if constexpr (Variant::kMaskIsKvRange) {
+          int lo = INT_MIN, hi = INT_MAX;
+          Variant::kv_range(vp, ri.q_pos, ri.q_pos, lo, hi);
+          const int base = w.pos_off + tile_begin;
+          lim_lo = max(lo, base) - base - 2 * c;
+          hi_t = min(hi_t, min(hi, base + kStep) - base);
+        }
+        lim_hi = hi_t - 2 * c;
+      }
 #pragma unroll
       for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
@@ -502,12 +520,12 @@ struct Kernel {
           LogitsCtx ctx;
           if constexpr (kCtx) {
             ctx = LogitsCtx{w.request, ri.q_row, ri.q_idx, ri.q_pos, kv_idx, w.pos_off + kv_idx,
-                            ri.qo_head, kv_head, w.q_len, w.kv_len};
+                            ri.qo_head, kv_head, w.q_len, w.kv_len, rel0 + (float)(8 * nt + e2)};
           }
           if constexpr (kMask) {
-            ok = ri.valid && t < n_valid;
-            if (p.causal) ok = ok && kv_idx <= ri.climit;
-            if constexpr (Variant::kHasLogitsMask) ok = ok && Variant::logits_mask(vp, ctx);
+            ok = 8 * nt + e2 < lim_hi;
+            if constexpr (Variant::kMaskIsKvRange) ok = ok && 8 * nt + e2 >= lim_lo;
+            else if constexpr (Variant::kHasLogitsMask) ok = ok && Variant::logits_mask(vp, ctx);
           }
           const float x = s[nt][e];
           float y;

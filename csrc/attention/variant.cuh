@@ -37,6 +37,11 @@ struct LogitsCtx {
   int kv_head;
   int q_len;    // query rows of the request
   int kv_len;   // KV tokens of the request
+  // kv_pos - q_pos as a float (exact below 2^24): the kernels add the element's constant column offset
+  // to a row's value, where (float)(kv_pos - q_pos) would be an int-to-float conversion per element on
+  // the pipe the softmax's exponentials use (ALiBi took 1.25x causal's time with it at 16x4k,
+  // perf/results/prefill_flex34.md).
+  float rel_pos;
 };
 
 // Position of the vector being transformed: the query's position for QueryTransform, the KV token's
