@@ -213,6 +213,13 @@ _PREFILL_SHAPES_WGMMA_WINDOW = {
 #   4686; 12 x 1 with logits hooks, 3 stages against 2 (16x1k / 16x4k): soft-cap 307 / 3187 vs 327 / 3402,
 #   ALiBi 296 / 3090 vs 316 / 3416, window 284 / 1506 vs 307 / 1702 (4 stages: 303 / 3376, 294 / 3291,
 #   283 / 1511).
+#   Ping-pong (tuning pingpong=1, prefill::Config::kPingPong: the compute warpgroups issue their S MMAs in turn)
+#   measured no better as a default (perf/results/prefill_ab33.md at adef042, prefill_ab34.md at d4fe955, same
+#   runs as the default): 8 x 2, 32/32 heads 16x1k / 4x4k / 1x16k 449 / 1242 / 4672 vs 464 / 1289 / 5098 us
+#   and 430 / 1199 / 4418 vs 447 / 1278 / 4632, but 32/8 393 / 1237 / 4645 vs 405 / 1201 / 4429 and 370 /
+#   1160 / 4459 vs 387 / 1136 / 4173; 12 x 1 with it within 5% either way; flex variants at 12 x 1 5-10% slower
+#   (prefill_flex34.md). ncu (1x16k, 8 x 2, adef042): tensor pipe 49% active, the compute warps' top stall
+#   fixed-latency waits (31%), MUFU 17% of their samples; no shared-memory or issue limit reached.
 _PREFILL_WS_MEMBER0 = {
     128: {"plain": (8, 2, 64, 3, 64), "hooks": (12, 1, 64, 3, 64)},
 }
