@@ -213,6 +213,10 @@ _PREFILL_SHAPES_WGMMA_WINDOW = {
 #   4686; 12 x 1 with logits hooks, 3 stages against 2 (16x1k / 16x4k): soft-cap 307 / 3187 vs 327 / 3402,
 #   ALiBi 296 / 3090 vs 316 / 3416, window 284 / 1506 vs 307 / 1702 (4 stages: 303 / 3376, 294 / 3291,
 #   283 / 1511).
+#   At 67bb9b4 (per-row mask intervals, LogitsCtx::rel_pos), flex quick, same run (prefill_h100_quick_eeba742.md):
+#   the sliding window at 8 x 2 224.6 / 1308 us (16 heads, 16x1k / 16x4k) against 240.3 / 1406 at 12 x 1, so a
+#   mask that is the KV range runs the plain shape; ALiBi 254.8 / 2792 vs 251.5 / 2819 (even), soft-cap 324.0 /
+#   3240 vs 265.3 / 2898 (its tanh: 12 x 1 stays for logits transforms and other masks).
 #   Ping-pong (tuning pingpong=1, prefill::Config::kPingPong: the compute warpgroups issue their S MMAs in turn)
 #   measured no better as a default (perf/results/prefill_ab33.md at adef042, prefill_ab34.md at d4fe955, same
 #   runs as the default): 8 x 2, 32/32 heads 16x1k / 4x4k / 1x16k 449 / 1242 / 4672 vs 464 / 1289 / 5098 us
@@ -286,7 +290,9 @@ def _prefill_family(head_dim: int, kv_bytes: int, wgmma: Optional[bool] = None,
               for s in table[(head_dim, kv_bytes)]]
     ws = _PREFILL_WS_MEMBER0.get(head_dim) if wgmma else None
     if ws:
-        hooks = variant is not None and bool(variant.logits_transform or variant.logits_mask)
+        # A mask that is the variant's KV range (a sliding window) costs only on edge steps: the plain shape.
+        hooks = variant is not None and bool(variant.logits_transform or
+                                             (variant.logits_mask and not variant.mask_is_kv_range))
         shape = {**dict(zip(keys, ws["hooks" if hooks else "plain"])), "wgmma": 1, "producer": 1, "pingpong": 0}
         if not _producer_blockers(variant, head_dim, kv_bytes, {**shape, "hpc": hpc}):
             family[0] = shape
