@@ -355,7 +355,8 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     member `member` (0: the largest query tile; see _PREFILL_SHAPES_SYNC / _WGMMA).
     tuning (benchmarks): overrides of warps / mfrags / tile / stages / step (default: min(step, tile)) / wgmma
     (1: Hopper warpgroup MMAs, sm_90a only) / producer (1: warp-specialised, a producer warpgroup loads the
-    tiles for `warps` compute warps; wgmma, the query copy, 16-bit KV, no KeyTransform), q_buffers (1, or
+    tiles for `warps` compute warps; wgmma, the query copy, 16-bit KV, no KeyTransform), pingpong (1: with a
+    producer and 8, 12 or 16 compute warps, the warpgroups issue their S MMAs in turn), q_buffers (1, or
     the stages: the loader's query copy; with a producer, 2 or more; default _prefill_q_buffers's choice),
     and min_blocks (CTAs per SM the register budget is cut for; default 1: the kernel's own need)."""
     if head_dim not in HEAD_DIMS:
