@@ -310,6 +310,39 @@ def test_tile_family_picks_per_step():
     attn.release_graph()
 
 
+@pytest.mark.parametrize("tuning", [None, "w8", "w8m2pp", "mma_sync"])
+def test_growing_logits(tuning):
+    """Keys whose scale grows along each request (x1 at its first token to x8 at its last): row maxima jump
+    by more than the softmax's rescale threshold (2^8, prefill.cuh kRescaleLog2) at some steps and stay
+    within it at others, so O is rescaled on some steps and exponents taken against a stale maximum on
+    the rest (with unit-scale keys only a row's first step moves its maximum that far)."""
+    if tuning == "mma_sync":
+        from fi_backend.wrappers import prefill_family_shapes
+        tuning = prefill_family_shapes(128, "bf16", wgmma=False)[0]
+    elif tuning is not None:
+        tuning = _WS8[tuning]
+    Hq, Hkv, D, page = 8, 2, 128, 16
+    q_lens, kv_lens = [1000, 17, 128, 1], [16000, 1017, 128, 3000]
+    attn = prefill(Hq, Hkv, D, page_size=page, tuning=tuning)
+    bsr, qo_cpu, kv_cpu, nb = make_bsr(kv_lens, q_lens, page)
+    cache, k, v = random_kv(nb, page, Hkv, D, torch.bfloat16)
+    starts = bsr.kv_block_start.tolist()
+    for i, n in enumerate(kv_lens):
+        blocks = bsr.kv_indices[starts[i]:starts[i] + (n + page - 1) // page].long()
+        ramp = 1 + 7 * torch.arange(len(blocks) * page, device=DEV, dtype=torch.float32) / n
+        k[blocks] = (k[blocks].float() * ramp.view(len(blocks), page, 1, 1)).to(k.dtype)  # in place: k is the cache
+    rows = int(qo_cpu[-1])
+    q = torch.randn(rows, Hq, D, device=DEV).to(torch.bfloat16)
+    attn.plan(qo_cpu, kv_cpu, bsr, causal=True)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((rows, Hq), float("nan"), device=DEV)
+    attn.run(q, cache, out=out, lse=lse)
+    torch.cuda.synchronize()
+    attn.check_errors()
+    o_ref, lse_ref = reference(q, k, v, bsr, causal=True)
+    check(out, lse, o_ref, lse_ref, TOL[torch.bfloat16], f"growing logits, tuning {tuning}")
+
+
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_mma_sync_family(D):
     """The mma.sync family, which every GPU but Hopper runs, checked on the H100 too (Hopper's default is the

@@ -475,9 +475,11 @@ struct Kernel {
     a[3] = ptx::pack2<kBf16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
   }
 
-  // Scale, LogitsTransform and LogitsMask (natural units), in place on S of m fragment mf. kMask: the
-  // per-element mask runs (else the step is full, visible to every row, and without a LogitsTransform S
-  // stays raw: the softmax folds the scale into its exponent, one FFMA per element).
+  // Scale, LogitsTransform and LogitsMask, in place on S of m fragment mf. kMask: the per-element mask
+  // runs (else the step is full, visible to every row, and without a LogitsTransform S stays raw: the
+  // softmax folds the scale into its exponent, one FFMA per element). Softmax units: a LogitsTransform's
+  // result stays in natural units (the exponent's FFMA takes log2 e, one multiply an element fewer),
+  // masked logits without one are in log2 units.
   template <bool kMask>
   static __device__ __forceinline__ void logits_frag(const Params& p, const VariantParams& vp, const Work& w,
                                                      int tile_begin, int n_valid, int kv_head, int mf,
@@ -530,8 +532,8 @@ struct Kernel {
           const float x = s[nt][e];
           float y;
           if constexpr (Variant::kUseSoftmax) {
-            if constexpr (Variant::kHasLogitsTransform)
-              y = ok ? Variant::logits_transform(vp, x * p.logits_scale, ctx) * kLog2e : -INFINITY;
+            if constexpr (Variant::kHasLogitsTransform)  // natural units: the softmax's exponent takes log2 e
+              y = ok ? Variant::logits_transform(vp, x * p.logits_scale, ctx) : -INFINITY;
             else
               y = ok ? x * scale_log2 : -INFINITY;
           } else {
@@ -551,6 +553,7 @@ struct Kernel {
   // pipeline, ptxas ran out of registers at 8 x 2 (232) and 16 x 1 (128) and serialised every wgmma of
   // the kernel, C7512: each HGMMA waited for before the next issued; perf/ptxas.py reports it).
   static constexpr int kFull = 0, kMasked = 1, kMaskedIf = 2;
+  static constexpr float kRescaleLog2 = 8.f;  // how far a row's maximum may outgrow m_run (log2 units)
   template <int kMode>
   static __device__ __forceinline__ void softmax_frag(const Params& p, const VariantParams& vp, const Work& w,
                                                       int tile_begin, int n_valid, int kv_head, int mf, bool masked,
@@ -568,19 +571,34 @@ struct Kernel {
     const float scale_log2 = p.logits_scale * kLog2e;
     float mx[2] = {-INFINITY, -INFINITY};
 
-    // ---- online softmax of rows g (hf 0) and g + 8 (hf 1); a row lives in the 4 lanes of a quad
+    // ---- online softmax of rows g (hf 0) and g + 8 (hf 1); a row lives in the 4 lanes of a quad.
+    // The running maximum m_run (log2 units) moves only when some row of the warp's fragment grows by
+    // more than kRescaleLog2 (FlashAttention-4's conditional rescaling): in between, exponents are taken
+    // against the stale maximum, so P <= 2^kRescaleLog2 (well inside bf16 / fp16 and far from fp32 overflow) and
+    // O, d and m stay consistent; the O rescale (kDTiles * 4 multiplies, twice the step's elements at
+    // 64-token steps) then runs only on the steps where a maximum jumps.
     if constexpr (Variant::kUseSoftmax) {
-      const float sl = raw ? scale_log2 : 1.f;  // raw logits -> log2 units
-      float alpha[2];
+      // S -> log2 units: raw logits take the scale, transformed ones (natural units) log2 e, masked ones
+      // are scaled already.
+      const float sl = raw ? scale_log2 : Variant::kHasLogitsTransform ? kLog2e : 1.f;
+      float m_new[2];
+      bool grow = false;
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         mx[hf] = row_max(s, hf);
         mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 1));
         mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 2));
-        const float m_new = fmaxf(m_run[hf], mx[hf] * sl);
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;
-        alpha[hf] = ptx::exp2(m_run[hf] - m_use);
-        m_run[hf] = m_new;
+        m_new[hf] = fmaxf(m_run[hf], mx[hf] * sl);
+        grow = grow || m_new[hf] > m_run[hf] + kRescaleLog2;  // false while the row has seen only -inf
+      }
+      const bool rescale = __any_sync(0xffffffffu, grow);
+      float alpha[2];
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const float m_next = rescale ? m_new[hf] : m_run[hf];
+        const float m_use = m_next == -INFINITY ? 0.f : m_next;
+        alpha[hf] = ptx::exp2(m_run[hf] - m_use);  // 1 without a rescale (0 for a row with nothing yet)
+        m_run[hf] = m_next;
         // Four independent partial sums: one serial chain of FADDs would wait on each result.
         float sum4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -594,8 +612,7 @@ struct Kernel {
         const float sum = (sum4[0] + sum4[1]) + (sum4[2] + sum4[3]);
         d_run[hf] = d_run[hf] * alpha[hf] + sum;  // per lane; the quad's sum is taken at the end
       }
-      // Once a row's maximum settles, alpha is 1: skip the rescale when it is for all of the warp's rows.
-      if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+      if (rescale) {
 #pragma unroll
         for (int dt = 0; dt < kDTiles; ++dt) {
           o[dt][0] *= alpha[0];
