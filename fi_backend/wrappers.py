@@ -224,9 +224,17 @@ _PREFILL_SHAPES_WGMMA_WINDOW = {
 #   1160 / 4459 vs 387 / 1136 / 4173; 12 x 1 with it within 5% either way; flex variants at 12 x 1 5-10% slower
 #   (prefill_flex34.md). ncu (1x16k, 8 x 2, adef042): tensor pipe 49% active, the compute warps' top stall
 #   fixed-latency waits (31%), MUFU 17% of their samples; no shared-memory or issue limit reached.
+#   Again at 11a97a8 (conditional rescale; perf/results/prefill_pp40_fa2.md, prefill_pp40_flex.md, same runs):
+#   32/32 394 / 1167 / 4451 vs 402 / 1231 / 4534 us, 32/8 377 / 1172 / 4403 vs 367 / 1132 / 4305; flex at
+#   16 heads, 512..16k, causal 0.95-1.00 of the plain shape's time, window 0.99-1.02, ALiBi 1.01-1.03.
+#   Three runs, one answer: without GQA (one head per chunk) and without logits hooks or masks, ping-pong
+#   is 0-8% faster, with GQA 2-7% slower; so member 0 ping-pongs exactly there (_PREFILL_PINGPONG).
 _PREFILL_WS_MEMBER0 = {
     128: {"plain": (8, 2, 64, 3, 64), "hooks": (12, 1, 64, 3, 64)},
 }
+# Member 0 ping-pongs (tuning pingpong=1) for one query head per chunk (no GQA) and a variant without logits
+# hooks or masks: the measurements above.
+_PREFILL_PINGPONG = True
 # Query buffers of a warp-specialised kernel: the sub-item running and the next one, whose query tile the
 # producer copies ahead; each released through a barrier when its sub-item ends, so the stages are free
 # to be more (8 x 2: three 32 KB stages beside two 64 KB query buffers).
@@ -293,7 +301,10 @@ def _prefill_family(head_dim: int, kv_bytes: int, wgmma: Optional[bool] = None,
         # A mask that is the variant's KV range (a sliding window) costs only on edge steps: the plain shape.
         hooks = variant is not None and bool(variant.logits_transform or
                                              (variant.logits_mask and not variant.mask_is_kv_range))
-        shape = {**dict(zip(keys, ws["hooks" if hooks else "plain"])), "wgmma": 1, "producer": 1, "pingpong": 0}
+        pingpong = _PREFILL_PINGPONG and hpc == 1 and not (variant is not None and (variant.logits_transform or
+                                                                                 variant.logits_mask))
+        shape = {**dict(zip(keys, ws["hooks" if hooks else "plain"])), "wgmma": 1, "producer": 1,
+                 "pingpong": int(pingpong)}
         if not _producer_blockers(variant, head_dim, kv_bytes, {**shape, "hpc": hpc}):
             family[0] = shape
     return family

@@ -32,7 +32,8 @@
 // barrier that publishes it. With two fragments a warpgroup overlaps one fragment's softmax with the
 // other's MMAs (compute_tile). Without a producer warpgroup (below) the H100 family runs 16 warps x 1
 // fragment instead (four warpgroups hide each other's MMA -> softmax -> MMA latency better, even where
-// variants spill); with one, 8 x 2 (no logits hooks) and 12 x 1 (fi_backend/wrappers.py).
+// variants spill); with one, 8 x 2 (no logits hooks, or a mask that is the KV range) and 12 x 1 (other
+// logits hooks; fi_backend/wrappers.py).
 // Tried and slower: fragments pairing an early and a late 64-row block with MMAs skipped for fragments
 // past the causal diagonal (more registers, 3-5% slower at every length).
 // Warp-specialised (Cfg::kProducer, the default for 16-bit KV without Q/K transforms: wrappers.py,
