@@ -367,7 +367,8 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     tuning (benchmarks): overrides of warps / mfrags / tile / stages / step (default: min(step, tile)) / wgmma
     (1: Hopper warpgroup MMAs, sm_90a only) / producer (1: warp-specialised, a producer warpgroup loads the
     tiles for `warps` compute warps; wgmma, the query copy, 16-bit KV, no KeyTransform), pingpong (1: with a
-    producer and 8, 12 or 16 compute warps, the warpgroups issue their S MMAs in turn), q_buffers (1, or
+    producer and 8, 12 or 16 compute warps, the warpgroups issue their S MMAs in turn; default: member 0's,
+    _PREFILL_PINGPONG, where the tuning keeps its shape, else 0), q_buffers (1, or
     the stages: the loader's query copy; with a producer, 2 or more; default _prefill_q_buffers's choice),
     and min_blocks (CTAs per SM the register budget is cut for; default 1: the kernel's own need)."""
     if head_dim not in HEAD_DIMS:
@@ -384,6 +385,7 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     unknown = set(tuning) - {"warps", "mfrags", "tile", "stages", "step", "wgmma", "producer", "pingpong"}
     if unknown:
         raise ValueError(f"unknown prefill tuning keys {sorted(unknown)}")
+    member_shape = dict(shape)
     shape.update(tuning)
     if shape["wgmma"] and not prefill_uses_wgmma():
         raise ValueError("tuning wgmma=1 needs modules built for sm_90a only: set FI_BACKEND_CUDA_ARCH_LIST=90a, or "
@@ -394,6 +396,11 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     why = _producer_blockers(variant, head_dim, kv_bytes, shape) if shape["producer"] else []
     if why:
         raise ValueError(f"tuning producer=1 (warp-specialised prefill) needs {', '.join(why)}; shape {shape}")
+    # The member's ping-pong was measured for its own shape (_PREFILL_PINGPONG): a tuning that changes the shape
+    # and does not name pingpong runs without it.
+    if "pingpong" not in tuning and any(shape[k] != member_shape[k] for k in
+                                        ("warps", "mfrags", "tile", "stages", "step", "wgmma", "producer")):
+        shape["pingpong"] = 0
     shape["pingpong"] = int(shape.get("pingpong", 0))
     if shape["pingpong"] not in (0, 1):
         raise ValueError(f"tuning pingpong must be 0 or 1, got {shape['pingpong']}")

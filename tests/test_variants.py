@@ -287,6 +287,12 @@ def test_warp_specialised_prefill_specs(monkeypatch):
         return W.prefill_spec(variant, 128, "bf16", "bf16", group).params["CONFIG"].split(", ")[-1]
     assert pingpong(V.DEFAULT, 1) == "true" and pingpong(V.DEFAULT, 4) == "false"
     assert pingpong(V.SLIDING_WINDOW, 1) == "false" and pingpong(V.ALIBI, 1) == "false"
+    # a tuning that changes member 0's shape runs without it unless it names pingpong; producer=0 stays legal
+    def tuned(group, tuning):
+        return W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", group, tuning=tuning).params["CONFIG"].split(", ")[-1]
+    assert tuned(1, {"warps": 8, "mfrags": 2, "producer": 1}) == "true"  # member 0's own shape
+    assert tuned(1, ws) == "false" and tuned(1, {"producer": 0}) == "false"
+    assert tuned(1, {**ws, "pingpong": 1}) == "true"
     with pytest.raises(ValueError, match="producer=1.*16-bit KV"):
         W.prefill_spec(V.DEFAULT, 128, "bf16", "fp8_e4m3", 4, tuning=ws)
     with pytest.raises(ValueError, match="producer=1.*RoPE"):
