@@ -228,13 +228,10 @@ _PREFILL_SHAPES_WGMMA_WINDOW = {
 #   32/32 394 / 1167 / 4451 vs 402 / 1231 / 4534 us, 32/8 377 / 1172 / 4403 vs 367 / 1132 / 4305; flex at
 #   16 heads, 512..16k, causal 0.95-1.00 of the plain shape's time, window 0.99-1.02, ALiBi 1.01-1.03.
 #   Three runs, one answer: without GQA (one head per chunk) and without logits hooks or masks, ping-pong
-#   is 0-8% faster, with GQA 2-7% slower; so member 0 ping-pongs exactly there (_PREFILL_PINGPONG).
+#   is 0-8% faster, with GQA 2-7% slower; so member 0 ping-pongs exactly there (_prefill_family).
 _PREFILL_WS_MEMBER0 = {
     128: {"plain": (8, 2, 64, 3, 64), "hooks": (12, 1, 64, 3, 64)},
 }
-# Member 0 ping-pongs (tuning pingpong=1) for one query head per chunk (no GQA) and a variant without logits
-# hooks or masks: the measurements above.
-_PREFILL_PINGPONG = True
 # Query buffers of a warp-specialised kernel: the sub-item running and the next one, whose query tile the
 # producer copies ahead; each released through a barrier when its sub-item ends, so the stages are free
 # to be more (8 x 2: three 32 KB stages beside two 64 KB query buffers).
@@ -301,8 +298,8 @@ def _prefill_family(head_dim: int, kv_bytes: int, wgmma: Optional[bool] = None,
         # A mask that is the variant's KV range (a sliding window) costs only on edge steps: the plain shape.
         hooks = variant is not None and bool(variant.logits_transform or
                                              (variant.logits_mask and not variant.mask_is_kv_range))
-        pingpong = _PREFILL_PINGPONG and hpc == 1 and not (variant is not None and (variant.logits_transform or
-                                                                                 variant.logits_mask))
+        # Ping-pong for one query head per chunk (no GQA) without logits hooks or masks (measured above).
+        pingpong = hpc == 1 and not (variant is not None and (variant.logits_transform or variant.logits_mask))
         shape = {**dict(zip(keys, ws["hooks" if hooks else "plain"])), "wgmma": 1, "producer": 1,
                  "pingpong": int(pingpong)}
         if not _producer_blockers(variant, head_dim, kv_bytes, {**shape, "hpc": hpc}):
@@ -367,8 +364,8 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     tuning (benchmarks): overrides of warps / mfrags / tile / stages / step (default: min(step, tile)) / wgmma
     (1: Hopper warpgroup MMAs, sm_90a only) / producer (1: warp-specialised, a producer warpgroup loads the
     tiles for `warps` compute warps; wgmma, the query copy, 16-bit KV, no KeyTransform), pingpong (1: with a
-    producer and 8, 12 or 16 compute warps, the warpgroups issue their S MMAs in turn; default: member 0's,
-    _PREFILL_PINGPONG, where the tuning keeps its shape, else 0), q_buffers (1, or
+    producer and 8, 12 or 16 compute warps, the warpgroups issue their S MMAs in turn; default: member 0's
+    (_prefill_family) where the tuning keeps its shape, else 0), q_buffers (1, or
     the stages: the loader's query copy; with a producer, 2 or more; default _prefill_q_buffers's choice),
     and min_blocks (CTAs per SM the register budget is cut for; default 1: the kernel's own need)."""
     if head_dim not in HEAD_DIMS:
@@ -385,7 +382,6 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     unknown = set(tuning) - {"warps", "mfrags", "tile", "stages", "step", "wgmma", "producer", "pingpong"}
     if unknown:
         raise ValueError(f"unknown prefill tuning keys {sorted(unknown)}")
-    member_shape = dict(shape)
     shape.update(tuning)
     if shape["wgmma"] and not prefill_uses_wgmma():
         raise ValueError("tuning wgmma=1 needs modules built for sm_90a only: set FI_BACKEND_CUDA_ARCH_LIST=90a, or "
@@ -396,9 +392,9 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     why = _producer_blockers(variant, head_dim, kv_bytes, shape) if shape["producer"] else []
     if why:
         raise ValueError(f"tuning producer=1 (warp-specialised prefill) needs {', '.join(why)}; shape {shape}")
-    # The member's ping-pong was measured for its own shape (_PREFILL_PINGPONG): a tuning that changes the shape
-    # and does not name pingpong runs without it.
-    if "pingpong" not in tuning and any(shape[k] != member_shape[k] for k in
+    # Member 0's ping-pong was measured for its own shape (_prefill_family): a shape that differs from it and
+    # does not name pingpong runs without it.
+    if "pingpong" not in tuning and any(shape[k] != default_shape[k] for k in
                                         ("warps", "mfrags", "tile", "stages", "step", "wgmma", "producer")):
         shape["pingpong"] = 0
     shape["pingpong"] = int(shape.get("pingpong", 0))

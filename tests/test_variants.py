@@ -282,7 +282,7 @@ def test_warp_specialised_prefill_specs(monkeypatch):
     assert _producer(W.prefill_spec(V.DEFAULT, 128, "bf16", "fp8_e4m3", 4)) == "false"
     assert _producer(W.prefill_spec(V.ROPE, 128, "bf16", "bf16", 4)) == "false"
     assert _producer(W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 16)) == "false"
-    # ping-pong by default exactly for one query head per chunk without logits hooks or masks (_PREFILL_PINGPONG)
+    # ping-pong by default exactly for one query head per chunk without logits hooks or masks (_prefill_family)
     def pingpong(variant, group):
         return W.prefill_spec(variant, 128, "bf16", "bf16", group).params["CONFIG"].split(", ")[-1]
     assert pingpong(V.DEFAULT, 1) == "true" and pingpong(V.DEFAULT, 4) == "false"
