@@ -45,7 +45,8 @@ def main() -> None:
     for case in cases:
         per = {label: c.get(case) for label, c in cells}
         mean = {v: statistics.mean(x[0] for lab, x in per.items() if x and lab.startswith(v)) for v in "ab"}
-        rows.append({"case": case, "runs": {lab: {"ours_us": x[0], "anchor_us": x[1]} for lab, x in per.items() if x},
+        rows.append({"case": case, "runs": {lab: {"ours_us": x[0], "anchor_us": x[1], "anchor_over_ours": x[1] / x[0]}
+                                            for lab, x in per.items() if x},
                      "b_over_a": mean["b"] / mean["a"]})
     head = "| case | " + " | ".join(f"{lab} (ratio)" for lab, _ in cells) + " | b / a (mean) |"
     lines = [f"# {a.title}", "", a.about, "",
@@ -57,7 +58,9 @@ def main() -> None:
         txt = [f"{x['ours_us']:.1f} ({x['anchor_us'] / x['ours_us']:.3f})" if x else "-" for x in vals]
         lines.append(f"| {r['case']} | " + " | ".join(txt) + f" | {r['b_over_a']:.3f} |")
     open(f"{a.stem}.md", "w").write("\n".join(lines) + "\n")
-    json.dump({"title": a.title, "about": a.about, "device": first["device"], "date": first["date"], "rows": rows},
+    commits = {f"{v} {i}": d.get("commit") for i, v, d in runs}  # the checked-out commit each run names
+    json.dump({"title": a.title, "about": a.about, "device": first["device"], "date": first["date"],
+               "run_commits": commits, "rows": rows},
               open(f"{a.stem}.json", "w"), indent=1)
     print(f"wrote {a.stem}.md, {a.stem}.json")
 
