@@ -73,16 +73,6 @@ def specs():
             out.append(prefill_spec(V.BUILTIN_VARIANTS[name], 128, "bf16", "bf16", g, tuning=t))
     for g in (1, 4):  # the 8 x 1 shape with 128-token tiles, without ping-pong (A/B)
         out.append(prefill_spec(V.DEFAULT, 128, "bf16", "bf16", g, tuning={**pp["w8t128pp"], "pingpong": 0}))
-    # Deferred P.V (tuning defer=1): tests/test_prefill_gpu.py (_DEFER) and perf A/B runs.
-    defer = {**pp["w8t128pp"], "defer": 1}
-    for (g, q), t in itertools.product(((1, "bf16"), (4, "bf16"), (1, "fp16"), (4, "fp16"), (8, "bf16")),
-                                       (defer, {**defer, "pingpong": 0})):
-        out.append(prefill_spec(V.DEFAULT, 128, q, q, g, tuning=t))
-    for name in _VARIANTS:
-        if not name.startswith("rope"):
-            out.append(prefill_spec(V.BUILTIN_VARIANTS[name], 128, "bf16", "bf16", 4, tuning=defer))
-    for name in ("soft_cap", "window", "alibi"):  # flex A/B at 16 heads (group 1)
-        out.append(prefill_spec(V.BUILTIN_VARIANTS[name], 128, "bf16", "bf16", 1, tuning=defer))
     seen, uniq = set(), []
     for s in out:
         if s.memo_key not in seen:

@@ -328,9 +328,8 @@ def _prefill_smem_bytes(head_dim: int, kv_bytes: int, shape: dict, q_buffers: in
     convert = 2 * shape["tile"] * head_dim * 2 if kv_bytes == 1 else 0
     tile_rows = 16 * shape["mfrags"] * shape["warps"]
     row_offsets = 2 * shape["tile"] * 8  # the loader's published row offsets, two tiles
-    # full / empty mbarriers per stage, qempty per query buffer (defer: V's full / empty per stage too)
+    # full / empty mbarriers per stage, qempty per query buffer
     barriers = 16 * shape["stages"] + 8 * q_buffers if shape.get("producer") else 0
-    barriers += 16 * shape["stages"] if shape.get("defer") else 0
     return (shape["stages"] * (stage + record) + q_buffers * tile_rows * head_dim * 2 + convert + tile_rows * 4
             + row_offsets + barriers)
 
@@ -380,7 +379,7 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     tuning = dict(tuning or {})
     min_blocks = int(tuning.pop("min_blocks", 1))
     q_buffers = tuning.pop("q_buffers", None)
-    unknown = set(tuning) - {"warps", "mfrags", "tile", "stages", "step", "wgmma", "producer", "pingpong", "defer"}
+    unknown = set(tuning) - {"warps", "mfrags", "tile", "stages", "step", "wgmma", "producer", "pingpong"}
     if unknown:
         raise ValueError(f"unknown prefill tuning keys {sorted(unknown)}")
     shape.update(tuning)
@@ -404,13 +403,6 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     if shape["pingpong"] and not (shape["producer"] and shape["warps"] in (8, 12, 16)):
         raise ValueError(f"tuning pingpong=1 needs producer=1 and warps 8, 12 or 16 (two to four compute "
                          f"warpgroups taking turns); shape {shape}")
-    shape["defer"] = int(shape.get("defer", 0))
-    default_shape.setdefault("defer", 0)
-    if shape["defer"] not in (0, 1):
-        raise ValueError(f"tuning defer must be 0 or 1, got {shape['defer']}")
-    if shape["defer"] and not (shape["producer"] and shape["mfrags"] == 1 and shape["step"] == shape["tile"]):
-        raise ValueError(f"tuning defer=1 (the previous step's P.V under this step's softmax) needs producer=1, "
-                         f"mfrags 1 and step equal to tile; shape {shape}")
     smem = _prefill_smem_bytes(head_dim, kv_bytes, shape)
     if smem > SMEM_PER_CTA:
         raise ValueError(f"prefill kernel shape {shape} for head_dim {head_dim} needs {smem} bytes of shared "
@@ -433,13 +425,11 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     config = ", ".join([str(head_dim), str(shape["hpc"]), _C_TYPE[q_dtype], _C_TYPE[kv_dtype], str(shape["warps"]),
                         str(shape["mfrags"]), str(shape["tile"]), str(shape["stages"]), str(shape["step"]),
                         "true" if shape["wgmma"] else "false", str(q_buffers),
-                        "true" if shape["producer"] else "false", "true" if shape["pingpong"] else "false",
-                        "true" if shape["defer"] else "false"])
+                        "true" if shape["producer"] else "false", "true" if shape["pingpong"] else "false"])
     tag = f"{variant.name}_{q_dtype}_{kv_dtype}_d{head_dim}_h{shape['hpc']}"
     if shape != default_shape:  # a tuning equal to the largest member is that member's module
         tag += ("_w{warps}m{mfrags}t{tile}s{stages}k{step}".format(**shape) + ("_wg" if shape["wgmma"] else "")
-                + ("_p" if shape["producer"] else "") + ("_pp" if shape["pingpong"] else "")
-                + ("_d" if shape["defer"] else ""))
+                + ("_p" if shape["producer"] else "") + ("_pp" if shape["pingpong"] else ""))
     if q_buffers != chosen:
         tag += f"_q{q_buffers}"
     if min_blocks != 1:

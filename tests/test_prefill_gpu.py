@@ -200,15 +200,11 @@ _PP = {"w8m2pp": {"warps": 8, "mfrags": 2, "producer": 1, "pingpong": 1},
        "w8t128pp": {"warps": 8, "mfrags": 1, "tile": 128, "stages": 2, "step": 128, "producer": 1, "pingpong": 1},
        "w12pp": {"warps": 12, "mfrags": 1, "producer": 1, "pingpong": 1}}
 _WS8.update(_PP)
-# Deferred P.V (prefill::Config::kDeferPV): the previous step's P.V under this step's softmax, V held a step longer.
-_DEFER = {"w8t128ppd": {**_PP["w8t128pp"], "defer": 1}, "w8t128d": {**_PP["w8t128pp"], "pingpong": 0, "defer": 1}}
-_WS8.update(_DEFER)
 
 
 @pytest.mark.parametrize("D,group,shape", [(64, 1, None), (128, 1, None), (128, 4, None), (128, 8, None), (256, 4, None),
                                            (128, 4, "w8"), (128, 1, "w8m2"), (128, 4, "w8m2pp"), (128, 1, "w8t128pp"),
-                                           (128, 8, "w12pp"), (128, 1, "w8t128ppd"), (128, 4, "w8t128ppd"),
-                                           (128, 4, "w8t128d")])
+                                           (128, 8, "w12pp")])
 def test_warp_specialised(D, group, shape):
     """Every query length and KV kind of the matrix (long KV: split chunks, merged by the compute warps'
     own barrier), paged and page 1, and a non-causal batch."""
@@ -227,17 +223,16 @@ def test_warp_specialised(D, group, shape):
 _WS_VARIANTS = [n for n in _VARIANT_NAMES if not n.startswith("rope")]
 
 
-@pytest.mark.parametrize("shape", ["pingpong0", "pingpong1", "defer"])
+@pytest.mark.parametrize("pingpong", [0, 1])
 @pytest.mark.parametrize("name", _WS_VARIANTS)
-def test_warp_specialised_variants(name, shape):
+def test_warp_specialised_variants(name, pingpong):
     Hq, Hkv, D = 16, 4, 128
-    tuning = _DEFER["w8t128ppd"] if shape == "defer" else {**_WS[D], "pingpong": int(shape[-1])}
+    tuning = {**_WS[D], "pingpong": pingpong}
     attn = prefill(Hq, Hkv, D, page_size=16, variant=_variant_case(name, Hq)[1], tuning=tuning)
     run_variant_case(attn, name, [1500, 3, 1017, 4000, 300], [1, 3, 17, 128, 300], torch.bfloat16)
 
 
-@pytest.mark.parametrize("tuning", [None, _WS[128], _PP["w8m2pp"], _DEFER["w8t128ppd"]],
-                         ids=["default", "warp_specialised", "ping_pong", "defer"])
+@pytest.mark.parametrize("tuning", [None, _WS[128], _PP["w8m2pp"]], ids=["default", "warp_specialised", "ping_pong"])
 def test_cuda_graph_replay_after_replan(tuning):
     """Capture once, re-plan with other lengths and a smaller batch in the same BSR tensors, replay."""
     Hq, Hkv, D, page = 16, 4, 128, 16

@@ -269,9 +269,8 @@ def check_plan(d, info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align
     # Assignment: exactly LPT, replayed in Python on the items in creation order (by request, tile and
     # chunk). Unit blocks (the CTAs divide by the units): unit u runs on CTAs [u m', (u + 1) m'), m' =
     # num_ctas / num_units, each block the same LPT plan over m' CTAs. Else LPT over the (item, unit)
-    # replicas (each item's units in order) on all the CTAs. Each CTA runs its items by unit, then in
-    # creation order (a request's tiles back to back, and the CTAs on the same heads at a time, for
-    # L2), not LPT's.
+    # replicas (each item's units in order) on all the CTAs. Each CTA runs its items in creation order
+    # (a request's tiles back to back, for L2), not LPT's.
     it = all_items
     cost_of = lambda k: cost_q * float(it["q_end"][k] - it["q_begin"][k]) + cost_kv * float(it["kv_end"][k] -  # noqa: E731
                                                                                            it["kv_begin"][k])
@@ -289,9 +288,7 @@ def check_plan(d, info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align
         creation = np.lexsort((it["unit"], chunk_index(d), it["q_begin"]))
         costs = [cost_of(k) for k in creation]
         per_cta, makespan = lpt_reference(costs, num_ctas)
-        # each CTA's queue by unit, then creation order (the CTAs walk the heads together, for L2)
-        assert [[int(creation[k]) for k in sorted(ks, key=lambda k: (int(it["unit"][creation[k]]), k))]
-                for ks in per_cta] == got
+        assert [[int(creation[k]) for k in sorted(ks)] for ks in per_cta] == got
         assert info.makespan == pytest.approx(makespan, rel=1e-12, abs=0)
 
     # Makespan bounds that hold for list scheduling (see test_makespan_small_instances_vs_optimum).

@@ -249,7 +249,7 @@ def test_prefill_family_follows_the_arch_list(monkeypatch):
 
 
 def _producer(spec) -> str:
-    return spec.params["CONFIG"].split(", ")[-3]  # prefill::Config's kProducer (then kPingPong, kDeferPV)
+    return spec.params["CONFIG"].split(", ")[-2]  # prefill::Config's kProducer (then kPingPong)
 
 
 def test_warp_specialised_prefill_specs(monkeypatch):
@@ -260,32 +260,21 @@ def test_warp_specialised_prefill_specs(monkeypatch):
     ws = {"warps": 12, "mfrags": 1, "producer": 1}
     spec = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning=ws)
     config = spec.params["CONFIG"].split(", ")
-    # ..., q_buffers, producer, pingpong, defer
-    assert config[-3] == "true" and config[-4] == str(W.PREFILL_PRODUCER_Q_BUFFERS) and config[-2:] == ["false"] * 2, config
+    # ..., q_buffers, producer, pingpong
+    assert config[-2] == "true" and config[-3] == str(W.PREFILL_PRODUCER_Q_BUFFERS) and config[-1] == "false", config
     three = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "stages": 3}).params["CONFIG"].split(", ")
-    assert three[7] == "3" and three[-4] == "2", three  # more stages than query buffers
+    assert three[7] == "3" and three[-3] == "2", three  # more stages than query buffers
     assert W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "stages": 2, "q_buffers": 3}).params["CONFIG"].split(
-        ", ")[-4] == "3"
+        ", ")[-3] == "3"
     no_producer = {"warps": 12, "mfrags": 1, "producer": 0}
     pp = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "pingpong": 1})
-    assert pp.params["CONFIG"].split(", ")[-3:-1] == ["true", "true"] and pp.memo_key != spec.memo_key
+    assert pp.params["CONFIG"].split(", ")[-2:] == ["true", "true"] and pp.memo_key != spec.memo_key
     with pytest.raises(ValueError, match="pingpong=1 needs producer=1"):
         W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**no_producer, "pingpong": 1})
     with pytest.raises(ValueError, match="pingpong=1 needs .*warps 8, 12 or 16"):
         W.prefill_spec(V.DEFAULT, 64, "bf16", "bf16", 4, tuning={"warps": 4, "mfrags": 1, "producer": 1, "pingpong": 1})
     with pytest.raises(ValueError, match="pingpong must be 0 or 1"):
         W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "pingpong": 2})
-    # defer=1 (the previous step's P.V under this step's softmax): its own module, one fragment, step == tile
-    t128 = {"warps": 8, "mfrags": 1, "tile": 128, "stages": 2, "step": 128, "producer": 1}
-    d = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 1, tuning={**t128, "defer": 1})
-    assert d.params["CONFIG"].split(", ")[-1] == "true" and d.memo_key != W.prefill_spec(
-        V.DEFAULT, 128, "bf16", "bf16", 1, tuning=t128).memo_key
-    with pytest.raises(ValueError, match="defer=1 .*needs producer=1, mfrags 1 and step equal to tile"):
-        W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 1, tuning={"warps": 8, "mfrags": 2, "producer": 1, "defer": 1})
-    with pytest.raises(ValueError, match="defer=1 .*needs producer=1"):
-        W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 1, tuning={**t128, "producer": 0, "defer": 1})
-    with pytest.raises(ValueError, match="defer must be 0 or 1"):
-        W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 1, tuning={**t128, "defer": 2})
     assert spec.memo_key != W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning=no_producer).memo_key
     # member 0 by default where it can (_PREFILL_WS_MEMBER0); not with fp8 KV, RoPE, or 16 heads a chunk
     assert _producer(W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4)) == "true"
@@ -295,12 +284,12 @@ def test_warp_specialised_prefill_specs(monkeypatch):
     assert _producer(W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 16)) == "false"
     # ping-pong by default exactly for one query head per chunk without logits hooks or masks (_prefill_family)
     def pingpong(variant, group):
-        return W.prefill_spec(variant, 128, "bf16", "bf16", group).params["CONFIG"].split(", ")[-2]
+        return W.prefill_spec(variant, 128, "bf16", "bf16", group).params["CONFIG"].split(", ")[-1]
     assert pingpong(V.DEFAULT, 1) == "true" and pingpong(V.DEFAULT, 4) == "false"
     assert pingpong(V.SLIDING_WINDOW, 1) == "false" and pingpong(V.ALIBI, 1) == "false"
     # a tuning that changes member 0's shape runs without it unless it names pingpong; producer=0 stays legal
     def tuned(group, tuning):
-        return W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", group, tuning=tuning).params["CONFIG"].split(", ")[-2]
+        return W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", group, tuning=tuning).params["CONFIG"].split(", ")[-1]
     assert tuned(1, {"warps": 8, "mfrags": 2, "producer": 1}) == "true"  # member 0's own shape
     assert tuned(1, ws) == "false" and tuned(1, {"producer": 0}) == "false"
     assert tuned(1, {**ws, "pingpong": 1}) == "true"

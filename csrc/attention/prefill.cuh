@@ -56,6 +56,15 @@
 // vs 454 us), at 240 registers (232 made ptxas serialise the wgmmas) with spills in the loop and the
 // producer at 24. ptxas serialises every wgmma of the kernel when one is in flight across the loop
 // (C7513, C7514, C7518) or issued under a branch (C7520); perf/ptxas.py reports it.
+// Tried and slower again (6abd3df, perf/results/ab43_fa2.md, ab43_flex.md, prefill_ncu_43.md), after the
+// descriptor fix and ping-pong: FlashInfer's FA3 loop at 8 x 1 with 128-token tiles and steps (a step's S
+// and the previous step's P.V issued in one ping-pong turn, the softmax under that P.V, V with its own
+// full / empty barriers so only V is held the extra step): 537-565 / 1615-1657 / 5800-6057 us at 32/32
+// 16x1k / 4x4k / 1x16k against 411-424 / 1136-1173 / 4143-4549 for the default and 445 / 1341 / 4795 for
+// the same shape without it. ncu (1x16k): its compute warps waited on the K tile's full barrier for 13%
+// of all samples (L2 hit rate 60%, DRAM 19%): two 64 KB stages leave about one step to land a tile,
+// which FlashInfer's FA3 (TMA, L2 hit rate 96%) can afford and our cp.async gather cannot. Writing each
+// CTA's queue by unit first (so the CTAs walk the heads together) did not change that (ab43p_*).
 // MMAs run in the query's type. fp8 KV and key transforms (RoPE) go through one pass over the landed
 // tile: fp8 is converted exactly into a 16-bit copy (e4m3 and e5m2 are exact in bf16 and fp16), a
 // KeyTransform rotates K in fp32 in that pass; the per-tensor scales fold into the logits scale and
@@ -83,7 +92,7 @@ using namespace attn;  // Params, Work, TileRecord, Loader, Epilogue (shared.cuh
 
 template <int kHeadDim_, int kHeadsPerChunk_, class DQ_, class DKV_, int kWarps_, int kMFrags_, int kTileKv_,
           int kStages_, int kStepKv_, bool kWgmma_ = false, int kQBuffers_ = 1, bool kProducer_ = false,
-          bool kPingPong_ = false, bool kDeferPV_ = false>
+          bool kPingPong_ = false>
 struct Config {
   using DQ = DQ_;
   using DKV = DKV_;
@@ -103,11 +112,7 @@ struct Config {
   // the softmax with the tensor cores idle. Every warpgroup takes its turn at every step of every
   // tile, skipped steps included (a named barrier needs equal counts).
   static constexpr bool kPingPong = kPingPong_;
-  static constexpr int kPingPongBar = 10;
-  // FA3's intra-warpgroup overlap (Kernel::DeferredPV): a step issues its S MMAs and then the previous
-  // step's P.V, in one ping-pong turn, and runs its softmax under that P.V. One fragment a warp, one step
-  // a tile; V has its own full / empty barriers (Loader::produce), held one step longer than K.
-  static constexpr bool kDeferPV = kDeferPV_;  // 10 .. 10 + warpgroups - 1 (8: compute side, 9: the producer)
+  static constexpr int kPingPongBar = 10;  // 10 .. 10 + warpgroups - 1 (8: compute side, 9: the producer)
   static constexpr int kLoaderThreads = kProducer ? 128 : kThreads;
   static constexpr int kLoaderThread0 = kProducer ? kThreads : 0;
   // Registers a thread (multiples of 8). The CTA's pool is what it launched with (64K / threads a thread,
@@ -172,9 +177,8 @@ struct Config {
   static constexpr int kRecordsAt = kQAt + kQBuffers * kQBytes + kConvertBytes + kFlagBytes;
   static constexpr int kRowOffsetsAt = kRecordsAt + kStages * (int)sizeof(TileRecord);
   static constexpr int kBarriersAt = kRowOffsetsAt + 2 * kTile * 8;  // after the loader's row offsets (shared.cuh)
-  // full[kStages], empty[kStages], qempty[kQBuffers] mbarriers (kDeferPV: then full_v[kStages], empty_v[kStages])
-  static constexpr int kSmemBytes =
-      kBarriersAt + (kProducer ? 16 * kStages + 8 * kQBuffers : 0) + (kDeferPV ? 16 * kStages : 0);
+  // full[kStages], empty[kStages], qempty[kQBuffers] mbarriers
+  static constexpr int kSmemBytes = kBarriersAt + (kProducer ? 16 * kStages + 8 * kQBuffers : 0);
   static_assert(sizeof(TileRecord) % 8 == 0 && kRecordsAt % 16 == 0, "tile records, row offsets: 8-byte aligned");
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim must be 64, 128 or 256");
@@ -190,8 +194,6 @@ struct Config {
   static_assert(kChunksPerRow >= 4, "rows of at least 64 bytes");
   static_assert(!kPingPong || (kProducer && kWarps >= 8 && kWarps <= 16),
                 "ping-pong: warp-specialised, two to four compute warpgroups");
-  static_assert(!kDeferPV || (kProducer && kWgmma && kMFrags == 1 && kStep == kTile),
-                "deferred P.V: warp-specialised, wgmma, one fragment a warp, one compute step a tile");
   static_assert(!kWgmma || (kWarps % 4 == 0 && (kStep == 32 || kStep == 64 || kStep == 128 || kStep == 256)),
                 "wgmma: whole warpgroups, a compute step of 32, 64, 128 or 256 tokens (the MMA's n)");
 
@@ -467,12 +469,7 @@ struct Kernel {
 #pragma unroll
     for (int kk = 0; kk < kStep / 16; ++kk) p_fragment(s, kk, a[kk]);
     wgmma::fence();  // P and the rescaled O, written by this thread, before the MMAs read them
-    pv_issue(vs + Cfg::mma_offset(t0, 0), a, o);
-  }
-  // P.V's MMAs from packed P; v: the shared-memory address of the step's first V row (Cfg::mma_offset).
-  static __device__ __forceinline__ void pv_issue(uint32_t v, const uint32_t (&a)[kStep / 16][4],
-                                                  float (&o)[kDTiles][4]) {
-    const uint64_t b0 = wgmma::desc(v, kTile * 128, 1024);
+    const uint64_t b0 = wgmma::desc(vs + Cfg::mma_offset(t0, 0), kTile * 128, 1024);
 #pragma unroll
     for (int kk = 0; kk < kStep / 16; ++kk) {
       const uint64_t b = wgmma::desc_advance(b0, Cfg::mma_offset(16 * kk, 0));
@@ -567,13 +564,11 @@ struct Kernel {
   // the kernel, C7512: each HGMMA waited for before the next issued; perf/ptxas.py reports it).
   static constexpr int kFull = 0, kMasked = 1, kMaskedIf = 2;
   static constexpr float kRescaleLog2 = 8.f;  // how far a row's maximum may outgrow m_run (log2 units)
-  // kRescaleO false (deferred P.V: a P.V may still accumulate into O): O is left alone; the return value
-  // says whether some row's maximum moved, alpha its factors, for the caller to apply once that P.V is done.
-  template <int kMode, bool kRescaleO = true>
-  static __device__ __forceinline__ bool softmax_frag(const Params& p, const VariantParams& vp, const Work& w,
+  template <int kMode>
+  static __device__ __forceinline__ void softmax_frag(const Params& p, const VariantParams& vp, const Work& w,
                                                       int tile_begin, int n_valid, int kv_head, int mf, bool masked,
                                                       float (&s)[kNTiles][4], float (&m_run)[2], float (&d_run)[2],
-                                                      float (&o)[kDTiles][4], float (&alpha)[2]) {
+                                                      float (&o)[kDTiles][4]) {
     bool raw;  // S holds raw logits (scale not applied)
     if constexpr (kMode == kMaskedIf) {
       if (masked) logits_frag<true>(p, vp, w, tile_begin, n_valid, kv_head, mf, s);
@@ -607,6 +602,7 @@ struct Kernel {
         grow = grow || m_new[hf] > m_run[hf] + kRescaleLog2;  // false while the row has seen only -inf
       }
       const bool rescale = __any_sync(0xffffffffu, grow);
+      float alpha[2];
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const float m_next = rescale ? m_new[hf] : m_run[hf];
@@ -626,19 +622,15 @@ struct Kernel {
         const float sum = (sum4[0] + sum4[1]) + (sum4[2] + sum4[3]);
         d_run[hf] = d_run[hf] * alpha[hf] + sum;  // per lane; the quad's sum is taken at the end
       }
-      if (kRescaleO && rescale) rescale_o(alpha, o);
-      return rescale;
-    }
-    return false;
-  }
-
-  static __device__ __forceinline__ void rescale_o(const float (&alpha)[2], float (&o)[kDTiles][4]) {
+      if (rescale) {
 #pragma unroll
-    for (int dt = 0; dt < kDTiles; ++dt) {
-      o[dt][0] *= alpha[0];
-      o[dt][1] *= alpha[0];
-      o[dt][2] *= alpha[1];
-      o[dt][3] *= alpha[1];
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          o[dt][0] *= alpha[0];
+          o[dt][1] *= alpha[0];
+          o[dt][2] *= alpha[1];
+          o[dt][3] *= alpha[1];
+        }
+      }
     }
   }
 
@@ -664,9 +656,7 @@ struct Kernel {
 #pragma unroll
       for (int mf = 0; mf < kMF; ++mf) {
         wgmma::wait<kMF - 1>();
-        float alpha[2];
-        softmax_frag<kMode>(p, vp, w, tile_begin, n_valid, kv_head, mf, masked, s[mf], m_run[mf], d_run[mf], o[mf],
-                            alpha);
+        softmax_frag<kMode>(p, vp, w, tile_begin, n_valid, kv_head, mf, masked, s[mf], m_run[mf], d_run[mf], o[mf]);
         pv_wgmma(vs, t0, s[mf], o[mf]);
         wgmma::commit();
       }
@@ -674,81 +664,10 @@ struct Kernel {
     } else {
       qk_sync(qs, ks, t0, s);
 #pragma unroll
-      for (int mf = 0; mf < kMF; ++mf) {
-        float alpha[2];
-        softmax_frag<kMode>(p, vp, w, tile_begin, n_valid, kv_head, mf, masked, s[mf], m_run[mf], d_run[mf], o[mf],
-                            alpha);
-      }
+      for (int mf = 0; mf < kMF; ++mf)
+        softmax_frag<kMode>(p, vp, w, tile_begin, n_valid, kv_head, mf, masked, s[mf], m_run[mf], d_run[mf], o[mf]);
       pv_sync(vs, t0, s, o);
     }
-  }
-
-  // Deferred P.V (Cfg::kDeferPV, FA3's intra-warpgroup overlap): a step issues its S MMAs and the previous
-  // step's P.V in one ping-pong turn, waits for S only and runs its softmax while the tensor cores do that
-  // P.V; O is rescaled once it is done. Both are issued and waited for within the step (a wgmma in flight
-  // across the loop serialises them all). P waits in registers; the V it multiplies stays in its stage
-  // (V's own empty barrier) until its P.V is done: released by the next step, or by flush_pv.
-  struct DeferredPV {
-    uint32_t a[kStep / 16][4];  // P, packed
-    uint32_t v;                 // its V: shared-memory address of the step's first row (Cfg::mma_offset)
-    int tile;                   // the CTA's tile number j of that V; -1: none pending
-  };
-  template <int kMode>
-  static __device__ __forceinline__ void defer_step(const Params& p, const VariantParams& vp, uint32_t qs,
-                                                    uint32_t ks, uint32_t vs, const Work& w, int tile_begin,
-                                                    int n_valid, int kv_head, bool masked, float (&m_run)[kMF][2],
-                                                    float (&d_run)[kMF][2], float (&o)[kMF][kDTiles][4],
-                                                    DeferredPV& dpv, int j, uint32_t full_v, uint32_t empty_v) {
-    float s[kNTiles][4];
-    const int pending = dpv.tile;
-    if (pending < 0) {
-      // Nothing pending (a sub-item's first step, or after a flush): a P.V of P = 0, which adds nothing to
-      // O, over this tile's landed K (finite values; a wgmma under a branch would serialise them all, C7520).
-#pragma unroll
-      for (int kk = 0; kk < kStep / 16; ++kk) dpv.a[kk][0] = dpv.a[kk][1] = dpv.a[kk][2] = dpv.a[kk][3] = 0u;
-      dpv.v = ks;
-    } else {
-      ptx::mbar_wait(full_v + 8 * (pending % kStages), (pending / kStages) & 1);
-      wgmma::fence_proxy_async();  // V landed through cp.async (generic proxy), for the tensor cores
-    }
-    wgmma::fence();
-    if constexpr (Cfg::kPingPong) pingpong_wait();
-    qk_wgmma(qs, ks, 0, 0, s);
-    wgmma::commit();
-    pv_issue(dpv.v, dpv.a, o[0]);
-    wgmma::commit();
-    if constexpr (Cfg::kPingPong) pingpong_pass();
-    wgmma::wait<1>();  // S (groups complete in order; the P.V may still run)
-    float alpha[2];
-    const bool rescale = softmax_frag<kMode, false>(p, vp, w, tile_begin, n_valid, kv_head, 0, masked, s, m_run[0],
-                                                    d_run[0], o[0], alpha);
-    // The P.V is done: O is complete up to it, its V free. The wait sits in both arms of the rescale's
-    // branch: alone, ptxas hoisted it to the start of its basic block, before the softmax.
-    if (rescale) {
-      wgmma::wait<0>();
-      rescale_o(alpha, o[0]);
-    } else {
-      wgmma::wait<0>();
-    }
-    if (pending >= 0) release(empty_v + 8 * (pending % kStages));
-    // P packed only now: its registers are the A operand of the P.V that was in flight.
-#pragma unroll
-    for (int kk = 0; kk < kStep / 16; ++kk) p_fragment(s, kk, dpv.a[kk]);
-    dpv.v = vs;
-    dpv.tile = j;
-  }
-  // Run the pending P.V, if any, and release its V.
-  static __device__ __forceinline__ void flush_pv(DeferredPV& dpv, float (&o)[kDTiles][4], uint32_t full_v,
-                                                  uint32_t empty_v) {
-    if (dpv.tile < 0) return;
-    ptx::mbar_wait(full_v + 8 * (dpv.tile % kStages), (dpv.tile / kStages) & 1);
-    wgmma::fence_proxy_async();
-    wgmma::fence();
-    pv_issue(dpv.v, dpv.a, o);
-    wgmma::commit();
-    wgmma::wait<0>();
-    release(empty_v + 8 * (dpv.tile % kStages));
-    dpv.tile = -1;
   }
 
   // ------------------------------------------------------------------ the kernel
@@ -782,7 +701,7 @@ struct Kernel {
     Cursor cur;
     int page[L::kLookups], slot[L::kLookups];
     const uint32_t full = ptx::smem_u32(smem + Cfg::kBarriersAt), empty = full + 8 * kStages,
-                   qempty = empty + 8 * kStages, full_v = qempty + 8 * Cfg::kQBuffers, empty_v = full_v + 8 * kStages;
+                   qempty = empty + 8 * kStages;
     if constexpr (Cfg::kProducer) {
       static_assert(!kConvert, "warp-specialised: no conversion pass (it would need every warp per tile)");
       if (threadIdx.x == 0) {
@@ -791,17 +710,11 @@ struct Kernel {
           ptx::mbar_init(empty + 8 * s, Cfg::kWarps);     // every compute warp
         }
         for (int b = 0; b < Cfg::kQBuffers; ++b) ptx::mbar_init(qempty + 8 * b, Cfg::kWarps);
-        if constexpr (Cfg::kDeferPV) {
-          for (int s = 0; s < kStages; ++s) {
-            ptx::mbar_init(full_v + 8 * s, L::kThreads);
-            ptx::mbar_init(empty_v + 8 * s, Cfg::kWarps);
-          }
-        }
       }
       __syncthreads();
       if (threadIdx.x >= kThreads) {
         if constexpr (Cfg::kMoveRegs) ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
-        L::produce(p, vp, smem, full, empty, qempty, full_v, empty_v);
+        L::produce(p, vp, smem, full, empty, qempty);
         return;
       }
       if constexpr (Cfg::kMoveRegs) ptx::setmaxnreg_inc<Cfg::kComputeRegs>();
@@ -816,8 +729,6 @@ struct Kernel {
 
 
     float m_run[kMF][2], d_run[kMF][2], o[kMF][kDTiles][4];
-    DeferredPV dpv;
-    dpv.tile = -1;
     constexpr int kUnitRows = Cfg::kUnitRows;
     const int unit = warp / kUnitWarps;  // a warp, or a warpgroup with wgmma: they skip steps together
     // The first turn is warpgroup 0's: the last one passes it a turn ahead (and warpgroup 0 takes the
@@ -900,7 +811,6 @@ struct Kernel {
         range_hi = hi;
         seen_lo = lo;
       }
-      bool stepped = false;  // (Cfg::kDeferPV)
 #pragma unroll 1
       for (int st = 0; st < kTile / kStep; ++st) {
         const int step_begin = rec->tile_kv_begin + st * kStep, n_valid = rec->n_valid - st * kStep;
@@ -924,11 +834,7 @@ struct Kernel {
                                (Variant::kMaskIsKvRange && (w.pos_off + step_begin < range_lo ||
                                                             w.pos_off + step_begin + kStep > range_hi)) ||
                                (p.causal && step_begin + kStep - 1 > climit_lo) || !(p.logits_scale > 0.f);
-        stepped = true;
-        if constexpr (Cfg::kDeferPV)
-          defer_step<kMaskedIf>(p, vp, qs, ks, vs, w, step_begin, n_valid, kv_head, need_mask, m_run, d_run, o, dpv,
-                                j, full_v, empty_v);
-        else if constexpr (kWgmma)
+        if constexpr (kWgmma)
           compute_tile<kMaskedIf>(p, vp, qs, ks, vs, st * kStep, w, step_begin, n_valid, kv_head, need_mask, m_run,
                                   d_run, o);
         else if (need_mask)
@@ -937,13 +843,6 @@ struct Kernel {
           compute_tile<kFull>(p, vp, qs, ks, vs, st * kStep, w, step_begin, n_valid, kv_head, false, m_run, d_run, o);
       }
 
-      if constexpr (Cfg::kDeferPV) {
-        // A tile that stepped holds its V for the pending P.V (the next step releases it); one that did
-        // not releases its V now, and runs the pending P.V (no V held while this warp waits for later
-        // tiles, which the producer may need that stage for). A sub-item's last runs it before finish.
-        if (!stepped) release(empty_v + 8 * (j % kStages));
-        if (!stepped || (flags & kLast)) flush_pv(dpv, o[0], full_v, empty_v);
-      }
       if constexpr (Cfg::kProducer) {  // the record is read by finish: release after it
         if (!(flags & kLast)) release(empty + 8 * (j % kStages));
       }

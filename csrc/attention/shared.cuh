@@ -361,19 +361,17 @@ struct Loader {
     }
   }
 
-  // Parts of a tile issue() copies: all of it, or (a producer with split K / V barriers, prefill's
-  // Config::kDeferPV) the record, query and K, then V on its own.
-  static constexpr int kPartAll = 0, kPartK = 1, kPartV = 2;
-  // issue()'s record and query parts; false at the end of the queue (the kEnd record written).
-  static __device__ __forceinline__ bool issue_front(const Params& p, const VariantParams& vp, uint8_t* smem,
-                                                     int tile_no, const Cursor& cur) {
+  // Issue the cursor's tile, the CTA's tile number tile_no, into its stage (tile_no % kStages): record,
+  // Q slot (first tile of a sub-item), K and V rows.
+  static __device__ __forceinline__ void issue(const Params& p, const VariantParams& vp, uint8_t* smem, int tile_no,
+                                               const Cursor& cur) {
     const int tid = Loader::tid();
     uint8_t* stage = smem + (tile_no % kStages) * Cfg::kStageBytes;
     TileRecord* rec = Cfg::record(smem, tile_no % kStages);
     const TileRecord* prev = Cfg::record(smem, (tile_no + kStages - 1) % kStages);
     if (cur.done) {
       if (tid == 0) rec->flags = kEnd;
-      return false;
+      return;
     }
     const int tile_begin = cur.w.kv_lo + cur.tile * kTile;
     // The sub-item's query buffer: the previous tile's, or the next one for a new sub-item (the previous
@@ -433,21 +431,6 @@ struct Loader {
       }
     }
     }
-    return true;
-  }
-
-  // Issue the cursor's tile, the CTA's tile number tile_no, into its stage (tile_no % kStages): record,
-  // Q slot (first tile of a sub-item), K and V rows (kPart: all, or one part of them).
-  template <int kPart = kPartAll>
-  static __device__ __forceinline__ void issue(const Params& p, const VariantParams& vp, uint8_t* smem, int tile_no,
-                                               const Cursor& cur) {
-    const int tid = Loader::tid();
-    if constexpr (kPart == kPartV) {
-      if (cur.done) return;
-    } else if (!issue_front(p, vp, smem, tile_no, cur)) {
-      return;
-    }
-    uint8_t* stage = smem + (tile_no % kStages) * Cfg::kStageBytes;
     const uint32_t ks = ptx::smem_u32(stage), vs = ks + Cfg::kKvTileBytes;
     const int row_base = tid / Cfg::kChunksPerRow, chunk = tid % Cfg::kChunksPerRow;
     const char* kbase = static_cast<const char*>(p.k);
@@ -461,8 +444,8 @@ struct Loader {
       const bool ok = row_off >= 0;
       const int64_t off = ok ? row_off + chunk * 16 : 0;
       const uint32_t dst = Cfg::tile_offset(row, chunk);
-      if constexpr (kPart != kPartV) ptx::cp_async_16<FI_DECODE_L2_PREFETCH>(ks + dst, kbase + off, ok);
-      if constexpr (kPart != kPartK) ptx::cp_async_16<FI_DECODE_L2_PREFETCH>(vs + dst, vbase + off, ok);
+      ptx::cp_async_16<FI_DECODE_L2_PREFETCH>(ks + dst, kbase + off, ok);
+      ptx::cp_async_16<FI_DECODE_L2_PREFETCH>(vs + dst, vbase + off, ok);
     }
   }
 
@@ -518,10 +501,8 @@ struct Loader {
   // causal diagonal) runs ahead instead of waiting at a CTA barrier. The walk ends after the kEnd record.
   // A sub-item's query copy waits for its buffer's "qempty" barrier (8 bytes apart per buffer): the
   // compute warps release a buffer when they finish the sub-item that used it.
-  // Cfg::kDeferPV: V has its own barriers, full_v (copies landed) and empty_v (released by every compute warp).
   static __device__ __forceinline__ void produce(const Params& p, const VariantParams& vp, uint8_t* smem,
-                                                 uint32_t full, uint32_t empty, uint32_t qempty, uint32_t full_v = 0,
-                                                 uint32_t empty_v = 0) {
+                                                 uint32_t full, uint32_t empty, uint32_t qempty) {
     static_assert(kThreads == 128 && Cfg::kLoaderThread0 > 0, "a producer warpgroup after the compute warps");
     constexpr int kBarrierId = 9;  // the producer's own named barrier (the compute side's is 8)
     Cursor cur;
@@ -541,22 +522,10 @@ struct Loader {
       // publish after every loading thread's copies of tile j - 2 (issued before the last barrier).
       publish(p, smem, j, cur, page, slot);
       ptx::bar_sync(kBarrierId, kThreads);
-      if constexpr (Cfg::kDeferPV) {
-        // K (with the record and query) and V apart: a stage's V is held for one more compute step (its
-        // P.V runs under the next step's softmax), its K is not, and the next tiles' K need not wait.
-        issue<kPartK>(p, vp, smem, j, cur);
-        ptx::cp_async_mbar_arrive(full + 8 * s);
-        if (tid() == 0) ptx::mbar_arrive(full + 8 * s);
-        if (cur.done) return;
-        ptx::mbar_wait(empty_v + 8 * s, ((j / kStages) & 1) ^ 1);
-        issue<kPartV>(p, vp, smem, j, cur);
-        ptx::cp_async_mbar_arrive(full_v + 8 * s);
-      } else {
-        issue(p, vp, smem, j, cur);
-        ptx::cp_async_mbar_arrive(full + 8 * s);
-        if (tid() == 0) ptx::mbar_arrive(full + 8 * s);  // the record (ordinary stores): released here
-        if (cur.done) return;
-      }
+      issue(p, vp, smem, j, cur);
+      ptx::cp_async_mbar_arrive(full + 8 * s);
+      if (tid() == 0) ptx::mbar_arrive(full + 8 * s);  // the record (ordinary stores): released here
+      if (cur.done) return;
       advance(p, vp, cur);
       prefetch_pages(p, cur, page, slot);
     }

@@ -645,13 +645,11 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
     order = cost_order_.data();
   }
 
-  // ---- write: header, cta_indptr, items grouped by CTA, each CTA's by unit, then creation order ---
+  // ---- write: header, cta_indptr, items grouped by CTA, each CTA's in creation order ------------
   // LPT decides which CTA runs an item; the order within a CTA's queue changes no CTA's total, so it
-  // is (unit, request, query tile, chunk): a request's tiles back to back, shortest first, each
-  // re-reading the KV prefix the tile before it read a moment ago (in L2) instead of after the rest of
-  // the queue (longest first, the KV had long left L2: at 16 x 1k tokens, 32 heads, 1% of the loads
-  // hit); and every CTA walks the units (KV heads) in the same order, so the CTAs running at one time
-  // read the KV of a few heads, which L2 holds.
+  // is (request, query tile, chunk): a request's tiles back to back, shortest first, each re-reading
+  // the KV prefix the tile before it read a moment ago (in L2) instead of after the rest of the
+  // queue (longest first, the KV had long left L2: at 16 x 1k tokens, 32 heads, 1% of the loads hit).
   int32_t* const header = base;
   int32_t* const cta_indptr = base + fi_plan_cta_indptr_offset();
   FiWorkItem* const out_items =
@@ -673,17 +671,18 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
   // Item i in creation order is the rank_[i]-th in LPT order, whose replicas' CTAs cta_of gives.
   rank_.resize(n_items);
   for (int64_t k = 0; k < n_items; ++k) rank_[order[k]] = (int32_t)k;
-  for (int32_t u = 0; u < units; ++u) {
-    for (int64_t i = 0; i < n_items; ++i) {
-      FiWorkItem work;
-      if (split.num_split_pairs == 0) {
-        const Pair& p = pairs_[i];
-        work = FiWorkItem{p.request, p.q_begin, p.q_end, 0, p.kv_len, -1, 1, 0};
-      } else {
-        work = items_[i].work;
-      }
+  for (int64_t i = 0; i < n_items; ++i) {
+    const int64_t k = rank_[i];
+    FiWorkItem work;
+    if (split.num_split_pairs == 0) {
+      const Pair& p = pairs_[i];
+      work = FiWorkItem{p.request, p.q_begin, p.q_end, 0, p.kv_len, -1, 1, 0};
+    } else {
+      work = items_[i].work;
+    }
+    for (int32_t u = 0; u < units; ++u) {
       work.unit = u;
-      out_items[fill[cta_of(rank_[i], u)]++] = work;
+      out_items[fill[cta_of(k, u)]++] = work;
     }
   }
 
