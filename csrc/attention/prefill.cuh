@@ -59,8 +59,8 @@
 // Tried and slower again (6abd3df, perf/results/ab43_fa2.md, ab43_flex.md, prefill_ncu_43.md), after the
 // descriptor fix and ping-pong: FlashInfer's FA3 loop at 8 x 1 with 128-token tiles and steps (a step's S
 // and the previous step's P.V issued in one ping-pong turn, the softmax under that P.V, V with its own
-// full / empty barriers so only V is held the extra step): 537-565 / 1615-1657 / 5800-6057 us at 32/32
-// 16x1k / 4x4k / 1x16k against 411-424 / 1136-1173 / 4143-4549 for the default and 445 / 1341 / 4795 for
+// full / empty barriers so only V is held the extra step): 532-565 / 1615-1646 / 5800-6057 us at 32/32
+// 16x1k / 4x4k / 1x16k against 411-424 / 1136-1173 / 4033-4549 for the default and 445 / 1341 / 4795 for
 // the same shape without it. ncu (1x16k): its compute warps waited on the K tile's full barrier for 13%
 // of all samples (L2 hit rate 60%, DRAM 19%): two 64 KB stages leave about one step to land a tile,
 // which FlashInfer's FA3 (TMA, L2 hit rate 96%) can afford and our cp.async gather cannot. Writing each
