@@ -295,11 +295,11 @@ def _prefill_family(head_dim: int, kv_bytes: int, wgmma: Optional[bool] = None,
               for s in table[(head_dim, kv_bytes)]]
     ws = _PREFILL_WS_MEMBER0.get(head_dim) if wgmma else None
     if ws:
+        hooked = variant is not None and bool(variant.logits_transform or variant.logits_mask)
         # A mask that is the variant's KV range (a sliding window) costs only on edge steps: the plain shape.
-        hooks = variant is not None and bool(variant.logits_transform or
-                                             (variant.logits_mask and not variant.mask_is_kv_range))
+        hooks = hooked and not (variant.mask_is_kv_range and not variant.logits_transform)
         # Ping-pong for one query head per chunk (no GQA) without logits hooks or masks (measured above).
-        pingpong = hpc == 1 and not (variant is not None and (variant.logits_transform or variant.logits_mask))
+        pingpong = hpc == 1 and not hooked
         shape = {**dict(zip(keys, ws["hooks" if hooks else "plain"])), "wgmma": 1, "producer": 1,
                  "pingpong": int(pingpong)}
         if not _producer_blockers(variant, head_dim, kv_bytes, {**shape, "hpc": hpc}):
