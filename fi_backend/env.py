@@ -5,6 +5,8 @@ FI_BACKEND_CUDA_ARCH_LIST   architectures to build for, e.g. "90a" or "9.0a;10.0
 FI_BACKEND_NVCC             nvcc to use (default: $CUDA_HOME/bin/nvcc, then nvcc on PATH, then /usr/local/cuda)
 FI_BACKEND_JIT              "0": never compile; load only modules already in the cache (any nvcc built them)
 FI_BACKEND_QUIET            "1": no "fi-backend: building ..." lines on stderr
+FI_BACKEND_KV_TMA           "0": the prefill kernel gathers every KV tile with cp.async, never by TMA (read
+                            once per process by each kernel module, in C: csrc/attention/attention_module.cu)
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ CUDA_ARCH_LIST = "FI_BACKEND_CUDA_ARCH_LIST"
 NVCC = "FI_BACKEND_NVCC"
 JIT = "FI_BACKEND_JIT"
 QUIET = "FI_BACKEND_QUIET"
+KV_TMA = "FI_BACKEND_KV_TMA"
 
 _FALSE = ("0", "false", "no", "off")
 

@@ -507,6 +507,7 @@ class _Launcher:
             raise RuntimeError(f"attention module {self.module.name}: the C parameter layout {vals[6:]} does not match "
                                f"fi_backend.wrappers' ctypes mirror {expected}; the two must change together")
         self._occupancy = self.module.function("fi_attention_occupancy", [ctypes.POINTER(ctypes.c_int)])
+        self.kv_maps = self.module.function("fi_attention_kv_maps", [ctypes.c_void_p])
 
     def blocks_per_sm(self) -> int:
         out = ctypes.c_int(0)
@@ -937,6 +938,11 @@ class BatchAttention:
             else:
                 self._launcher.module.check(rc, "fi_attention_run")
         return (out, lse) if lse is not None else out
+
+    def _kv_maps(self) -> bool:
+        """Whether run() with the KV cache it was last given copies whole KV tiles by TMA (the prefill
+        kernel's producer; else every tile is gathered with cp.async). For tests; host only."""
+        return bool(self._launcher.kv_maps(self._params_ref))
 
     def _lse_arg(self, lse, rows):
         if not self.variant.use_softmax:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 
 import torch
 
@@ -58,13 +59,14 @@ def random_kv(num_blocks, page, Hkv, D, dtype, *, layout="NHD", packed=False):
     return cache, k, v
 
 
-def make_bsr(kv_lens, q_lens, page, *, num_blocks=None, sglang=False):
-    """A vLLM block table (random distinct pages) or an SGLang token table as a device BSR."""
+def make_bsr(kv_lens, q_lens, page, *, num_blocks=None, sglang=False, consecutive=False):
+    """A vLLM block table (random distinct pages) or an SGLang token table as a device BSR. consecutive:
+    the pages in order instead (request 0's first, then request 1's, ...: a ragged tensor at page 1)."""
     B = len(kv_lens)
     nblk = [(l + page - 1) // page for l in kv_lens]
     total = sum(nblk)
     num_blocks = num_blocks or total + 7
-    perm = torch.randperm(num_blocks)[:total].to(torch.int32)
+    perm = (torch.arange(num_blocks) if consecutive else torch.randperm(num_blocks))[:total].to(torch.int32)
     qo_indptr = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32)
     kv_lens_t = torch.tensor(kv_lens, dtype=torch.int32)
     if sglang:
@@ -125,13 +127,31 @@ def check(out, lse, o_ref, lse_ref, tol, what="", lse_tol=None):
         assert lerr < bound, f"{what}: LSE error {lerr:.3g} >= {bound}"
 
 
+def poison_unused(k, v, kv_lens, page):
+    """NaN in every cache slot of k, v (NHD views [blocks, page, Hkv, D]) that no request reads, for pages
+    laid out by make_bsr(consecutive=True): a kernel that reads past a request's tokens meets them."""
+    off = 0
+    for n in kv_lens:
+        nblk = (n + page - 1) // page
+        if n % page:
+            k[off + nblk - 1, n % page:] = float("nan")
+            v[off + nblk - 1, n % page:] = float("nan")
+        off += nblk
+    k[off:] = float("nan")
+    v[off:] = float("nan")
+
+
 def run_case(attn, kv_lens, q_lens, *, dtype, kv_dtype=None, layout="NHD", packed=False, causal=False,
-             variant_kw=None, ref_kw=None, k_scale=1.0, v_scale=1.0, tol=None, lse_tol=None, what=""):
+             variant_kw=None, ref_kw=None, k_scale=1.0, v_scale=1.0, tol=None, lse_tol=None, what="",
+             consecutive=False):
+    """consecutive: pages in order (make_bsr), and the slots no request reads hold NaN (poison_unused)."""
     kv_dtype = kv_dtype or dtype
     page = attn.page_size
     sglang = layout == "SGL"
-    bsr, qo_cpu, kv_cpu, nb = make_bsr(kv_lens, q_lens, page, sglang=sglang)
+    bsr, qo_cpu, kv_cpu, nb = make_bsr(kv_lens, q_lens, page, sglang=sglang, consecutive=consecutive)
     cache, k, v = random_kv(nb, page, attn.num_kv_heads, attn.head_dim, kv_dtype, layout=layout, packed=packed)
+    if consecutive:
+        poison_unused(k, v, kv_lens, page)
     rows = int(qo_cpu[-1])
     q = (1.5 * torch.randn(rows, attn.num_qo_heads, attn.head_dim, device=DEV)).to(dtype)
     attn.plan(qo_cpu, kv_cpu, bsr, causal=causal, **(variant_kw or {}))
@@ -158,7 +178,7 @@ def _variant_case(name, Hq):
     return next(c for c in _variant_cases(Hq) if c[0] == name)
 
 
-def run_variant_case(attn, name, kv_lens, q_lens, dtype):
+def run_variant_case(attn, name, kv_lens, q_lens, dtype, consecutive=False):
     """run_case of built-in variant case `name` on a wrapper built with its variant (causal): custom masks are
     drawn for these lengths; RoPE rounds the rotated k to the MMA type once more, so logits (and the LSE)
     carry its error and get twice the tolerance."""
@@ -169,7 +189,7 @@ def run_variant_case(attn, name, kv_lens, q_lens, dtype):
         rkw = {"masks": masks}
     tol = TOL[dtype] * (2 if "rope" in name else 1)
     run_case(attn, kv_lens, q_lens, dtype=dtype, causal=True, variant_kw=vkw, ref_kw=rkw, tol=tol,
-             lse_tol=2 * tol if "rope" in name else None, what=f"variant {name} {dtype}")
+             lse_tol=2 * tol if "rope" in name else None, what=f"variant {name} {dtype}", consecutive=consecutive)
 
 
 def _variant_cases(Hq):
@@ -202,10 +222,11 @@ class PersistentBatch:
     """An engine's per-step buffers that live across steps (block table, KV lengths, query offsets, row
     starts) and the BSR over them. Each step is written into the same storage, as vLLM does, so a run()
     captured in a CUDA graph keeps reading valid tensors after a re-plan. Pages: a fresh random
-    permutation of the pool every step."""
+    permutation of the pool every step, or (consecutive) the pool in order from a fresh random start,
+    wrapping around at its end."""
 
-    def __init__(self, max_batch: int, max_blocks: int, page: int):
-        self.max_blocks, self.page = max_blocks, page
+    def __init__(self, max_batch: int, max_blocks: int, page: int, consecutive: bool = False):
+        self.max_blocks, self.page, self.consecutive = max_blocks, page, consecutive
         self.num_blocks = max_batch * max_blocks
         self.table = torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=DEV)
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=DEV)
@@ -215,7 +236,10 @@ class PersistentBatch:
     def write(self, q_lens, kv_lens):
         """(bsr, qo_indptr_cpu, kv_lens_cpu) of a step written into the persistent buffers."""
         B = len(q_lens)
-        perm = torch.randperm(self.num_blocks)[: B * self.max_blocks]
+        if self.consecutive:
+            perm = (torch.arange(B * self.max_blocks) + random.randrange(self.num_blocks)) % self.num_blocks
+        else:
+            perm = torch.randperm(self.num_blocks)[: B * self.max_blocks]
         self.table[:B] = perm.view(B, self.max_blocks).to(torch.int32).to(DEV)
         kv_cpu = torch.tensor(kv_lens, dtype=torch.int32)
         self.seq_lens[:B] = kv_cpu.to(DEV)

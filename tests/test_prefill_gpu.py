@@ -232,12 +232,53 @@ def test_warp_specialised_variants(name, pingpong):
     run_variant_case(attn, name, [1500, 3, 1017, 4000, 300], [1, 3, 17, 128, 300], torch.bfloat16)
 
 
-@pytest.mark.parametrize("tuning", [None, _WS[128], _PP["w8m2pp"]], ids=["default", "warp_specialised", "ping_pong"])
-def test_cuda_graph_replay_after_replan(tuning):
-    """Capture once, re-plan with other lengths and a smaller batch in the same BSR tensors, replay."""
+# KV tiles by TMA (Loader::produce, shared.cuh): the producer copies a whole tile of consecutive tokens of a
+# token-major cache (ragged KV; pages that happen to be in order) as boxes and gathers the rest (partial last
+# tiles, scattered pages). Pages in order here, every slot no request reads NaN (run_case(consecutive=True)):
+# a box that reached past a request's tokens would put NaN into P.V. Each case asserts that the kernel got
+# the maps (whether a tile is boxed is decided per tile on the GPU).
+_TMA_CASES = [(64, 1, 1, "NHD", False, None), (128, 4, 1, "NHD", False, "w8"), (128, 1, 1, "SGL", False, "w8m2pp"),
+              (128, 1, 16, "NHD", True, "w8t128pp"), (128, 8, 16, "NHD", False, "w12pp"), (256, 4, 16, "NHD", True, None)]
+
+
+@pytest.mark.parametrize("D,group,page,layout,packed,shape", _TMA_CASES)
+def test_kv_tma(D, group, page, layout, packed, shape):
+    Hkv = 2
+    dtype = (torch.bfloat16, torch.float16)[_TMA_CASES.index((D, group, page, layout, packed, shape)) % 2]
+    attn = prefill(Hkv * group, Hkv, D, q_dtype=dtype, page_size=page, tuning=_WS8[shape] if shape else _WS[D])
+    q_lens, kv_lens = [1000, 17, 128, 3, 300], [1000, 1017, 128, 3, 16000]
+    run_case(attn, kv_lens, q_lens, dtype=dtype, causal=True, layout=layout, packed=packed, consecutive=True,
+             what=f"TMA D={D} group={group} page={page} {layout} packed={packed} {shape}")
+    assert attn._kv_maps(), "the warp-specialised kernel did not get KV TMA maps for a token-major cache"
+    run_case(attn, [16000, 1500, 128], [1000, 200, 128], dtype=dtype, causal=False, layout=layout, packed=packed,
+             consecutive=True, what="TMA non-causal")
+
+
+@pytest.mark.parametrize("name", ["default", "soft_cap", "window", "alibi", "sigmoid", "custom_mask", "alibi_window"])
+def test_kv_tma_variants(name):
+    Hq, Hkv, D = 16, 4, 128
+    attn = prefill(Hq, Hkv, D, page_size=1, variant=_variant_case(name, Hq)[1], tuning=_WS[D])
+    run_variant_case(attn, name, [1500, 3, 1017, 4000, 300], [1, 3, 17, 128, 300], torch.bfloat16, consecutive=True)
+    assert attn._kv_maps()
+
+
+def test_kv_tma_not_for_hnd():
+    """HND pages are not token-major: no maps, every tile gathered (and correct)."""
+    attn = prefill(8, 2, 128, page_size=16, kv_layout="HND", tuning=_WS[128])
+    run_case(attn, [2000, 300, 17], [700, 300, 5], dtype=torch.bfloat16, causal=True, layout="HND", packed=True,
+             consecutive=True, what="HND gathered")
+    assert not attn._kv_maps()
+
+
+@pytest.mark.parametrize("tuning,consecutive", [(None, False), (_WS[128], False), (_PP["w8m2pp"], False),
+                                                (_PP["w8m2pp"], True)],
+                         ids=["default", "warp_specialised", "ping_pong", "tma"])
+def test_cuda_graph_replay_after_replan(tuning, consecutive):
+    """Capture once, re-plan with other lengths and a smaller batch in the same BSR tensors, replay. tma:
+    pages in order (from a random start each step), so the replayed kernel copies most tiles by TMA."""
     Hq, Hkv, D, page = 16, 4, 128, 16
     attn = prefill(Hq, Hkv, D, page_size=page, max_tokens=2048, max_requests=16, tuning=tuning)
-    batch = PersistentBatch(8, 200, page)
+    batch = PersistentBatch(8, 200, page, consecutive=consecutive)
     cache, k, v = random_kv(batch.num_blocks, page, Hkv, D, torch.bfloat16)
     rows = 1500
     q_buf = torch.zeros(rows, Hq, D, dtype=torch.bfloat16, device=DEV)
@@ -255,6 +296,7 @@ def test_cuda_graph_replay_after_replan(tuning):
     q_buf.normal_()
     attn.run(q_buf, cache, out=out_buf)
     torch.cuda.synchronize()
+    assert attn._kv_maps() or not consecutive
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         attn.run(q_buf, cache, out=out_buf)

@@ -9,7 +9,10 @@
 //   fi_attention_layout(int64_t* out, int n) -> number of values: sizes and field offsets of Params and
 //       VariantParams and the kernel shape, so the Python side can check its ctypes mirror
 //   fi_attention_occupancy(int* blocks_per_sm) -> cudaError_t (needs a device)
+//   fi_attention_kv_maps(const Params*) -> 1 when a launch would give the kernel KV TMA maps (tests)
 #include <stddef.h>
+#include <stdlib.h>
+#include <strings.h>
 
 #include "common.h"
 #include "attention/{{KERNEL}}.cuh"
@@ -34,9 +37,10 @@ using Impl = fi::{{KERNEL}}::Kernel<Cfg, Variant, VariantParams>;
 
 // MIN_BLOCKS: CTAs per SM that shared memory allows; the register budget follows from it.
 __global__ void __launch_bounds__(Cfg::kLaunchThreads, {{MIN_BLOCKS}})
-    attention_kernel(const __grid_constant__ fi::attn::Params p, const __grid_constant__ VariantParams vp) {
+    attention_kernel(const __grid_constant__ fi::attn::Params p, const __grid_constant__ VariantParams vp,
+                     const __grid_constant__ fi::attn::KvTma tma) {
   extern __shared__ __align__(1024) uint8_t smem[];  // 1024: wgmma swizzle atoms
-  Impl::run(p, vp, smem);
+  Impl::run(p, vp, smem, tma);
 }
 
 // cudaFuncSetAttribute is per device; remember which devices have it (a set bit per device index).
@@ -52,6 +56,60 @@ int configure() {
   return 0;
 }
 
+// KV TMA maps (fi::attn::KvTma) for kernels whose producer copies whole tiles by TMA: K and V as
+// [num_kv_blocks * page_size tokens, kv heads, D], which the cache is when a page's stride is page_size
+// token strides (ragged KV, NHD pages, SGLang's buffers; not HND). Left unused (the loader gathers every
+// tile with cp.async) where the cache has no such view, TMA cannot address it (bases or strides not
+// 16-byte multiples, more than 2^31 tokens), the driver has no encoder, or FI_BACKEND_KV_TMA=0.
+// A host-only call a launch (no device work): graph capture bakes the maps in like the rest of Params.
+typedef CUresult (*EncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+EncodeTiled encoder() {
+  static EncodeTiled fn = [] {
+    const char* env = getenv("FI_BACKEND_KV_TMA");
+    if (env != nullptr && (!strcasecmp(env, "0") || !strcasecmp(env, "false") || !strcasecmp(env, "no") ||
+                           !strcasecmp(env, "off")))  // fi_backend/env.py's false values
+      return (EncodeTiled) nullptr;
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      return (EncodeTiled) nullptr;
+    return reinterpret_cast<EncodeTiled>(f);
+  }();
+  return fn;
+}
+
+void encode_kv_maps(const fi::attn::Params& p, fi::attn::KvTma& tma) {
+  tma.use = 0;
+  if constexpr (Impl::kTmaKv) {
+    const EncodeTiled encode = encoder();
+    const int64_t units = p.num_qo_heads / Cfg::kHeadsPerChunk;
+    const int64_t heads = p.num_head_chunks > 0 ? units / p.num_head_chunks : 0;
+    const int64_t tokens = (int64_t)p.num_kv_blocks * p.page_size;
+    constexpr int64_t kBytes = 2;  // 16-bit KV (the producer's condition)
+    if (encode == nullptr || heads < 1 || tokens < 1 || tokens > INT32_MAX ||
+        p.kv_stride_block != (int64_t)p.page_size * p.kv_stride_token || (p.kv_stride_head * kBytes) % 16 != 0 ||
+        (p.kv_stride_token * kBytes) % 16 != 0 || p.kv_stride_head <= 0 || p.kv_stride_token <= 0 ||
+        ((uintptr_t)p.k % 16) != 0 || ((uintptr_t)p.v % 16) != 0)
+      return;
+    const cuuint64_t dims[3] = {(cuuint64_t)Cfg::kHeadDim, (cuuint64_t)heads, (cuuint64_t)tokens};
+    const cuuint64_t strides[2] = {(cuuint64_t)(p.kv_stride_head * kBytes), (cuuint64_t)(p.kv_stride_token * kBytes)};
+    const cuuint32_t box[3] = {64, 1, (cuuint32_t)Cfg::kTile};
+    const cuuint32_t unit_strides[3] = {1, 1, 1};
+    for (int i = 0; i < 2; ++i) {
+      if (encode(i == 0 ? &tma.k : &tma.v, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(i == 0 ? p.k : p.v),
+                 dims, strides, box, unit_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+        return;
+    }
+    tma.use = 1;
+  }
+}
+
 }  // namespace
 
 FI_EXPORT int fi_attention_run(const fi::attn::Params* p, const VariantParams* vp, int32_t grid_x, int32_t grid_y,
@@ -61,9 +119,20 @@ FI_EXPORT int fi_attention_run(const fi::attn::Params* p, const VariantParams* v
   if (rc) return rc;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   FI_CUDA_TRY(cudaStreamIsCapturing((cudaStream_t)stream, &capture));
-  attention_kernel<<<dim3(grid_x, grid_y), dim3(Cfg::kLaunchThreads), Cfg::kSmemBytes, (cudaStream_t)stream>>>(*p, *vp);
+  fi::attn::KvTma tma;
+  encode_kv_maps(*p, tma);
+  attention_kernel<<<dim3(grid_x, grid_y), dim3(Cfg::kLaunchThreads), Cfg::kSmemBytes, (cudaStream_t)stream>>>(*p, *vp,
+                                                                                                               tma);
   const int err = (int)cudaGetLastError();
   return err ? err : (capture == cudaStreamCaptureStatusActive ? -1 : 0);
+}
+
+// 1 when a launch with these parameters gives the kernel KV TMA maps, else 0 (tests; host only).
+FI_EXPORT int fi_attention_kv_maps(const fi::attn::Params* p) {
+  if (p == nullptr) return 0;
+  fi::attn::KvTma tma;
+  encode_kv_maps(*p, tma);
+  return tma.use;
 }
 
 #define FI_PARAMS_FIELD(name) out[i++] = (int64_t)offsetof(fi::attn::Params, name)

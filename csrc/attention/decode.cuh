@@ -234,7 +234,8 @@ struct Kernel {
 
   // ------------------------------------------------------------------ the kernel
 
-  static __device__ __forceinline__ void run(const Params& p, const VariantParams& vp, uint8_t* smem) {
+  static constexpr bool kTmaKv = false;  // the launcher encodes no KV maps (attention_module.cu)
+  static __device__ __forceinline__ void run(const Params& p, const VariantParams& vp, uint8_t* smem, const KvTma&) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
     Cursor cur;
     int page[L::kLookups], slot[L::kLookups];

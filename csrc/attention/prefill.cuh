@@ -238,6 +238,7 @@ struct Kernel {
   static constexpr bool kBf16 = Cfg::kMmaBf16;
   static constexpr bool kConvert = kFp8 || Variant::kHasKeyTransform;
   static constexpr bool kWgmma = Cfg::kWgmma;
+  static constexpr bool kTmaKv = Cfg::kProducer;  // the producer copies whole contiguous tiles by TMA (shared.cuh)
   static constexpr int kUnitWarps = Cfg::kUnitWarps;
 
   // First packed row of m fragment mf of warp `warp` (16 rows). mma.sync: a warp's fragments are
@@ -696,7 +697,8 @@ struct Kernel {
     if ((threadIdx.x & 31) == 0) ptx::mbar_arrive(bar);
   }
 
-  static __device__ __forceinline__ void run(const Params& p, const VariantParams& vp, uint8_t* smem) {
+  static __device__ __forceinline__ void run(const Params& p, const VariantParams& vp, uint8_t* smem,
+                                             const KvTma& tma) {
     const int warp = threadIdx.x >> 5;
     Cursor cur;
     int page[L::kLookups], slot[L::kLookups];
@@ -714,7 +716,7 @@ struct Kernel {
       __syncthreads();
       if (threadIdx.x >= kThreads) {
         if constexpr (Cfg::kMoveRegs) ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
-        L::produce(p, vp, smem, full, empty, qempty);
+        L::produce(p, vp, smem, full, empty, qempty, tma);
         return;
       }
       if constexpr (Cfg::kMoveRegs) ptx::setmaxnreg_inc<Cfg::kComputeRegs>();

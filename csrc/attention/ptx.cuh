@@ -76,9 +76,32 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
       "r"(parity)
       : "memory");
 }
+// The phase of `bar` also waits for `bytes` more transaction bytes (a TMA copy's complete_tx); no arrival.
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+// TMA: the box at coordinates (c0, c1, c2) of the 3-d tensor map `map` (a __grid_constant__ kernel
+// parameter, so its generic address is in parameter space) into shared memory at dst, completing
+// transaction bytes on mbarrier `bar` as it lands (sm_90).
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* map, int c0, int c1, int c2, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+      ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
 // Named barrier over `threads` threads (a multiple of 32) of the CTA.
 __device__ __forceinline__ void bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// Named barrier over `threads` threads that also returns whether `pred` held on every one of them.
+__device__ __forceinline__ bool bar_sync_and(int id, int threads, bool pred) {
+  int all;
+  asm volatile(
+      "{\n.reg .pred p, q;\nsetp.ne.s32 q, %1, 0;\nbar.red.and.pred p, %2, %3, q;\nselp.s32 %0, 1, 0, p;\n}\n"
+      : "=r"(all)
+      : "r"((int)pred), "r"(id), "r"(threads)
+      : "memory");
+  return all != 0;
 }
 // Arrive at named barrier `id` without waiting (the barrier completes when `threads` have arrived or synced).
 __device__ __forceinline__ void bar_arrive(int id, int threads) {

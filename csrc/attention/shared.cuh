@@ -30,6 +30,7 @@
 // Epilogue (below) also needs kKSteps, kFragFp8 and kQBf16.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap (a type only: the maps are encoded through the runtime's driver entry point)
 #include <math.h>
 #include <stdint.h>
 
@@ -117,6 +118,17 @@ struct Params {
   float logits_scale;           // sm_scale * k_scale
   float v_scale;
   int32_t causal;
+};
+
+// TMA maps of the KV cache as a token-major tensor [num_kv_blocks * page_size, kv heads, D] (K and V),
+// encoded by the launcher (attention_module.cu) where the cache has that view (page stride = page_size
+// token strides, 16-byte aligned strides and bases); a box is one 64-element column block (128 bytes,
+// 128-byte swizzle: wgmma's layout, colblock_offset) of kTile tokens of one head. use = 0: no maps (the
+// loader gathers with cp.async). A kernel parameter of its own (__grid_constant__): TMA reads the map
+// from parameter space.
+struct alignas(64) KvTma {
+  CUtensorMap k, v;
+  int32_t use;
 };
 
 // One (sub-)item as both sides of the CTA see it.
@@ -363,8 +375,9 @@ struct Loader {
 
   // Issue the cursor's tile, the CTA's tile number tile_no, into its stage (tile_no % kStages): record,
   // Q slot (first tile of a sub-item), K and V rows.
+  // gather = false: the K and V rows are not copied here (produce() issues them through TMA).
   static __device__ __forceinline__ void issue(const Params& p, const VariantParams& vp, uint8_t* smem, int tile_no,
-                                               const Cursor& cur) {
+                                               const Cursor& cur, bool gather = true) {
     const int tid = Loader::tid();
     uint8_t* stage = smem + (tile_no % kStages) * Cfg::kStageBytes;
     TileRecord* rec = Cfg::record(smem, tile_no % kStages);
@@ -431,6 +444,7 @@ struct Loader {
       }
     }
     }
+    if (!gather) return;
     const uint32_t ks = ptx::smem_u32(stage), vs = ks + Cfg::kKvTileBytes;
     const int row_base = tid / Cfg::kChunksPerRow, chunk = tid % Cfg::kChunksPerRow;
     const char* kbase = static_cast<const char*>(p.k);
@@ -493,6 +507,31 @@ struct Loader {
     prefetch_pages(p, cur, page, slot);
   }
 
+  // Whether the cursor's tile can be one TMA box a column block (produce(), with maps): it is full and its
+  // rows are kTile consecutive tokens of the cache's token-major view (ragged KV, whose BSR is the
+  // identity at page size 1, or pages that happen to be consecutive). This thread's part of the test (its
+  // lookup rows against row 0's token, token0, looked up again here); the producer ANDs the parts.
+  static __device__ __forceinline__ bool tma_rows(const Params& p, const Cursor& cur, const int (&page)[kLookups],
+                                                  const int (&slot)[kLookups], int& token0) {
+    const int tile_begin = cur.w.kv_lo + cur.tile * kTile;
+    if (cur.done || cur.w.kv_hi - tile_begin < kTile) return false;  // the partial last tile: zero-filled rows
+    int blk, s;
+    ptx::divmod(p.page_div, tile_begin, blk, s);
+    const int64_t idx = cur.w.block_start + blk;
+    if (idx < 0 || idx >= p.num_kv_indices) return false;
+    const int page0 = __ldg(p.kv_indices + idx);
+    if (page0 < 0 || page0 >= p.num_kv_blocks) return false;  // gathered instead: the gather reports it
+    token0 = page0 * p.page_size + s;  // < 2^31 tokens: a condition of the maps (attention_module.cu)
+    bool ok = true;
+#pragma unroll
+    for (int r = 0; r < kLookups; ++r) {
+      const int row = lookup_row(r);
+      if (row < kTile)
+        ok = ok && page[r] >= 0 && page[r] < p.num_kv_blocks && page[r] * p.page_size + slot[r] == token0 + row;
+    }
+    return ok;
+  }
+
   // The same walk in a producer warpgroup of its own (warp-specialised prefill), run by the loading
   // threads only: tile j goes into stage j % kStages once the compute warps have released the stage's
   // previous tile (its "empty" barrier, full[] / empty[] 8 bytes apart per stage); each thread's copies
@@ -501,14 +540,22 @@ struct Loader {
   // causal diagonal) runs ahead instead of waiting at a CTA barrier. The walk ends after the kEnd record.
   // A sub-item's query copy waits for its buffer's "qempty" barrier (8 bytes apart per buffer): the
   // compute warps release a buffer when they finish the sub-item that used it.
+  // With TMA maps (tma.use), a tile that tma_rows() accepts on every loading thread is copied by thread 0
+  // as kHeadDim / 64 boxes each of K and V, counted on the full barrier as transaction bytes (the other
+  // threads issue nothing); any other tile (partial, scattered pages) is gathered as before. The page
+  // lookups still run for every tile: they decide.
   static __device__ __forceinline__ void produce(const Params& p, const VariantParams& vp, uint8_t* smem,
-                                                 uint32_t full, uint32_t empty, uint32_t qempty) {
+                                                 uint32_t full, uint32_t empty, uint32_t qempty, const KvTma& tma) {
     static_assert(kThreads == 128 && Cfg::kLoaderThread0 > 0, "a producer warpgroup after the compute warps");
+    static_assert(kHeadDim % 64 == 0 && !Cfg::kFp8, "TMA boxes: 64 16-bit elements (128 bytes) of a row");
     constexpr int kBarrierId = 9;  // the producer's own named barrier (the compute side's is 8)
     Cursor cur;
     int page[kLookups], slot[kLookups];
+    const bool maps = tma.use != 0;
+    int token0 = 0;
     seek_queue(p, vp, cur);  // an empty queue: the first tile is the kEnd record
     prefetch_pages(p, cur, page, slot);
+    bool tma_ok = maps && tma_rows(p, cur, page, slot, token0);
     int nsub = 0;  // sub-items issued: the next one's query buffer is nsub % kQBuffers
 #pragma unroll 1
     for (int j = 0;; ++j) {
@@ -521,13 +568,27 @@ struct Loader {
       // Row offsets are double-buffered by tile parity: the barrier below also orders this tile's
       // publish after every loading thread's copies of tile j - 2 (issued before the last barrier).
       publish(p, smem, j, cur, page, slot);
-      ptx::bar_sync(kBarrierId, kThreads);
-      issue(p, vp, smem, j, cur);
+      bool box = false;
+      if (maps) box = ptx::bar_sync_and(kBarrierId, kThreads, tma_ok);
+      else ptx::bar_sync(kBarrierId, kThreads);
+      issue(p, vp, smem, j, cur, !box);
+      if (box && tid() == 0) {  // before this thread's arrivals below: the phase cannot complete without them
+        const uint32_t bar = full + 8 * s;
+        const uint32_t ks = ptx::smem_u32(smem + s * Cfg::kStageBytes), vs = ks + Cfg::kKvTileBytes;
+        const int kv_head = kv_head_of(p, cur.w.unit);
+        ptx::mbar_expect_tx(bar, 2 * Cfg::kKvTileBytes);
+#pragma unroll
+        for (int cb = 0; cb < kHeadDim / 64; ++cb) {
+          ptx::tma_load_3d(ks + cb * kTile * 128, &tma.k, 64 * cb, kv_head, token0, bar);
+          ptx::tma_load_3d(vs + cb * kTile * 128, &tma.v, 64 * cb, kv_head, token0, bar);
+        }
+      }
       ptx::cp_async_mbar_arrive(full + 8 * s);
       if (tid() == 0) ptx::mbar_arrive(full + 8 * s);  // the record (ordinary stores): released here
       if (cur.done) return;
       advance(p, vp, cur);
       prefetch_pages(p, cur, page, slot);
+      tma_ok = maps && tma_rows(p, cur, page, slot, token0);
     }
   }
 };
