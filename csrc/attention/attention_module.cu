@@ -91,13 +91,15 @@ void encode_kv_maps(const fi::attn::Params& p, fi::attn::KvTma& tma) {
     const int64_t heads = p.num_head_chunks > 0 ? units / p.num_head_chunks : 0;
     const int64_t tokens = (int64_t)p.num_kv_blocks * p.page_size;
     constexpr int64_t kBytes = 2;  // 16-bit KV (the producer's condition)
+    // At page size 1 a block is a token (3-D caches such as SGLang's report token stride 0).
+    const int64_t token_stride = p.page_size == 1 ? p.kv_stride_block : p.kv_stride_token;
     if (encode == nullptr || heads < 1 || tokens < 1 || tokens > INT32_MAX ||
-        p.kv_stride_block != (int64_t)p.page_size * p.kv_stride_token || (p.kv_stride_head * kBytes) % 16 != 0 ||
-        (p.kv_stride_token * kBytes) % 16 != 0 || p.kv_stride_head <= 0 || p.kv_stride_token <= 0 ||
+        p.kv_stride_block != (int64_t)p.page_size * token_stride || (p.kv_stride_head * kBytes) % 16 != 0 ||
+        (token_stride * kBytes) % 16 != 0 || p.kv_stride_head <= 0 || token_stride <= 0 ||
         ((uintptr_t)p.k % 16) != 0 || ((uintptr_t)p.v % 16) != 0)
       return;
     const cuuint64_t dims[3] = {(cuuint64_t)Cfg::kHeadDim, (cuuint64_t)heads, (cuuint64_t)tokens};
-    const cuuint64_t strides[2] = {(cuuint64_t)(p.kv_stride_head * kBytes), (cuuint64_t)(p.kv_stride_token * kBytes)};
+    const cuuint64_t strides[2] = {(cuuint64_t)(p.kv_stride_head * kBytes), (cuuint64_t)(token_stride * kBytes)};
     const cuuint32_t box[3] = {64, 1, (cuuint32_t)Cfg::kTile};
     const cuuint32_t unit_strides[3] = {1, 1, 1};
     for (int i = 0; i < 2; ++i) {
