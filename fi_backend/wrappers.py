@@ -939,10 +939,11 @@ class BatchAttention:
                 self._launcher.module.check(rc, "fi_attention_run")
         return (out, lse) if lse is not None else out
 
-    def _kv_maps(self) -> bool:
-        """Whether run() with the KV cache it was last given copies whole KV tiles by TMA (the prefill
-        kernel's producer; else every tile is gathered with cp.async). For tests; host only."""
-        return bool(self._launcher.kv_maps(self._params_ref))
+    def _kv_maps(self) -> int:
+        """The KV TMA maps run() gives the kernel with the KV cache it was last given: 0 none (every tile
+        gathered with cp.async), bit 0 tile maps (whole tiles of consecutive tokens by TMA), bit 1 page maps
+        (whole pages by TMA). The prefill kernel's producer only. For tests; host only."""
+        return int(self._launcher.kv_maps(self._params_ref))
 
     def _lse_arg(self, lse, rows):
         if not self.variant.use_softmax:

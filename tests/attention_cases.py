@@ -127,31 +127,32 @@ def check(out, lse, o_ref, lse_ref, tol, what="", lse_tol=None):
         assert lerr < bound, f"{what}: LSE error {lerr:.3g} >= {bound}"
 
 
-def poison_unused(k, v, kv_lens, page):
-    """NaN in every cache slot of k, v (NHD views [blocks, page, Hkv, D]) that no request reads, for pages
-    laid out by make_bsr(consecutive=True): a kernel that reads past a request's tokens meets them."""
-    off = 0
-    for n in kv_lens:
-        nblk = (n + page - 1) // page
-        if n % page:
-            k[off + nblk - 1, n % page:] = float("nan")
-            v[off + nblk - 1, n % page:] = float("nan")
-        off += nblk
-    k[off:] = float("nan")
-    v[off:] = float("nan")
+def poison_unused(k, v, bsr):
+    """NaN in every cache slot of k, v (NHD views [blocks, page, Hkv, D]) that no request of the BSR reads:
+    a kernel that reads past a request's tokens meets them."""
+    page = bsr.block_width
+    used = torch.zeros(k.shape[0] * page, dtype=torch.bool, device=k.device)
+    starts, lens = bsr.kv_block_start.tolist(), bsr.kv_lens.tolist()
+    for s0, n in zip(starts, lens):
+        blocks = bsr.kv_indices[s0:s0 + (n + page - 1) // page].long()
+        slots = (blocks[:, None] * page + torch.arange(page, device=blocks.device)).reshape(-1)[:n]
+        used[slots] = True
+    unused = ~used.view(k.shape[0], page)
+    k[unused] = float("nan")
+    v[unused] = float("nan")
 
 
 def run_case(attn, kv_lens, q_lens, *, dtype, kv_dtype=None, layout="NHD", packed=False, causal=False,
              variant_kw=None, ref_kw=None, k_scale=1.0, v_scale=1.0, tol=None, lse_tol=None, what="",
-             consecutive=False):
-    """consecutive: pages in order (make_bsr), and the slots no request reads hold NaN (poison_unused)."""
+             consecutive=False, poison=False):
+    """consecutive: pages in order (make_bsr); poison: the slots no request reads hold NaN (poison_unused)."""
     kv_dtype = kv_dtype or dtype
     page = attn.page_size
     sglang = layout == "SGL"
     bsr, qo_cpu, kv_cpu, nb = make_bsr(kv_lens, q_lens, page, sglang=sglang, consecutive=consecutive)
     cache, k, v = random_kv(nb, page, attn.num_kv_heads, attn.head_dim, kv_dtype, layout=layout, packed=packed)
-    if consecutive:
-        poison_unused(k, v, kv_lens, page)
+    if poison:
+        poison_unused(k, v, bsr)
     rows = int(qo_cpu[-1])
     q = (1.5 * torch.randn(rows, attn.num_qo_heads, attn.head_dim, device=DEV)).to(dtype)
     attn.plan(qo_cpu, kv_cpu, bsr, causal=causal, **(variant_kw or {}))
@@ -178,7 +179,7 @@ def _variant_case(name, Hq):
     return next(c for c in _variant_cases(Hq) if c[0] == name)
 
 
-def run_variant_case(attn, name, kv_lens, q_lens, dtype, consecutive=False):
+def run_variant_case(attn, name, kv_lens, q_lens, dtype, consecutive=False, poison=False):
     """run_case of built-in variant case `name` on a wrapper built with its variant (causal): custom masks are
     drawn for these lengths; RoPE rounds the rotated k to the MMA type once more, so logits (and the LSE)
     carry its error and get twice the tolerance."""
@@ -189,7 +190,8 @@ def run_variant_case(attn, name, kv_lens, q_lens, dtype, consecutive=False):
         rkw = {"masks": masks}
     tol = TOL[dtype] * (2 if "rope" in name else 1)
     run_case(attn, kv_lens, q_lens, dtype=dtype, causal=True, variant_kw=vkw, ref_kw=rkw, tol=tol,
-             lse_tol=2 * tol if "rope" in name else None, what=f"variant {name} {dtype}", consecutive=consecutive)
+             lse_tol=2 * tol if "rope" in name else None, what=f"variant {name} {dtype}", consecutive=consecutive,
+             poison=poison)
 
 
 def _variant_cases(Hq):

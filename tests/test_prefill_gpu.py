@@ -232,42 +232,52 @@ def test_warp_specialised_variants(name, pingpong):
     run_variant_case(attn, name, [1500, 3, 1017, 4000, 300], [1, 3, 17, 128, 300], torch.bfloat16)
 
 
-# KV tiles by TMA (Loader::produce, shared.cuh): the producer copies a whole tile of consecutive tokens of a
-# token-major cache (ragged KV; pages that happen to be in order) as boxes and gathers the rest (partial last
-# tiles, scattered pages). Pages in order here, every slot no request reads NaN (run_case(consecutive=True)):
-# a box that reached past a request's tokens would put NaN into P.V. Each case asserts that the kernel got
-# the maps (whether a tile is boxed is decided per tile on the GPU).
-_TMA_CASES = [(64, 1, 1, "NHD", False, None), (128, 4, 1, "NHD", False, "w8"), (128, 1, 1, "SGL", False, "w8m2pp"),
-              (128, 1, 16, "NHD", True, "w8t128pp"), (128, 8, 16, "NHD", False, "w12pp"), (256, 4, 16, "NHD", True, None)]
+# KV by TMA (Loader::produce, shared.cuh): the producer copies a whole tile of consecutive tokens of a
+# token-major cache (ragged KV; pages that happen to be in order) as boxes; with page maps (pages of 8 to
+# tile - 1 tokens) each whole page of any other tile as boxes of a page; it gathers the rest (partial pages,
+# the last tile's rows). Every slot no request reads holds NaN (run_case(poison=True)): a box that reached
+# past a request's tokens would put NaN into P.V. Each case asserts the maps the kernel got (which tiles and
+# pages go by TMA is decided on the GPU).
+_TMA_CASES = [(64, 1, 1, "NHD", False, None, True), (128, 4, 1, "NHD", False, "w8", True),
+              (128, 1, 1, "SGL", False, "w8m2pp", True), (128, 1, 16, "NHD", True, "w8t128pp", True),
+              (128, 8, 16, "NHD", False, "w12pp", True), (256, 4, 16, "NHD", True, None, True),
+              (128, 4, 16, "NHD", True, "w8m2pp", False), (64, 1, 32, "NHD", False, None, False),
+              (128, 1, 16, "NHD", False, "w8t128pp", False), (256, 4, 8, "NHD", False, None, False)]
 
 
-@pytest.mark.parametrize("D,group,page,layout,packed,shape", _TMA_CASES)
-def test_kv_tma(D, group, page, layout, packed, shape):
+@pytest.mark.parametrize("D,group,page,layout,packed,shape,consecutive", _TMA_CASES)
+def test_kv_tma(D, group, page, layout, packed, shape, consecutive):
     Hkv = 2
-    dtype = (torch.bfloat16, torch.float16)[_TMA_CASES.index((D, group, page, layout, packed, shape)) % 2]
-    attn = prefill(Hkv * group, Hkv, D, q_dtype=dtype, page_size=page, tuning=_WS8[shape] if shape else _WS[D])
+    dtype = (torch.bfloat16, torch.float16)[_TMA_CASES.index((D, group, page, layout, packed, shape, consecutive)) % 2]
+    tuning = _WS8[shape] if shape else _WS[D]
+    attn = prefill(Hkv * group, Hkv, D, q_dtype=dtype, page_size=page, tuning=tuning)
     q_lens, kv_lens = [1000, 17, 128, 3, 300], [1000, 1017, 128, 3, 16000]
-    run_case(attn, kv_lens, q_lens, dtype=dtype, causal=True, layout=layout, packed=packed, consecutive=True,
-             what=f"TMA D={D} group={group} page={page} {layout} packed={packed} {shape}")
-    assert attn._kv_maps(), "the warp-specialised kernel did not get KV TMA maps for a token-major cache"
+    what = f"TMA D={D} group={group} page={page} {layout} packed={packed} {shape} consecutive={consecutive}"
+    run_case(attn, kv_lens, q_lens, dtype=dtype, causal=True, layout=layout, packed=packed, consecutive=consecutive,
+             poison=True, what=what)
+    tile = tuning.get("tile", 64)
+    assert attn._kv_maps() == (3 if 8 <= page < tile else 1), f"{what}: KV TMA maps {attn._kv_maps()}"
     run_case(attn, [16000, 1500, 128], [1000, 200, 128], dtype=dtype, causal=False, layout=layout, packed=packed,
-             consecutive=True, what="TMA non-causal")
+             consecutive=consecutive, poison=True, what=f"{what} non-causal")
 
 
+@pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("name", ["default", "soft_cap", "window", "alibi", "sigmoid", "custom_mask", "alibi_window"])
-def test_kv_tma_variants(name):
+def test_kv_tma_variants(name, page):
+    """Windows start tiles anywhere (a page box needs its page at a multiple of 8 rows of the tile)."""
     Hq, Hkv, D = 16, 4, 128
-    attn = prefill(Hq, Hkv, D, page_size=1, variant=_variant_case(name, Hq)[1], tuning=_WS[D])
-    run_variant_case(attn, name, [1500, 3, 1017, 4000, 300], [1, 3, 17, 128, 300], torch.bfloat16, consecutive=True)
-    assert attn._kv_maps()
+    attn = prefill(Hq, Hkv, D, page_size=page, variant=_variant_case(name, Hq)[1], tuning=_WS[D])
+    run_variant_case(attn, name, [1500, 3, 1017, 4000, 300], [1, 3, 17, 128, 300], torch.bfloat16,
+                     consecutive=page == 1, poison=True)
+    assert attn._kv_maps() == (1 if page == 1 else 3)
 
 
 def test_kv_tma_not_for_hnd():
     """HND pages are not token-major: no maps, every tile gathered (and correct)."""
     attn = prefill(8, 2, 128, page_size=16, kv_layout="HND", tuning=_WS[128])
     run_case(attn, [2000, 300, 17], [700, 300, 5], dtype=torch.bfloat16, causal=True, layout="HND", packed=True,
-             consecutive=True, what="HND gathered")
-    assert not attn._kv_maps()
+             consecutive=True, poison=True, what="HND gathered")
+    assert attn._kv_maps() == 0
 
 
 @pytest.mark.parametrize("tuning,consecutive", [(None, False), (_WS[128], False), (_PP["w8m2pp"], False),

@@ -123,12 +123,13 @@ struct Params {
 // TMA maps of the KV cache as a token-major tensor [num_kv_blocks * page_size, kv heads, D] (K and V),
 // encoded by the launcher (attention_module.cu) where the cache has that view (page stride = page_size
 // token strides, 16-byte aligned strides and bases); a box is one 64-element column block (128 bytes,
-// 128-byte swizzle: wgmma's layout, colblock_offset) of kTile tokens of one head. use = 0: no maps (the
-// loader gathers with cp.async). A kernel parameter of its own (__grid_constant__): TMA reads the map
-// from parameter space.
+// 128-byte swizzle: wgmma's layout, colblock_offset) of one head: kTile tokens (k, v) or one page
+// (kp, vp: pages of 8 tokens or more, shorter than the tile). use = 0: no maps (the loader gathers with
+// cp.async); page_box = 0: no page maps. A kernel parameter of its own (__grid_constant__): TMA reads
+// the map from parameter space.
 struct alignas(64) KvTma {
-  CUtensorMap k, v;
-  int32_t use;
+  CUtensorMap k, v, kp, vp;
+  int32_t use, page_box;
 };
 
 // One (sub-)item as both sides of the CTA see it.
@@ -360,16 +361,34 @@ struct Loader {
     return reinterpret_cast<int64_t*>(smem + Cfg::kRowOffsetsAt) + (tile_no & 1) * kTile;
   }
 
+  // A published row offset: the row is copied with its page's TMA box (produce()), not gathered.
+  static constexpr int64_t kBoxed = -2;
+
+  // Whether looked-up row r of the cursor's tile travels in its page's TMA box (page maps): its page is
+  // valid, lies wholly in the tile's valid rows and starts at a multiple of 8 rows (the box's destination
+  // is then 1024-byte aligned, so the TMA's swizzle is colblock_offset's). Every row of a page gets the
+  // same answer; the page's first row (slot 0) issues the box.
+  static __device__ __forceinline__ bool page_boxed(const Params& p, const Cursor& cur, const int (&page)[kLookups],
+                                                    const int (&slot)[kLookups], int r) {
+    const int row = lookup_row(r);
+    const int start = row - slot[r];
+    const int n_valid = min(cur.w.kv_hi - (cur.w.kv_lo + cur.tile * kTile), kTile);
+    return !cur.done && slot[r] >= 0 && page[r] >= 0 && page[r] < p.num_kv_blocks && start >= 0 && start % 8 == 0 &&
+           start + p.page_size <= n_valid;
+  }
+
   // Publish the looked-up rows of tile number `tile_no`, the cursor's (its copies are issued after the
-  // next barrier).
+  // next barrier). page_box: rows that page_boxed() accepts are published as kBoxed.
   static __device__ __forceinline__ void publish(const Params& p, uint8_t* smem, int tile_no, const Cursor& cur,
-                                                 const int (&page)[kLookups], const int (&slot)[kLookups]) {
+                                                 const int (&page)[kLookups], const int (&slot)[kLookups],
+                                                 bool page_box = false) {
     int64_t* offs = row_offsets(smem, tile_no);
     const int kv_head = kv_head_of(p, cur.w.unit);
 #pragma unroll
     for (int r = 0; r < kLookups; ++r) {
       const int row = lookup_row(r);
-      if (kTile % kThreads == 0 || row < kTile) offs[row] = row_offset(p, page[r], slot[r], kv_head);
+      if (kTile % kThreads == 0 || row < kTile)
+        offs[row] = page_box && page_boxed(p, cur, page, slot, r) ? kBoxed : row_offset(p, page[r], slot[r], kv_head);
     }
   }
 
@@ -455,6 +474,7 @@ struct Loader {
       const int row = row_base + r * Cfg::kRowsPerRound;
       if (kTile % Cfg::kRowsPerRound != 0 && row >= kTile) break;  // a partial last round
       const int64_t row_off = offs[row];
+      if (row_off == kBoxed) continue;  // its page's TMA box writes it
       const bool ok = row_off >= 0;
       const int64_t off = ok ? row_off + chunk * 16 : 0;
       const uint32_t dst = Cfg::tile_offset(row, chunk);
@@ -542,8 +562,11 @@ struct Loader {
   // compute warps release a buffer when they finish the sub-item that used it.
   // With TMA maps (tma.use), a tile that tma_rows() accepts on every loading thread is copied by thread 0
   // as kHeadDim / 64 boxes each of K and V, counted on the full barrier as transaction bytes (the other
-  // threads issue nothing); any other tile (partial, scattered pages) is gathered as before. The page
-  // lookups still run for every tile: they decide.
+  // threads issue nothing). In any other tile, with page maps (tma.page_box), each page that page_boxed()
+  // accepts is copied by the thread that looked up its first row, as boxes of one page, and the rest
+  // (partial pages, the tile's last rows) is gathered as before. The page lookups run for every tile:
+  // they decide. Each issuing thread adds its boxes' bytes to the full barrier before its own arrivals, so
+  // the phase cannot complete without them.
   static __device__ __forceinline__ void produce(const Params& p, const VariantParams& vp, uint8_t* smem,
                                                  uint32_t full, uint32_t empty, uint32_t qempty, const KvTma& tma) {
     static_assert(kThreads == 128 && Cfg::kLoaderThread0 > 0, "a producer warpgroup after the compute warps");
@@ -551,7 +574,7 @@ struct Loader {
     constexpr int kBarrierId = 9;  // the producer's own named barrier (the compute side's is 8)
     Cursor cur;
     int page[kLookups], slot[kLookups];
-    const bool maps = tma.use != 0;
+    const bool maps = tma.use != 0, page_maps = maps && tma.page_box != 0;
     int token0 = 0;
     seek_queue(p, vp, cur);  // an empty queue: the first tile is the kEnd record
     prefetch_pages(p, cur, page, slot);
@@ -567,20 +590,35 @@ struct Loader {
       }
       // Row offsets are double-buffered by tile parity: the barrier below also orders this tile's
       // publish after every loading thread's copies of tile j - 2 (issued before the last barrier).
-      publish(p, smem, j, cur, page, slot);
+      publish(p, smem, j, cur, page, slot, page_maps);
       bool box = false;
       if (maps) box = ptx::bar_sync_and(kBarrierId, kThreads, tma_ok);
       else ptx::bar_sync(kBarrierId, kThreads);
       issue(p, vp, smem, j, cur, !box);
-      if (box && tid() == 0) {  // before this thread's arrivals below: the phase cannot complete without them
-        const uint32_t bar = full + 8 * s;
-        const uint32_t ks = ptx::smem_u32(smem + s * Cfg::kStageBytes), vs = ks + Cfg::kKvTileBytes;
+      const uint32_t bar = full + 8 * s;
+      const uint32_t ks = ptx::smem_u32(smem + s * Cfg::kStageBytes), vs = ks + Cfg::kKvTileBytes;
+      if (box && tid() == 0) {
         const int kv_head = kv_head_of(p, cur.w.unit);
         ptx::mbar_expect_tx(bar, 2 * Cfg::kKvTileBytes);
 #pragma unroll
         for (int cb = 0; cb < kHeadDim / 64; ++cb) {
           ptx::tma_load_3d(ks + cb * kTile * 128, &tma.k, 64 * cb, kv_head, token0, bar);
           ptx::tma_load_3d(vs + cb * kTile * 128, &tma.v, 64 * cb, kv_head, token0, bar);
+        }
+      } else if (page_maps && !box) {
+#pragma unroll
+        for (int r = 0; r < kLookups; ++r) {
+          const int row = lookup_row(r);
+          if ((kTile % kThreads == 0 || row < kTile) && slot[r] == 0 && page_boxed(p, cur, page, slot, r)) {
+            const int kv_head = kv_head_of(p, cur.w.unit);
+            ptx::mbar_expect_tx(bar, 2 * p.page_size * (kHeadDim * 2));
+            const int token = page[r] * p.page_size;
+#pragma unroll
+            for (int cb = 0; cb < kHeadDim / 64; ++cb) {
+              ptx::tma_load_3d(ks + cb * kTile * 128 + row * 128, &tma.kp, 64 * cb, kv_head, token, bar);
+              ptx::tma_load_3d(vs + cb * kTile * 128 + row * 128, &tma.vp, 64 * cb, kv_head, token, bar);
+            }
+          }
         }
       }
       ptx::cp_async_mbar_arrive(full + 8 * s);
