@@ -507,7 +507,6 @@ class _Launcher:
             raise RuntimeError(f"attention module {self.module.name}: the C parameter layout {vals[6:]} does not match "
                                f"fi_backend.wrappers' ctypes mirror {expected}; the two must change together")
         self._occupancy = self.module.function("fi_attention_occupancy", [ctypes.POINTER(ctypes.c_int)])
-        self.kv_maps = self.module.function("fi_attention_kv_maps", [ctypes.c_void_p])
 
     def blocks_per_sm(self) -> int:
         out = ctypes.c_int(0)
@@ -943,7 +942,8 @@ class BatchAttention:
         """The KV TMA maps run() gives the kernel with the KV cache it was last given: 0 none (every tile
         gathered with cp.async), bit 0 tile maps (whole tiles of consecutive tokens by TMA), bit 1 page maps
         (whole pages by TMA). The prefill kernel's producer only. For tests; host only."""
-        return int(self._launcher.kv_maps(self._params_ref))
+        fn = self._launcher.module.function("fi_attention_kv_maps", [ctypes.c_void_p])
+        return int(fn(self._params_ref))
 
     def _lse_arg(self, lse, rows):
         if not self.variant.use_softmax:

@@ -44,6 +44,15 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
   }
 }
 
+// cp_async_16 (L2::128B) issued only where `issue` holds: a predicated instruction, not a branch (a loop of
+// these stays straight-line code).
+__device__ __forceinline__ void cp_async_16_if(uint32_t dst, const void* src, bool valid, bool issue) {
+  asm volatile(
+      "{\n.reg .pred q;\nsetp.ne.b32 q, %3, 0;\n@q cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n}\n" ::"r"(dst),
+      "l"(src), "r"(valid ? 16 : 0), "r"((int)issue)
+      : "memory");
+}
+
 // Fetch the line holding `p` into L2 (no register result, nothing waits on it).
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));

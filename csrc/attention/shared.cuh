@@ -474,12 +474,18 @@ struct Loader {
       const int row = row_base + r * Cfg::kRowsPerRound;
       if (kTile % Cfg::kRowsPerRound != 0 && row >= kTile) break;  // a partial last round
       const int64_t row_off = offs[row];
-      if (row_off == kBoxed) continue;  // its page's TMA box writes it
       const bool ok = row_off >= 0;
       const int64_t off = ok ? row_off + chunk * 16 : 0;
       const uint32_t dst = Cfg::tile_offset(row, chunk);
-      ptx::cp_async_16<FI_DECODE_L2_PREFETCH>(ks + dst, kbase + off, ok);
-      ptx::cp_async_16<FI_DECODE_L2_PREFETCH>(vs + dst, vbase + off, ok);
+      if constexpr (Cfg::kProducer) {  // a row in its page's TMA box is not copied (nor zeroed) here
+        static_assert(FI_DECODE_L2_PREFETCH == 128, "cp_async_16_if prefetches 128 bytes");
+        const bool copy = row_off != kBoxed;
+        ptx::cp_async_16_if(ks + dst, kbase + off, ok, copy);
+        ptx::cp_async_16_if(vs + dst, vbase + off, ok, copy);
+      } else {
+        ptx::cp_async_16<FI_DECODE_L2_PREFETCH>(ks + dst, kbase + off, ok);
+        ptx::cp_async_16<FI_DECODE_L2_PREFETCH>(vs + dst, vbase + off, ok);
+      }
     }
   }
 
