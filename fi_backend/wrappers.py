@@ -328,8 +328,8 @@ def _prefill_smem_bytes(head_dim: int, kv_bytes: int, shape: dict, q_buffers: in
     convert = 2 * shape["tile"] * head_dim * 2 if kv_bytes == 1 else 0
     tile_rows = 16 * shape["mfrags"] * shape["warps"]
     row_offsets = 2 * shape["tile"] * 8  # the loader's published row offsets, two tiles
-    # full / empty mbarriers per stage, qempty per query buffer
-    barriers = 16 * shape["stages"] + 8 * q_buffers if shape.get("producer") else 0
+    # full / empty mbarriers per stage, qempty per query buffer; the producer's TMA votes (two tiles x 4 warps)
+    barriers = 16 * shape["stages"] + 8 * q_buffers + 32 if shape.get("producer") else 0
     return (shape["stages"] * (stage + record) + q_buffers * tile_rows * head_dim * 2 + convert + tile_rows * 4
             + row_offsets + barriers)
 
@@ -938,12 +938,12 @@ class BatchAttention:
                 self._launcher.module.check(rc, "fi_attention_run")
         return (out, lse) if lse is not None else out
 
-    def _kv_maps(self) -> int:
-        """The KV TMA maps run() gives the kernel with the KV cache it was last given: 0 none (every tile
-        gathered with cp.async), bit 0 tile maps (whole tiles of consecutive tokens by TMA), bit 1 page maps
-        (whole pages by TMA). The prefill kernel's producer only. For tests; host only."""
+    def _kv_maps(self) -> bool:
+        """Whether run() with the KV cache it was last given gives the kernel KV TMA maps (the prefill
+        kernel's producer then copies whole tiles of consecutive tokens by TMA; else every tile is gathered
+        with cp.async). For tests; host only."""
         fn = self._launcher.module.function("fi_attention_kv_maps", [ctypes.c_void_p])
-        return int(fn(self._params_ref))
+        return bool(fn(self._params_ref))
 
     def _lse_arg(self, lse, rows):
         if not self.variant.use_softmax:

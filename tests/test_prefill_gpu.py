@@ -233,11 +233,11 @@ def test_warp_specialised_variants(name, pingpong):
 
 
 # KV by TMA (Loader::produce, shared.cuh): the producer copies a whole tile of consecutive tokens of a
-# token-major cache (ragged KV; pages that happen to be in order) as boxes; with page maps (pages of 8 to
-# tile - 1 tokens) each whole page of any other tile as boxes of a page; it gathers the rest (partial pages,
-# the last tile's rows). Every slot no request reads holds NaN (run_case(poison=True)): a box that reached
-# past a request's tokens would put NaN into P.V. Each case asserts the maps the kernel got (which tiles and
-# pages go by TMA is decided on the GPU).
+# token-major cache (ragged KV; pages that happen to be in order) as boxes and gathers every other tile
+# (partial, scattered pages). Every slot no request reads holds NaN (run_case(poison=True)): a box that
+# reached past a request's tokens would put NaN into P.V. Each case asserts that the kernel got the maps
+# (which tiles go by TMA is decided on the GPU); the cases with pages in random order check the gather
+# beside them.
 _TMA_CASES = [(64, 1, 1, "NHD", False, None, True), (128, 4, 1, "NHD", False, "w8", True),
               (128, 1, 1, "SGL", False, "w8m2pp", True), (128, 1, 16, "NHD", True, "w8t128pp", True),
               (128, 8, 16, "NHD", False, "w12pp", True), (256, 4, 16, "NHD", True, None, True),
@@ -255,8 +255,7 @@ def test_kv_tma(D, group, page, layout, packed, shape, consecutive):
     what = f"TMA D={D} group={group} page={page} {layout} packed={packed} {shape} consecutive={consecutive}"
     run_case(attn, kv_lens, q_lens, dtype=dtype, causal=True, layout=layout, packed=packed, consecutive=consecutive,
              poison=True, what=what)
-    tile = tuning.get("tile", 64)
-    assert attn._kv_maps() == (3 if 8 <= page < tile else 1), f"{what}: KV TMA maps {attn._kv_maps()}"
+    assert attn._kv_maps(), f"{what}: no KV TMA maps for a token-major cache"
     run_case(attn, [16000, 1500, 128], [1000, 200, 128], dtype=dtype, causal=False, layout=layout, packed=packed,
              consecutive=consecutive, poison=True, what=f"{what} non-causal")
 
@@ -264,12 +263,12 @@ def test_kv_tma(D, group, page, layout, packed, shape, consecutive):
 @pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("name", ["default", "soft_cap", "window", "alibi", "sigmoid", "custom_mask", "alibi_window"])
 def test_kv_tma_variants(name, page):
-    """Windows start tiles anywhere (a page box needs its page at a multiple of 8 rows of the tile)."""
+    """Windows start tiles anywhere."""
     Hq, Hkv, D = 16, 4, 128
     attn = prefill(Hq, Hkv, D, page_size=page, variant=_variant_case(name, Hq)[1], tuning=_WS[D])
     run_variant_case(attn, name, [1500, 3, 1017, 4000, 300], [1, 3, 17, 128, 300], torch.bfloat16,
                      consecutive=page == 1, poison=True)
-    assert attn._kv_maps() == (1 if page == 1 else 3)
+    assert attn._kv_maps()
 
 
 def test_kv_tma_not_for_hnd():
@@ -277,7 +276,7 @@ def test_kv_tma_not_for_hnd():
     attn = prefill(8, 2, 128, page_size=16, kv_layout="HND", tuning=_WS[128])
     run_case(attn, [2000, 300, 17], [700, 300, 5], dtype=torch.bfloat16, causal=True, layout="HND", packed=True,
              consecutive=True, poison=True, what="HND gathered")
-    assert attn._kv_maps() == 0
+    assert not attn._kv_maps()
 
 
 @pytest.mark.parametrize("tuning,consecutive", [(None, False), (_WS[128], False), (_PP["w8m2pp"], False),

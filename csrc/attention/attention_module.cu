@@ -9,7 +9,7 @@
 //   fi_attention_layout(int64_t* out, int n) -> number of values: sizes and field offsets of Params and
 //       VariantParams and the kernel shape, so the Python side can check its ctypes mirror
 //   fi_attention_occupancy(int* blocks_per_sm) -> cudaError_t (needs a device)
-//   fi_attention_kv_maps(const Params*) -> the KV TMA maps a launch would give the kernel (tests)
+//   fi_attention_kv_maps(const Params*) -> 1 when a launch would give the kernel KV TMA maps (tests)
 #include <stddef.h>
 #include <stdlib.h>
 #include <strings.h>
@@ -85,7 +85,6 @@ EncodeTiled encoder() {
 
 void encode_kv_maps(const fi::attn::Params& p, fi::attn::KvTma& tma) {
   tma.use = 0;
-  tma.page_box = 0;
   if constexpr (Impl::kTmaKv) {
     const EncodeTiled encode = encoder();
     const int64_t units = p.num_qo_heads / Cfg::kHeadsPerChunk;
@@ -101,18 +100,15 @@ void encode_kv_maps(const fi::attn::Params& p, fi::attn::KvTma& tma) {
       return;
     const cuuint64_t dims[3] = {(cuuint64_t)Cfg::kHeadDim, (cuuint64_t)heads, (cuuint64_t)tokens};
     const cuuint64_t strides[2] = {(cuuint64_t)(p.kv_stride_head * kBytes), (cuuint64_t)(token_stride * kBytes)};
+    const cuuint32_t box[3] = {64, 1, (cuuint32_t)Cfg::kTile};
     const cuuint32_t unit_strides[3] = {1, 1, 1};
-    auto map = [&](CUtensorMap* m, const void* base, int rows) {
-      const cuuint32_t box[3] = {64, 1, (cuuint32_t)rows};
-      return encode(m, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(base), dims, strides, box, unit_strides,
-                    CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-    };
-    if (!map(&tma.k, p.k, Cfg::kTile) || !map(&tma.v, p.v, Cfg::kTile)) return;
+    for (int i = 0; i < 2; ++i) {
+      if (encode(i == 0 ? &tma.k : &tma.v, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(i == 0 ? p.k : p.v),
+                 dims, strides, box, unit_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+        return;
+    }
     tma.use = 1;
-    // Boxes of one page where a page is shorter than the tile and at least 8 rows (a whole swizzle atom).
-    if (p.page_size >= 8 && p.page_size < Cfg::kTile && map(&tma.kp, p.k, p.page_size) && map(&tma.vp, p.v, p.page_size))
-      tma.page_box = 1;
   }
 }
 
@@ -133,13 +129,12 @@ FI_EXPORT int fi_attention_run(const fi::attn::Params* p, const VariantParams* v
   return err ? err : (capture == cudaStreamCaptureStatusActive ? -1 : 0);
 }
 
-// The KV TMA maps a launch with these parameters gives the kernel: 0 none, 1 tile maps, 3 tile and page
-// maps (tests; host only).
+// 1 when a launch with these parameters gives the kernel KV TMA maps, else 0 (tests; host only).
 FI_EXPORT int fi_attention_kv_maps(const fi::attn::Params* p) {
   if (p == nullptr) return 0;
   fi::attn::KvTma tma;
   encode_kv_maps(*p, tma);
-  return tma.use | (tma.page_box << 1);
+  return tma.use;
 }
 
 #define FI_PARAMS_FIELD(name) out[i++] = (int64_t)offsetof(fi::attn::Params, name)

@@ -176,7 +176,8 @@ struct Config {
   static constexpr int kQBuffers = kQBuffers_;
   static constexpr int kRecordsAt = kQAt + kQBuffers * kQBytes + kConvertBytes + kFlagBytes;
   static constexpr int kRowOffsetsAt = kRecordsAt + kStages * (int)sizeof(TileRecord);
-  static constexpr int kBarriersAt = kRowOffsetsAt + 2 * kTile * 8;  // after the loader's row offsets (shared.cuh)
+  // After the loader's row offsets (shared.cuh) and, warp-specialised, its TMA votes (two tiles x 4 warps).
+  static constexpr int kBarriersAt = kRowOffsetsAt + 2 * kTile * 8 + (kProducer ? 32 : 0);
   // full[kStages], empty[kStages], qempty[kQBuffers] mbarriers
   static constexpr int kSmemBytes = kBarriersAt + (kProducer ? 16 * kStages + 8 * kQBuffers : 0);
   static_assert(sizeof(TileRecord) % 8 == 0 && kRecordsAt % 16 == 0, "tile records, row offsets: 8-byte aligned");

@@ -44,15 +44,6 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
   }
 }
 
-// cp_async_16 (L2::128B) issued only where `issue` holds: a predicated instruction, not a branch (a loop of
-// these stays straight-line code).
-__device__ __forceinline__ void cp_async_16_if(uint32_t dst, const void* src, bool valid, bool issue) {
-  asm volatile(
-      "{\n.reg .pred q;\nsetp.ne.b32 q, %3, 0;\n@q cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n}\n" ::"r"(dst),
-      "l"(src), "r"(valid ? 16 : 0), "r"((int)issue)
-      : "memory");
-}
-
 // Fetch the line holding `p` into L2 (no register result, nothing waits on it).
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
@@ -101,16 +92,6 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* map, int c
 // Named barrier over `threads` threads (a multiple of 32) of the CTA.
 __device__ __forceinline__ void bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-// Named barrier over `threads` threads that also returns whether `pred` held on every one of them.
-__device__ __forceinline__ bool bar_sync_and(int id, int threads, bool pred) {
-  int all;
-  asm volatile(
-      "{\n.reg .pred p, q;\nsetp.ne.s32 q, %1, 0;\nbar.red.and.pred p, %2, %3, q;\nselp.s32 %0, 1, 0, p;\n}\n"
-      : "=r"(all)
-      : "r"((int)pred), "r"(id), "r"(threads)
-      : "memory");
-  return all != 0;
 }
 // Arrive at named barrier `id` without waiting (the barrier completes when `threads` have arrived or synced).
 __device__ __forceinline__ void bar_arrive(int id, int threads) {

@@ -123,13 +123,12 @@ struct Params {
 // TMA maps of the KV cache as a token-major tensor [num_kv_blocks * page_size, kv heads, D] (K and V),
 // encoded by the launcher (attention_module.cu) where the cache has that view (page stride = page_size
 // token strides, 16-byte aligned strides and bases); a box is one 64-element column block (128 bytes,
-// 128-byte swizzle: wgmma's layout, colblock_offset) of one head: kTile tokens (k, v) or one page
-// (kp, vp: pages of 8 tokens or more, shorter than the tile). use = 0: no maps (the loader gathers with
-// cp.async); page_box = 0: no page maps. A kernel parameter of its own (__grid_constant__): TMA reads
-// the map from parameter space.
+// 128-byte swizzle: wgmma's layout, colblock_offset) of kTile tokens of one head. use = 0: no maps (the
+// loader gathers with cp.async). A kernel parameter of its own (__grid_constant__): TMA reads the map
+// from parameter space.
 struct alignas(64) KvTma {
-  CUtensorMap k, v, kp, vp;
-  int32_t use, page_box;
+  CUtensorMap k, v;
+  int32_t use;
 };
 
 // One (sub-)item as both sides of the CTA see it.
@@ -361,34 +360,16 @@ struct Loader {
     return reinterpret_cast<int64_t*>(smem + Cfg::kRowOffsetsAt) + (tile_no & 1) * kTile;
   }
 
-  // A published row offset: the row is copied with its page's TMA box (produce()), not gathered.
-  static constexpr int64_t kBoxed = -2;
-
-  // Whether looked-up row r of the cursor's tile travels in its page's TMA box (page maps): its page is
-  // valid, lies wholly in the tile's valid rows and starts at a multiple of 8 rows (the box's destination
-  // is then 1024-byte aligned, so the TMA's swizzle is colblock_offset's). Every row of a page gets the
-  // same answer; the page's first row (slot 0) issues the box.
-  static __device__ __forceinline__ bool page_boxed(const Params& p, const Cursor& cur, const int (&page)[kLookups],
-                                                    const int (&slot)[kLookups], int r) {
-    const int row = lookup_row(r);
-    const int start = row - slot[r];
-    const int n_valid = min(cur.w.kv_hi - (cur.w.kv_lo + cur.tile * kTile), kTile);
-    return !cur.done && slot[r] >= 0 && page[r] >= 0 && page[r] < p.num_kv_blocks && start >= 0 && start % 8 == 0 &&
-           start + p.page_size <= n_valid;
-  }
-
   // Publish the looked-up rows of tile number `tile_no`, the cursor's (its copies are issued after the
-  // next barrier). page_box: rows that page_boxed() accepts are published as kBoxed.
+  // next barrier).
   static __device__ __forceinline__ void publish(const Params& p, uint8_t* smem, int tile_no, const Cursor& cur,
-                                                 const int (&page)[kLookups], const int (&slot)[kLookups],
-                                                 bool page_box = false) {
+                                                 const int (&page)[kLookups], const int (&slot)[kLookups]) {
     int64_t* offs = row_offsets(smem, tile_no);
     const int kv_head = kv_head_of(p, cur.w.unit);
 #pragma unroll
     for (int r = 0; r < kLookups; ++r) {
       const int row = lookup_row(r);
-      if (kTile % kThreads == 0 || row < kTile)
-        offs[row] = page_box && page_boxed(p, cur, page, slot, r) ? kBoxed : row_offset(p, page[r], slot[r], kv_head);
+      if (kTile % kThreads == 0 || row < kTile) offs[row] = row_offset(p, page[r], slot[r], kv_head);
     }
   }
 
@@ -477,15 +458,8 @@ struct Loader {
       const bool ok = row_off >= 0;
       const int64_t off = ok ? row_off + chunk * 16 : 0;
       const uint32_t dst = Cfg::tile_offset(row, chunk);
-      if constexpr (Cfg::kProducer) {  // a row in its page's TMA box is not copied (nor zeroed) here
-        static_assert(FI_DECODE_L2_PREFETCH == 128, "cp_async_16_if prefetches 128 bytes");
-        const bool copy = row_off != kBoxed;
-        ptx::cp_async_16_if(ks + dst, kbase + off, ok, copy);
-        ptx::cp_async_16_if(vs + dst, vbase + off, ok, copy);
-      } else {
-        ptx::cp_async_16<FI_DECODE_L2_PREFETCH>(ks + dst, kbase + off, ok);
-        ptx::cp_async_16<FI_DECODE_L2_PREFETCH>(vs + dst, vbase + off, ok);
-      }
+      ptx::cp_async_16<FI_DECODE_L2_PREFETCH>(ks + dst, kbase + off, ok);
+      ptx::cp_async_16<FI_DECODE_L2_PREFETCH>(vs + dst, vbase + off, ok);
     }
   }
 
@@ -535,44 +509,41 @@ struct Loader {
 
   // Whether the cursor's tile can be one TMA box a column block (produce(), with maps): it is full and its
   // rows are kTile consecutive tokens of the cache's token-major view (ragged KV, whose BSR is the
-  // identity at page size 1, or pages that happen to be consecutive). This thread's part of the test (its
-  // lookup rows against row 0's token, token0, looked up again here); the producer ANDs the parts.
-  static __device__ __forceinline__ bool tma_rows(const Params& p, const Cursor& cur, const int (&page)[kLookups],
-                                                  const int (&slot)[kLookups], int& token0) {
-    const int tile_begin = cur.w.kv_lo + cur.tile * kTile;
-    if (cur.done || cur.w.kv_hi - tile_begin < kTile) return false;  // the partial last tile: zero-filled rows
-    int blk, s;
-    ptx::divmod(p.page_div, tile_begin, blk, s);
-    const int64_t idx = cur.w.block_start + blk;
-    if (idx < 0 || idx >= p.num_kv_indices) return false;
-    const int page0 = __ldg(p.kv_indices + idx);
-    if (page0 < 0 || page0 >= p.num_kv_blocks) return false;  // gathered instead: the gather reports it
-    token0 = page0 * p.page_size + s;  // < 2^31 tokens: a condition of the maps (attention_module.cu)
-    bool ok = true;
+  // identity at page size 1, or pages that happen to be in order). Decided from the page lookups already
+  // made, when publish() consumes them anyway (consuming them earlier exposed their global-memory latency
+  // in every producer step: gathered tiles 12-25% slower): a warp's rows agree on token - row (one vote),
+  // its lane 0 leaves that base (INT_MIN: no) in shared memory, and after the barrier every loading thread
+  // reads the same bases and so reaches the same answer (tma_decide).
+  static __device__ __forceinline__ void tma_vote(const Params& p, uint8_t* smem, int tile_no, const Cursor& cur,
+                                                  const int (&page)[kLookups], const int (&slot)[kLookups]) {
+    static_assert(kLookups == 1, "one lookup row a loading thread (kTile <= 128)");
+    const int row = lookup_row(0), lane = tid() & 31;
+    if (32 * (tid() >> 5) >= kTile) return;  // a warp without rows
+    const bool full = !cur.done && cur.w.kv_hi - (cur.w.kv_lo + cur.tile * kTile) >= kTile;
+    const bool ok = full && row < kTile && page[0] >= 0 && page[0] < p.num_kv_blocks && slot[0] >= 0;
+    const int d = ok ? page[0] * p.page_size + slot[0] - row : INT32_MIN;  // < 2^31 tokens (the maps' condition)
+    const int d0 = __shfl_sync(0xffffffffu, d, 0);
+    const bool same = __all_sync(0xffffffffu, row >= kTile || (ok && d == d0));
+    if (lane == 0) tma_bases(smem, tile_no)[tid() >> 5] = same ? d0 : INT32_MIN;
+  }
+  static __device__ __forceinline__ int32_t* tma_bases(uint8_t* smem, int tile_no) {
+    return reinterpret_cast<int32_t*>(smem + Cfg::kRowOffsetsAt + 2 * kTile * 8) + (tile_no & 1) * 4;
+  }
+  // After the barrier: the token of the tile's row 0 when every warp's rows continue it, else INT32_MIN.
+  static __device__ __forceinline__ int tma_decide(uint8_t* smem, int tile_no) {
+    const int32_t* b = tma_bases(smem, tile_no);
+    const int base = b[0];
+    bool all = base != INT32_MIN;
 #pragma unroll
-    for (int r = 0; r < kLookups; ++r) {
-      const int row = lookup_row(r);
-      if (row < kTile)
-        ok = ok && page[r] >= 0 && page[r] < p.num_kv_blocks && page[r] * p.page_size + slot[r] == token0 + row;
-    }
-    return ok;
+    for (int w = 1; w < (kTile + 31) / 32; ++w) all = all && b[w] == base;
+    return all ? base : INT32_MIN;
   }
 
-  // The same walk in a producer warpgroup of its own (warp-specialised prefill), run by the loading
-  // threads only: tile j goes into stage j % kStages once the compute warps have released the stage's
-  // previous tile (its "empty" barrier, full[] / empty[] 8 bytes apart per stage); each thread's copies
-  // arrive on the stage's "full" barrier as they land, thread 0's arrival publishes the record. The
-  // compute side consumes tiles at its own pace: a warpgroup with nothing to do in a tile (past the
-  // causal diagonal) runs ahead instead of waiting at a CTA barrier. The walk ends after the kEnd record.
-  // A sub-item's query copy waits for its buffer's "qempty" barrier (8 bytes apart per buffer): the
-  // compute warps release a buffer when they finish the sub-item that used it.
-  // With TMA maps (tma.use), a tile that tma_rows() accepts on every loading thread is copied by thread 0
-  // as kHeadDim / 64 boxes each of K and V, counted on the full barrier as transaction bytes (the other
-  // threads issue nothing). In any other tile, with page maps (tma.page_box), each page that page_boxed()
-  // accepts is copied by the thread that looked up its first row, as boxes of one page, and the rest
-  // (partial pages, the tile's last rows) is gathered as before. The page lookups run for every tile:
-  // they decide. Each issuing thread adds its boxes' bytes to the full barrier before its own arrivals, so
-  // the phase cannot complete without them.
+  // With TMA maps (tma.use), a tile of consecutive tokens (tma_vote / tma_decide) is copied by thread 0 as
+  // kHeadDim / 64 boxes each of K and V, its bytes added to the full barrier before its own arrivals (so
+  // the phase cannot complete without them); the other threads issue nothing. Any other tile (partial,
+  // scattered pages) is gathered as before. (One-page boxes for scattered pages of 16 tokens were tried:
+  // 17-23% slower than the gather, perf/results/ab44q.md.)
   static __device__ __forceinline__ void produce(const Params& p, const VariantParams& vp, uint8_t* smem,
                                                  uint32_t full, uint32_t empty, uint32_t qempty, const KvTma& tma) {
     static_assert(kThreads == 128 && Cfg::kLoaderThread0 > 0, "a producer warpgroup after the compute warps");
@@ -580,11 +551,9 @@ struct Loader {
     constexpr int kBarrierId = 9;  // the producer's own named barrier (the compute side's is 8)
     Cursor cur;
     int page[kLookups], slot[kLookups];
-    const bool maps = tma.use != 0, page_maps = maps && tma.page_box != 0;
-    int token0 = 0;
+    const bool maps = tma.use != 0;
     seek_queue(p, vp, cur);  // an empty queue: the first tile is the kEnd record
     prefetch_pages(p, cur, page, slot);
-    bool tma_ok = maps && tma_rows(p, cur, page, slot, token0);
     int nsub = 0;  // sub-items issued: the next one's query buffer is nsub % kQBuffers
 #pragma unroll 1
     for (int j = 0;; ++j) {
@@ -596,14 +565,15 @@ struct Loader {
       }
       // Row offsets are double-buffered by tile parity: the barrier below also orders this tile's
       // publish after every loading thread's copies of tile j - 2 (issued before the last barrier).
-      publish(p, smem, j, cur, page, slot, page_maps);
-      bool box = false;
-      if (maps) box = ptx::bar_sync_and(kBarrierId, kThreads, tma_ok);
-      else ptx::bar_sync(kBarrierId, kThreads);
+      publish(p, smem, j, cur, page, slot);
+      if (maps) tma_vote(p, smem, j, cur, page, slot);
+      ptx::bar_sync(kBarrierId, kThreads);
+      const int token0 = maps ? tma_decide(smem, j) : INT32_MIN;
+      const bool box = token0 != INT32_MIN;
       issue(p, vp, smem, j, cur, !box);
-      const uint32_t bar = full + 8 * s;
-      const uint32_t ks = ptx::smem_u32(smem + s * Cfg::kStageBytes), vs = ks + Cfg::kKvTileBytes;
       if (box && tid() == 0) {
+        const uint32_t bar = full + 8 * s;
+        const uint32_t ks = ptx::smem_u32(smem + s * Cfg::kStageBytes), vs = ks + Cfg::kKvTileBytes;
         const int kv_head = kv_head_of(p, cur.w.unit);
         ptx::mbar_expect_tx(bar, 2 * Cfg::kKvTileBytes);
 #pragma unroll
@@ -611,28 +581,12 @@ struct Loader {
           ptx::tma_load_3d(ks + cb * kTile * 128, &tma.k, 64 * cb, kv_head, token0, bar);
           ptx::tma_load_3d(vs + cb * kTile * 128, &tma.v, 64 * cb, kv_head, token0, bar);
         }
-      } else if (page_maps && !box) {
-#pragma unroll
-        for (int r = 0; r < kLookups; ++r) {
-          const int row = lookup_row(r);
-          if ((kTile % kThreads == 0 || row < kTile) && slot[r] == 0 && page_boxed(p, cur, page, slot, r)) {
-            const int kv_head = kv_head_of(p, cur.w.unit);
-            ptx::mbar_expect_tx(bar, 2 * p.page_size * (kHeadDim * 2));
-            const int token = page[r] * p.page_size;
-#pragma unroll
-            for (int cb = 0; cb < kHeadDim / 64; ++cb) {
-              ptx::tma_load_3d(ks + cb * kTile * 128 + row * 128, &tma.kp, 64 * cb, kv_head, token, bar);
-              ptx::tma_load_3d(vs + cb * kTile * 128 + row * 128, &tma.vp, 64 * cb, kv_head, token, bar);
-            }
-          }
-        }
       }
       ptx::cp_async_mbar_arrive(full + 8 * s);
       if (tid() == 0) ptx::mbar_arrive(full + 8 * s);  // the record (ordinary stores): released here
       if (cur.done) return;
       advance(p, vp, cur);
       prefetch_pages(p, cur, page, slot);
-      tma_ok = maps && tma_rows(p, cur, page, slot, token0);
     }
   }
 };
