@@ -10,6 +10,7 @@ decode batches in one plan, CUDA-graph replay after a re-plan, and the errors.
 from __future__ import annotations
 
 import itertools
+import os
 import random
 
 import pytest
@@ -22,6 +23,10 @@ from attention_cases import (_VARIANT_NAMES, DEV, TOL, PersistentBatch, _variant
                              reference, run_case, run_variant_case)
 
 pytestmark = pytest.mark.gpu
+
+# KV TMA is opt-in (fi_backend/env.py); each module reads the switch at its first launch, so set it before
+# any: these tests then cover TMA tiles and, beside them, the gather (scattered pages, partial tiles).
+os.environ.setdefault("FI_BACKEND_KV_TMA", "1")
 
 _Q_LENS = (1, 3, 17, 128, 1000)
 
