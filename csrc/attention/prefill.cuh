@@ -65,6 +65,10 @@
 // of all samples (L2 hit rate 60%, DRAM 19%): two 64 KB stages leave about one step to land a tile,
 // which FlashInfer's FA3 (TMA, L2 hit rate 96%) can afford and our cp.async gather cannot. Writing each
 // CTA's queue by unit first (so the CTAs walk the heads together) did not change that (ab43p_*).
+// The loader step (2b5e484, opt-in FI_BACKEND_KV_TMA=1; shared.cuh, Loader::produce): whole tiles of
+// consecutive tokens by TMA gave ragged KV 2-4% and ALiBi / soft-cap 8-10%, but made gathered tiles about
+// 5% slower (perf/results/ab44s.md, ab44t.md); one-page boxes for scattered pages were slower than the
+// gather (ab44q.md). The deferred P.V has not been retried on top of it.
 // MMAs run in the query's type. fp8 KV and key transforms (RoPE) go through one pass over the landed
 // tile: fp8 is converted exactly into a 16-bit copy (e4m3 and e5m2 are exact in bf16 and fp16), a
 // KeyTransform rotates K in fp32 in that pass; the per-tensor scales fold into the logits scale and
