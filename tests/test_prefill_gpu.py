@@ -16,6 +16,7 @@ import random
 import pytest
 import torch
 
+from fi_backend import env
 from fi_backend import variants as V
 from fi_backend.formats import from_ragged
 
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.gpu
 
 # KV TMA is opt-in (fi_backend/env.py); each module reads the switch at its first launch, so set it before
 # any: these tests then cover TMA tiles and, beside them, the gather (scattered pages, partial tiles).
-os.environ.setdefault("FI_BACKEND_KV_TMA", "1")
+os.environ.setdefault(env.KV_TMA, "1")
 
 _Q_LENS = (1, 3, 17, 128, 1000)
 
