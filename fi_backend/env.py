@@ -5,9 +5,9 @@ FI_BACKEND_CUDA_ARCH_LIST   architectures to build for, e.g. "90a" or "9.0a;10.0
 FI_BACKEND_NVCC             nvcc to use (default: $CUDA_HOME/bin/nvcc, then nvcc on PATH, then /usr/local/cuda)
 FI_BACKEND_JIT              "0": never compile; load only modules already in the cache (any nvcc built them)
 FI_BACKEND_QUIET            "1": no "fi-backend: building ..." lines on stderr
-FI_BACKEND_KV_TMA           "1": the warp-specialised prefill kernel copies tiles of consecutive KV tokens
-                            (ragged K/V) by TMA instead of gathering them (default off: scattered pages gather
-                            about 5% slower with it; read once per process by each kernel module, in C:
+FI_BACKEND_KV_TMA           "0": the warp-specialised prefill kernel gathers every KV tile with cp.async; by
+                            default it copies whole tiles of consecutive tokens (ragged K/V, pages in order)
+                            by TMA (read once per process by each kernel module, in C:
                             csrc/attention/attention_module.cu)
 """
 from __future__ import annotations

@@ -25,9 +25,9 @@ from attention_cases import (_VARIANT_NAMES, DEV, TOL, PersistentBatch, _variant
 
 pytestmark = pytest.mark.gpu
 
-# KV TMA is opt-in (fi_backend/env.py); each module reads the switch at its first launch, so set it before
-# any: these tests then cover TMA tiles and, beside them, the gather (scattered pages, partial tiles).
-os.environ.setdefault(env.KV_TMA, "1")
+# KV TMA is on unless FI_BACKEND_KV_TMA=0 (fi_backend/env.py): these tests cover TMA tiles and, beside them,
+# the gather (scattered pages, partial tiles); with the switch off, every tile is gathered.
+_MAPS = env.flag(env.KV_TMA, True)
 
 _Q_LENS = (1, 3, 17, 128, 1000)
 
@@ -261,7 +261,7 @@ def test_kv_tma(D, group, page, layout, packed, shape, consecutive):
     what = f"TMA D={D} group={group} page={page} {layout} packed={packed} {shape} consecutive={consecutive}"
     run_case(attn, kv_lens, q_lens, dtype=dtype, causal=True, layout=layout, packed=packed, consecutive=consecutive,
              poison=True, what=what)
-    assert attn._kv_maps(), f"{what}: no KV TMA maps for a token-major cache"
+    assert attn._kv_maps() == _MAPS, f"{what}: KV TMA maps {attn._kv_maps()} for a token-major cache"
     run_case(attn, [16000, 1500, 128], [1000, 200, 128], dtype=dtype, causal=False, layout=layout, packed=packed,
              consecutive=consecutive, poison=True, what=f"{what} non-causal")
 
@@ -274,7 +274,7 @@ def test_kv_tma_variants(name, page):
     attn = prefill(Hq, Hkv, D, page_size=page, variant=_variant_case(name, Hq)[1], tuning=_WS[D])
     run_variant_case(attn, name, [1500, 3, 1017, 4000, 300], [1, 3, 17, 128, 300], torch.bfloat16,
                      consecutive=page == 1, poison=True)
-    assert attn._kv_maps()
+    assert attn._kv_maps() == _MAPS
 
 
 def test_kv_tma_not_for_hnd():
@@ -311,7 +311,7 @@ def test_cuda_graph_replay_after_replan(tuning, consecutive):
     q_buf.normal_()
     attn.run(q_buf, cache, out=out_buf)
     torch.cuda.synchronize()
-    assert attn._kv_maps() or not consecutive
+    assert attn._kv_maps() == _MAPS or not consecutive
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         attn.run(q_buf, cache, out=out_buf)

@@ -60,7 +60,7 @@ int configure() {
 // [num_kv_blocks * page_size tokens, kv heads, D], which the cache is when a page's stride is page_size
 // token strides (ragged KV, NHD pages, SGLang's buffers; not HND). Left unused (the loader gathers every
 // tile with cp.async) where the cache has no such view, TMA cannot address it (bases or strides not
-// 16-byte multiples, more than 2^31 tokens), the driver has no encoder, or FI_BACKEND_KV_TMA is not set true.
+// 16-byte multiples, more than 2^31 tokens), the driver has no encoder, or FI_BACKEND_KV_TMA is set false.
 // A host-only call a launch (no device work): graph capture bakes the maps in like the rest of Params.
 typedef CUresult (*EncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
@@ -68,12 +68,12 @@ typedef CUresult (*EncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, v
 
 EncodeTiled encoder() {
   static EncodeTiled fn = [] {
-    // Opt-in (FI_BACKEND_KV_TMA=1): with maps, gathered tiles (an engine's scattered pages) ran about 5%
-    // slower at 16x1k / 4x4k while ragged KV gained 2-4% (ALiBi, soft-cap 8-10%): perf/results/ab44s.md,
-    // ab44t.md, ab44u.md.
+    // On unless FI_BACKEND_KV_TMA is false. Same binary, maps on against off (perf/results/ab45.md): every flex
+    // variant 0-13% faster (ALiBi 1k 1.04 -> 1.18 of FlexAttention), ragged KV about 3%; gathered tiles (an
+    // engine's scattered pages) mostly within run noise, 1x16k page 16 3-9% slower.
     const char* env = getenv("FI_BACKEND_KV_TMA");
-    if (env == nullptr || !env[0] || !strcasecmp(env, "0") || !strcasecmp(env, "false") || !strcasecmp(env, "no") ||
-        !strcasecmp(env, "off"))  // fi_backend/env.py's false values
+    if (env != nullptr && (!strcasecmp(env, "0") || !strcasecmp(env, "false") || !strcasecmp(env, "no") ||
+                           !strcasecmp(env, "off")))  // fi_backend/env.py's false values
       return (EncodeTiled) nullptr;
     void* f = nullptr;
     cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;

@@ -65,10 +65,15 @@
 // of all samples (L2 hit rate 60%, DRAM 19%): two 64 KB stages leave about one step to land a tile,
 // which FlashInfer's FA3 (TMA, L2 hit rate 96%) can afford and our cp.async gather cannot. Writing each
 // CTA's queue by unit first (so the CTAs walk the heads together) did not change that (ab43p_*).
-// The loader step (2b5e484, opt-in FI_BACKEND_KV_TMA=1; shared.cuh, Loader::produce): whole tiles of
-// consecutive tokens by TMA gave ragged KV 2-4% and ALiBi / soft-cap 8-10%, but made gathered tiles about
-// 5% slower (perf/results/ab44s.md, ab44t.md); one-page boxes for scattered pages were slower than the
-// gather (ab44q.md). The deferred P.V has not been retried on top of it.
+// The loader step (2b5e484; shared.cuh, Loader::produce; on by default since ab45, FI_BACKEND_KV_TMA=0 turns
+// it off): whole tiles of consecutive tokens by TMA, every flex variant 0-13% faster, ragged KV about 3%,
+// gathered tiles mostly within run noise (perf/results/ab45.md); one-page boxes for scattered pages were
+// slower than the gather (ab44q.md).
+// Tried and slower a third time (ab45.md, 6abd3df on top of the TMA loader, V's TMA box on its own full
+// barrier): the deferred P.V at 8 x 1 with 128-token tiles, 6-16% slower than the same shape without it
+// in every fa2 quick cell of two runs (e.g. 32/32 4x4k 1310-1324 us against 1236), and slower than the
+// default pick in every flex quick case but ALiBi 1k. K's stage is held until the step ends (the compute side reads the tile record in it to the
+// end): FA3 releases K as soon as S is done.
 // MMAs run in the query's type. fp8 KV and key transforms (RoPE) go through one pass over the landed
 // tile: fp8 is converted exactly into a 16-bit copy (e4m3 and e5m2 are exact in bf16 and fp16), a
 // KeyTransform rotates K in fp32 in that pass; the per-tensor scales fold into the logits scale and
