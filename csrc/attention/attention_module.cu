@@ -68,9 +68,9 @@ typedef CUresult (*EncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, v
 
 EncodeTiled encoder() {
   static EncodeTiled fn = [] {
-    // On unless FI_BACKEND_KV_TMA is false. Same binary, maps on against off (perf/results/ab45.md): every flex
-    // variant 0-13% faster (ALiBi 1k 1.04 -> 1.18 of FlexAttention), ragged KV about 3%; gathered tiles (an
-    // engine's scattered pages) mostly within run noise, 1x16k page 16 3-9% slower.
+    // On unless FI_BACKEND_KV_TMA is false. Same binary, maps on against off (perf/results/ab45f.md, ab45.md):
+    // every flex variant 0-13% faster (ALiBi 1k 1.04 -> 1.18 of FlexAttention), ragged KV about 3%; gathered
+    // tiles (an engine's scattered pages) mostly within run noise, 1x16k page 16 3-9% slower.
     const char* env = getenv("FI_BACKEND_KV_TMA");
     if (env != nullptr && (!strcasecmp(env, "0") || !strcasecmp(env, "false") || !strcasecmp(env, "no") ||
                            !strcasecmp(env, "off")))  // fi_backend/env.py's false values

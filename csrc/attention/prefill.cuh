@@ -69,11 +69,13 @@
 // it off): whole tiles of consecutive tokens by TMA, every flex variant 0-13% faster, ragged KV about 3%,
 // gathered tiles mostly within run noise (perf/results/ab45.md); one-page boxes for scattered pages were
 // slower than the gather (ab44q.md).
-// Tried and slower a third time (ab45.md, 6abd3df on top of the TMA loader, V's TMA box on its own full
-// barrier): the deferred P.V at 8 x 1 with 128-token tiles, 6-16% slower than the same shape without it
-// in every fa2 quick cell of two runs (e.g. 32/32 4x4k 1310-1324 us against 1236), and slower than the
-// default pick in every flex quick case but ALiBi 1k. K's stage is held until the step ends (the compute side reads the tile record in it to the
-// end): FA3 releases K as soon as S is done.
+// Tried and slower a third time (perf/results/ab45d.md: 6abd3df on top of the TMA loader, V's TMA box on
+// its own full barrier): the deferred P.V at 8 x 1 with 128-token tiles, 6-16% slower than the same shape
+// without it in every fa2 quick cell of two runs (e.g. 32/32 4x4k 1310-1324 us against 1236), and slower
+// than the default pick in every flex quick case but ALiBi 1k. Unlike FA3, which releases K as soon as S
+// is done, K's stage is held to the end of the step (the compute side reads the tile record in it).
+// ncu with TMA (perf/results/prefill_ncu_45.md): the producer waits for free stages; the compute warps
+// issue 576 instructions per 64-token step and stall on the softmax's dependencies (tensor pipe 54%).
 // MMAs run in the query's type. fp8 KV and key transforms (RoPE) go through one pass over the landed
 // tile: fp8 is converted exactly into a 16-bit copy (e4m3 and e5m2 are exact in bf16 and fp16), a
 // KeyTransform rotates K in fp32 in that pass; the per-tensor scales fold into the logits scale and
