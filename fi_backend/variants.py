@@ -17,7 +17,10 @@ user's. A hook is the BODY of a C++ function (the signature is fixed by the hook
   position of the query (key), ctx.head its head. k is seen before the fp8 k_scale is applied.
 * logits = q.k * sm_scale (* k_scale) in natural units; LogitsCtx has request, q_row, q_idx, q_pos,
   kv_idx, kv_pos, qo_head, kv_head, q_len, kv_len, and rel_pos = kv_pos - q_pos as a float (exact below
-  2^24; cheaper than converting the ints per element). Positions: query row r of request i is at
+  2^24; cheaper than converting the ints per element), split as rel_pos = rel_row + rel_col: rel_row the
+  same across a row's elements, rel_col a compile-time constant in the prefill kernel, so a hook linear in
+  rel_pos costs one multiply-add an element written as fmaf(a, ctx.rel_col, logits + a * ctx.rel_row)
+  (ALIBI below). Positions: query row r of request i is at
   kv_pos_start[i] + kv_len_i - q_len_i + (r - qo_indptr[i]); KV token t at kv_pos_start[i] + t.
 * use_softmax=False: the output is sum_j p_j v_j with p_j = logits_transform(...) (0 where masked),
   unnormalised, and there is no LSE (sigmoid attention).
@@ -364,7 +367,8 @@ SLIDING_WINDOW = Variant(
 
 ALIBI = Variant(
     "alibi", params={"alibi_slopes": "float32[]"},
-    logits_transform="return logits + __ldg(params.alibi_slopes + ctx.qo_head) * ctx.rel_pos;")
+    logits_transform="const float a = __ldg(params.alibi_slopes + ctx.qo_head);\n"
+                     "return fmaf(a, ctx.rel_col, logits + a * ctx.rel_row);  // logits + a * rel_pos")
 
 SIGMOID = Variant(
     "sigmoid", params={"sigmoid_bias": "float"}, defaults={"sigmoid_bias": 0.0}, use_softmax=False,

@@ -334,9 +334,9 @@ struct Kernel {
             const float x = s[nt][e] * p.logits_scale;
             LogitsCtx ctx;
             if constexpr (Variant::kHasLogitsMask || Variant::kHasLogitsTransform) {
+              const float rel = (float)(w.pos_off + kv_idx - ri[hf].q_pos);  // memory-bound: converted here
               ctx = LogitsCtx{w.request, ri[hf].q_row, ri[hf].q_idx, ri[hf].q_pos, kv_idx, w.pos_off + kv_idx,
-                              ri[hf].qo_head, kv_head, w.q_len, w.kv_len,
-                              (float)(w.pos_off + kv_idx - ri[hf].q_pos)};  // memory-bound: converted here
+                              ri[hf].qo_head, kv_head, w.q_len, w.kv_len, rel, rel, 0.f};
             }
             if constexpr (Variant::kHasLogitsMask) ok = ok && Variant::logits_mask(vp, ctx);
             float y;

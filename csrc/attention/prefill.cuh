@@ -545,7 +545,8 @@ struct Kernel {
           LogitsCtx ctx;
           if constexpr (kCtx) {
             ctx = LogitsCtx{w.request, ri.q_row, ri.q_idx, ri.q_pos, kv_idx, w.pos_off + kv_idx,
-                            ri.qo_head, kv_head, w.q_len, w.kv_len, rel0 + (float)(8 * nt + e2)};
+                            ri.qo_head, kv_head, w.q_len, w.kv_len, rel0 + (float)(8 * nt + e2), rel0,
+                            (float)(8 * nt + e2)};
           }
           if constexpr (kMask) {
             ok = 8 * nt + e2 < lim_hi;
