@@ -44,7 +44,7 @@ struct LogitsCtx {
   float rel_pos;
   // rel_pos = rel_row + rel_col: rel_row the same for a row's elements in this call site, rel_col a
   // compile-time constant in the prefill kernel (the element's column in its step). A hook linear in
-  // rel_pos can then take one multiply-add a element: fmaf(a, rel_col, logits + a * rel_row), the second
+  // rel_pos can then take one multiply-add an element: fmaf(a, rel_col, logits + a * rel_row), the second
   // term once a row (ALiBi: three FP instructions an element to two).
   float rel_row;
   float rel_col;
