@@ -10,7 +10,6 @@ decode batches in one plan, CUDA-graph replay after a re-plan, and the errors.
 from __future__ import annotations
 
 import itertools
-import os
 import random
 
 import pytest
