@@ -107,6 +107,24 @@ def time_us(fn, *, warmup: int = 10, rep: int = 100, setup=None, max_queue_us: f
             "rep": rep}
 
 
+def host_us(fn, n: int = 20000) -> float:
+    """Host wall time per call of fn() in microseconds, launches queued without synchronising (the median of
+    five batches of n / 5 calls, after 200 warm-up calls): the host cost of a launcher where the GPU keeps up."""
+    import time
+    import torch
+    for _ in range(200):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter_ns()
+        for _ in range(n // 5):
+            fn()
+        samples.append((time.perf_counter_ns() - t0) / (n // 5) / 1e3)
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
 def copy_rate_gbps(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy rate counting bytes read plus written: the bandwidth ceiling we compare to."""
     import torch

@@ -10,13 +10,11 @@ touching CUDA (the ctypes cost alone).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from fi_backend import ops
-from perf.common import copy_rate_gbps, device_info, time_us, write_result
+from perf.common import copy_rate_gbps, device_info, host_us, time_us, write_result
 
 
 def torch_merge_state(v_a, s_a, v_b, s_b):
@@ -34,20 +32,6 @@ def torch_merge_states(v, s):
     d = w.sum(dim=1)
     out = (v.float() * w[..., None]).sum(dim=1) / d[..., None]
     return out.to(v.dtype), m.squeeze(1) + torch.log(d)
-
-
-def _host_us(fn, n=20000):
-    for _ in range(200):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(5):
-        t0 = time.perf_counter_ns()
-        for _ in range(n // 5):
-            fn()
-        samples.append((time.perf_counter_ns() - t0) / (n // 5) / 1e3)
-        torch.cuda.synchronize()
-    return statistics.median(samples)
 
 
 def main():
@@ -86,10 +70,10 @@ def main():
                 torch.cuda.current_stream().cuda_stream)
     noop_args = raw_args[:6] + (0,) + raw_args[7:]
     host = {
-        "ops.merge_state_us": _host_us(lambda: ops.merge_state(a, la, b, lb, out=o, out_lse=lo)),
-        "ctypes_launcher_us": _host_us(lambda: fn(*raw_args)),
-        "ctypes_noop_us": _host_us(lambda: fn(*noop_args)),  # seq = 0: returns before any CUDA call
-        "torch_anchor_us": _host_us(lambda: torch_merge_state(a, la, b, lb)),
+        "ops.merge_state_us": host_us(lambda: ops.merge_state(a, la, b, lb, out=o, out_lse=lo)),
+        "ctypes_launcher_us": host_us(lambda: fn(*raw_args)),
+        "ctypes_noop_us": host_us(lambda: fn(*noop_args)),  # seq = 0: returns before any CUDA call
+        "torch_anchor_us": host_us(lambda: torch_merge_state(a, la, b, lb)),
     }
     host["ratio_anchor_over_ours"] = host["torch_anchor_us"] / host["ops.merge_state_us"]
     results["host"] = host

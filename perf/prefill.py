@@ -260,6 +260,7 @@ def ours_fn(case: Case, *, paged: Paged = None, variant=None, params=None, tunin
 
     def fn():
         attn.run(case.q, kv, out=out)
+    fn.attn = attn  # the wrapper, for scripts that inspect it (perf/run_host.py)
     return fn, out, {"num_ctas": num_ctas, "rows_per_tile": int(attn.rows_per_tile), "plan_ms": plan_ms}
 
 
