@@ -237,6 +237,18 @@ def test_warp_specialised_variants(name, pingpong):
     run_variant_case(attn, name, [1500, 3, 1017, 4000, 300], [1, 3, 17, 128, 300], torch.bfloat16)
 
 
+# Softmax exponentials on the FMA pipe (tuning exp_poly, prefill::Config::kExpPoly): a cubic for 2^f, exactly 0
+# for masked logits (a fully masked custom-mask row must still come out as no row at all).
+@pytest.mark.parametrize("name,group,e", [("default", 1, 2), ("default", 1, 4), ("default", 1, 8), ("default", 4, 4),
+                                          ("window", 4, 2), ("window", 4, 8), ("alibi", 4, 4), ("custom_mask", 4, 4)])
+def test_exp_poly(name, group, e):
+    Hkv = 4
+    variant = _variant_case(name, Hkv * group)[1]
+    for dtype in (torch.bfloat16, torch.float16) if name == "default" and group == 4 else (torch.bfloat16,):
+        attn = prefill(Hkv * group, Hkv, 128, q_dtype=dtype, page_size=16, variant=variant, tuning={"exp_poly": e})
+        run_variant_case(attn, name, [1500, 3, 1017, 4000, 300, 5000], [1, 3, 17, 128, 300, 1000], dtype)
+
+
 # KV by TMA (Loader::produce, shared.cuh): the producer copies a whole tile of consecutive tokens of a
 # token-major cache (ragged KV; pages that happen to be in order) as boxes and gathers every other tile
 # (partial, scattered pages). Every slot no request reads holds NaN (run_case(poison=True)): a box that

@@ -249,7 +249,7 @@ def test_prefill_family_follows_the_arch_list(monkeypatch):
 
 
 def _producer(spec) -> str:
-    return spec.params["CONFIG"].split(", ")[-2]  # prefill::Config's kProducer (then kPingPong)
+    return spec.params["CONFIG"].split(", ")[-3]  # prefill::Config's kProducer (then kPingPong, kExpPoly)
 
 
 def test_warp_specialised_prefill_specs(monkeypatch):
@@ -260,15 +260,20 @@ def test_warp_specialised_prefill_specs(monkeypatch):
     ws = {"warps": 12, "mfrags": 1, "producer": 1}
     spec = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning=ws)
     config = spec.params["CONFIG"].split(", ")
-    # ..., q_buffers, producer, pingpong
-    assert config[-2] == "true" and config[-3] == str(W.PREFILL_PRODUCER_Q_BUFFERS) and config[-1] == "false", config
+    # ..., q_buffers, producer, pingpong, exp_poly
+    assert config[-3] == "true" and config[-4] == str(W.PREFILL_PRODUCER_Q_BUFFERS) and config[-2:] == ["false", "0"], config
     three = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "stages": 3}).params["CONFIG"].split(", ")
-    assert three[7] == "3" and three[-3] == "2", three  # more stages than query buffers
+    assert three[7] == "3" and three[-4] == "2", three  # more stages than query buffers
     assert W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "stages": 2, "q_buffers": 3}).params["CONFIG"].split(
-        ", ")[-3] == "3"
+        ", ")[-4] == "3"
     no_producer = {"warps": 12, "mfrags": 1, "producer": 0}
     pp = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "pingpong": 1})
-    assert pp.params["CONFIG"].split(", ")[-2:] == ["true", "true"] and pp.memo_key != spec.memo_key
+    assert pp.params["CONFIG"].split(", ")[-3:-1] == ["true", "true"] and pp.memo_key != spec.memo_key
+    # exp_poly: its own module, named in the tag; other counts refused by name
+    ep = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "exp_poly": 4})
+    assert ep.params["CONFIG"].split(", ")[-1] == "4" and ep.memo_key != spec.memo_key and "_e4" in ep.tag
+    with pytest.raises(ValueError, match="exp_poly must be 0, 1, 2, 4 or 8"):
+        W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "exp_poly": 3})
     with pytest.raises(ValueError, match="pingpong=1 needs producer=1"):
         W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**no_producer, "pingpong": 1})
     with pytest.raises(ValueError, match="pingpong=1 needs .*warps 8, 12 or 16"):
@@ -284,12 +289,12 @@ def test_warp_specialised_prefill_specs(monkeypatch):
     assert _producer(W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 16)) == "false"
     # ping-pong by default exactly for one query head per chunk without logits hooks or masks (_prefill_family)
     def pingpong(variant, group):
-        return W.prefill_spec(variant, 128, "bf16", "bf16", group).params["CONFIG"].split(", ")[-1]
+        return W.prefill_spec(variant, 128, "bf16", "bf16", group).params["CONFIG"].split(", ")[-2]
     assert pingpong(V.DEFAULT, 1) == "true" and pingpong(V.DEFAULT, 4) == "false"
     assert pingpong(V.SLIDING_WINDOW, 1) == "false" and pingpong(V.ALIBI, 1) == "false"
     # a tuning that changes member 0's shape runs without it unless it names pingpong; producer=0 stays legal
     def tuned(group, tuning):
-        return W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", group, tuning=tuning).params["CONFIG"].split(", ")[-1]
+        return W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", group, tuning=tuning).params["CONFIG"].split(", ")[-2]
     assert tuned(1, {"warps": 8, "mfrags": 2, "producer": 1}) == "true"  # member 0's own shape
     assert tuned(1, ws) == "false" and tuned(1, {"producer": 0}) == "false"
     assert tuned(1, {**ws, "pingpong": 1}) == "true"

@@ -103,7 +103,7 @@ using namespace attn;  // Params, Work, TileRecord, Loader, Epilogue (shared.cuh
 
 template <int kHeadDim_, int kHeadsPerChunk_, class DQ_, class DKV_, int kWarps_, int kMFrags_, int kTileKv_,
           int kStages_, int kStepKv_, bool kWgmma_ = false, int kQBuffers_ = 1, bool kProducer_ = false,
-          bool kPingPong_ = false>
+          bool kPingPong_ = false, int kExpPoly_ = 0>
 struct Config {
   using DQ = DQ_;
   using DKV = DKV_;
@@ -124,6 +124,10 @@ struct Config {
   // tile, skipped steps included (a named barrier needs equal counts).
   static constexpr bool kPingPong = kPingPong_;
   static constexpr int kPingPongBar = 10;  // 10 .. 10 + warpgroups - 1 (8: compute side, 9: the producer)
+  // Exponentials of the softmax taken on the FMA pipe (ptx::exp2_poly), kExpPoly of every 16 of a row's
+  // elements in a step: the MUFU issues one ex2 a warp every 8 cycles, so a fragment's 32 take 256 cycles
+  // in which its warp issues little else; the emulated ones run beside them.
+  static constexpr int kExpPoly = kExpPoly_;
   static constexpr int kLoaderThreads = kProducer ? 128 : kThreads;
   static constexpr int kLoaderThread0 = kProducer ? kThreads : 0;
   // Registers a thread (multiples of 8). The CTA's pool is what it launched with (64K / threads a thread,
@@ -194,6 +198,8 @@ struct Config {
   static_assert(sizeof(TileRecord) % 8 == 0 && kRecordsAt % 16 == 0, "tile records, row offsets: 8-byte aligned");
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim must be 64, 128 or 256");
+  static_assert(kExpPoly_ == 0 || kExpPoly_ == 1 || kExpPoly_ == 2 || kExpPoly_ == 4 || kExpPoly_ == 8,
+                "emulated exponentials: 0, 1, 2, 4 or 8 of 16");
   static_assert(kStages >= 2, "the pipeline needs at least two stages");
   static_assert(kQBuffers == 1 || (kWgmma && (kQBuffers == kStages || (kProducer && kQBuffers >= 2))),
                 "query buffers: 1, one per stage (wgmma), or 2 or more released through barriers (producer)");
@@ -623,15 +629,19 @@ struct Kernel {
         const float m_use = m_next == -INFINITY ? 0.f : m_next;
         alpha[hf] = ptx::exp2(m_run[hf] - m_use);  // 1 without a rescale (0 for a row with nothing yet)
         m_run[hf] = m_next;
-        // Four independent partial sums: one serial chain of FADDs would wait on each result.
-        float sum4[4] = {0.f, 0.f, 0.f, 0.f};
+        // Four independent partial sums: one serial chain of FADDs would wait on each result. (Each starts
+        // from its first element, not 0.f + it: ptxas keeps that add, -0 + 0 being +0.)
+        float sum4[4];
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float pe = ptx::exp2(fmaf(s[nt][2 * hf + e], sl, -m_use));
+            const int i = 2 * nt + e;
+            const float x = fmaf(s[nt][2 * hf + e], sl, -m_use);
+            constexpr int kEvery = Cfg::kExpPoly ? 16 / Cfg::kExpPoly : 0;
+            const float pe = kEvery && i % kEvery == kEvery - 1 ? ptx::exp2_poly(x) : ptx::exp2(x);
             s[nt][2 * hf + e] = pe;
-            sum4[(2 * nt + e) & 3] += pe;
+            sum4[i & 3] = i < 4 ? pe : sum4[i & 3] + pe;
           }
         const float sum = (sum4[0] + sum4[1]) + (sum4[2] + sum4[3]);
         d_run[hf] = d_run[hf] * alpha[hf] + sum;  // per lane; the quad's sum is taken at the end
