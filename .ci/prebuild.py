@@ -73,13 +73,14 @@ def specs():
             out.append(prefill_spec(V.BUILTIN_VARIANTS[name], 128, "bf16", "bf16", g, tuning=t))
     for g in (1, 4):  # the 8 x 1 shape with 128-token tiles, without ping-pong (A/B)
         out.append(prefill_spec(V.DEFAULT, 128, "bf16", "bf16", g, tuning={**pp["w8t128pp"], "pingpong": 0}))
-    # Softmax exponentials on the FMA pipe (tuning exp_poly): tests/test_prefill_gpu.py (test_exp_poly) and perf A/B
-    # runs, each variant at its own shape.
-    for (name, g), e in itertools.product((("default", 1), ("default", 4), ("soft_cap", 1), ("window", 1), ("alibi", 1),
-                                           ("window", 4), ("alibi", 4)), (2, 4, 8)):
-        out.append(prefill_spec(V.BUILTIN_VARIANTS[name], 128, "bf16", "bf16", g, tuning={"exp_poly": e}))
-    out.append(prefill_spec(V.DEFAULT, 128, "fp16", "fp16", 4, tuning={"exp_poly": 4}))
-    out.append(prefill_spec(V.CUSTOM_MASK, 128, "bf16", "bf16", 4, tuning={"exp_poly": 4}))
+    # The softmax's row sums by MMA (tuning rowsum): tests/test_prefill_gpu.py (test_rowsum_mma) and perf A/B runs.
+    rs = {"rowsum": 1}
+    for name, g in (("default", 1), ("default", 4), ("window", 4), ("alibi", 4), ("soft_cap", 1), ("custom_mask", 4),
+                    ("sigmoid", 4), ("window", 1), ("alibi", 1)):
+        out.append(prefill_spec(V.BUILTIN_VARIANTS[name], 128, "bf16", "bf16", g, tuning=rs))
+    out.append(prefill_spec(V.DEFAULT, 128, "fp16", "fp16", 4, tuning=rs))
+    out.append(prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={"warps": 8, "mfrags": 1, "stages": 3, "producer": 1, **rs}))
+    out.append(prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 8, tuning={**pp["w12pp"], **rs}))
     seen, uniq = set(), []
     for s in out:
         if s.memo_key not in seen:

@@ -291,7 +291,7 @@ def _prefill_family(head_dim: int, kv_bytes: int, wgmma: Optional[bool] = None,
     if wgmma and variant is not None and variant.mask_is_kv_range:
         table = {**table, **_PREFILL_SHAPES_WGMMA_WINDOW}
     keys = ("warps", "mfrags", "tile", "stages", "step")
-    family = [{**dict(zip(keys, s)), "wgmma": int(wgmma), "producer": 0, "pingpong": 0, "exp_poly": 0}
+    family = [{**dict(zip(keys, s)), "wgmma": int(wgmma), "producer": 0, "pingpong": 0, "rowsum": 0}
               for s in table[(head_dim, kv_bytes)]]
     ws = _PREFILL_WS_MEMBER0.get(head_dim) if wgmma else None
     if ws:
@@ -301,7 +301,7 @@ def _prefill_family(head_dim: int, kv_bytes: int, wgmma: Optional[bool] = None,
         # Ping-pong for one query head per chunk (no GQA) without logits hooks or masks (measured above).
         pingpong = hpc == 1 and not hooked
         shape = {**dict(zip(keys, ws["hooks" if hooks else "plain"])), "wgmma": 1, "producer": 1,
-                 "pingpong": int(pingpong), "exp_poly": 0}
+                 "pingpong": int(pingpong), "rowsum": 0}
         if not _producer_blockers(variant, head_dim, kv_bytes, {**shape, "hpc": hpc}):
             family[0] = shape
     return family
@@ -330,8 +330,9 @@ def _prefill_smem_bytes(head_dim: int, kv_bytes: int, shape: dict, q_buffers: in
     row_offsets = 2 * shape["tile"] * 8  # the loader's published row offsets, two tiles
     # full / empty mbarriers per stage, qempty per query buffer; the producer's TMA votes (two tiles x 4 warps)
     barriers = 16 * shape["stages"] + 8 * q_buffers + 32 if shape.get("producer") else 0
-    return (shape["stages"] * (stage + record) + q_buffers * tile_rows * head_dim * 2 + convert + tile_rows * 4
-            + row_offsets + barriers)
+    total = (shape["stages"] * (stage + record) + q_buffers * tile_rows * head_dim * 2 + convert + tile_rows * 4
+             + row_offsets + barriers)
+    return (total + 15) // 16 * 16 + 128 if shape.get("rowsum") else total  # the row-sum MMA's ones
 
 
 def _prefill_q_buffers(variant: Variant, head_dim: int, kv_bytes: int, shape: dict) -> int:
@@ -365,8 +366,8 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     (1: Hopper warpgroup MMAs, sm_90a only) / producer (1: warp-specialised, a producer warpgroup loads the
     tiles for `warps` compute warps; wgmma, the query copy, 16-bit KV, no KeyTransform), pingpong (1: with a
     producer and 8, 12 or 16 compute warps, the warpgroups issue their S MMAs in turn; default: member 0's
-    (_prefill_family) where the tuning keeps its shape, else 0), exp_poly (0, 1, 2, 4 or 8: softmax exponentials
-    of every 16 emulated on the FMA pipe, prefill::Config::kExpPoly), q_buffers (1, or
+    (_prefill_family) where the tuning keeps its shape, else 0), rowsum (1: the softmax's row sums by warpgroup
+    MMAs, prefill::Config::kRowSumMma; wgmma only), q_buffers (1, or
     the stages: the loader's query copy; with a producer, 2 or more; default _prefill_q_buffers's choice),
     and min_blocks (CTAs per SM the register budget is cut for; default 1: the kernel's own need)."""
     if head_dim not in HEAD_DIMS:
@@ -380,7 +381,7 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     tuning = dict(tuning or {})
     min_blocks = int(tuning.pop("min_blocks", 1))
     q_buffers = tuning.pop("q_buffers", None)
-    unknown = set(tuning) - {"warps", "mfrags", "tile", "stages", "step", "wgmma", "producer", "pingpong", "exp_poly"}
+    unknown = set(tuning) - {"warps", "mfrags", "tile", "stages", "step", "wgmma", "producer", "pingpong", "rowsum"}
     if unknown:
         raise ValueError(f"unknown prefill tuning keys {sorted(unknown)}")
     shape.update(tuning)
@@ -404,10 +405,10 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     if shape["pingpong"] and not (shape["producer"] and shape["warps"] in (8, 12, 16)):
         raise ValueError(f"tuning pingpong=1 needs producer=1 and warps 8, 12 or 16 (two to four compute "
                          f"warpgroups taking turns); shape {shape}")
-    shape["exp_poly"] = int(shape.get("exp_poly", 0))
-    if shape["exp_poly"] not in (0, 1, 2, 4, 8):
-        raise ValueError(f"tuning exp_poly must be 0, 1, 2, 4 or 8 (softmax exponentials of every 16 taken on the "
-                         f"FMA pipe), got {shape['exp_poly']}")
+    shape["rowsum"] = int(shape.get("rowsum", 0))
+    if shape["rowsum"] not in (0, 1) or (shape["rowsum"] and not shape["wgmma"]):
+        raise ValueError(f"tuning rowsum must be 0 or 1, and 1 only with wgmma=1 (the softmax's row sums by warpgroup "
+                         f"MMAs); got rowsum={shape['rowsum']} with wgmma={shape['wgmma']}")
     smem = _prefill_smem_bytes(head_dim, kv_bytes, shape)
     if smem > SMEM_PER_CTA:
         raise ValueError(f"prefill kernel shape {shape} for head_dim {head_dim} needs {smem} bytes of shared "
@@ -431,12 +432,12 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
                         str(shape["mfrags"]), str(shape["tile"]), str(shape["stages"]), str(shape["step"]),
                         "true" if shape["wgmma"] else "false", str(q_buffers),
                         "true" if shape["producer"] else "false", "true" if shape["pingpong"] else "false",
-                        str(shape["exp_poly"])])
+                        "true" if shape["rowsum"] else "false"])
     tag = f"{variant.name}_{q_dtype}_{kv_dtype}_d{head_dim}_h{shape['hpc']}"
     if shape != default_shape:  # a tuning equal to the largest member is that member's module
         tag += ("_w{warps}m{mfrags}t{tile}s{stages}k{step}".format(**shape) + ("_wg" if shape["wgmma"] else "")
                 + ("_p" if shape["producer"] else "") + ("_pp" if shape["pingpong"] else "")
-                + (f"_e{shape['exp_poly']}" if shape["exp_poly"] else ""))
+                + ("_rs" if shape["rowsum"] else ""))
     if q_buffers != chosen:
         tag += f"_q{q_buffers}"
     if min_blocks != 1:

@@ -237,16 +237,20 @@ def test_warp_specialised_variants(name, pingpong):
     run_variant_case(attn, name, [1500, 3, 1017, 4000, 300], [1, 3, 17, 128, 300], torch.bfloat16)
 
 
-# Softmax exponentials on the FMA pipe (tuning exp_poly, prefill::Config::kExpPoly): a cubic for 2^f, exactly 0
-# for masked logits (a fully masked custom-mask row must still come out as no row at all).
-@pytest.mark.parametrize("name,group,e", [("default", 1, 2), ("default", 1, 4), ("default", 1, 8), ("default", 4, 4),
-                                          ("window", 4, 2), ("window", 4, 8), ("alibi", 4, 4), ("custom_mask", 4, 4)])
-def test_exp_poly(name, group, e):
+# The softmax's row sums by warpgroup MMAs (tuning rowsum, prefill::Config::kRowSumMma): P . ones beside each
+# P.V. Every shape family at its own default, with masks (a fully masked custom-mask row comes out as no row),
+# GQA, the split chunks of long KV (the sums leave as partial LSEs) and both 16-bit types.
+@pytest.mark.parametrize("name,group,shape", [("default", 1, None), ("default", 4, None), ("default", 4, "w8"),
+                                              ("default", 8, "w12pp"), ("window", 4, None), ("alibi", 4, None),
+                                              ("soft_cap", 1, None), ("custom_mask", 4, None), ("sigmoid", 4, None)])
+def test_rowsum_mma(name, group, shape):
     Hkv = 4
     variant = _variant_case(name, Hkv * group)[1]
-    for dtype in (torch.bfloat16, torch.float16) if name == "default" and group == 4 else (torch.bfloat16,):
-        attn = prefill(Hkv * group, Hkv, 128, q_dtype=dtype, page_size=16, variant=variant, tuning={"exp_poly": e})
-        run_variant_case(attn, name, [1500, 3, 1017, 4000, 300, 5000], [1, 3, 17, 128, 300, 1000], dtype)
+    tuning = {**(_WS8[shape] if shape else {}), "rowsum": 1}
+    for dtype in (torch.bfloat16, torch.float16) if name == "default" and group == 4 and not shape else (torch.bfloat16,):
+        for page in (1, 16):
+            attn = prefill(Hkv * group, Hkv, 128, q_dtype=dtype, page_size=page, variant=variant, tuning=tuning)
+            run_variant_case(attn, name, [1500, 3, 1017, 4000, 300, 16000], [1, 3, 17, 128, 300, 1000], dtype)
 
 
 # KV by TMA (Loader::produce, shared.cuh): the producer copies a whole tile of consecutive tokens of a

@@ -249,7 +249,7 @@ def test_prefill_family_follows_the_arch_list(monkeypatch):
 
 
 def _producer(spec) -> str:
-    return spec.params["CONFIG"].split(", ")[-3]  # prefill::Config's kProducer (then kPingPong, kExpPoly)
+    return spec.params["CONFIG"].split(", ")[-3]  # prefill::Config's kProducer (then kPingPong, kRowSumMma)
 
 
 def test_warp_specialised_prefill_specs(monkeypatch):
@@ -260,8 +260,8 @@ def test_warp_specialised_prefill_specs(monkeypatch):
     ws = {"warps": 12, "mfrags": 1, "producer": 1}
     spec = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning=ws)
     config = spec.params["CONFIG"].split(", ")
-    # ..., q_buffers, producer, pingpong, exp_poly
-    assert config[-3] == "true" and config[-4] == str(W.PREFILL_PRODUCER_Q_BUFFERS) and config[-2:] == ["false", "0"], config
+    # ..., q_buffers, producer, pingpong, rowsum
+    assert config[-3] == "true" and config[-4] == str(W.PREFILL_PRODUCER_Q_BUFFERS) and config[-2:] == ["false"] * 2, config
     three = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "stages": 3}).params["CONFIG"].split(", ")
     assert three[7] == "3" and three[-4] == "2", three  # more stages than query buffers
     assert W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "stages": 2, "q_buffers": 3}).params["CONFIG"].split(
@@ -269,11 +269,11 @@ def test_warp_specialised_prefill_specs(monkeypatch):
     no_producer = {"warps": 12, "mfrags": 1, "producer": 0}
     pp = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "pingpong": 1})
     assert pp.params["CONFIG"].split(", ")[-3:-1] == ["true", "true"] and pp.memo_key != spec.memo_key
-    # exp_poly: its own module, named in the tag; other counts refused by name
-    ep = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "exp_poly": 4})
-    assert ep.params["CONFIG"].split(", ")[-1] == "4" and ep.memo_key != spec.memo_key and "_e4" in ep.tag
-    with pytest.raises(ValueError, match="exp_poly must be 0, 1, 2, 4 or 8"):
-        W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "exp_poly": 3})
+    # rowsum: its own module, named in the tag; wgmma only
+    rs = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "rowsum": 1})
+    assert rs.params["CONFIG"].split(", ")[-1] == "true" and rs.memo_key != spec.memo_key and "_rs" in rs.tag
+    with pytest.raises(ValueError, match="rowsum must be 0 or 1, and 1 only with wgmma=1"):
+        W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={"wgmma": 0, "producer": 0, "rowsum": 1})
     with pytest.raises(ValueError, match="pingpong=1 needs producer=1"):
         W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**no_producer, "pingpong": 1})
     with pytest.raises(ValueError, match="pingpong=1 needs .*warps 8, 12 or 16"):

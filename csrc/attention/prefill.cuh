@@ -103,7 +103,7 @@ using namespace attn;  // Params, Work, TileRecord, Loader, Epilogue (shared.cuh
 
 template <int kHeadDim_, int kHeadsPerChunk_, class DQ_, class DKV_, int kWarps_, int kMFrags_, int kTileKv_,
           int kStages_, int kStepKv_, bool kWgmma_ = false, int kQBuffers_ = 1, bool kProducer_ = false,
-          bool kPingPong_ = false, int kExpPoly_ = 0>
+          bool kPingPong_ = false, bool kRowSumMma_ = false>
 struct Config {
   using DQ = DQ_;
   using DKV = DKV_;
@@ -124,10 +124,11 @@ struct Config {
   // tile, skipped steps included (a named barrier needs equal counts).
   static constexpr bool kPingPong = kPingPong_;
   static constexpr int kPingPongBar = 10;  // 10 .. 10 + warpgroups - 1 (8: compute side, 9: the producer)
-  // Exponentials of the softmax taken on the FMA pipe (ptx::exp2_poly), kExpPoly of every 16 of a row's
-  // elements in a step: the MUFU issues one ex2 a warp every 8 cycles, so a fragment's 32 take 256 cycles
-  // in which its warp issues little else; the emulated ones run beside them.
-  static constexpr int kExpPoly = kExpPoly_;
+  // The softmax's row sums by the tensor cores (wgmma): P . ones [kStep x 8] beside each P.V, one m64n8
+  // MMA a 16-token k step, instead of an FADD a probability in the compute warps (64 of their 576
+  // instructions a 64-token step at 8 x 2, perf/results/prefill_ncu_45.md). The sum is then of the P the
+  // P.V sees (rounded to 16 bits), and every lane of a row's quad holds the whole row's sum.
+  static constexpr bool kRowSumMma = kRowSumMma_;
   static constexpr int kLoaderThreads = kProducer ? 128 : kThreads;
   static constexpr int kLoaderThread0 = kProducer ? kThreads : 0;
   // Registers a thread (multiples of 8). The CTA's pool is what it launched with (64K / threads a thread,
@@ -194,12 +195,14 @@ struct Config {
   // After the loader's row offsets (shared.cuh) and, warp-specialised, its TMA votes (two tiles x 4 warps).
   static constexpr int kBarriersAt = kRowOffsetsAt + 2 * kTile * 8 + (kProducer ? 32 : 0);
   // full[kStages], empty[kStages], qempty[kQBuffers] mbarriers
-  static constexpr int kSmemBytes = kBarriersAt + (kProducer ? 16 * kStages + 8 * kQBuffers : 0);
+  // The row-sum MMA's B operand: 128 bytes of ones, read for every core matrix (wgmma::desc_repeat).
+  static constexpr int kBarriersEnd = kBarriersAt + (kProducer ? 16 * kStages + 8 * kQBuffers : 0);
+  static constexpr int kOnesAt = (kBarriersEnd + 15) / 16 * 16;
+  static constexpr int kSmemBytes = kRowSumMma ? kOnesAt + 128 : kBarriersEnd;
   static_assert(sizeof(TileRecord) % 8 == 0 && kRecordsAt % 16 == 0, "tile records, row offsets: 8-byte aligned");
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim must be 64, 128 or 256");
-  static_assert(kExpPoly_ == 0 || kExpPoly_ == 1 || kExpPoly_ == 2 || kExpPoly_ == 4 || kExpPoly_ == 8,
-                "emulated exponentials: 0, 1, 2, 4 or 8 of 16");
+  static_assert(!kRowSumMma || kWgmma, "row sums by MMA: warpgroup MMAs");
   static_assert(kStages >= 2, "the pipeline needs at least two stages");
   static_assert(kQBuffers == 1 || (kWgmma && (kQBuffers == kStages || (kProducer && kQBuffers >= 2))),
                 "query buffers: 1, one per stage (wgmma), or 2 or more released through barriers (producer)");
@@ -256,6 +259,7 @@ struct Kernel {
   static constexpr bool kBf16 = Cfg::kMmaBf16;
   static constexpr bool kConvert = kFp8 || Variant::kHasKeyTransform;
   static constexpr bool kWgmma = Cfg::kWgmma;
+  static constexpr bool kRowSum = Cfg::kRowSumMma && Variant::kUseSoftmax;  // row sums by MMA (Cfg::kRowSumMma)
   static constexpr bool kTmaKv = Cfg::kProducer;  // the producer copies whole contiguous tiles by TMA (shared.cuh)
   static constexpr int kUnitWarps = Cfg::kUnitWarps;
 
@@ -482,8 +486,8 @@ struct Kernel {
   // The same with the warpgroup's m64 MMAs, one fragment (issued, not waited for): A = P from registers,
   // B = V (MN-major: dims contiguous; 64-dim column blocks kTile * 128 bytes apart, 8-token atoms 1024
   // bytes apart).
-  static __device__ __forceinline__ void pv_wgmma(uint32_t vs, int t0, const float (&s)[kNTiles][4],
-                                                  float (&o)[kDTiles][4]) {
+  static __device__ __forceinline__ void pv_wgmma(uint32_t vs, uint32_t os, int t0, const float (&s)[kNTiles][4],
+                                                  float (&o)[kDTiles][4], float (&d_run)[4]) {
     uint32_t a[kStep / 16][4];
 #pragma unroll
     for (int kk = 0; kk < kStep / 16; ++kk) p_fragment(s, kk, a[kk]);
@@ -493,6 +497,11 @@ struct Kernel {
     for (int kk = 0; kk < kStep / 16; ++kk) {
       const uint64_t b = wgmma::desc_advance(b0, Cfg::mma_offset(16 * kk, 0));
       wgmma::Mma<kHeadDim, kBf16>::template rs<1>(reinterpret_cast<float(&)[kDTiles * 4]>(o), a[kk], b, 1);
+    }
+    if constexpr (kRowSum) {  // the row sums: P . ones (Cfg::kRowSumMma)
+      const uint64_t ones = wgmma::desc_repeat(os);
+#pragma unroll
+      for (int kk = 0; kk < kStep / 16; ++kk) wgmma::Mma<8, kBf16>::template rs<0>(d_run, a[kk], ones, 1);
     }
   }
 
@@ -587,7 +596,7 @@ struct Kernel {
   template <int kMode>
   static __device__ __forceinline__ void softmax_frag(const Params& p, const VariantParams& vp, const Work& w,
                                                       int tile_begin, int n_valid, int kv_head, int mf, bool masked,
-                                                      float (&s)[kNTiles][4], float (&m_run)[2], float (&d_run)[2],
+                                                      float (&s)[kNTiles][4], float (&m_run)[2], float (&d_run)[4],
                                                       float (&o)[kDTiles][4]) {
     bool raw;  // S holds raw logits (scale not applied)
     if constexpr (kMode == kMaskedIf) {
@@ -637,14 +646,12 @@ struct Kernel {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int i = 2 * nt + e;
-            const float x = fmaf(s[nt][2 * hf + e], sl, -m_use);
-            constexpr int kEvery = Cfg::kExpPoly ? 16 / Cfg::kExpPoly : 0;
-            const float pe = kEvery && i % kEvery == kEvery - 1 ? ptx::exp2_poly(x) : ptx::exp2(x);
+            const float pe = ptx::exp2(fmaf(s[nt][2 * hf + e], sl, -m_use));
             s[nt][2 * hf + e] = pe;
-            sum4[i & 3] = i < 4 ? pe : sum4[i & 3] + pe;
+            if constexpr (!kRowSum) sum4[i & 3] = i < 4 ? pe : sum4[i & 3] + pe;
           }
-        const float sum = (sum4[0] + sum4[1]) + (sum4[2] + sum4[3]);
-        d_run[hf] = d_run[hf] * alpha[hf] + sum;  // per lane; the quad's sum is taken at the end
+        if constexpr (!kRowSum)  // per lane; the quad's sum is taken at the end
+          d_run[2 * hf] = d_run[2 * hf] * alpha[hf] + ((sum4[0] + sum4[1]) + (sum4[2] + sum4[3]));
       }
       if (rescale) {
 #pragma unroll
@@ -653,6 +660,12 @@ struct Kernel {
           o[dt][1] *= alpha[0];
           o[dt][2] *= alpha[1];
           o[dt][3] *= alpha[1];
+        }
+        if constexpr (kRowSum) {  // the row-sum MMA's D fragment, as O's
+          d_run[0] *= alpha[0];
+          d_run[1] *= alpha[0];
+          d_run[2] *= alpha[1];
+          d_run[3] *= alpha[1];
         }
       }
     }
@@ -664,9 +677,9 @@ struct Kernel {
   // later fragments' S and the earlier fragments' P.V).
   template <int kMode>
   static __device__ __forceinline__ void compute_tile(const Params& p, const VariantParams& vp, uint32_t qs,
-                                                      uint32_t ks, uint32_t vs, int t0, const Work& w, int tile_begin,
+                                                      uint32_t ks, uint32_t vs, uint32_t os, int t0, const Work& w, int tile_begin,
                                                       int n_valid, int kv_head, bool masked, float (&m_run)[kMF][2],
-                                                      float (&d_run)[kMF][2], float (&o)[kMF][kDTiles][4]) {
+                                                      float (&d_run)[kMF][4], float (&o)[kMF][kDTiles][4]) {
     float s[kMF][kNTiles][4];
     if constexpr (kWgmma) {
       wgmma::fence();
@@ -681,7 +694,7 @@ struct Kernel {
       for (int mf = 0; mf < kMF; ++mf) {
         wgmma::wait<kMF - 1>();
         softmax_frag<kMode>(p, vp, w, tile_begin, n_valid, kv_head, mf, masked, s[mf], m_run[mf], d_run[mf], o[mf]);
-        pv_wgmma(vs, t0, s[mf], o[mf]);
+        pv_wgmma(vs, os, t0, s[mf], o[mf], d_run[mf]);
         wgmma::commit();
       }
       wgmma::wait<0>();
@@ -727,6 +740,13 @@ struct Kernel {
     int page[L::kLookups], slot[L::kLookups];
     const uint32_t full = ptx::smem_u32(smem + Cfg::kBarriersAt), empty = full + 8 * kStages,
                    qempty = empty + 8 * kStages;
+    // The row-sum MMA's ones (published by the first barrier below, or the first tile's, into the async proxy).
+    if constexpr (kRowSum) {
+      if (threadIdx.x < 32) {
+        reinterpret_cast<uint32_t*>(smem + Cfg::kOnesAt)[threadIdx.x] = ptx::pack2<kBf16>(1.f, 1.f);
+        wgmma::fence_proxy_async();
+      }
+    }
     if constexpr (Cfg::kProducer) {
       static_assert(!kConvert, "warp-specialised: no conversion pass (it would need every warp per tile)");
       if (threadIdx.x == 0) {
@@ -751,9 +771,13 @@ struct Kernel {
     uint8_t* cbuf = qbuf + Cfg::kQBuffers * Cfg::kQBytes;
     int* merge_flags = reinterpret_cast<int*>(cbuf + Cfg::kConvertBytes);
     const uint32_t qs0 = ptx::smem_u32(qbuf);
+    const uint32_t os = uniform(ptx::smem_u32(smem + Cfg::kOnesAt));
 
 
-    float m_run[kMF][2], d_run[kMF][2], o[kMF][kDTiles][4];
+    // d_run: the rows' softmax sums, in O's C-fragment layout for 8 columns: this lane's partial sums of
+    // rows g and g + 8 in [0] and [2] (the quad's sum is taken at the end), or with the row-sum MMA
+    // (kRowSum) its D fragment, whose every column is the whole row's sum.
+    float m_run[kMF][2], d_run[kMF][4], o[kMF][kDTiles][4];
     constexpr int kUnitRows = Cfg::kUnitRows;
     const int unit = warp / kUnitWarps;  // a warp, or a warpgroup with wgmma: they skip steps together
     // The first turn is warpgroup 0's: the last one passes it a turn ahead (and warpgroup 0 takes the
@@ -798,7 +822,7 @@ struct Kernel {
 #pragma unroll
         for (int mf = 0; mf < kMF; ++mf) {
           m_run[mf][0] = m_run[mf][1] = -INFINITY;
-          d_run[mf][0] = d_run[mf][1] = 0.f;
+          d_run[mf][0] = d_run[mf][1] = d_run[mf][2] = d_run[mf][3] = 0.f;
 #pragma unroll
           for (int dt = 0; dt < kDTiles; ++dt)
 #pragma unroll
@@ -860,12 +884,12 @@ struct Kernel {
                                                             w.pos_off + step_begin + kStep > range_hi)) ||
                                (p.causal && step_begin + kStep - 1 > climit_lo) || !(p.logits_scale > 0.f);
         if constexpr (kWgmma)
-          compute_tile<kMaskedIf>(p, vp, qs, ks, vs, st * kStep, w, step_begin, n_valid, kv_head, need_mask, m_run,
+          compute_tile<kMaskedIf>(p, vp, qs, ks, vs, os, st * kStep, w, step_begin, n_valid, kv_head, need_mask, m_run,
                                   d_run, o);
         else if (need_mask)
-          compute_tile<kMasked>(p, vp, qs, ks, vs, st * kStep, w, step_begin, n_valid, kv_head, true, m_run, d_run, o);
+          compute_tile<kMasked>(p, vp, qs, ks, vs, os, st * kStep, w, step_begin, n_valid, kv_head, true, m_run, d_run, o);
         else
-          compute_tile<kFull>(p, vp, qs, ks, vs, st * kStep, w, step_begin, n_valid, kv_head, false, m_run, d_run, o);
+          compute_tile<kFull>(p, vp, qs, ks, vs, os, st * kStep, w, step_begin, n_valid, kv_head, false, m_run, d_run, o);
       }
 
       if constexpr (Cfg::kProducer) {  // the record is read by finish: release after it
@@ -884,7 +908,7 @@ struct Kernel {
   // End of a sub-item: normalise this warp's rows and write them out, or write partial states and merge
   // the rows whose last chunk this CTA completed.
   static __device__ __forceinline__ void finish(const Params& p, const VariantParams& vp, const Work& w,
-                                                float (&m_run)[kMF][2], float (&d_run)[kMF][2],
+                                                float (&m_run)[kMF][2], float (&d_run)[kMF][4],
                                                 float (&o)[kMF][kDTiles][4], int* merge_flags) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int row0 = w.row0, nrows = w.nrows, item_q_begin = w.item_q_begin;
@@ -894,13 +918,15 @@ struct Kernel {
     for (int mf = 0; mf < kMF; ++mf)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        d_run[mf][hf] += __shfl_xor_sync(0xffffffffu, d_run[mf][hf], 1);
-        d_run[mf][hf] += __shfl_xor_sync(0xffffffffu, d_run[mf][hf], 2);
+        if constexpr (!kRowSum) {
+          d_run[mf][2 * hf] += __shfl_xor_sync(0xffffffffu, d_run[mf][2 * hf], 1);
+          d_run[mf][2 * hf] += __shfl_xor_sync(0xffffffffu, d_run[mf][2 * hf], 2);
+        }
         const RowInfo ri = E::row_info(w, frag_row0(warp, mf) + 8 * hf + g);
         if (!ri.valid) continue;
         float scale = p.v_scale, lse_val = 0.f;
         if constexpr (Variant::kUseSoftmax) {
-          const float den = d_run[mf][hf];
+          const float den = d_run[mf][2 * hf];
           scale = den > 0.f ? p.v_scale / den : 0.f;
           lse_val = den > 0.f ? (m_run[mf][hf] + __log2f(den)) * kLn2 : -INFINITY;
         }

@@ -147,19 +147,6 @@ __device__ __forceinline__ float exp2(float x) {
   return y;
 }
 
-// 2^x on the FMA and integer pipes instead of the MUFU (FlashAttention-4's exp2 emulation): x = n + f with n
-// the nearest integer (adding 1.5 * 2^23 rounds it into the low mantissa bits of t) and f in [-0.5, 0.5];
-// 2^f by a cubic with p(0) = 1 (relative error 1.0e-4, under half a bf16 / fp16 ulp), n added to its
-// exponent field. x is clamped at -127, where f = 0, p = 1 and the result is exactly +0: -inf gives 0 as
-// ex2 does. For x > -126 (anything a softmax keeps) the result is a normal float.
-__device__ __forceinline__ float exp2_poly(float x) {
-  x = fmaxf(x, -127.f);
-  const float t = __fadd_rn(x, 12582912.f);
-  const float f = __fsub_rn(x, __fsub_rn(t, 12582912.f));
-  const float p = fmaf(fmaf(fmaf(0.055008583f, f, 0.24221037f), f, 0.6932829f), f, 1.f);
-  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
-}
-
 // ---- packed conversions (element 0 in the low half) ---------------------------------------------
 
 template <bool kBf16>

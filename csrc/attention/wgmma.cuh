@@ -28,6 +28,10 @@ __device__ __forceinline__ uint64_t desc_advance(uint64_t d, uint32_t bytes) {
   return (d & 0xFFFFFFFF00000000ull) | (uint32_t)((uint32_t)d + (bytes >> 4));
 }
 
+// A descriptor without swizzle and with both strides 0: every 8 x 8 core matrix of the operand is the same
+// 128 bytes at smem_addr (16-byte aligned). For a constant operand, such as the ones of a row-sum MMA.
+__device__ __forceinline__ uint64_t desc_repeat(uint32_t smem_addr) { return (uint64_t)((smem_addr & 0x3FFFFu) >> 4); }
+
 #ifdef FI_WGMMA
 // Orders this thread's register writes before the warpgroup's next wgmma reads them (accumulators, A).
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -49,6 +53,66 @@ __device__ __forceinline__ void fence_proxy_async() { __trap(); }
 
 template <int N, bool kBf16>
 struct Mma;
+template <>
+struct Mma<8, true> {
+  // D (+)= A . B, A and B from shared memory (descriptors); kTransB: B is MN-major
+  template <int kTransB>
+  static __device__ __forceinline__ void ss(float (&d)[4], uint64_t a, uint64_t b, int accumulate) {
+#ifdef FI_WGMMA
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, 0, %7;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "l"(a), "l"(b), "r"(accumulate), "n"(kTransB));
+#else
+    __trap();
+#endif
+  }
+  // D (+)= A . B, A from registers, B from shared memory
+  template <int kTransB>
+  static __device__ __forceinline__ void rs(float (&d)[4], const uint32_t (&a)[4], uint64_t b, int accumulate) {
+#ifdef FI_WGMMA
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, %10;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(kTransB));
+#else
+    __trap();
+#endif
+  }
+};
+
+template <>
+struct Mma<8, false> {
+  // D (+)= A . B, A and B from shared memory (descriptors); kTransB: B is MN-major
+  template <int kTransB>
+  static __device__ __forceinline__ void ss(float (&d)[4], uint64_t a, uint64_t b, int accumulate) {
+#ifdef FI_WGMMA
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, 0, %7;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "l"(a), "l"(b), "r"(accumulate), "n"(kTransB));
+#else
+    __trap();
+#endif
+  }
+  // D (+)= A . B, A from registers, B from shared memory
+  template <int kTransB>
+  static __device__ __forceinline__ void rs(float (&d)[4], const uint32_t (&a)[4], uint64_t b, int accumulate) {
+#ifdef FI_WGMMA
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, %10;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(kTransB));
+#else
+    __trap();
+#endif
+  }
+};
+
 template <>
 struct Mma<32, true> {
   // D (+)= A . B, A and B from shared memory (descriptors); kTransB: B is MN-major

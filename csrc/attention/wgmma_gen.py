@@ -33,6 +33,10 @@ __device__ __forceinline__ uint64_t desc_advance(uint64_t d, uint32_t bytes) {
   return (d & 0xFFFFFFFF00000000ull) | (uint32_t)((uint32_t)d + (bytes >> 4));
 }
 
+// A descriptor without swizzle and with both strides 0: every 8 x 8 core matrix of the operand is the same
+// 128 bytes at smem_addr (16-byte aligned). For a constant operand, such as the ones of a row-sum MMA.
+__device__ __forceinline__ uint64_t desc_repeat(uint32_t smem_addr) { return (uint64_t)((smem_addr & 0x3FFFFu) >> 4); }
+
 #ifdef FI_WGMMA
 // Orders this thread's register writes before the warpgroup's next wgmma reads them (accumulators, A).
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\\n" ::: "memory"); }
@@ -90,7 +94,7 @@ def body(n, ty, form):
 
 def main():
     out = [HEADER]
-    for n in (32, 64, 128, 256):
+    for n in (8, 32, 64, 128, 256):
         for bf16, ty in ((True, "bf16"), (False, "f16")):
             out.append(f"template <>\nstruct Mma<{n}, {'true' if bf16 else 'false'}> {{\n")
             out.append("  // D (+)= A . B, A and B from shared memory (descriptors); kTransB: B is MN-major\n")
