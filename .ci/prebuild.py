@@ -73,14 +73,15 @@ def specs():
             out.append(prefill_spec(V.BUILTIN_VARIANTS[name], 128, "bf16", "bf16", g, tuning=t))
     for g in (1, 4):  # the 8 x 1 shape with 128-token tiles, without ping-pong (A/B)
         out.append(prefill_spec(V.DEFAULT, 128, "bf16", "bf16", g, tuning={**pp["w8t128pp"], "pingpong": 0}))
-    # The softmax's row sums by MMA (tuning rowsum): tests/test_prefill_gpu.py (test_rowsum_mma) and perf A/B runs.
-    rs = {"rowsum": 1}
-    for name, g in (("default", 1), ("default", 4), ("window", 4), ("alibi", 4), ("soft_cap", 1), ("custom_mask", 4),
-                    ("sigmoid", 4), ("window", 1), ("alibi", 1)):
+    # The softmax's row sums by MMA or not (tuning rowsum): tests/test_prefill_gpu.py (test_row_sums) and perf A/B runs.
+    for (name, g), rs in itertools.product((("default", 1), ("default", 4), ("window", 4), ("alibi", 4), ("soft_cap", 1),
+                                            ("custom_mask", 4), ("sigmoid", 4), ("window", 1), ("alibi", 1)),
+                                           ({"rowsum": 0}, {"rowsum": 1})):
         out.append(prefill_spec(V.BUILTIN_VARIANTS[name], 128, "bf16", "bf16", g, tuning=rs))
-    out.append(prefill_spec(V.DEFAULT, 128, "fp16", "fp16", 4, tuning=rs))
-    out.append(prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={"warps": 8, "mfrags": 1, "stages": 3, "producer": 1, **rs}))
-    out.append(prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 8, tuning={**pp["w12pp"], **rs}))
+    for rs in ({"rowsum": 0}, {"rowsum": 1}):
+        out.extend([prefill_spec(V.DEFAULT, 128, "fp16", "fp16", 4, tuning=rs),
+                    prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={"warps": 8, "mfrags": 1, "stages": 3, "producer": 1, **rs}),
+                    prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 8, tuning={**pp["w12pp"], **rs})])
     seen, uniq = set(), []
     for s in out:
         if s.memo_key not in seen:

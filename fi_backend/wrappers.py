@@ -284,14 +284,15 @@ def prefill_uses_wgmma() -> bool:
 def _prefill_family(head_dim: int, kv_bytes: int, wgmma: Optional[bool] = None,
                     variant: Optional[Variant] = None, hpc: int = 1) -> list:
     """The family's shapes (variant None: the default variant's), member 0 warp-specialised where the variant,
-    KV type and heads per chunk allow it (_PREFILL_WS_MEMBER0)."""
+    KV type and heads per chunk allow it (_PREFILL_WS_MEMBER0); with wgmma the row sums by MMA (rowsum,
+    prefill::Config::kRowSumMma; measured in perf/results/ab46r_*.md)."""
     if wgmma is None:
         wgmma = prefill_uses_wgmma()
     table = _PREFILL_SHAPES_WGMMA if wgmma else _PREFILL_SHAPES_SYNC
     if wgmma and variant is not None and variant.mask_is_kv_range:
         table = {**table, **_PREFILL_SHAPES_WGMMA_WINDOW}
     keys = ("warps", "mfrags", "tile", "stages", "step")
-    family = [{**dict(zip(keys, s)), "wgmma": int(wgmma), "producer": 0, "pingpong": 0, "rowsum": 0}
+    family = [{**dict(zip(keys, s)), "wgmma": int(wgmma), "producer": 0, "pingpong": 0, "rowsum": int(wgmma)}
               for s in table[(head_dim, kv_bytes)]]
     ws = _PREFILL_WS_MEMBER0.get(head_dim) if wgmma else None
     if ws:
@@ -301,7 +302,7 @@ def _prefill_family(head_dim: int, kv_bytes: int, wgmma: Optional[bool] = None,
         # Ping-pong for one query head per chunk (no GQA) without logits hooks or masks (measured above).
         pingpong = hpc == 1 and not hooked
         shape = {**dict(zip(keys, ws["hooks" if hooks else "plain"])), "wgmma": 1, "producer": 1,
-                 "pingpong": int(pingpong), "rowsum": 0}
+                 "pingpong": int(pingpong), "rowsum": 1}
         if not _producer_blockers(variant, head_dim, kv_bytes, {**shape, "hpc": hpc}):
             family[0] = shape
     return family
@@ -405,7 +406,7 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     if shape["pingpong"] and not (shape["producer"] and shape["warps"] in (8, 12, 16)):
         raise ValueError(f"tuning pingpong=1 needs producer=1 and warps 8, 12 or 16 (two to four compute "
                          f"warpgroups taking turns); shape {shape}")
-    shape["rowsum"] = int(shape.get("rowsum", 0))
+    shape["rowsum"] = int(tuning.get("rowsum", shape["wgmma"]))  # by default wherever there are warpgroup MMAs
     if shape["rowsum"] not in (0, 1) or (shape["rowsum"] and not shape["wgmma"]):
         raise ValueError(f"tuning rowsum must be 0 or 1, and 1 only with wgmma=1 (the softmax's row sums by warpgroup "
                          f"MMAs); got rowsum={shape['rowsum']} with wgmma={shape['wgmma']}")

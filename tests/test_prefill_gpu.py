@@ -237,16 +237,18 @@ def test_warp_specialised_variants(name, pingpong):
     run_variant_case(attn, name, [1500, 3, 1017, 4000, 300], [1, 3, 17, 128, 300], torch.bfloat16)
 
 
-# The softmax's row sums by warpgroup MMAs (tuning rowsum, prefill::Config::kRowSumMma): P . ones beside each
-# P.V. Every shape family at its own default, with masks (a fully masked custom-mask row comes out as no row),
-# GQA, the split chunks of long KV (the sums leave as partial LSEs) and both 16-bit types.
+# The softmax's row sums: by warpgroup MMAs (tuning rowsum=1, the default with wgmma; prefill::Config::kRowSumMma:
+# P . ones beside each P.V) or by FADDs (rowsum=0). Shapes at their own defaults and forced, with masks (a fully
+# masked custom-mask row comes out as no row), GQA, the split chunks of long KV (the sums leave as partial LSEs),
+# a variant without a softmax, and both 16-bit types.
+@pytest.mark.parametrize("rowsum", [0, 1])
 @pytest.mark.parametrize("name,group,shape", [("default", 1, None), ("default", 4, None), ("default", 4, "w8"),
                                               ("default", 8, "w12pp"), ("window", 4, None), ("alibi", 4, None),
                                               ("soft_cap", 1, None), ("custom_mask", 4, None), ("sigmoid", 4, None)])
-def test_rowsum_mma(name, group, shape):
+def test_row_sums(name, group, shape, rowsum):
     Hkv = 4
     variant = _variant_case(name, Hkv * group)[1]
-    tuning = {**(_WS8[shape] if shape else {}), "rowsum": 1}
+    tuning = {**(_WS8[shape] if shape else {}), "rowsum": rowsum}
     for dtype in (torch.bfloat16, torch.float16) if name == "default" and group == 4 and not shape else (torch.bfloat16,):
         for page in (1, 16):
             attn = prefill(Hkv * group, Hkv, 128, q_dtype=dtype, page_size=page, variant=variant, tuning=tuning)

@@ -261,7 +261,7 @@ def test_warp_specialised_prefill_specs(monkeypatch):
     spec = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning=ws)
     config = spec.params["CONFIG"].split(", ")
     # ..., q_buffers, producer, pingpong, rowsum
-    assert config[-3] == "true" and config[-4] == str(W.PREFILL_PRODUCER_Q_BUFFERS) and config[-2:] == ["false"] * 2, config
+    assert config[-3] == "true" and config[-4] == str(W.PREFILL_PRODUCER_Q_BUFFERS) and config[-2:] == ["false", "true"], config
     three = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "stages": 3}).params["CONFIG"].split(", ")
     assert three[7] == "3" and three[-4] == "2", three  # more stages than query buffers
     assert W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "stages": 2, "q_buffers": 3}).params["CONFIG"].split(
@@ -269,9 +269,11 @@ def test_warp_specialised_prefill_specs(monkeypatch):
     no_producer = {"warps": 12, "mfrags": 1, "producer": 0}
     pp = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "pingpong": 1})
     assert pp.params["CONFIG"].split(", ")[-3:-1] == ["true", "true"] and pp.memo_key != spec.memo_key
-    # rowsum: its own module, named in the tag; wgmma only
-    rs = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "rowsum": 1})
-    assert rs.params["CONFIG"].split(", ")[-1] == "true" and rs.memo_key != spec.memo_key and "_rs" in rs.tag
+    # rowsum: on by default with wgmma, off its own module; wgmma only
+    rs = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "rowsum": 0})
+    assert rs.params["CONFIG"].split(", ")[-1] == "false" and rs.memo_key != spec.memo_key and "_rs" in spec.tag
+    assert W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={"wgmma": 0, "producer": 0}).params["CONFIG"].split(
+        ", ")[-1] == "false"  # mma.sync: FADD sums
     with pytest.raises(ValueError, match="rowsum must be 0 or 1, and 1 only with wgmma=1"):
         W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={"wgmma": 0, "producer": 0, "rowsum": 1})
     with pytest.raises(ValueError, match="pingpong=1 needs producer=1"):

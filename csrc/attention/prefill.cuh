@@ -76,6 +76,13 @@
 // is done, K's stage is held to the end of the step (the compute side reads the tile record in it).
 // ncu with TMA (perf/results/prefill_ncu_45.md): the producer waits for free stages; the compute warps
 // issue 576 instructions per 64-token step and stall on the softmax's dependencies (tensor pipe 54%).
+// Row sums by MMA (Cfg::kRowSumMma, the default with wgmma): the softmax's denominators come from one
+// m64n8k16 MMA of P against ones per 16 tokens, issued beside P.V, instead of an FADD a probability
+// (perf/results/ab46r_*.md against FADDs, same process: fa2 1x16k 4-7% faster in 4 of 4 pairs, 4x4k 0-3%,
+// 16x1k and flex within noise).
+// Tried, no faster (perf/results/ab46_*.md at 1de1d33): a share of the softmax's exponentials on the FMA
+// pipe (FlashAttention-4's cubic for 2^x, exact 0 at -inf): 2 or 4 of every 16 within run noise, 8 of 16
+// 3-10% slower; the MUFU's 8 cycles an ex2 are not what bounds a step.
 // MMAs run in the query's type. fp8 KV and key transforms (RoPE) go through one pass over the landed
 // tile: fp8 is converted exactly into a 16-bit copy (e4m3 and e5m2 are exact in bf16 and fp16), a
 // KeyTransform rotates K in fp32 in that pass; the per-tensor scales fold into the logits scale and
