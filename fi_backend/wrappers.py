@@ -333,7 +333,7 @@ def _prefill_smem_bytes(head_dim: int, kv_bytes: int, shape: dict, q_buffers: in
     barriers = 16 * shape["stages"] + 8 * q_buffers + 32 if shape.get("producer") else 0
     total = (shape["stages"] * (stage + record) + q_buffers * tile_rows * head_dim * 2 + convert + tile_rows * 4
              + row_offsets + barriers)
-    return (total + 15) // 16 * 16 + 128 if shape.get("rowsum") else total  # the row-sum MMA's ones
+    return (total + 15) // 16 * 16 + 256 if shape.get("rowsum") else total  # the row-sum MMA's ones
 
 
 def _prefill_q_buffers(variant: Variant, head_dim: int, kv_bytes: int, shape: dict) -> int:

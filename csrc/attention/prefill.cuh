@@ -202,10 +202,10 @@ struct Config {
   // After the loader's row offsets (shared.cuh) and, warp-specialised, its TMA votes (two tiles x 4 warps).
   static constexpr int kBarriersAt = kRowOffsetsAt + 2 * kTile * 8 + (kProducer ? 32 : 0);
   // full[kStages], empty[kStages], qempty[kQBuffers] mbarriers
-  // The row-sum MMA's B operand: 128 bytes of ones, read for every core matrix (wgmma::desc_repeat).
+  // The row-sum MMA's B operand: 16 x 8 ones, 256 bytes (wgmma::desc_k16n8).
   static constexpr int kBarriersEnd = kBarriersAt + (kProducer ? 16 * kStages + 8 * kQBuffers : 0);
   static constexpr int kOnesAt = (kBarriersEnd + 15) / 16 * 16;
-  static constexpr int kSmemBytes = kRowSumMma ? kOnesAt + 128 : kBarriersEnd;
+  static constexpr int kSmemBytes = kRowSumMma ? kOnesAt + 256 : kBarriersEnd;
   static_assert(sizeof(TileRecord) % 8 == 0 && kRecordsAt % 16 == 0, "tile records, row offsets: 8-byte aligned");
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim must be 64, 128 or 256");
@@ -506,7 +506,7 @@ struct Kernel {
       wgmma::Mma<kHeadDim, kBf16>::template rs<1>(reinterpret_cast<float(&)[kDTiles * 4]>(o), a[kk], b, 1);
     }
     if constexpr (kRowSum) {  // the row sums: P . ones (Cfg::kRowSumMma)
-      const uint64_t ones = wgmma::desc_repeat(os);
+      const uint64_t ones = wgmma::desc_k16n8(os);
 #pragma unroll
       for (int kk = 0; kk < kStep / 16; ++kk) wgmma::Mma<8, kBf16>::template rs<0>(d_run, a[kk], ones, 1);
     }
@@ -749,7 +749,7 @@ struct Kernel {
                    qempty = empty + 8 * kStages;
     // The row-sum MMA's ones (published by the first barrier below, or the first tile's, into the async proxy).
     if constexpr (kRowSum) {
-      if (threadIdx.x < 32) {
+      if (threadIdx.x < 64) {
         reinterpret_cast<uint32_t*>(smem + Cfg::kOnesAt)[threadIdx.x] = ptx::pack2<kBf16>(1.f, 1.f);
         wgmma::fence_proxy_async();
       }

@@ -28,9 +28,11 @@ __device__ __forceinline__ uint64_t desc_advance(uint64_t d, uint32_t bytes) {
   return (d & 0xFFFFFFFF00000000ull) | (uint32_t)((uint32_t)d + (bytes >> 4));
 }
 
-// A descriptor without swizzle and with both strides 0: every 8 x 8 core matrix of the operand is the same
-// 128 bytes at smem_addr (16-byte aligned). For a constant operand, such as the ones of a row-sum MMA.
-__device__ __forceinline__ uint64_t desc_repeat(uint32_t smem_addr) { return (uint64_t)((smem_addr & 0x3FFFFu) >> 4); }
+// A K-major B operand of 16 x 8 without swizzle (the row-sum MMA's ones): its two 8 x 8 core matrices, k 0-7
+// and k 8-15, 128 bytes each, one after the other at smem_addr (16-byte aligned).
+__device__ __forceinline__ uint64_t desc_k16n8(uint32_t smem_addr) {
+  return (uint64_t)((smem_addr & 0x3FFFFu) >> 4) | ((uint64_t)(128 >> 4) << 16) | ((uint64_t)(256 >> 4) << 32);
+}
 
 #ifdef FI_WGMMA
 // Orders this thread's register writes before the warpgroup's next wgmma reads them (accumulators, A).
