@@ -285,7 +285,8 @@ def _prefill_family(head_dim: int, kv_bytes: int, wgmma: Optional[bool] = None,
                     variant: Optional[Variant] = None, hpc: int = 1) -> list:
     """The family's shapes (variant None: the default variant's), member 0 warp-specialised where the variant,
     KV type and heads per chunk allow it (_PREFILL_WS_MEMBER0); with wgmma the row sums by MMA (rowsum,
-    prefill::Config::kRowSumMma; measured in perf/results/ab46r_*.md)."""
+    prefill::Config::kRowSumMma): against FADD sums in the same process, fa2 quick faster in 20 of 24 pairs
+    over two runs each way (perf/results/ab46r_*.md, ab46s_*.md: 1x16k up to 7%, 4x4k 0-8%), flex within noise."""
     if wgmma is None:
         wgmma = prefill_uses_wgmma()
     table = _PREFILL_SHAPES_WGMMA if wgmma else _PREFILL_SHAPES_SYNC
