@@ -9,6 +9,9 @@ FI_BACKEND_KV_TMA           "0": the warp-specialised prefill kernel gathers eve
                             default it copies whole tiles of consecutive tokens (ragged K/V, pages in order)
                             by TMA (read once per process by each kernel module, in C:
                             csrc/attention/attention_module.cu)
+FI_BACKEND_PLAN_GROUPED     "0": prefill plans place all items longest first (LPT); by default steps of two
+                            requests or more go request by request (fi_backend.scheduler.plan_into's
+                            group_requests; read when a wrapper is made)
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ NVCC = "FI_BACKEND_NVCC"
 JIT = "FI_BACKEND_JIT"
 QUIET = "FI_BACKEND_QUIET"
 KV_TMA = "FI_BACKEND_KV_TMA"
+PLAN_GROUPED = "FI_BACKEND_PLAN_GROUPED"
 
 _FALSE = ("0", "false", "no", "off")
 

@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from . import kernels
+from . import env, kernels
 from .formats import BSR
 from .kv_cache import parse_cached
 from .kernels.sets import module_set
@@ -181,6 +181,7 @@ _PREFILL_SHAPES_WGMMA = {
 # head (132 // 8 = 16 CTAs each); items now name their unit and the grid is all 132 CTAs: 132 vs 128
 # CTAs in one run (perf.sm_scaling, perf/results/sm_scaling.json) 16x1k 516 vs 529 us, 4x4k 1506 vs
 # 1532 us, decode batch 256 x 16k 5671 vs 5672 us (memory-bound: no change).
+PLAN_GROUPED_MIN_KV = 4096  # see BatchAttention.__init__ (_group_requests)
 FAMILY_TILES_PER_CTA = 3
 FAMILY_WAVE_SLACK = 1.1
 PREFILL_MAX_HEADS_PER_CHUNK = 16
@@ -697,6 +698,16 @@ class BatchAttention:
         # Planner cost of a query row, in KV tokens: decode items cost a tile of KV per row tile; a prefill
         # item's fixed work (its Q tile, its epilogue) is about two KV tiles for a whole 128-row tile.
         self._cost_q = float(self.kv_tile) if self.kernel == "decode" else 2.0 * self.kv_tile / self.rows_per_tile
+        # Prefill plans go request by request (scheduler.plan_into's group_requests) for steps of two requests or
+        # more with one of PLAN_GROUPED_MIN_KV KV tokens or more, so CTAs running at the same time read the same
+        # request and head's KV (shorter steps were not timed with it, and it doubles the planner's host time): with 16 heads, causal,
+        # against LPT over all items (perf/results/locality_h_*.json, ab46h_flex_*.md, two runs each), 2 / 4 /
+        # 16 x 16k 3-6% / 7% / 9% faster, 16 / 64 x 4k 2-5% / 5%, 4 x 4k even; one 16k request 2-3% slower
+        # (LPT's order already keeps its CTAs together), so not there; a sliding window 3-14% slower (its
+        # tiles' cost is the window, not the prefix the planner counts), so not for a mask that is the KV
+        # range. FI_BACKEND_PLAN_GROUPED=0 turns it off.
+        self._group_requests = (self.kernel == "prefill" and not self.variant.mask_is_kv_range
+                                and env.flag(env.PLAN_GROUPED, True))
 
     def _pick_member(self, q_lens: torch.Tensor) -> int:
         """The largest query tile that gives each CTA FAMILY_TILES_PER_CTA tiles on this step, or that fills
@@ -804,8 +815,10 @@ class BatchAttention:
         qo32 = qo_cpu.to(torch.int32)
         if len(self._family) > 1 and self._frozen is None:  # a captured graph keeps its kernel
             self._use_member(self._pick_member(qo32[1:] - qo32[:-1]))
-        ws.plan(qo32, kv_cpu.to(torch.int32), tile_q=self.rows_per_tile, num_units=self.num_units, causal=bool(causal),
-                kv_chunk_align=self.kv_tile, cost_q=self._cost_q)
+        kv32 = kv_cpu.to(torch.int32)
+        group = self._group_requests and len(kv32) > 1 and int(kv32.numpy().max()) >= PLAN_GROUPED_MIN_KV
+        ws.plan(qo32, kv32, tile_q=self.rows_per_tile, num_units=self.num_units, causal=bool(causal),
+                kv_chunk_align=self.kv_tile, cost_q=self._cost_q, group_requests=group)
 
         p = self._params
         p.kv_indices, p.kv_lens, p.qo_indptr = bsr_ptrs[2], bsr_ptrs[1], bsr_ptrs[0]

@@ -157,7 +157,11 @@ void Planner::RadixSortKeys(int64_t n) {
 // LPT over the n entries whose keys_ hold (~CostBits(cost), creation index): sorts them by cost,
 // descending, ties in creation order (cost_order_, sorted_cost_), gives each entry's `units` replicas,
 // in turn, to the least-loaded of m CTAs (item_cta_[k * units + u]), and returns the makespan.
-double Planner::SortAndAssign(int64_t n, int32_t m, int32_t units) {
+//
+// request_of (PlanInputs::group_requests; indexed by creation index): the order is the requests by total
+// cost, descending (ties: lower index), each request's entries by cost as above, and its replicas go
+// unit-major (all of unit 0's entries, then unit 1's, ...); seq_ records that order (k * units + u).
+double Planner::SortAndAssign(int64_t n, int32_t m, int32_t units, const int32_t* request_of) {
   RadixSortKeys(n);
   cost_order_.resize(n);
   sorted_cost_.resize(n);
@@ -168,6 +172,7 @@ double Planner::SortAndAssign(int64_t n, int32_t m, int32_t units) {
   const int64_t total = n * units;
   item_cta_.resize(total);
   first_round_.resize(m);
+  if (request_of != nullptr) return AssignByRequest(n, m, units, request_of);
   // StartTree's first round: the leading replicas with cost > 0, at most m. Replica r is item r / units
   // (counted with item and unit indices: a division per replica costs as much as the tree update).
   int64_t first = 0;
@@ -186,6 +191,82 @@ double Planner::SortAndAssign(int64_t n, int32_t m, int32_t units) {
       item_cta_[r] = Assign(cost, &load);
       max_load = std::max(max_load, load);
     }
+  }
+  return LoadOf(max_load);
+}
+
+// SortAndAssign's group_requests order (the entries already by cost in cost_order_ / sorted_cost_): a stable
+// counting sort of that order by the rank of the entry's request, then the replicas request by request,
+// unit-major, each to the least-loaded CTA.
+double Planner::AssignByRequest(int64_t n, int32_t m, int32_t units, const int32_t* request_of) {
+  int32_t B = 0;
+  for (int64_t k = 0; k < n; ++k) B = std::max(B, request_of[k] + 1);
+  request_cost_.assign(B, 0.0);
+  for (int64_t k = 0; k < n; ++k) request_cost_[request_of[cost_order_[k]]] += sorted_cost_[k];
+  request_rank_.resize(B);
+  for (int32_t b = 0; b < B; ++b) request_rank_[b] = b;
+  std::stable_sort(request_rank_.begin(), request_rank_.end(),
+                   [&](int32_t x, int32_t y) { return request_cost_[x] > request_cost_[y]; });
+  // request_rank_: position -> request; request_pos_: request -> position; request_start_: each position's
+  // first slot in the new order (a counting sort, stable: the cost order within a request stays).
+  request_pos_.resize(B);
+  for (int32_t r = 0; r < B; ++r) request_pos_[request_rank_[r]] = r;
+  request_start_.assign(B + 1, 0);
+  for (int64_t k = 0; k < n; ++k) ++request_start_[request_pos_[request_of[cost_order_[k]]] + 1];
+  for (int32_t r = 0; r < B; ++r) request_start_[r + 1] += request_start_[r];
+  group_order_.resize(n);
+  group_cost_.resize(n);
+  for (int64_t k = 0; k < n; ++k) {
+    const int32_t at = request_start_[request_pos_[request_of[cost_order_[k]]]]++;
+    group_order_[at] = cost_order_[k];
+    group_cost_[at] = sorted_cost_[k];
+  }
+  cost_order_.swap(group_order_);
+  sorted_cost_.swap(group_cost_);
+  // The replicas: per request (a run of cost_order_ with one request), unit-major.
+  const int64_t total = n * units;
+  seq_.resize(total);
+  int64_t s = 0;
+  for (int64_t g0 = 0; g0 < n;) {
+    const int32_t req = request_of[cost_order_[g0]];
+    int64_t g1 = g0 + 1;
+    while (g1 < n && request_of[cost_order_[g1]] == req) ++g1;
+    for (int32_t u = 0; u < units; ++u)
+      for (int64_t k = g0; k < g1; ++k) seq_[s++] = (int32_t)(k * units + u);
+    g0 = g1;
+  }
+  // The tail by cost, descending (LPT), so that the schedule ends on small items: request by request alone,
+  // a request's largest items may come last and leave a CTA one item over the rest (1x16k, 16 heads: 11%
+  // over LPT's makespan). The tail is the last replicas worth 2 m times the largest item (or everything).
+  double max_cost = 0.0, tail_cost = 0.0;
+  for (int64_t k = 0; k < n; ++k) max_cost = std::max(max_cost, sorted_cost_[k]);
+  const double tail_target = 2.0 * m * max_cost;
+  int64_t t0 = total;
+  while (t0 > 0 && tail_cost < tail_target) tail_cost += sorted_cost_[seq_[--t0] / units];
+  const int64_t tail = total - t0;  // sorted as (complemented cost bits, replica) keys, stably
+  keys_.resize(2 * tail);
+  for (int64_t i = 0; i < tail; ++i) {
+    keys_[2 * i] = ~CostBits(sorted_cost_[seq_[t0 + i] / units]);
+    keys_[2 * i + 1] = (uint64_t)seq_[t0 + i];
+  }
+  RadixSortKeys(tail);
+  for (int64_t i = 0; i < tail; ++i) seq_[t0 + i] = (int32_t)keys_[2 * i + 1];
+  int64_t first = 0;
+  for (; first < total && first < m; ++first) {
+    const double cost = sorted_cost_[seq_[first] / units];
+    if (!(cost > 0.0)) break;
+    first_round_[first] = cost;
+  }
+  StartTree(m, first_round_.data(), first);
+  uint64_t max_load = 0;
+  for (int64_t k = 0; k < first; ++k) {
+    item_cta_[seq_[k]] = (int32_t)k;
+    max_load = std::max(max_load, CostBits(first_round_[k]));
+  }
+  for (int64_t q = first; q < total; ++q) {
+    uint64_t load;
+    item_cta_[seq_[q]] = Assign(sorted_cost_[seq_[q] / units], &load);
+    max_load = std::max(max_load, load);
   }
   return LoadOf(max_load);
 }
@@ -590,6 +671,17 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
   const int64_t n_items = split.num_items;  // before replication: n_items * units are written
   int64_t num_split_rows = 0;
   double makespan = unsplit_makespan;
+  if (in.group_requests && split.num_split_pairs == 0 && num_pairs > 0) {
+    // The chunk search compared LPT makespans; the plan itself goes request by request.
+    keys_.resize(2 * num_pairs);
+    entry_request_.resize(num_pairs);
+    for (int64_t j = 0; j < num_pairs; ++j) {
+      keys_[2 * j] = ~CostBits(pairs_[j].cost);
+      keys_[2 * j + 1] = (uint64_t)j;
+      entry_request_[j] = pairs_[j].request;
+    }
+    makespan = SortAndAssign(num_pairs, m, lpt_units, entry_request_.data());
+  }
   // The items in LPT order: order[k] indexes items_ (split plan) or pairs_ (unsplit plan); the CTA of
   // its replica for unit u is item_cta_[k * units + u].
   const int32_t* order = cost_order_.data();
@@ -641,7 +733,12 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
       keys_[2 * k] = ~CostBits(items_[k].cost);
       keys_[2 * k + 1] = (uint64_t)k;
     }
-    makespan = SortAndAssign(n_items, m, lpt_units);  // cost_order_ now holds the item order (pairs' no longer needed)
+    if (in.group_requests) {
+      entry_request_.resize(n_items);
+      for (int64_t k = 0; k < n_items; ++k) entry_request_[k] = items_[k].work.request;
+    }
+    // cost_order_ now holds the item order (pairs' no longer needed)
+    makespan = SortAndAssign(n_items, m, lpt_units, in.group_requests ? entry_request_.data() : nullptr);
     order = cost_order_.data();
   }
 
@@ -668,18 +765,36 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
   for (int32_t c = 0; c <= grid; ++c) cta_indptr[c] = fill[c];
   // CTAs the layout has beyond num_ctas get no items, so a kernel launched on the full grid is correct.
   for (int64_t c = grid + 1; c <= section.num_ctas; ++c) cta_indptr[c] = (int32_t)n_out;
+  auto work_of = [&](int64_t i) {
+    if (split.num_split_pairs == 0) {
+      const Pair& p = pairs_[i];
+      return FiWorkItem{p.request, p.q_begin, p.q_end, 0, p.kv_len, -1, 1, 0};
+    }
+    return items_[i].work;
+  };
+  if (in.group_requests) {  // each CTA's queue in assignment order (seq_), so CTAs keep to the same requests
+    const int64_t n_seq = n_items * lpt_units;
+    for (int64_t q = 0; q < n_seq; ++q) {
+      const int32_t r = seq_[q];
+      const int64_t k = r / lpt_units;
+      FiWorkItem work = work_of(order[k]);
+      if (blocks) {
+        for (int32_t u = 0; u < units; ++u) {
+          work.unit = u;
+          out_items[fill[cta_of(k, u)]++] = work;
+        }
+      } else {
+        work.unit = r % lpt_units;
+        out_items[fill[item_cta_[r]]++] = work;
+      }
+    }
+  }
   // Item i in creation order is the rank_[i]-th in LPT order, whose replicas' CTAs cta_of gives.
   rank_.resize(n_items);
   for (int64_t k = 0; k < n_items; ++k) rank_[order[k]] = (int32_t)k;
-  for (int64_t i = 0; i < n_items; ++i) {
+  for (int64_t i = 0; i < n_items && !in.group_requests; ++i) {
     const int64_t k = rank_[i];
-    FiWorkItem work;
-    if (split.num_split_pairs == 0) {
-      const Pair& p = pairs_[i];
-      work = FiWorkItem{p.request, p.q_begin, p.q_end, 0, p.kv_len, -1, 1, 0};
-    } else {
-      work = items_[i].work;
-    }
+    FiWorkItem work = work_of(i);
     for (int32_t u = 0; u < units; ++u) {
       work.unit = u;
       out_items[fill[cta_of(k, u)]++] = work;

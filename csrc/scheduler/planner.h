@@ -53,6 +53,12 @@ struct PlanInputs {
   // force_split_pairs < 0 means as many pairs as the split-item budget allows. -1: search.
   int64_t force_kv_chunk = -1;
   int64_t force_split_pairs = -1;
+  // Requests in turn instead of all items by cost (prefill): the requests by total cost, descending, each
+  // one's (unit, item) replicas back to back, unit-major, items by cost descending, go to the least-loaded
+  // CTA in that order, and every CTA runs its queue in that order (not creation order). CTAs that run at
+  // the same time then read the same request and unit's KV (L2 hits), where LPT over all items has them
+  // read as many different KV streams as there are CTAs.
+  bool group_requests = false;
 };
 
 // A caller-owned int32 buffer holding one plan section, laid out by csrc/plan.h for
@@ -128,7 +134,8 @@ class Planner {
   Split ChooseSplit(const PlanInputs& in, const PlanSection& section, int64_t replicas, double total_cost,
                     double unsplit_makespan, double good_enough);
   void RadixSortKeys(int64_t n);
-  double SortAndAssign(int64_t n, int32_t m, int32_t units);
+  double SortAndAssign(int64_t n, int32_t m, int32_t units, const int32_t* request_of = nullptr);
+  double AssignByRequest(int64_t n, int32_t m, int32_t units, const int32_t* request_of);
   int64_t UnitShare(const PlanInputs& in) const;
   int64_t SplitBudget(const PlanInputs& in) const;
   void StartTree(int32_t m, const double* first, int64_t count);
@@ -150,6 +157,11 @@ class Planner {
   std::vector<double> first_round_;
   int32_t leaves_ = 0;
   std::vector<int32_t> item_cta_;  // CTA of each (item, unit), in assignment order (units innermost)
+  std::vector<int32_t> seq_;       // group_requests: the replicas k * units + u in the order they were assigned
+  std::vector<int32_t> entry_request_;  // request of each entry SortAndAssign sorts (group_requests)
+  std::vector<double> request_cost_;
+  std::vector<int32_t> request_rank_, request_pos_, request_start_, group_order_;
+  std::vector<double> group_cost_;
   std::vector<int32_t> cta_fill_;
   char error_[512] = {0};
 };

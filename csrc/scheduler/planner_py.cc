@@ -60,11 +60,11 @@ PyObject* Plan(PyObject*, PyObject* args) {
   Py_ssize_t layout_ctas, max_items, max_rows, max_partial_rows, tile_q, num_ctas, num_units, min_kv_chunk,
       kv_chunk_align;
   Py_ssize_t force_kv_chunk = -1, force_split_pairs = -1;
-  int causal;
+  int causal, group_requests = 0;
   double cost_q, cost_kv;
-  if (!PyArg_ParseTuple(args, "OnnnnOOnnnpnndd|nn:plan", &section_obj, &layout_ctas, &max_items, &max_rows,
+  if (!PyArg_ParseTuple(args, "OnnnnOOnnnpnndd|nnp:plan", &section_obj, &layout_ctas, &max_items, &max_rows,
                         &max_partial_rows, &qo_obj, &kv_obj, &tile_q, &num_ctas, &num_units, &causal, &min_kv_chunk,
-                        &kv_chunk_align, &cost_q, &cost_kv, &force_kv_chunk, &force_split_pairs))
+                        &kv_chunk_align, &cost_q, &cost_kv, &force_kv_chunk, &force_split_pairs, &group_requests))
     return nullptr;
 
   Py_buffer section, qo, kv;
@@ -96,6 +96,7 @@ PyObject* Plan(PyObject*, PyObject* args) {
   in.cost_kv = cost_kv;
   in.force_kv_chunk = force_kv_chunk;
   in.force_split_pairs = force_split_pairs;
+  in.group_requests = group_requests != 0;
   fi::PlanSection out;
   out.data = static_cast<int32_t*>(section.buf);
   out.num_ints = section.len / 4;
