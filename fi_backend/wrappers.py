@@ -698,14 +698,14 @@ class BatchAttention:
         # Planner cost of a query row, in KV tokens: decode items cost a tile of KV per row tile; a prefill
         # item's fixed work (its Q tile, its epilogue) is about two KV tiles for a whole 128-row tile.
         self._cost_q = float(self.kv_tile) if self.kernel == "decode" else 2.0 * self.kv_tile / self.rows_per_tile
-        # Prefill plans go request by request (scheduler.plan_into's group_requests) for steps of two requests or
-        # more with one of PLAN_GROUPED_MIN_KV KV tokens or more, so CTAs running at the same time read the same
-        # request and head's KV (shorter steps were not timed with it, and it doubles the planner's host time): with 16 heads, causal,
-        # against LPT over all items (perf/results/locality_h_*.json, ab46h_flex_*.md, two runs each), 2 / 4 /
-        # 16 x 16k 3-6% / 7% / 9% faster, 16 / 64 x 4k 2-5% / 5%, 4 x 4k even; one 16k request 2-3% slower
-        # (LPT's order already keeps its CTAs together), so not there; a sliding window 3-14% slower (its
-        # tiles' cost is the window, not the prefix the planner counts), so not for a mask that is the KV
-        # range. FI_BACKEND_PLAN_GROUPED=0 turns it off.
+        # Prefill plans go request by request (scheduler.plan_into's group_requests) for steps of two requests
+        # or more with one of PLAN_GROUPED_MIN_KV KV tokens or more, so CTAs running at the same time read the
+        # same request and head's KV (shorter steps were not timed with it, and it doubles the planner's host
+        # time). With 16 heads, causal, against LPT over all items (perf/results/locality_h_*.json,
+        # ab46h_flex_*.md, two runs each): 2 / 4 / 16 x 16k 3-6% / 7% / 9% faster, 16 / 64 x 4k 2-5% / 5%,
+        # 4 x 4k even; one 16k request 2-3% slower (LPT's order already keeps its CTAs together), so not there;
+        # a sliding window 3-14% slower (its tiles' cost is the window, not the prefix the planner counts), so
+        # not for a mask that is the KV range. FI_BACKEND_PLAN_GROUPED=0 turns it off.
         self._group_requests = (self.kernel == "prefill" and not self.variant.mask_is_kv_range
                                 and env.flag(env.PLAN_GROUPED, True))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -253,6 +254,31 @@ def test_row_sums(name, group, shape, rowsum):
         for page in (1, 16):
             attn = prefill(Hkv * group, Hkv, 128, q_dtype=dtype, page_size=page, variant=variant, tuning=tuning)
             run_variant_case(attn, name, [1500, 3, 1017, 4000, 300, 16000], [1, 3, 17, 128, 300, 1000], dtype)
+
+
+# Plans by request (fi_backend.wrappers: prefill steps of 2+ requests with PLAN_GROUPED_MIN_KV+ KV tokens,
+# not for a mask that is the KV range, FI_BACKEND_PLAN_GROUPED=0 off): queues in assignment order, so some
+# CTA runs a larger tile of a request before a smaller one; LPT's queues are in creation order. The output
+# is checked either way.
+@pytest.mark.parametrize("name,kv_lens,env_off,grouped", [("default", [5000, 4500, 300], False, True),
+                                                          ("default", [5000, 4500, 300], True, False),
+                                                          ("default", [3000, 2000], False, False),
+                                                          ("default", [6000], False, False),
+                                                          ("window", [5000, 4500, 300], False, False),
+                                                          ("alibi", [5000, 4500, 300], False, True)])
+def test_plan_order(monkeypatch, name, kv_lens, env_off, grouped):
+    from fi_backend import wrappers as W
+    if env_off:
+        monkeypatch.setenv("FI_BACKEND_PLAN_GROUPED", "0")
+    assert W.PLAN_GROUPED_MIN_KV == 4096
+    Hq, Hkv = 16, 4
+    attn = prefill(Hq, Hkv, 128, page_size=16, variant=_variant_case(name, Hq)[1], max_tokens=16384)
+    run_variant_case(attn, name, kv_lens, kv_lens, torch.bfloat16)
+    d = attn.workspace.host_plan()
+    in_creation_order = all(
+        np.all(np.diff(d.items["request"][a:b].astype(np.int64) * 2**31 + d.items["q_begin"][a:b]) >= 0)
+        for a, b in zip(d.cta_indptr[:-1], d.cta_indptr[1:]))
+    assert in_creation_order != grouped
 
 
 # KV by TMA (Loader::produce, shared.cuh): the producer copies a whole tile of consecutive tokens of a

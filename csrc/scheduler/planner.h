@@ -55,9 +55,10 @@ struct PlanInputs {
   int64_t force_split_pairs = -1;
   // Requests in turn instead of all items by cost (prefill): the requests by total cost, descending, each
   // one's (unit, item) replicas back to back, unit-major, items by cost descending, go to the least-loaded
-  // CTA in that order, and every CTA runs its queue in that order (not creation order). CTAs that run at
-  // the same time then read the same request and unit's KV (L2 hits), where LPT over all items has them
-  // read as many different KV streams as there are CTAs.
+  // CTA in that order, and every CTA runs its queue in that order (not creation order); the last replicas
+  // worth 2 num_ctas times the largest item go by cost, descending, so the plan ends on small items. CTAs
+  // that run at the same time then read the same request and unit's KV (L2 hits), where LPT over all items
+  // has them read as many different KV streams as there are CTAs.
   bool group_requests = false;
 };
 
