@@ -12,6 +12,9 @@ FI_BACKEND_KV_TMA           "0": the warp-specialised prefill kernel gathers eve
 FI_BACKEND_PLAN_GROUPED     "0": prefill plans place all items longest first (LPT); by default steps of two
                             requests or more go request by request (fi_backend.scheduler.plan_into's
                             group_requests; read when a wrapper is made)
+FI_BACKEND_PLAN_WINDOW      "0": a causal sliding window's prefill tiles are planned at the cost of their whole
+                            KV prefix; by default at that of their window (plan_into's kv_window; read when a
+                            wrapper is made)
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ JIT = "FI_BACKEND_JIT"
 QUIET = "FI_BACKEND_QUIET"
 KV_TMA = "FI_BACKEND_KV_TMA"
 PLAN_GROUPED = "FI_BACKEND_PLAN_GROUPED"
+PLAN_WINDOW = "FI_BACKEND_PLAN_WINDOW"
 
 _FALSE = ("0", "false", "no", "off")
 

@@ -166,7 +166,7 @@ def plan_into(views: PlanViews, qo_indptr, kv_lens, *, tile_q: int, num_ctas: in
               min_kv_chunk: int = DEFAULT_MIN_KV_CHUNK, kv_chunk_align: int = 1,
               cost_q: float = DEFAULT_COST_Q, cost_kv: float = DEFAULT_COST_KV,
               force_kv_chunk: Optional[int] = None, force_split_pairs: Optional[int] = None,
-              group_requests: bool = False) -> PlanInfo:
+              group_requests: bool = False, kv_window: int = 0) -> PlanInfo:
     """Plan one step into `views` in place.
 
     qo_indptr: int32 [B + 1] (numpy array or CPU tensor), query rows of each request, qo_indptr[0] = 0.
@@ -182,13 +182,16 @@ def plan_into(views: PlanViews, qo_indptr, kv_lens, *, tile_q: int, num_ctas: in
     group_requests (prefill): requests by total cost, each one's (unit, item) replicas back to back, to the
     least-loaded CTA in that order, and each CTA's queue in that order (csrc/scheduler/planner.h,
     PlanInputs::group_requests), instead of LPT over all items with queues in creation order.
+    kv_window: the most KV positions a query row sees (a sliding window: window_left + 1; 0: no bound): a
+    tile's cost counts at most kv_window - 1 + its rows of KV, and no pair is split unless forced.
     """
     L = views.layout
     out = _planner.plan(views.section, L.num_ctas, L.max_items, L.max_rows, views.max_partial_rows,
                         _host_int32(qo_indptr, "qo_indptr"), _host_int32(kv_lens, "kv_lens"),
                         tile_q, num_ctas, num_units, causal, min_kv_chunk, kv_chunk_align, cost_q, cost_kv,
                         -1 if force_kv_chunk is None else force_kv_chunk,
-                        -1 if force_split_pairs is None else force_split_pairs, bool(group_requests))
+                        -1 if force_split_pairs is None else force_split_pairs, bool(group_requests),
+                        int(kv_window))
     return PlanInfo._make(out)
 
 

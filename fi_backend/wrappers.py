@@ -704,8 +704,16 @@ class BatchAttention:
         # time). With 16 heads, causal, against LPT over all items (perf/results/locality_h_*.json,
         # ab46h_flex_*.md, two runs each): 2 / 4 / 16 x 16k 3-6% / 7% / 9% faster, 16 / 64 x 4k 2-5% / 5%,
         # 4 x 4k even; one 16k request 2-3% slower (LPT's order already keeps its CTAs together), so not there;
-        # a sliding window 3-14% slower (its tiles' cost is the window, not the prefix the planner counts), so
-        # not for a mask that is the KV range. FI_BACKEND_PLAN_GROUPED=0 turns it off.
+        # a sliding window 3-14% slower while the planner counted its tiles' prefix, and even once they cost
+        # their window (ab46wg_*.md: 16k 1.18-1.19 against 1.16-1.23 of FlexAttention), so not for a mask that
+        # is the KV range. FI_BACKEND_PLAN_GROUPED=0 turns it off.
+        # A sliding window's tiles cost their window, not their prefix (scheduler.plan_into's kv_window; the
+        # variant's mask is its KV range and a parameter window_left names the window): LPT had balanced the
+        # prefixes, so CTAs with the late tiles ran fewer of equal real cost. Flex window 1024, 16 heads, same
+        # machine, two runs each way (perf/results/ab46w_*.md): 16k 1.18-1.19 of FlexAttention against
+        # 1.10-1.11, 4k 1.23 against 1.19-1.20, 1k even. FI_BACKEND_PLAN_WINDOW=0: the prefix (A/B).
+        self._window_cost = (self.kernel == "prefill" and self.variant.mask_is_kv_range
+                             and "window_left" in self.variant.params and env.flag(env.PLAN_WINDOW, True))
         self._group_requests = (self.kernel == "prefill" and not self.variant.mask_is_kv_range
                                 and env.flag(env.PLAN_GROUPED, True))
 
@@ -817,8 +825,11 @@ class BatchAttention:
             self._use_member(self._pick_member(qo32[1:] - qo32[:-1]))
         kv32 = kv_cpu.to(torch.int32)
         group = self._group_requests and len(kv32) > 1 and int(kv32.numpy().max()) >= PLAN_GROUPED_MIN_KV
+        # A causal sliding window (a KV-range mask with a window_left): a row sees window_left + 1 positions.
+        window = values.get("window_left") if self._window_cost and causal else None
+        kv_window = int(window) + 1 if window is not None and int(window) >= 0 else 0
         ws.plan(qo32, kv32, tile_q=self.rows_per_tile, num_units=self.num_units, causal=bool(causal),
-                kv_chunk_align=self.kv_tile, cost_q=self._cost_q, group_requests=group)
+                kv_chunk_align=self.kv_tile, cost_q=self._cost_q, group_requests=group, kv_window=kv_window)
 
         p = self._params
         p.kv_indices, p.kv_lens, p.qo_indptr = bsr_ptrs[2], bsr_ptrs[1], bsr_ptrs[0]

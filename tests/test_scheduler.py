@@ -198,7 +198,7 @@ def chunk_index(d, items=None):
 
 
 def check_plan(d, info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align, cost_q, cost_kv, num_units=1,
-               grouped=False):
+               grouped=False, kv_window=0):
     qo = np.asarray(qo, dtype=np.int64)
     kv = np.asarray(kv, dtype=np.int64)
     B, num_rows = len(kv), int(qo[-1])
@@ -302,8 +302,12 @@ def check_plan(d, info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align
     # replicas (each item's units in order) on all the CTAs. Each CTA runs its items in creation order
     # (a request's tiles back to back, for L2), not LPT's.
     it = all_items
-    cost_of = lambda k: cost_q * float(it["q_end"][k] - it["q_begin"][k]) + cost_kv * float(it["kv_end"][k] -  # noqa: E731
-                                                                                           it["kv_begin"][k])
+
+    def cost_of(k):  # a whole pair with a window (kv_window): the KV it reads, its window plus its rows at most
+        rows, kv_len = int(it["q_end"][k] - it["q_begin"][k]), int(it["kv_end"][k] - it["kv_begin"][k])
+        if kv_window and it["partial_base"][k] < 0:
+            kv_len = min(kv_len, kv_window - 1 + rows)
+        return cost_q * float(rows) + cost_kv * float(kv_len)
     got = [list(range(d.cta_indptr[c], d.cta_indptr[c + 1])) for c in range(num_ctas)]
     if grouped:  # group_requests: the order grouped_reference gives, each CTA's queue in that order
         blocks = num_units > 1 and num_ctas % num_units == 0
@@ -361,13 +365,13 @@ def roomy_views(num_ctas, rows, tile_q, layout_ctas=None, num_units=1):
 
 def run_plan(qo, kv, *, tile_q, num_ctas, causal=False, min_kv_chunk=1, align=1, cost_q=1.0, cost_kv=1.0,
              layout_ctas=None, views=None, force_kv_chunk=None, force_split_pairs=None, num_units=1,
-             group_requests=False):
+             group_requests=False, kv_window=0):
     if views is None:
         views = roomy_views(num_ctas, int(qo[-1]), tile_q, layout_ctas, num_units)
     info = S.plan_into(views, qo, kv, tile_q=tile_q, num_ctas=num_ctas, num_units=num_units, causal=causal,
                        min_kv_chunk=min_kv_chunk,
                        kv_chunk_align=align, cost_q=cost_q, cost_kv=cost_kv, force_kv_chunk=force_kv_chunk,
-                       force_split_pairs=force_split_pairs, group_requests=group_requests)
+                       force_split_pairs=force_split_pairs, group_requests=group_requests, kv_window=kv_window)
     return views, info
 
 
@@ -443,6 +447,25 @@ def test_plan_invariants_group_requests(step, tile_q, num_ctas, num_units, causa
     check_plan(S.decode_plan(views), info, qo, kv, grouped=True, **kw)
     lpt = run_plan(qo, kv, **kw)[1]
     assert (info.num_items, info.kv_chunk, info.num_split_pairs) == (lpt.num_items, lpt.kv_chunk, lpt.num_split_pairs)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(step=steps(), window=st.sampled_from([1, 2, 5, 64, 1000]), grouped=st.booleans(), **plan_params)
+def test_plan_invariants_kv_window(step, window, grouped, tile_q, num_ctas, num_units, causal, min_kv_chunk, align,
+                                   cost_q, cost_kv):
+    """kv_window (a sliding window): whole tiles cost their window plus their rows of KV at most, and nothing is
+    split; the rest of the plan as without it."""
+    qo, kv = step
+    kw = dict(tile_q=tile_q, num_ctas=num_ctas, causal=causal, min_kv_chunk=min_kv_chunk, align=align, cost_q=cost_q,
+              cost_kv=cost_kv, num_units=num_units)
+    views, info = run_plan(qo, kv, group_requests=grouped, kv_window=window, **kw)
+    assert info.num_split_pairs == 0
+    check_plan(S.decode_plan(views), info, qo, kv, grouped=grouped, kv_window=window, **kw)
+
+
+def test_kv_window_is_checked():
+    with pytest.raises(ValueError, match="kv_window must be >= 0"):
+        run_plan(np.array([0, 4], dtype=np.int32), np.array([4], dtype=np.int32), tile_q=4, num_ctas=2, kv_window=-1)
 
 
 @pytest.mark.parametrize("B,s", [(16, 16384), (4, 16384), (2, 16384), (64, 4096), (16, 1024)])

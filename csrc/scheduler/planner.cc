@@ -534,6 +534,8 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
                 "force_kv_chunk must be -1 (search), 0 (no split) or a multiple of kv_chunk_align=%lld that is >= "
                 "min_kv_chunk=%lld, got %lld",
                 (long long)in.kv_chunk_align, (long long)in.min_kv_chunk, (long long)in.force_kv_chunk);
+  if (in.kv_window < 0)
+    return Fail(S::kInvalidArgument, "kv_window must be >= 0 (0: no window), got %lld", (long long)in.kv_window);
   if (in.force_kv_chunk < -1)
     return Fail(S::kInvalidArgument, "force_kv_chunk must be -1 (search), 0 (no split) or a chunk > 0, got %lld",
                 (long long)in.force_kv_chunk);
@@ -597,7 +599,9 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
       // Causal, bottom-right aligned: query row j sees keys [0, kv_len - q_len + j], so the tile needs
       // keys [0, kv_len - q_len + tile_end).
       const int64_t len = in.causal ? kv_len - q_len + tile_end : kv_len;
-      const double cost = ItemCost(in.cost_q, in.cost_kv, tile_end - tile_begin, len);
+      const int64_t rows = tile_end - tile_begin;
+      const int64_t span = in.kv_window > 0 ? std::min(len, in.kv_window - 1 + rows) : len;  // KV it reads
+      const double cost = ItemCost(in.cost_q, in.cost_kv, rows, span);
       pairs_.push_back(Pair{(int32_t)i, (int32_t)(q0 + tile_begin), (int32_t)(q0 + tile_end), (int32_t)len, cost});
       total_cost += cost;
     }
@@ -635,7 +639,8 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
   Split split;  // chunk 0: nothing split
   split.num_items = num_pairs;
   const double good_enough = (1.0 + kBalancedSlack) * ((double)lpt_units * total_cost / (double)m);
-  if (num_pairs > 0 && in.force_kv_chunk != 0 && (in.force_kv_chunk > 0 || unsplit_makespan > good_enough)) {
+  if (num_pairs > 0 && in.force_kv_chunk != 0 &&
+      (in.force_kv_chunk > 0 || (unsplit_makespan > good_enough && in.kv_window == 0))) {
     // Pairs by KV length, descending, ties in creation order: the order splits are handed out.
     keys_.resize(2 * num_pairs);
     for (int64_t j = 0; j < num_pairs; ++j) {

@@ -60,6 +60,11 @@ struct PlanInputs {
   // that run at the same time then read the same request and unit's KV (L2 hits), where LPT over all items
   // has them read as many different KV streams as there are CTAs.
   bool group_requests = false;
+  // Each query row sees at most kv_window KV positions (a sliding window: window_left + 1; 0: no bound). A
+  // tile then reads at most kv_window - 1 + its rows of KV (the kernels skip the rest), which is what its
+  // cost counts, and no pair is split (the search's chunk costs know no window; a window bounds every
+  // item's work anyway). A forced split (force_kv_chunk > 0) still splits.
+  int64_t kv_window = 0;
 };
 
 // A caller-owned int32 buffer holding one plan section, laid out by csrc/plan.h for

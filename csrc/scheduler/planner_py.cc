@@ -59,12 +59,13 @@ PyObject* Plan(PyObject*, PyObject* args) {
   PyObject *section_obj, *qo_obj, *kv_obj;
   Py_ssize_t layout_ctas, max_items, max_rows, max_partial_rows, tile_q, num_ctas, num_units, min_kv_chunk,
       kv_chunk_align;
-  Py_ssize_t force_kv_chunk = -1, force_split_pairs = -1;
+  Py_ssize_t force_kv_chunk = -1, force_split_pairs = -1, kv_window = 0;
   int causal, group_requests = 0;
   double cost_q, cost_kv;
-  if (!PyArg_ParseTuple(args, "OnnnnOOnnnpnndd|nnp:plan", &section_obj, &layout_ctas, &max_items, &max_rows,
+  if (!PyArg_ParseTuple(args, "OnnnnOOnnnpnndd|nnpn:plan", &section_obj, &layout_ctas, &max_items, &max_rows,
                         &max_partial_rows, &qo_obj, &kv_obj, &tile_q, &num_ctas, &num_units, &causal, &min_kv_chunk,
-                        &kv_chunk_align, &cost_q, &cost_kv, &force_kv_chunk, &force_split_pairs, &group_requests))
+                        &kv_chunk_align, &cost_q, &cost_kv, &force_kv_chunk, &force_split_pairs, &group_requests,
+                        &kv_window))
     return nullptr;
 
   Py_buffer section, qo, kv;
@@ -97,6 +98,7 @@ PyObject* Plan(PyObject*, PyObject* args) {
   in.force_kv_chunk = force_kv_chunk;
   in.force_split_pairs = force_split_pairs;
   in.group_requests = group_requests != 0;
+  in.kv_window = kv_window;
   fi::PlanSection out;
   out.data = static_cast<int32_t*>(section.buf);
   out.num_ints = section.len / 4;
