@@ -203,10 +203,16 @@ double Planner::AssignByRequest(int64_t n, int32_t m, int32_t units, const int32
   for (int64_t k = 0; k < n; ++k) B = std::max(B, request_of[k] + 1);
   request_cost_.assign(B, 0.0);
   for (int64_t k = 0; k < n; ++k) request_cost_[request_of[cost_order_[k]]] += sorted_cost_[k];
+  // Requests by total cost, descending, ties by index: the radix sort of (complemented cost bits, request)
+  // (keys_ is free again: the entries' order is in cost_order_), no allocation once the buffers have grown.
+  keys_.resize(2 * (int64_t)B);
+  for (int32_t b = 0; b < B; ++b) {
+    keys_[2 * b] = ~CostBits(request_cost_[b]);
+    keys_[2 * b + 1] = (uint64_t)b;
+  }
+  RadixSortKeys(B);
   request_rank_.resize(B);
-  for (int32_t b = 0; b < B; ++b) request_rank_[b] = b;
-  std::stable_sort(request_rank_.begin(), request_rank_.end(),
-                   [&](int32_t x, int32_t y) { return request_cost_[x] > request_cost_[y]; });
+  for (int32_t r = 0; r < B; ++r) request_rank_[r] = (int32_t)keys_[2 * r + 1];
   // request_rank_: position -> request; request_pos_: request -> position; request_start_: each position's
   // first slot in the new order (a counting sort, stable: the cost order within a request stays).
   request_pos_.resize(B);
@@ -795,8 +801,10 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
     }
   }
   // Item i in creation order is the rank_[i]-th in LPT order, whose replicas' CTAs cta_of gives.
-  rank_.resize(n_items);
-  for (int64_t k = 0; k < n_items; ++k) rank_[order[k]] = (int32_t)k;
+  if (!in.group_requests) {
+    rank_.resize(n_items);
+    for (int64_t k = 0; k < n_items; ++k) rank_[order[k]] = (int32_t)k;
+  }
   for (int64_t i = 0; i < n_items && !in.group_requests; ++i) {
     const int64_t k = rank_[i];
     FiWorkItem work = work_of(i);
