@@ -11,6 +11,7 @@ user's. A hook is the BODY of a C++ function (the signature is fixed by the hook
     logits_mask        (params, fi::LogitsCtx ctx)                                   bool (true = attend)
     output_transform   (params, float o, fi::OutputCtx ctx)                          float
     kv_range           (params, int q_pos_min, int q_pos_max, int& lo, int& hi)      -  (shrink [lo, hi))
+    alibi_slope        (params, int qo_head)                                         float
 
 * Query/KeyTransform see q (k) in fp32 as it is loaded, as pairs of dimensions: (d, d + D/2) with
   i = d < D/2 (HF "rotate_half" pairing), or (2i, 2i + 1) when rotary_interleave=True. ctx.pos is the
@@ -22,6 +23,13 @@ user's. A hook is the BODY of a C++ function (the signature is fixed by the hook
   rel_pos costs one multiply-add an element written as fmaf(a, ctx.rel_col, logits + a * ctx.rel_row)
   (ALIBI below). Positions: query row r of request i is at
   kv_pos_start[i] + kv_len_i - q_len_i + (r - qo_indptr[i]); KV token t at kv_pos_start[i] + t.
+* alibi_slope is a linear bias by relative position (ALiBi): logits += slope(qo_head) * rel_pos, after
+  the logits_transform (as FlashAttention applies a soft-cap, then ALiBi) and before the mask; softmax
+  attention only. It says what a logits_transform could say per element, in a form the prefill kernel
+  folds into its tensor cores: on Hopper, without a logits_transform, the bias's column part rides the
+  Q.K^T MMA (one more k step: slope / sm_scale against the step's column indices) and its row part the
+  softmax's per-row offsets, so it costs no instruction per element (perf/results/ab47_*.md). Several
+  alibi_slope hooks add up. With it sm_scale must be nonzero.
 * use_softmax=False: the output is sum_j p_j v_j with p_j = logits_transform(...) (0 where masked),
   unnormalised, and there is no LSE (sigmoid attention).
 * kv_range is an optimisation: KV positions outside [lo, hi) must already be masked for every query
@@ -87,6 +95,7 @@ HOOKS: Dict[str, Tuple[str, str, str]] = {
     "logits_mask": ("bool", "const fi::LogitsCtx& ctx", "kHasLogitsMask"),
     "output_transform": ("float", "float o, const fi::OutputCtx& ctx", "kHasOutputTransform"),
     "kv_range": ("void", "int q_pos_min, int q_pos_max, int& lo, int& hi", "kHasKvRange"),
+    "alibi_slope": ("float", "int qo_head", "kHasAlibiSlope"),
 }
 # How a chain of several bodies of one hook combines (the dispatcher's body; {n} = number of parts).
 _CHAIN = {
@@ -96,6 +105,7 @@ _CHAIN = {
     "logits_mask": "return {ands};",
     "output_transform": "{calls}return o;",
     "kv_range": "{calls}",
+    "alibi_slope": "return {sums};",
 }
 _CALL = {
     "query_transform": "{f}(params, x0, x1, i, ctx);\n",
@@ -104,9 +114,11 @@ _CALL = {
     "logits_mask": "{f}(params, ctx)",
     "output_transform": "o = {f}(params, o, ctx);\n",
     "kv_range": "{f}(params, q_pos_min, q_pos_max, lo, hi);\n",
+    "alibi_slope": "{f}(params, qo_head)",
 }
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_RESERVED = {"reserved_", "params", "ctx", "logits", "o", "x0", "x1", "i", "lo", "hi", "q_pos_min", "q_pos_max"}
+_RESERVED = {"reserved_", "params", "ctx", "logits", "o", "x0", "x1", "i", "lo", "hi", "q_pos_min", "q_pos_max",
+             "qo_head"}
 _DISALLOWED = ("{{", "}}")  # template placeholders inside a hook body would be substituted by the renderer
 
 
@@ -145,6 +157,7 @@ class Variant:
     logits_mask: Tuple[str, ...] = ()
     output_transform: Tuple[str, ...] = ()
     kv_range: Tuple[str, ...] = ()
+    alibi_slope: Tuple[str, ...] = ()
     prepare: Tuple[Callable, ...] = ()
 
     def __post_init__(self):
@@ -174,6 +187,9 @@ class Variant:
             object.__setattr__(self, hook, bodies)
         object.__setattr__(self, "prepare", _as_tuple(self.prepare) if not callable(self.prepare)
                            else (self.prepare,))
+        if self.alibi_slope and not self.use_softmax:
+            raise VariantError(f"variant {self.name}: alibi_slope biases softmax logits; with use_softmax=False "
+                               "write the bias into the logits_transform")
         if self.mask_is_kv_range and not (self.logits_mask and self.kv_range):
             raise VariantError(f"variant {self.name}: mask_is_kv_range needs both a logits_mask and a kv_range hook")
 
@@ -202,6 +218,8 @@ class Variant:
                 calls = [_CALL[hook].format(f=f"{hook}_{k}") for k in range(len(bodies))]
                 if hook == "logits_mask":
                     chain = _CHAIN[hook].format(ands=" && ".join(calls))
+                elif hook == "alibi_slope":
+                    chain = _CHAIN[hook].format(sums=" + ".join(calls))
                 else:
                     chain = _CHAIN[hook].format(calls="".join("    " + c for c in calls))
                 lines.append(f"  static __device__ __forceinline__ {ret} {hook}(const VariantParams& params, {args}) {{\n"
@@ -365,10 +383,7 @@ SLIDING_WINDOW = Variant(
     logits_mask="return params.window_left < 0 || ctx.kv_pos >= ctx.q_pos - params.window_left;",
     kv_range="if (params.window_left >= 0) lo = max(lo, q_pos_min - params.window_left);", mask_is_kv_range=True)
 
-ALIBI = Variant(
-    "alibi", params={"alibi_slopes": "float32[]"},
-    logits_transform="const float a = __ldg(params.alibi_slopes + ctx.qo_head);\n"
-                     "return fmaf(a, ctx.rel_col, logits + a * ctx.rel_row);  // logits + a * rel_pos")
+ALIBI = Variant("alibi", params={"alibi_slopes": "float32[]"}, alibi_slope="return __ldg(params.alibi_slopes + qo_head);")
 
 SIGMOID = Variant(
     "sigmoid", params={"sigmoid_bias": "float"}, defaults={"sigmoid_bias": 0.0}, use_softmax=False,

@@ -294,20 +294,39 @@ def _prefill_family(head_dim: int, kv_bytes: int, wgmma: Optional[bool] = None,
     if wgmma and variant is not None and variant.mask_is_kv_range:
         table = {**table, **_PREFILL_SHAPES_WGMMA_WINDOW}
     keys = ("warps", "mfrags", "tile", "stages", "step")
-    family = [{**dict(zip(keys, s)), "wgmma": int(wgmma), "producer": 0, "pingpong": 0, "rowsum": int(wgmma)}
-              for s in table[(head_dim, kv_bytes)]]
+    family = []
+    for s in table[(head_dim, kv_bytes)]:
+        shape = {**dict(zip(keys, s)), "wgmma": int(wgmma), "producer": 0, "pingpong": 0, "rowsum": int(wgmma)}
+        family.append({**shape, "bias": int(_bias_mma_possible(variant, shape, hpc))})
     ws = _PREFILL_WS_MEMBER0.get(head_dim) if wgmma else None
     if ws:
-        hooked = variant is not None and bool(variant.logits_transform or variant.logits_mask)
+        # ALiBi by MMA has no per-element hook: the plain shape (checked for it below)
+        bias = int(_bias_mma_possible(variant, {"wgmma": 1, "warps": ws["plain"][0]}, hpc))
+        hooked = variant is not None and _logits_hooks(variant, bias)
         # A mask that is the variant's KV range (a sliding window) costs only on edge steps: the plain shape.
         hooks = hooked and not (variant.mask_is_kv_range and not variant.logits_transform)
         # Ping-pong for one query head per chunk (no GQA) without logits hooks or masks (measured above).
         pingpong = hpc == 1 and not hooked
         shape = {**dict(zip(keys, ws["hooks" if hooks else "plain"])), "wgmma": 1, "producer": 1,
-                 "pingpong": int(pingpong), "rowsum": 1}
+                 "pingpong": int(pingpong), "rowsum": 1, "bias": bias}
         if not _producer_blockers(variant, head_dim, kv_bytes, {**shape, "hpc": hpc}):
             family[0] = shape
     return family
+
+
+def _bias_mma_possible(variant: Optional[Variant], shape: dict, hpc: int) -> bool:
+    """Whether a variant's ALiBi (alibi_slope) can go by the tensor cores (prefill::Config::kBiasMma): wgmma,
+    softmax attention, no LogitsTransform (it would have to see the bias per element), heads per chunk
+    dividing 8 and at most 12 compute warps (the bias MMA's A blocks and named barriers)."""
+    return (variant is not None and bool(variant.alibi_slope) and variant.use_softmax
+            and not variant.logits_transform and bool(shape.get("wgmma")) and 8 % hpc == 0
+            and shape["warps"] <= 12)
+
+
+def _logits_hooks(variant: Variant, bias: int) -> bool:
+    """Whether a prefill kernel runs per-element logits hooks: a LogitsTransform or LogitsMask, or ALiBi
+    without the bias MMA."""
+    return bool(variant.logits_transform or variant.logits_mask or (variant.alibi_slope and not bias))
 
 
 def prefill_family_shapes(head_dim: int, kv_dtype: str, wgmma: Optional[bool] = None,
@@ -333,9 +352,15 @@ def _prefill_smem_bytes(head_dim: int, kv_bytes: int, shape: dict, q_buffers: in
     row_offsets = 2 * shape["tile"] * 8  # the loader's published row offsets, two tiles
     # full / empty mbarriers per stage, qempty per query buffer; the producer's TMA votes (two tiles x 4 warps)
     barriers = 16 * shape["stages"] + 8 * q_buffers + 32 if shape.get("producer") else 0
-    total = (shape["stages"] * (stage + record) + q_buffers * tile_rows * head_dim * 2 + convert + tile_rows * 4
+    flags = (tile_rows // 8 + 15) // 16 * 16  # a bit a row
+    total = (shape["stages"] * (stage + record) + q_buffers * tile_rows * head_dim * 2 + convert + flags
              + row_offsets + barriers)
-    return (total + 15) // 16 * 16 + 256 if shape.get("rowsum") else total  # the row-sum MMA's ones
+    if not (shape.get("rowsum") or shape.get("bias")):
+        return total
+    # the bias MMA's columns (16 bytes a token of a step), A blocks (128 bytes a warpgroup) and zeros; the
+    # row-sum MMA's ones
+    bias = 16 * shape["step"] + 128 * (shape["warps"] // 4) + 128 if shape.get("bias") else 0
+    return (total + 15) // 16 * 16 + bias + 256
 
 
 def _prefill_q_buffers(variant: Variant, head_dim: int, kv_bytes: int, shape: dict) -> int:
@@ -349,7 +374,7 @@ def _prefill_q_buffers(variant: Variant, head_dim: int, kv_bytes: int, shape: di
     second member) it was not timed with hooks."""
     if shape.get("producer"):  # the producer warpgroup copies every sub-item's query tile
         return PREFILL_PRODUCER_Q_BUFFERS
-    hooks = variant.logits_transform or variant.logits_mask
+    hooks = _logits_hooks(variant, shape.get("bias", 0))
     copy = _prefill_q_copy_possible(variant, head_dim, kv_bytes, shape) and not (hooks and shape["warps"] >= 16)
     return shape["stages"] if copy else 1
 
@@ -370,7 +395,8 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     tiles for `warps` compute warps; wgmma, the query copy, 16-bit KV, no KeyTransform), pingpong (1: with a
     producer and 8, 12 or 16 compute warps, the warpgroups issue their S MMAs in turn; default: member 0's
     (_prefill_family) where the tuning keeps its shape, else 0), rowsum (1: the softmax's row sums by warpgroup
-    MMAs, prefill::Config::kRowSumMma; wgmma only), q_buffers (1, or
+    MMAs, prefill::Config::kRowSumMma; wgmma only), bias (1: a variant's ALiBi by warpgroup MMAs,
+    prefill::Config::kBiasMma; default wherever _bias_mma_possible), q_buffers (1, or
     the stages: the loader's query copy; with a producer, 2 or more; default _prefill_q_buffers's choice),
     and min_blocks (CTAs per SM the register budget is cut for; default 1: the kernel's own need)."""
     if head_dim not in HEAD_DIMS:
@@ -384,7 +410,8 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     tuning = dict(tuning or {})
     min_blocks = int(tuning.pop("min_blocks", 1))
     q_buffers = tuning.pop("q_buffers", None)
-    unknown = set(tuning) - {"warps", "mfrags", "tile", "stages", "step", "wgmma", "producer", "pingpong", "rowsum"}
+    unknown = set(tuning) - {"warps", "mfrags", "tile", "stages", "step", "wgmma", "producer", "pingpong", "rowsum",
+                             "bias"}
     if unknown:
         raise ValueError(f"unknown prefill tuning keys {sorted(unknown)}")
     shape.update(tuning)
@@ -412,6 +439,12 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     if shape["rowsum"] not in (0, 1) or (shape["rowsum"] and not shape["wgmma"]):
         raise ValueError(f"tuning rowsum must be 0 or 1, and 1 only with wgmma=1 (the softmax's row sums by warpgroup "
                          f"MMAs); got rowsum={shape['rowsum']} with wgmma={shape['wgmma']}")
+    possible = _bias_mma_possible(variant, shape, shape["hpc"])
+    shape["bias"] = int(tuning.get("bias", possible))
+    if shape["bias"] not in (0, 1) or (shape["bias"] and not possible):
+        raise ValueError(f"tuning bias must be 0 or 1, and 1 only with wgmma=1, at most 12 warps, heads per chunk "
+                         f"dividing 8 and a variant with an alibi_slope, softmax and no logits_transform (the ALiBi "
+                         f"bias by warpgroup MMAs); got bias={shape['bias']} with shape {shape}, variant {variant.name}")
     smem = _prefill_smem_bytes(head_dim, kv_bytes, shape)
     if smem > SMEM_PER_CTA:
         raise ValueError(f"prefill kernel shape {shape} for head_dim {head_dim} needs {smem} bytes of shared "
@@ -435,12 +468,12 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
                         str(shape["mfrags"]), str(shape["tile"]), str(shape["stages"]), str(shape["step"]),
                         "true" if shape["wgmma"] else "false", str(q_buffers),
                         "true" if shape["producer"] else "false", "true" if shape["pingpong"] else "false",
-                        "true" if shape["rowsum"] else "false"])
+                        "true" if shape["rowsum"] else "false", "true" if shape["bias"] else "false"])
     tag = f"{variant.name}_{q_dtype}_{kv_dtype}_d{head_dim}_h{shape['hpc']}"
     if shape != default_shape:  # a tuning equal to the largest member is that member's module
         tag += ("_w{warps}m{mfrags}t{tile}s{stages}k{step}".format(**shape) + ("_wg" if shape["wgmma"] else "")
                 + ("_p" if shape["producer"] else "") + ("_pp" if shape["pingpong"] else "")
-                + ("_rs" if shape["rowsum"] else ""))
+                + ("_rs" if shape["rowsum"] else "") + ("_ab" if shape["bias"] else ""))
     if q_buffers != chosen:
         tag += f"_q{q_buffers}"
     if min_blocks != 1:
@@ -806,6 +839,9 @@ class BatchAttention:
             raise ValueError(f"qo_indptr ({qo_cpu.numel()} entries) and kv_lens ({kv_cpu.numel()}) must describe "
                              f"the BSR's {B} row blocks")
         scale = 1.0 / math.sqrt(self.head_dim) if sm_scale is None else float(sm_scale)
+        if self.variant.alibi_slope and not (math.isfinite(scale) and scale != 0.0):
+            raise ValueError(f"sm_scale must be finite and nonzero with ALiBi (variant {self.variant.name}: the prefill "
+                             f"kernel adds slope / sm_scale to the raw logits), got {sm_scale}")
         values = self.variant.resolve(variant_params, head_dim=self.head_dim, device=dev)
         if debug:
             self._debug_check(qo_cpu, kv_cpu, bsr)

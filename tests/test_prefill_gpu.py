@@ -256,6 +256,32 @@ def test_row_sums(name, group, shape, rowsum):
             run_variant_case(attn, name, [1500, 3, 1017, 4000, 300, 16000], [1, 3, 17, 128, 300, 1000], dtype)
 
 
+# ALiBi by the tensor cores (tuning bias=1, the default where it can run; prefill::Config::kBiasMma: slope / scale
+# against column indices as one more k step of Q.K^T, the rest a per-row offset) or per element (bias=0):
+# heads per chunk 1, 2, 4, 8 (a row block's heads), the plain shape and forced ones (8 x 1, 12 warps, 128-token
+# steps), causal and not (positive distances), the reference's slopes and random ones of both signs, another
+# sm_scale, long KV (a row's bias spans thousands), both 16-bit types.
+@pytest.mark.parametrize("bias", [0, 1])
+@pytest.mark.parametrize("group,shape", [(1, None), (2, None), (4, "w12pp"), (8, "w8"), (1, "w8t128pp")])
+def test_alibi_bias_mma(group, shape, bias):
+    Hkv = 2
+    Hq = Hkv * group
+    tuning = {**(_WS8[shape] if shape else {}), "bias": bias}
+    from fi_backend import reference as ref
+    from fi_backend import wrappers as W
+    attn = prefill(Hq, Hkv, 128, page_size=16, variant=V.ALIBI, tuning=tuning)
+    assert W.prefill_spec(V.ALIBI, 128, "bf16", "bf16", group, tuning=tuning).params["CONFIG"].endswith(
+        "true" if bias else "false")
+    g = torch.Generator().manual_seed(group * 10 + bias)
+    random_slopes = (torch.rand(Hq, generator=g, dtype=torch.float64) * 2 - 1)
+    for dtype in (torch.bfloat16, torch.float16):
+        for causal, slopes, scale in ((True, ref.alibi_slopes(Hq), None), (False, random_slopes, 0.3)):
+            kw = {"alibi_slopes": slopes.float().to(DEV)} | ({"sm_scale": scale} if scale else {})
+            rkw = {"alibi_slopes": slopes.float().double()} | ({"sm_scale": scale} if scale else {})
+            run_case(attn, [1500, 3, 1017, 16000, 300], [1, 3, 17, 1000, 300], dtype=dtype, causal=causal,
+                     variant_kw=kw, ref_kw=rkw, what=f"alibi bias={bias} group={group} causal={causal} {dtype}")
+
+
 # Plans by request (fi_backend.wrappers: prefill steps of 2+ requests with PLAN_GROUPED_MIN_KV+ KV tokens,
 # not for a mask that is the KV range, FI_BACKEND_PLAN_GROUPED=0 off): queues in assignment order, so some
 # CTA runs a larger tile of a request before a smaller one; LPT's queues are in creation order. The output

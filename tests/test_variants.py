@@ -76,7 +76,8 @@ _PREFILL_COMPILED = [  # every head_dim's largest member on Hopper, fp8 KV, a Qu
     (V.DEFAULT, 64, "fp16", "fp16", 1, 0),
     (V.DEFAULT, 256, "bf16", "bf16", 8, 0),
     (V.ROPE, 128, "bf16", "fp8_e4m3", 4, 0),
-    (V.ALIBI, 128, "bf16", "bf16", 4, 0),
+    (V.ALIBI, 128, "bf16", "bf16", 4, 0),  # the bias MMA at 8 x 2 (and 8 x 1 below)
+    (V.ALIBI, 128, "bf16", "bf16", 1, 1),
     (V.SLIDING_WINDOW, 128, "bf16", "bf16", 4, 0),  # 12 warps, hooks with the query copy
     (V.SLIDING_WINDOW, 128, "bf16", "bf16", 4, 1),
 ]
@@ -135,13 +136,19 @@ def test_render_each_builtin():
 
 
 def test_combine_chains_in_order():
-    v = V.combine(V.SOFT_CAP, V.ALIBI, V.SLIDING_WINDOW, V.CUSTOM_MASK)
+    shift = V.Variant("shift", params={"shift": "float"}, logits_transform="return logits + params.shift;")
+    v = V.combine(V.SOFT_CAP, V.ALIBI, shift, V.SLIDING_WINDOW, V.CUSTOM_MASK)
     body = v.render()["VARIANT_BODY"]
     chain = body[body.index("float logits_transform(const"):]
     assert chain.index("logits_transform_0") < chain.index("logits_transform_1")
     assert "logits_mask_0(params, ctx) && logits_mask_1(params, ctx)" in body
-    assert list(v.params) == ["logits_soft_cap", "alibi_slopes", "window_left", "mask_packed", "mask_indptr"]
+    assert list(v.params) == ["logits_soft_cap", "alibi_slopes", "shift", "window_left", "mask_packed", "mask_indptr"]
     assert v.use_softmax and V.combine(V.SOFT_CAP, V.SIGMOID).use_softmax is False
+    # ALiBi slopes add up; they bias softmax logits only
+    two = V.combine(V.ALIBI, V.Variant("half", alibi_slope="return 0.5f;"))
+    assert "return alibi_slope_0(params, qo_head) + alibi_slope_1(params, qo_head);" in two.render()["VARIANT_BODY"]
+    with pytest.raises(V.VariantError, match="alibi_slope biases softmax logits"):
+        V.combine(V.ALIBI, V.SIGMOID)
 
 
 def test_mask_is_kv_range_survives_only_range_masks():
@@ -248,8 +255,38 @@ def test_prefill_family_follows_the_arch_list(monkeypatch):
     assert W.prefill_family_shapes(128, "bf16", wgmma=True)[0]["wgmma"] == 1  # explicit beats the list
 
 
+def _config(spec) -> list:
+    """prefill::Config's arguments up to kRowSumMma (the last, kBiasMma, has its own test)."""
+    return spec.params["CONFIG"].split(", ")[:-1]
+
+
 def _producer(spec) -> str:
-    return spec.params["CONFIG"].split(", ")[-3]  # prefill::Config's kProducer (then kPingPong, kRowSumMma)
+    return _config(spec)[-3]  # prefill::Config's kProducer (then kPingPong, kRowSumMma)
+
+
+def test_alibi_bias_mma_specs(monkeypatch):
+    """bias (prefill::Config::kBiasMma, ALiBi by warpgroup MMAs): on by default for an alibi_slope without a
+    logits_transform on Hopper shapes of at most 12 warps with heads per chunk dividing 8, then the plain
+    (no-hook) shape; per element (and the hook shape) otherwise; refused by name where it cannot run."""
+    monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", "90a")
+    def bias(spec):
+        return spec.params["CONFIG"].split(", ")[-1]
+    alibi = W.prefill_spec(V.ALIBI, 128, "bf16", "bf16", 1)
+    assert bias(alibi) == "true" and _config(alibi)[4:6] == ["8", "2"], alibi.params["CONFIG"]
+    assert bias(W.prefill_spec(V.ALIBI, 128, "bf16", "bf16", 8)) == "true"
+    assert bias(W.prefill_spec(V.BUILTIN_VARIANTS["alibi_window"], 128, "bf16", "bf16", 4)) == "true"
+    assert bias(W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 1)) == "false"
+    off = W.prefill_spec(V.ALIBI, 128, "bf16", "bf16", 1, tuning={"bias": 0})
+    assert bias(off) == "false" and "_ab" not in off.tag and off.memo_key != alibi.memo_key
+    # per element: 16 heads a chunk, a logits_transform (soft-cap, which ALiBi follows), fp8 KV's 16 warps
+    assert bias(W.prefill_spec(V.ALIBI, 128, "bf16", "bf16", 16)) == "false"
+    capped = W.prefill_spec(V.combine(V.SOFT_CAP, V.ALIBI), 128, "bf16", "bf16", 1)
+    assert bias(capped) == "false" and _config(capped)[4:6] == ["12", "1"]
+    assert bias(W.prefill_spec(V.ALIBI, 128, "bf16", "fp8_e4m3", 1)) == "false"
+    with pytest.raises(ValueError, match="tuning bias must be 0 or 1, and 1 only with wgmma=1"):
+        W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 1, tuning={"bias": 1})
+    with pytest.raises(ValueError, match="at most 12 warps"):
+        W.prefill_spec(V.ALIBI, 128, "bf16", "bf16", 1, tuning={"warps": 16, "mfrags": 1, "producer": 0, "bias": 1})
 
 
 def test_warp_specialised_prefill_specs(monkeypatch):
@@ -259,21 +296,19 @@ def test_warp_specialised_prefill_specs(monkeypatch):
     monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", "90a")
     ws = {"warps": 12, "mfrags": 1, "producer": 1}
     spec = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning=ws)
-    config = spec.params["CONFIG"].split(", ")
+    config = _config(spec)
     # ..., q_buffers, producer, pingpong, rowsum
     assert config[-3] == "true" and config[-4] == str(W.PREFILL_PRODUCER_Q_BUFFERS) and config[-2:] == ["false", "true"], config
-    three = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "stages": 3}).params["CONFIG"].split(", ")
+    three = _config(W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "stages": 3}))
     assert three[7] == "3" and three[-4] == "2", three  # more stages than query buffers
-    assert W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "stages": 2, "q_buffers": 3}).params["CONFIG"].split(
-        ", ")[-4] == "3"
+    assert _config(W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "stages": 2, "q_buffers": 3}))[-4] == "3"
     no_producer = {"warps": 12, "mfrags": 1, "producer": 0}
     pp = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "pingpong": 1})
-    assert pp.params["CONFIG"].split(", ")[-3:-1] == ["true", "true"] and pp.memo_key != spec.memo_key
+    assert _config(pp)[-3:-1] == ["true", "true"] and pp.memo_key != spec.memo_key
     # rowsum: on by default with wgmma, off its own module; wgmma only
     rs = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "rowsum": 0})
-    assert rs.params["CONFIG"].split(", ")[-1] == "false" and rs.memo_key != spec.memo_key and "_rs" in spec.tag
-    assert W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={"wgmma": 0, "producer": 0}).params["CONFIG"].split(
-        ", ")[-1] == "false"  # mma.sync: FADD sums
+    assert _config(rs)[-1] == "false" and rs.memo_key != spec.memo_key and "_rs" in spec.tag
+    assert _config(W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={"wgmma": 0, "producer": 0}))[-1] == "false"  # mma.sync: FADD sums
     with pytest.raises(ValueError, match="rowsum must be 0 or 1, and 1 only with wgmma=1"):
         W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={"wgmma": 0, "producer": 0, "rowsum": 1})
     with pytest.raises(ValueError, match="pingpong=1 needs producer=1"):
@@ -291,12 +326,13 @@ def test_warp_specialised_prefill_specs(monkeypatch):
     assert _producer(W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 16)) == "false"
     # ping-pong by default exactly for one query head per chunk without logits hooks or masks (_prefill_family)
     def pingpong(variant, group):
-        return W.prefill_spec(variant, 128, "bf16", "bf16", group).params["CONFIG"].split(", ")[-2]
+        return _config(W.prefill_spec(variant, 128, "bf16", "bf16", group))[-2]
     assert pingpong(V.DEFAULT, 1) == "true" and pingpong(V.DEFAULT, 4) == "false"
-    assert pingpong(V.SLIDING_WINDOW, 1) == "false" and pingpong(V.ALIBI, 1) == "false"
+    assert pingpong(V.SLIDING_WINDOW, 1) == "false" and pingpong(V.SOFT_CAP, 1) == "false"
+    assert pingpong(V.ALIBI, 1) == "true"  # by the bias MMA: no per-element hook
     # a tuning that changes member 0's shape runs without it unless it names pingpong; producer=0 stays legal
     def tuned(group, tuning):
-        return W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", group, tuning=tuning).params["CONFIG"].split(", ")[-2]
+        return _config(W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", group, tuning=tuning))[-2]
     assert tuned(1, {"warps": 8, "mfrags": 2, "producer": 1}) == "true"  # member 0's own shape
     assert tuned(1, ws) == "false" and tuned(1, {"producer": 0}) == "false"
     assert tuned(1, {**ws, "pingpong": 1}) == "true"

@@ -249,6 +249,7 @@ struct Kernel {
     float o[kMTiles][4], o2[kTwoN ? kMTiles : 1][4];
     uint32_t qa[kKSteps][4];
     RowInfo ri[2];
+    float slope[2] = {0.f, 0.f};  // ALiBi (alibi_slope) of rows g and g + 8; padding rows never reach a hook
     const float scale_log2 = p.logits_scale * kLog2e;
 
     for (int j = 0;; ++j) {
@@ -267,6 +268,10 @@ struct Kernel {
       if (flags & kFirst) {
         ri[0] = E::row_info(w, g);
         ri[1] = E::row_info(w, g + 8);
+        if constexpr (Variant::kHasAlibiSlope) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) slope[h] = ri[h].valid ? Variant::alibi_slope(vp, ri[h].qo_head) : 0.f;
+        }
         load_q(vp, stage, w, ri, qa);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -332,8 +337,9 @@ struct Kernel {
             bool ok = ri[hf].valid && t < n_valid;
             if (p.causal) ok = ok && kv_idx <= ri[hf].climit;
             const float x = s[nt][e] * p.logits_scale;
+            constexpr bool kNatural = Variant::kHasLogitsTransform || Variant::kHasAlibiSlope;  // not raw S
             LogitsCtx ctx;
-            if constexpr (Variant::kHasLogitsMask || Variant::kHasLogitsTransform) {
+            if constexpr (Variant::kHasLogitsMask || kNatural) {
               const float rel = (float)(w.pos_off + kv_idx - ri[hf].q_pos);  // memory-bound: converted here
               ctx = LogitsCtx{w.request, ri[hf].q_row, ri[hf].q_idx, ri[hf].q_pos, kv_idx, w.pos_off + kv_idx,
                               ri[hf].qo_head, kv_head, w.q_len, w.kv_len, rel, rel, 0.f};
@@ -341,10 +347,14 @@ struct Kernel {
             if constexpr (Variant::kHasLogitsMask) ok = ok && Variant::logits_mask(vp, ctx);
             float y;
             if constexpr (Variant::kUseSoftmax) {
-              if constexpr (Variant::kHasLogitsTransform)
-                y = ok ? Variant::logits_transform(vp, x, ctx) * kLog2e : -INFINITY;
-              else
+              if constexpr (kNatural) {  // the LogitsTransform, then ALiBi (softmax variants only)
+                float z = x;
+                if constexpr (Variant::kHasLogitsTransform) z = Variant::logits_transform(vp, z, ctx);
+                if constexpr (Variant::kHasAlibiSlope) z = fmaf(slope[hf], ctx.rel_pos, z);
+                y = ok ? z * kLog2e : -INFINITY;
+              } else {
                 y = ok ? s[nt][e] * scale_log2 : -INFINITY;
+              }
               mx[hf] = fmaxf(mx[hf], y);
             } else {
               if constexpr (Variant::kHasLogitsTransform)

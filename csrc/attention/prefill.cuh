@@ -110,7 +110,7 @@ using namespace attn;  // Params, Work, TileRecord, Loader, Epilogue (shared.cuh
 
 template <int kHeadDim_, int kHeadsPerChunk_, class DQ_, class DKV_, int kWarps_, int kMFrags_, int kTileKv_,
           int kStages_, int kStepKv_, bool kWgmma_ = false, int kQBuffers_ = 1, bool kProducer_ = false,
-          bool kPingPong_ = false, bool kRowSumMma_ = false>
+          bool kPingPong_ = false, bool kRowSumMma_ = false, bool kBiasMma_ = false>
 struct Config {
   using DQ = DQ_;
   using DKV = DKV_;
@@ -136,6 +136,15 @@ struct Config {
   // instructions a 64-token step at 8 x 2, perf/results/prefill_ncu_45.md). The sum is then of the P the
   // P.V sees (rounded to 16 bits), and every lane of a row's quad holds the whole row's sum.
   static constexpr bool kRowSumMma = kRowSumMma_;
+  // A variant's ALiBi bias (alibi_slope) by the tensor cores (wgmma): S += A . B with A the rows' slope /
+  // logits scale (16-bit hi + lo at k 0 and 1, Kernel::bias_setup) and B the step's column indices (token
+  // t's k 0 and 1 are t, exact in 16 bits): one m64 k16 MMA after Q.K^T adds slope * column, and
+  // slope * (step start - query position) is a per-row offset of the softmax. Without it the bias takes
+  // two FFMAs an element, 64 of a compute warp's ~300 instructions a step at 12 x 1. A from registers
+  // (the rs form) made ptxas serialise the wgmmas at 8 x 2 (C7512); A from shared memory costs 128 bytes
+  // a warpgroup, its 8 rows repeated for all 64 (a zero stride between row blocks). Heads per chunk must
+  // divide 8 (a row block's heads) and the named barriers fit (kBiasBar).
+  static constexpr bool kBiasMma = kBiasMma_;
   static constexpr int kLoaderThreads = kProducer ? 128 : kThreads;
   static constexpr int kLoaderThread0 = kProducer ? kThreads : 0;
   // Registers a thread (multiples of 8). The CTA's pool is what it launched with (64K / threads a thread,
@@ -189,7 +198,7 @@ struct Config {
   static constexpr int kQRowBytes = kHeadDim * 2;  // the query tile, [kTileRows][D], swizzled
   static constexpr int kQChunksPerRow = kQRowBytes / 16;
   static constexpr int kQBytes = kTileRows * kQRowBytes;
-  static constexpr int kFlagBytes = kTileRows * 4;  // rows whose split merge this CTA owns
+  static constexpr int kFlagBytes = (kTileRows / 8 + 15) / 16 * 16;  // rows whose split merge this CTA owns (bits)
   static constexpr int kQAt = kStages * kStageBytes;
   // wgmma reads Q from shared memory, so the loader can copy the next sub-item's query tile with its first
   // KV tile (kQBuffers > 1; shared.cuh): its global-memory latency then overlaps the current sub-item
@@ -202,14 +211,22 @@ struct Config {
   // After the loader's row offsets (shared.cuh) and, warp-specialised, its TMA votes (two tiles x 4 warps).
   static constexpr int kBarriersAt = kRowOffsetsAt + 2 * kTile * 8 + (kProducer ? 32 : 0);
   // full[kStages], empty[kStages], qempty[kQBuffers] mbarriers
-  // The row-sum MMA's B operand: 16 x 8 ones, 256 bytes (wgmma::desc_k16n8).
   static constexpr int kBarriersEnd = kBarriersAt + (kProducer ? 16 * kStages + 8 * kQBuffers : 0);
-  static constexpr int kOnesAt = (kBarriersEnd + 15) / 16 * 16;
-  static constexpr int kSmemBytes = kRowSumMma ? kOnesAt + 256 : kBarriersEnd;
+  // The bias MMA's operands (kBiasMma), no swizzle (wgmma::desc_plain): B, kStep rows of 16 bytes at
+  // kBiasAt (k 8-15 read the next 8 rows, and after the last the A blocks: A is zero there); each compute
+  // warpgroup's A block (8 rows of 16 bytes); 128 zero bytes, A's k 8-15. Then the row-sum MMA's B
+  // operand: 16 x 8 ones, 256 bytes (these 1408 bytes at 8 x 2 are why the merge flags are bits).
+  static constexpr int kBiasAt = (kBarriersEnd + 15) / 16 * 16;
+  static constexpr int kBiasZeroAt = kBiasAt + (kBiasMma ? kStep * 16 + 128 * (kWarps / 4) : 0);
+  static constexpr int kOnesAt = kBiasZeroAt + (kBiasMma ? 128 : 0);
+  static constexpr int kSmemBytes = kRowSumMma || kBiasMma ? kOnesAt + 256 : kBarriersEnd;
+  static constexpr int kBiasBar = kPingPongBar + kWarps / 4;  // + warpgroup: bias_setup's (after ping-pong's)
   static_assert(sizeof(TileRecord) % 8 == 0 && kRecordsAt % 16 == 0, "tile records, row offsets: 8-byte aligned");
 
   static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim must be 64, 128 or 256");
   static_assert(!kRowSumMma || kWgmma, "row sums by MMA: warpgroup MMAs");
+  static_assert(!kBiasMma || (kWgmma && 8 % kHeadsPerChunk == 0 && kBiasBar + kWarps / 4 <= 16),
+                "the ALiBi bias by MMA: warpgroup MMAs, heads per chunk dividing 8, at most 12 compute warps");
   static_assert(kStages >= 2, "the pipeline needs at least two stages");
   static_assert(kQBuffers == 1 || (kWgmma && (kQBuffers == kStages || (kProducer && kQBuffers >= 2))),
                 "query buffers: 1, one per stage (wgmma), or 2 or more released through barriers (producer)");
@@ -235,6 +252,8 @@ struct Config {
     if constexpr (kWgmma) return colblock_offset<kTile>(row, chunk);
     else return rowmajor_offset<kCRowBytes>(row, chunk);
   }
+  // Warpgroup u's A block of the bias MMA.
+  static __device__ __forceinline__ int bias_a(int u) { return kBiasAt + kStep * 16 + 128 * u; }
   // Stage s's tile record.
   static __device__ __forceinline__ TileRecord* record(uint8_t* smem, int s) {
     return reinterpret_cast<TileRecord*>(smem + kRecordsAt) + s;
@@ -267,6 +286,13 @@ struct Kernel {
   static constexpr bool kConvert = kFp8 || Variant::kHasKeyTransform;
   static constexpr bool kWgmma = Cfg::kWgmma;
   static constexpr bool kRowSum = Cfg::kRowSumMma && Variant::kUseSoftmax;  // row sums by MMA (Cfg::kRowSumMma)
+  // ALiBi (the variant's alibi_slope): by MMA and per-row offsets (Cfg::kBiasMma), else per element with
+  // the LogitsTransform, in natural units.
+  static constexpr bool kAlibi = Variant::kHasAlibiSlope;
+  static constexpr bool kBias = Cfg::kBiasMma;
+  static_assert(!kBias || (kAlibi && Variant::kUseSoftmax && !Variant::kHasLogitsTransform),
+                "the ALiBi bias by MMA: an alibi_slope, softmax, no LogitsTransform (which would see the bias)");
+  static constexpr bool kTransform = Variant::kHasLogitsTransform || (kAlibi && !kBias);
   static constexpr bool kTmaKv = Cfg::kProducer;  // the producer copies whole contiguous tiles by TMA (shared.cuh)
   static constexpr int kUnitWarps = Cfg::kUnitWarps;
 
@@ -278,6 +304,25 @@ struct Kernel {
   }
   // wgmma: first packed row of warpgroup `unit`'s fragment mf (64 rows, one m64 MMA).
   static __device__ __forceinline__ int wg_frag_row0(int unit, int mf) { return 64 * (kMF * unit + mf); }
+
+  // The bias MMA's operands at a sub-item's start (kBias): warpgroup u's A block (Cfg::bias_a) gets row r =
+  // slope / scale of head r % kHPC as hi + lo in the MMA's type (relative error 2^-17 with bf16: the bias of
+  // a token that matters, within a few dozen of its row's maximum, is exact to 1e-3) at k 0 and 1, zeros
+  // after; its 8 rows serve all 64 of a fragment (heads per chunk divide 8). The warpgroup's own MMAs of the
+  // last sub-item are over (compute_tile waits for them); a named barrier publishes the rows to its warps.
+  // Returns this lane's rows' slope in log2 units (rows g and g + 8 of every fragment: head g % kHPC).
+  static __device__ __forceinline__ float bias_setup(const Params& p, const VariantParams& vp, const Work& w,
+                                                    uint8_t* smem) {
+    const int u = threadIdx.x >> 7, r = threadIdx.x & 127;
+    if (r < 8) {
+      const float v = Variant::alibi_slope(vp, w.unit * kHPC + r % kHPC) / p.logits_scale;
+      const float hi = ptx::unpack2<kBf16>(ptx::pack2<kBf16>(v, 0.f)).x;
+      *reinterpret_cast<uint4*>(smem + Cfg::bias_a(u) + 16 * r) = make_uint4(ptx::pack2<kBf16>(v, v - hi), 0u, 0u, 0u);
+      wgmma::fence_proxy_async();
+    }
+    ptx::bar_sync(Cfg::kBiasBar + u, 128);
+    return Variant::alibi_slope(vp, w.unit * kHPC + ((threadIdx.x & 31) >> 2) % kHPC) * kLog2e;
+  }
 
 
 
@@ -452,7 +497,8 @@ struct Kernel {
   // One descriptor each for the k steps' first chunk, advanced by the chunk's offset from row 0 (rows a
   // multiple of 8 apart: the offsets add). qs, ks: warp-uniform (uniform()), so the descriptors stay in
   // uniform registers.
-  static __device__ __forceinline__ void qk_wgmma(uint32_t qs, uint32_t ks, int t0, int mf, float (&s)[kNTiles][4]) {
+  static __device__ __forceinline__ void qk_wgmma(uint32_t qs, uint32_t ks, uint32_t os, int t0, int mf,
+                                                  float (&s)[kNTiles][4]) {
     const int row0 = wg_frag_row0(uniform(threadIdx.x >> 7), mf);
     const uint64_t a0 = wgmma::desc(qs + Cfg::q_offset(row0, 0), 16, 1024);
     const uint64_t b0 = wgmma::desc(ks + Cfg::mma_offset(t0, 0), 16, 1024);
@@ -461,6 +507,13 @@ struct Kernel {
       const uint64_t a = wgmma::desc_advance(a0, Cfg::q_offset(0, 2 * kstep));
       const uint64_t b = wgmma::desc_advance(b0, Cfg::mma_offset(0, 2 * kstep));
       wgmma::Mma<kStep, kBf16>::template ss<0>(reinterpret_cast<float(&)[kNTiles * 4]>(s), a, b, kstep > 0);
+    }
+    if constexpr (kBias) {  // S += (slope / scale) . column (Cfg::kBiasMma; bias_a, bias_zero: see Config)
+      const int u = uniform(threadIdx.x >> 7);
+      const uint32_t base = os - Cfg::kOnesAt;  // the CTA's shared memory
+      const uint64_t a = wgmma::desc_plain(base + Cfg::bias_a(u), Cfg::kBiasZeroAt - Cfg::bias_a(u), 0);
+      const uint64_t b = wgmma::desc_plain(base + Cfg::kBiasAt, 128, 128);
+      wgmma::Mma<kStep, kBf16>::template ss<0>(reinterpret_cast<float(&)[kNTiles * 4]>(s), a, b, 1);
     }
   }
 
@@ -506,7 +559,7 @@ struct Kernel {
       wgmma::Mma<kHeadDim, kBf16>::template rs<1>(reinterpret_cast<float(&)[kDTiles * 4]>(o), a[kk], b, 1);
     }
     if constexpr (kRowSum) {  // the row sums: P . ones (Cfg::kRowSumMma)
-      const uint64_t ones = wgmma::desc_k16n8(os);
+      const uint64_t ones = wgmma::desc_plain(os, 128, 256);
 #pragma unroll
       for (int kk = 0; kk < kStep / 16; ++kk) wgmma::Mma<8, kBf16>::template rs<0>(d_run, a[kk], ones, 1);
     }
@@ -520,24 +573,35 @@ struct Kernel {
     a[3] = ptx::pack2<kBf16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
   }
 
+  // The LogitsTransform on scaled logits, then ALiBi per element (without the bias MMA: one FFMA with the
+  // scale's multiply, one with the column).
+  static __device__ __forceinline__ float transform(const VariantParams& vp, float z, const LogitsCtx& ctx,
+                                                    float slope) {
+    if constexpr (Variant::kHasLogitsTransform) z = Variant::logits_transform(vp, z, ctx);
+    if constexpr (kAlibi && !kBias) z = fmaf(slope, ctx.rel_col, z + slope * ctx.rel_row);
+    return z;
+  }
+
   // Scale, LogitsTransform and LogitsMask, in place on S of m fragment mf. kMask: the per-element mask
   // runs (else the step is full, visible to every row, and without a LogitsTransform S stays raw: the
   // softmax folds the scale into its exponent, one FFMA per element). Softmax units: a LogitsTransform's
   // result stays in natural units (the exponent's FFMA takes log2 e, one multiply an element fewer),
-  // masked logits without one are in log2 units.
+  // masked logits without one are in log2 units. ALiBi without the bias MMA counts as a transform.
   template <bool kMask>
   static __device__ __forceinline__ void logits_frag(const Params& p, const VariantParams& vp, const Work& w,
                                                      int tile_begin, int n_valid, int kv_head, int mf,
                                                      float (&s)[kNTiles][4]) {
-    constexpr bool kRaw = !kMask && !Variant::kHasLogitsTransform;
+    constexpr bool kRaw = !kMask && !kTransform;
     if constexpr (kRaw && Variant::kUseSoftmax) return;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c = lane & 3, g = lane >> 2;
     const float scale_log2 = p.logits_scale * kLog2e;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      constexpr bool kCtx = Variant::kHasLogitsMask || Variant::kHasLogitsTransform;  // hooks see LogitsCtx
+      constexpr bool kCtx = Variant::kHasLogitsMask || kTransform;  // hooks see LogitsCtx
       RowInfo ri;
       if constexpr (kMask || kCtx) ri = E::row_info(w, frag_row0(warp, mf) + 8 * hf + g);
+      float slope = 0.f;  // ALiBi per element (no bias MMA): padding rows never reach a hook
+      if constexpr (kAlibi && !kBias) slope = ri.valid ? Variant::alibi_slope(vp, ri.qo_head) : 0.f;
       float rel0 = 0.f;  // LogitsCtx::rel_pos of this lane's first column: one conversion a row
       if constexpr (kCtx) rel0 = (float)(w.pos_off + tile_begin + 2 * c - ri.q_pos);
       // The row's visible columns as one interval, in this lane's columns 2 c + 8 nt + e2: the element
@@ -578,13 +642,13 @@ struct Kernel {
           const float x = s[nt][e];
           float y;
           if constexpr (Variant::kUseSoftmax) {
-            if constexpr (Variant::kHasLogitsTransform)  // natural units: the softmax's exponent takes log2 e
-              y = ok ? Variant::logits_transform(vp, x * p.logits_scale, ctx) : -INFINITY;
+            if constexpr (kTransform)  // natural units: the softmax's exponent takes log2 e
+              y = ok ? transform(vp, x * p.logits_scale, ctx, slope) : -INFINITY;
             else
               y = ok ? x * scale_log2 : -INFINITY;
           } else {
-            if constexpr (Variant::kHasLogitsTransform)
-              y = ok ? Variant::logits_transform(vp, x * p.logits_scale, ctx) : 0.f;
+            if constexpr (kTransform)
+              y = ok ? transform(vp, x * p.logits_scale, ctx, slope) : 0.f;
             else
               y = ok ? x * p.logits_scale : 0.f;
           }
@@ -603,16 +667,16 @@ struct Kernel {
   template <int kMode>
   static __device__ __forceinline__ void softmax_frag(const Params& p, const VariantParams& vp, const Work& w,
                                                       int tile_begin, int n_valid, int kv_head, int mf, bool masked,
-                                                      float (&s)[kNTiles][4], float (&m_run)[2], float (&d_run)[4],
-                                                      float (&o)[kDTiles][4]) {
+                                                      float bias_slope, float (&s)[kNTiles][4], float (&m_run)[2],
+                                                      float (&d_run)[4], float (&o)[kDTiles][4]) {
     bool raw;  // S holds raw logits (scale not applied)
     if constexpr (kMode == kMaskedIf) {
       if (masked) logits_frag<true>(p, vp, w, tile_begin, n_valid, kv_head, mf, s);
       else logits_frag<false>(p, vp, w, tile_begin, n_valid, kv_head, mf, s);
-      raw = !masked && !Variant::kHasLogitsTransform;
+      raw = !masked && !kTransform;
     } else {
       logits_frag<kMode == kMasked>(p, vp, w, tile_begin, n_valid, kv_head, mf, s);
-      raw = kMode == kFull && !Variant::kHasLogitsTransform;
+      raw = kMode == kFull && !kTransform;
     }
     const float scale_log2 = p.logits_scale * kLog2e;
     float mx[2] = {-INFINITY, -INFINITY};
@@ -626,7 +690,18 @@ struct Kernel {
     if constexpr (Variant::kUseSoftmax) {
       // S -> log2 units: raw logits take the scale, transformed ones (natural units) log2 e, masked ones
       // are scaled already.
-      const float sl = raw ? scale_log2 : Variant::kHasLogitsTransform ? kLog2e : 1.f;
+      const float sl = raw ? scale_log2 : kTransform ? kLog2e : 1.f;
+      // The bias MMA's row offsets (log2 units): the row's logits are S sl + rb, S holding slope * column.
+      // rb = slope * (step start - (q_pos - pos_off)), the distance converted from the exact integer.
+      float rb[2] = {0.f, 0.f};
+      if constexpr (kBias) {
+        const int warp = threadIdx.x >> 5, g = (threadIdx.x & 31) >> 2;
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int q_rel = w.kv_len - w.q_len + w.q_idx0 + (frag_row0(warp, mf) + 8 * hf + g) / kHPC;
+          rb[hf] = bias_slope * (float)(tile_begin - q_rel);
+        }
+      }
       float m_new[2];
       bool grow = false;
 #pragma unroll
@@ -634,7 +709,7 @@ struct Kernel {
         mx[hf] = row_max(s, hf);
         mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 1));
         mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 2));
-        m_new[hf] = fmaxf(m_run[hf], mx[hf] * sl);
+        m_new[hf] = kBias ? fmaxf(m_run[hf], fmaf(mx[hf], sl, rb[hf])) : fmaxf(m_run[hf], mx[hf] * sl);
         grow = grow || m_new[hf] > m_run[hf] + kRescaleLog2;  // false while the row has seen only -inf
       }
       const bool rescale = __any_sync(0xffffffffu, grow);
@@ -645,6 +720,7 @@ struct Kernel {
         const float m_use = m_next == -INFINITY ? 0.f : m_next;
         alpha[hf] = ptx::exp2(m_run[hf] - m_use);  // 1 without a rescale (0 for a row with nothing yet)
         m_run[hf] = m_next;
+        const float nb = kBias ? rb[hf] - m_use : -m_use;
         // Four independent partial sums: one serial chain of FADDs would wait on each result. (Each starts
         // from its first element, not 0.f + it: ptxas keeps that add, -0 + 0 being +0.)
         float sum4[4];
@@ -653,7 +729,7 @@ struct Kernel {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int i = 2 * nt + e;
-            const float pe = ptx::exp2(fmaf(s[nt][2 * hf + e], sl, -m_use));
+            const float pe = ptx::exp2(fmaf(s[nt][2 * hf + e], sl, nb));
             s[nt][2 * hf + e] = pe;
             if constexpr (!kRowSum) sum4[i & 3] = i < 4 ? pe : sum4[i & 3] + pe;
           }
@@ -685,22 +761,24 @@ struct Kernel {
   template <int kMode>
   static __device__ __forceinline__ void compute_tile(const Params& p, const VariantParams& vp, uint32_t qs,
                                                       uint32_t ks, uint32_t vs, uint32_t os, int t0, const Work& w, int tile_begin,
-                                                      int n_valid, int kv_head, bool masked, float (&m_run)[kMF][2],
-                                                      float (&d_run)[kMF][4], float (&o)[kMF][kDTiles][4]) {
+                                                      int n_valid, int kv_head, bool masked, float bias_slope,
+                                                      float (&m_run)[kMF][2], float (&d_run)[kMF][4],
+                                                      float (&o)[kMF][kDTiles][4]) {
     float s[kMF][kNTiles][4];
     if constexpr (kWgmma) {
       wgmma::fence();
       if constexpr (Cfg::kPingPong) pingpong_wait();
 #pragma unroll
       for (int mf = 0; mf < kMF; ++mf) {
-        qk_wgmma(qs, ks, t0, mf, s[mf]);
+        qk_wgmma(qs, ks, os, t0, mf, s[mf]);
         wgmma::commit();
       }
       if constexpr (Cfg::kPingPong) pingpong_pass();
 #pragma unroll
       for (int mf = 0; mf < kMF; ++mf) {
         wgmma::wait<kMF - 1>();
-        softmax_frag<kMode>(p, vp, w, tile_begin, n_valid, kv_head, mf, masked, s[mf], m_run[mf], d_run[mf], o[mf]);
+        softmax_frag<kMode>(p, vp, w, tile_begin, n_valid, kv_head, mf, masked, bias_slope, s[mf], m_run[mf], d_run[mf],
+                            o[mf]);
         pv_wgmma(vs, os, t0, s[mf], o[mf], d_run[mf]);
         wgmma::commit();
       }
@@ -709,7 +787,8 @@ struct Kernel {
       qk_sync(qs, ks, t0, s);
 #pragma unroll
       for (int mf = 0; mf < kMF; ++mf)
-        softmax_frag<kMode>(p, vp, w, tile_begin, n_valid, kv_head, mf, masked, s[mf], m_run[mf], d_run[mf], o[mf]);
+        softmax_frag<kMode>(p, vp, w, tile_begin, n_valid, kv_head, mf, masked, bias_slope, s[mf], m_run[mf], d_run[mf],
+                            o[mf]);
       pv_sync(vs, t0, s, o);
     }
   }
@@ -747,10 +826,19 @@ struct Kernel {
     int page[L::kLookups], slot[L::kLookups];
     const uint32_t full = ptx::smem_u32(smem + Cfg::kBarriersAt), empty = full + 8 * kStages,
                    qempty = empty + 8 * kStages;
-    // The row-sum MMA's ones (published by the first barrier below, or the first tile's, into the async proxy).
-    if constexpr (kRowSum) {
+    // The row-sum MMA's ones and the bias MMA's column indices (published by the first barrier below, or the
+    // first tile's, into the async proxy).
+    if constexpr (kRowSum || kBias) {
       if (threadIdx.x < 64) {
         reinterpret_cast<uint32_t*>(smem + Cfg::kOnesAt)[threadIdx.x] = ptx::pack2<kBf16>(1.f, 1.f);
+        wgmma::fence_proxy_async();
+      }
+    }
+    if constexpr (kBias) {  // B row t: k 0 and 1 are t (exact: kStep <= 256), k 2-7 zero; A's zeros
+      for (int t = threadIdx.x; t < Cfg::kStep + 8; t += blockDim.x) {
+        const uint32_t x = t < Cfg::kStep ? ptx::pack2<kBf16>((float)t, (float)t) : 0u;
+        const int at = t < Cfg::kStep ? Cfg::kBiasAt + 16 * t : Cfg::kBiasZeroAt + 16 * (t - Cfg::kStep);
+        *reinterpret_cast<uint4*>(smem + at) = make_uint4(x, 0u, 0u, 0u);
         wgmma::fence_proxy_async();
       }
     }
@@ -776,7 +864,7 @@ struct Kernel {
 
     uint8_t* qbuf = smem + Cfg::kQAt;
     uint8_t* cbuf = qbuf + Cfg::kQBuffers * Cfg::kQBytes;
-    int* merge_flags = reinterpret_cast<int*>(cbuf + Cfg::kConvertBytes);
+    uint32_t* merge_flags = reinterpret_cast<uint32_t*>(cbuf + Cfg::kConvertBytes);
     const uint32_t qs0 = ptx::smem_u32(qbuf);
     const uint32_t os = uniform(ptx::smem_u32(smem + Cfg::kOnesAt));
 
@@ -785,6 +873,7 @@ struct Kernel {
     // rows g and g + 8 in [0] and [2] (the quad's sum is taken at the end), or with the row-sum MMA
     // (kRowSum) its D fragment, whose every column is the whole row's sum.
     float m_run[kMF][2], d_run[kMF][4], o[kMF][kDTiles][4];
+    float bias_slope = 0.f;  // kBias: this lane's rows' ALiBi slope, log2 units
     constexpr int kUnitRows = Cfg::kUnitRows;
     const int unit = warp / kUnitWarps;  // a warp, or a warpgroup with wgmma: they skip steps together
     // The first turn is warpgroup 0's: the last one passes it a turn ahead (and warpgroup 0 takes the
@@ -826,6 +915,7 @@ struct Kernel {
         // and keeps ptxas from serialising the wgmmas for lack of registers (C7512 without it).
         if constexpr (L::kQCopy) __syncwarp();
         else if (unit_active) load_q(p, vp, w, qbuf);
+        if constexpr (kBias) bias_slope = bias_setup(p, vp, w, smem);
 #pragma unroll
         for (int mf = 0; mf < kMF; ++mf) {
           m_run[mf][0] = m_run[mf][1] = -INFINITY;
@@ -891,12 +981,12 @@ struct Kernel {
                                                             w.pos_off + step_begin + kStep > range_hi)) ||
                                (p.causal && step_begin + kStep - 1 > climit_lo) || !(p.logits_scale > 0.f);
         if constexpr (kWgmma)
-          compute_tile<kMaskedIf>(p, vp, qs, ks, vs, os, st * kStep, w, step_begin, n_valid, kv_head, need_mask, m_run,
-                                  d_run, o);
+          compute_tile<kMaskedIf>(p, vp, qs, ks, vs, os, st * kStep, w, step_begin, n_valid, kv_head, need_mask, bias_slope,
+                                  m_run, d_run, o);
         else if (need_mask)
-          compute_tile<kMasked>(p, vp, qs, ks, vs, os, st * kStep, w, step_begin, n_valid, kv_head, true, m_run, d_run, o);
+          compute_tile<kMasked>(p, vp, qs, ks, vs, os, st * kStep, w, step_begin, n_valid, kv_head, true, bias_slope, m_run, d_run, o);
         else
-          compute_tile<kFull>(p, vp, qs, ks, vs, os, st * kStep, w, step_begin, n_valid, kv_head, false, m_run, d_run, o);
+          compute_tile<kFull>(p, vp, qs, ks, vs, os, st * kStep, w, step_begin, n_valid, kv_head, false, bias_slope, m_run, d_run, o);
       }
 
       if constexpr (Cfg::kProducer) {  // the record is read by finish: release after it
@@ -916,7 +1006,7 @@ struct Kernel {
   // the rows whose last chunk this CTA completed.
   static __device__ __forceinline__ void finish(const Params& p, const VariantParams& vp, const Work& w,
                                                 float (&m_run)[kMF][2], float (&d_run)[kMF][4],
-                                                float (&o)[kMF][kDTiles][4], int* merge_flags) {
+                                                float (&o)[kMF][kDTiles][4], uint32_t* merge_flags) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int row0 = w.row0, nrows = w.nrows, item_q_begin = w.item_q_begin;
     const int partial_base = w.partial_base, partial_stride = w.partial_stride, unit = w.unit;
@@ -968,20 +1058,26 @@ struct Kernel {
     __threadfence();
     sync_compute();
     const int32_t* mi = p.plan + p.merge_indptr_offset;
-    for (int r = threadIdx.x; r < nrows; r += kThreads) {
-      const int q_row = row0 + r;
-      const int chunks = __ldg(mi + q_row + 1) - __ldg(mi + q_row);
-      int32_t* counter = E::merge_counter(p, q_row, unit);
-      const bool last = atomicAdd(counter, 1) == chunks - 1;
-      if (last) *counter = 0;  // nobody else touches it in this launch: leave it zeroed for the next
-      merge_flags[r] = last;
+    for (int r0 = 0; r0 < nrows; r0 += kThreads) {  // a bit a row, a word a warp (whole warps: ballot)
+      const int r = r0 + threadIdx.x;
+      bool last = false;
+      if (r < nrows) {
+        const int q_row = row0 + r;
+        const int chunks = __ldg(mi + q_row + 1) - __ldg(mi + q_row);
+        int32_t* counter = E::merge_counter(p, q_row, unit);
+        last = atomicAdd(counter, 1) == chunks - 1;
+        if (last) *counter = 0;  // nobody else touches it in this launch: leave it zeroed for the next
+      }
+      const uint32_t bits = __ballot_sync(0xffffffffu, last);
+      if ((threadIdx.x & 31) == 0 && r < nrows) merge_flags[r >> 5] = bits;
     }
     sync_compute();
     bool any = false;
-    for (int r = 0; r < nrows; ++r) any |= merge_flags[r] != 0;
+    for (int k = 0; k < (nrows + 31) / 32; ++k) any |= merge_flags[k] != 0;
     if (any) {
       __threadfence();
-      E::template merge_rows<2>(p, vp, unit, row0, nrows, [merge_flags](int r) { return merge_flags[r] != 0; });
+      E::template merge_rows<2>(p, vp, unit, row0, nrows,
+                                [merge_flags](int r) { return (merge_flags[r >> 5] >> (r & 31)) & 1u; });
     }
     sync_compute();  // merge_flags are reused by the next split sub-item
   }

@@ -33,10 +33,11 @@ __device__ __forceinline__ uint64_t desc_advance(uint64_t d, uint32_t bytes) {
   return (d & 0xFFFFFFFF00000000ull) | (uint32_t)((uint32_t)d + (bytes >> 4));
 }
 
-// A K-major B operand of 16 x 8 without swizzle (the row-sum MMA's ones): its two 8 x 8 core matrices, k 0-7
-// and k 8-15, 128 bytes each, one after the other at smem_addr (16-byte aligned).
-__device__ __forceinline__ uint64_t desc_k16n8(uint32_t smem_addr) {
-  return (uint64_t)((smem_addr & 0x3FFFFu) >> 4) | ((uint64_t)(128 >> 4) << 16) | ((uint64_t)(256 >> 4) << 32);
+// A K-major operand of [rows x 16] without swizzle: 8 x 8 core matrices of 128 bytes (8 rows of 16 bytes), k
+// 8-15 lbo bytes after k 0-7, the next 8 rows sbo bytes on (16-byte aligned; a zero sbo repeats the first 8
+// rows). The row-sum MMA's ones (16 x 8): lbo 128; the ALiBi bias MMA's (prefill::Config::kBiasMma).
+__device__ __forceinline__ uint64_t desc_plain(uint32_t smem_addr, uint32_t lbo, uint32_t sbo) {
+  return (uint64_t)((smem_addr & 0x3FFFFu) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32);
 }
 
 #ifdef FI_WGMMA
