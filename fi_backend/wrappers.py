@@ -305,8 +305,10 @@ def _prefill_family(head_dim: int, kv_bytes: int, wgmma: Optional[bool] = None,
         hooked = variant is not None and _logits_hooks(variant, bias)
         # A mask that is the variant's KV range (a sliding window) costs only on edge steps: the plain shape.
         hooks = hooked and not (variant.mask_is_kv_range and not variant.logits_transform)
-        # Ping-pong for one query head per chunk (no GQA) without logits hooks or masks (measured above).
-        pingpong = hpc == 1 and not hooked
+        # Ping-pong for one query head per chunk (no GQA) without logits hooks or masks (measured above), nor
+        # ALiBi: by the bias MMA at 8 x 2, flex 16 heads 1k / 4k / 16k 216.8 / 2511 / 36153 us without it
+        # against 221.6 / 2510 / 37441 with it (perf/results/ab47_alibi_8b7627c.md, same run).
+        pingpong = hpc == 1 and not hooked and not bias
         shape = {**dict(zip(keys, ws["hooks" if hooks else "plain"])), "wgmma": 1, "producer": 1,
                  "pingpong": int(pingpong), "rowsum": 1, "bias": bias}
         if not _producer_blockers(variant, head_dim, kv_bytes, {**shape, "hpc": hpc}):
@@ -353,14 +355,12 @@ def _prefill_smem_bytes(head_dim: int, kv_bytes: int, shape: dict, q_buffers: in
     # full / empty mbarriers per stage, qempty per query buffer; the producer's TMA votes (two tiles x 4 warps)
     barriers = 16 * shape["stages"] + 8 * q_buffers + 32 if shape.get("producer") else 0
     flags = (tile_rows // 8 + 15) // 16 * 16  # a bit a row
-    total = (shape["stages"] * (stage + record) + q_buffers * tile_rows * head_dim * 2 + convert + flags
-             + row_offsets + barriers)
-    if not (shape.get("rowsum") or shape.get("bias")):
-        return total
-    # the bias MMA's columns (16 bytes a token of a step), A blocks (128 bytes a warpgroup) and zeros; the
+    # the bias MMA's A blocks (128 bytes a warpgroup), zeros and columns (16 bytes a token of a step); the
     # row-sum MMA's ones
-    bias = 16 * shape["step"] + 128 * (shape["warps"] // 4) + 128 if shape.get("bias") else 0
-    return (total + 15) // 16 * 16 + bias + 256
+    bias = 128 * (shape["warps"] // 4) + 128 + 16 * shape["step"] if shape.get("bias") else 0
+    ones = 256 if shape.get("rowsum") or shape.get("bias") else 0
+    return (shape["stages"] * (stage + record) + q_buffers * tile_rows * head_dim * 2 + convert + bias + ones + flags
+            + row_offsets + barriers)
 
 
 def _prefill_q_buffers(variant: Variant, head_dim: int, kv_bytes: int, shape: dict) -> int:

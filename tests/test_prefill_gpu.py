@@ -269,17 +269,20 @@ def test_alibi_bias_mma(group, shape, bias):
     tuning = {**(_WS8[shape] if shape else {}), "bias": bias}
     from fi_backend import reference as ref
     from fi_backend import wrappers as W
-    attn = prefill(Hq, Hkv, 128, page_size=16, variant=V.ALIBI, tuning=tuning)
     assert W.prefill_spec(V.ALIBI, 128, "bf16", "bf16", group, tuning=tuning).params["CONFIG"].endswith(
         "true" if bias else "false")
     g = torch.Generator().manual_seed(group * 10 + bias)
     random_slopes = (torch.rand(Hq, generator=g, dtype=torch.float64) * 2 - 1)
     for dtype in (torch.bfloat16, torch.float16):
+        attn = prefill(Hq, Hkv, 128, q_dtype=dtype, page_size=16, variant=V.ALIBI, tuning=tuning)
         for causal, slopes, scale in ((True, ref.alibi_slopes(Hq), None), (False, random_slopes, 0.3)):
             kw = {"alibi_slopes": slopes.float().to(DEV)} | ({"sm_scale": scale} if scale else {})
             rkw = {"alibi_slopes": slopes.float().double()} | ({"sm_scale": scale} if scale else {})
             run_case(attn, [1500, 3, 1017, 16000, 300], [1, 3, 17, 1000, 300], dtype=dtype, causal=causal,
                      variant_kw=kw, ref_kw=rkw, what=f"alibi bias={bias} group={group} causal={causal} {dtype}")
+    bsr, qo, kv, _ = make_bsr([10], [10], 16)
+    with pytest.raises(ValueError, match="sm_scale must be finite and nonzero with ALiBi"):
+        attn.plan(qo, kv, bsr, causal=True, sm_scale=0.0, alibi_slopes=ref.alibi_slopes(Hq).float().to(DEV))
 
 
 # Plans by request (fi_backend.wrappers: prefill steps of 2+ requests with PLAN_GROUPED_MIN_KV+ KV tokens,

@@ -206,20 +206,24 @@ struct Config {
   // with one, two or more, each released by the compute warps through a barrier when its sub-item ends.
   // Else (1) the warps load Q themselves (load_q). fi_backend/wrappers.py (_prefill_q_buffers) decides.
   static constexpr int kQBuffers = kQBuffers_;
-  static constexpr int kRecordsAt = kQAt + kQBuffers * kQBytes + kConvertBytes + kFlagBytes;
+  // The extra MMAs' constant operands, no swizzle (wgmma::desc_plain), after the query buffers. The bias MMA's
+  // (kBiasMma): each compute warpgroup's A block (8 rows of 16 bytes, Kernel::bias_setup); 128 zero bytes,
+  // A's k 8-15; B, kStep rows of 16 bytes at kBiasKAt (k 8-15 read the next 8 rows, and after the last the
+  // ones: finite, and A is zero there). Then the row-sum MMA's B: 16 x 8 ones, 256 bytes. compute-sanitizer
+  // counts an operand's dense extent from its start (2 KB for the A and B of an m64 n64 k16 MMA, though
+  // the descriptors' strides read 256 and 1152 bytes), so these sit before the flags, records, row offsets
+  // and barriers, not at the end. (The 1408 bytes at 8 x 2 are why the merge flags are bits.)
+  static constexpr int kBiasAt = kQAt + kQBuffers * kQBytes + kConvertBytes;
+  static constexpr int kBiasZeroAt = kBiasAt + 128 * (kWarps / 4);
+  static constexpr int kBiasKAt = kBiasZeroAt + 128;
+  static constexpr int kOnesAt = kBiasMma ? kBiasKAt + kStep * 16 : kBiasAt;
+  static constexpr int kFlagsAt = kOnesAt + (kRowSumMma || kBiasMma ? 256 : 0);
+  static constexpr int kRecordsAt = kFlagsAt + kFlagBytes;
   static constexpr int kRowOffsetsAt = kRecordsAt + kStages * (int)sizeof(TileRecord);
   // After the loader's row offsets (shared.cuh) and, warp-specialised, its TMA votes (two tiles x 4 warps).
   static constexpr int kBarriersAt = kRowOffsetsAt + 2 * kTile * 8 + (kProducer ? 32 : 0);
   // full[kStages], empty[kStages], qempty[kQBuffers] mbarriers
-  static constexpr int kBarriersEnd = kBarriersAt + (kProducer ? 16 * kStages + 8 * kQBuffers : 0);
-  // The bias MMA's operands (kBiasMma), no swizzle (wgmma::desc_plain): B, kStep rows of 16 bytes at
-  // kBiasAt (k 8-15 read the next 8 rows, and after the last the A blocks: A is zero there); each compute
-  // warpgroup's A block (8 rows of 16 bytes); 128 zero bytes, A's k 8-15. Then the row-sum MMA's B
-  // operand: 16 x 8 ones, 256 bytes (these 1408 bytes at 8 x 2 are why the merge flags are bits).
-  static constexpr int kBiasAt = (kBarriersEnd + 15) / 16 * 16;
-  static constexpr int kBiasZeroAt = kBiasAt + (kBiasMma ? kStep * 16 + 128 * (kWarps / 4) : 0);
-  static constexpr int kOnesAt = kBiasZeroAt + (kBiasMma ? 128 : 0);
-  static constexpr int kSmemBytes = kRowSumMma || kBiasMma ? kOnesAt + 256 : kBarriersEnd;
+  static constexpr int kSmemBytes = kBarriersAt + (kProducer ? 16 * kStages + 8 * kQBuffers : 0);
   static constexpr int kBiasBar = kPingPongBar + kWarps / 4;  // + warpgroup: bias_setup's (after ping-pong's)
   static_assert(sizeof(TileRecord) % 8 == 0 && kRecordsAt % 16 == 0, "tile records, row offsets: 8-byte aligned");
 
@@ -253,7 +257,7 @@ struct Config {
     else return rowmajor_offset<kCRowBytes>(row, chunk);
   }
   // Warpgroup u's A block of the bias MMA.
-  static __device__ __forceinline__ int bias_a(int u) { return kBiasAt + kStep * 16 + 128 * u; }
+  static __device__ __forceinline__ int bias_a(int u) { return kBiasAt + 128 * u; }
   // Stage s's tile record.
   static __device__ __forceinline__ TileRecord* record(uint8_t* smem, int s) {
     return reinterpret_cast<TileRecord*>(smem + kRecordsAt) + s;
@@ -512,7 +516,7 @@ struct Kernel {
       const int u = uniform(threadIdx.x >> 7);
       const uint32_t base = os - Cfg::kOnesAt;  // the CTA's shared memory
       const uint64_t a = wgmma::desc_plain(base + Cfg::bias_a(u), Cfg::kBiasZeroAt - Cfg::bias_a(u), 0);
-      const uint64_t b = wgmma::desc_plain(base + Cfg::kBiasAt, 128, 128);
+      const uint64_t b = wgmma::desc_plain(base + Cfg::kBiasKAt, 128, 128);
       wgmma::Mma<kStep, kBf16>::template ss<0>(reinterpret_cast<float(&)[kNTiles * 4]>(s), a, b, 1);
     }
   }
@@ -837,7 +841,7 @@ struct Kernel {
     if constexpr (kBias) {  // B row t: k 0 and 1 are t (exact: kStep <= 256), k 2-7 zero; A's zeros
       for (int t = threadIdx.x; t < Cfg::kStep + 8; t += blockDim.x) {
         const uint32_t x = t < Cfg::kStep ? ptx::pack2<kBf16>((float)t, (float)t) : 0u;
-        const int at = t < Cfg::kStep ? Cfg::kBiasAt + 16 * t : Cfg::kBiasZeroAt + 16 * (t - Cfg::kStep);
+        const int at = t < Cfg::kStep ? Cfg::kBiasKAt + 16 * t : Cfg::kBiasZeroAt + 16 * (t - Cfg::kStep);
         *reinterpret_cast<uint4*>(smem + at) = make_uint4(x, 0u, 0u, 0u);
         wgmma::fence_proxy_async();
       }
@@ -864,7 +868,7 @@ struct Kernel {
 
     uint8_t* qbuf = smem + Cfg::kQAt;
     uint8_t* cbuf = qbuf + Cfg::kQBuffers * Cfg::kQBytes;
-    uint32_t* merge_flags = reinterpret_cast<uint32_t*>(cbuf + Cfg::kConvertBytes);
+    uint32_t* merge_flags = reinterpret_cast<uint32_t*>(smem + Cfg::kFlagsAt);
     const uint32_t qs0 = ptx::smem_u32(qbuf);
     const uint32_t os = uniform(ptx::smem_u32(smem + Cfg::kOnesAt));
 
