@@ -272,7 +272,9 @@ def test_alibi_bias_mma(group, shape, bias):
     assert W.prefill_spec(V.ALIBI, 128, "bf16", "bf16", group, tuning=tuning).params["CONFIG"].endswith(
         "true" if bias else "false")
     g = torch.Generator().manual_seed(group * 10 + bias)
-    random_slopes = (torch.rand(Hq, generator=g, dtype=torch.float64) * 2 - 1)
+    # (within +-1/8: with positive distances up to 16000 a larger slope puts the LSE in the thousands, where
+    # fp32's own rounding of it passes the 1e-3 tolerance, with or without the bias MMA)
+    random_slopes = (torch.rand(Hq, generator=g, dtype=torch.float64) * 2 - 1) / 8
     for dtype in (torch.bfloat16, torch.float16):
         attn = prefill(Hq, Hkv, 128, q_dtype=dtype, page_size=16, variant=V.ALIBI, tuning=tuning)
         for causal, slopes, scale in ((True, ref.alibi_slopes(Hq), None), (False, random_slopes, 0.3)):
