@@ -82,6 +82,11 @@ def specs():
         out.extend([prefill_spec(V.DEFAULT, 128, "fp16", "fp16", 4, tuning=rs),
                     prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={"warps": 8, "mfrags": 1, "stages": 3, "producer": 1, **rs}),
                     prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 8, tuning={**pp["w12pp"], **rs})])
+    # ALiBi by MMA or per element (tuning bias): tests/test_prefill_gpu.py (test_alibi_bias_mma), both query types.
+    for (g, shape), b, q in itertools.product(((1, {}), (2, {}), (4, pp["w12pp"]),
+                                               (8, {"warps": 8, "mfrags": 1, "stages": 3, "producer": 1}),
+                                               (1, pp["w8t128pp"])), (0, 1), ("bf16", "fp16")):
+        out.append(prefill_spec(V.ALIBI, 128, q, q, g, tuning={**shape, "bias": b}))
     seen, uniq = set(), []
     for s in out:
         if s.memo_key not in seen:

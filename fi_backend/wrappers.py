@@ -228,8 +228,15 @@ _PREFILL_SHAPES_WGMMA_WINDOW = {
 #   Again at 11a97a8 (conditional rescale; perf/results/prefill_pp40_fa2.md, prefill_pp40_flex.md, same runs):
 #   32/32 394 / 1167 / 4451 vs 402 / 1231 / 4534 us, 32/8 377 / 1172 / 4403 vs 367 / 1132 / 4305; flex at
 #   16 heads, 512..16k, causal 0.95-1.00 of the plain shape's time, window 0.99-1.02, ALiBi 1.01-1.03.
-#   Three runs, one answer: without GQA (one head per chunk) and without logits hooks or masks, ping-pong
-#   is 0-8% faster, with GQA 2-7% slower; so member 0 ping-pongs exactly there (_prefill_family).
+#   Three runs, one answer then: without GQA (one head per chunk) and without logits hooks or masks, ping-pong
+#   was 0-8% faster, with GQA 2-7% slower; so member 0 ping-ponged exactly there.
+#   Not any more (since the row sums by MMA, the TMA loader and plans by request; perf/results/ab47q_*.md,
+#   ab47p_causal_18cade1.md, three runs, each the same process): flex causal, 16 heads, 512..16k, without it
+#   faster in all 14 pairs, 0.2-4% (8k 8914 / 8864 vs 9170 / 9253 us, 16k 35341 / 35641 / 34862 vs 36587 /
+#   36475 / 36290: ratio to FlexAttention 1.17-1.20 -> 1.21-1.22); fa2 32/32 16x1k 2% faster twice, 4x4k and
+#   1x16k one pair each way by 2-4% (the same module timed twice in those runs differs by up to 1.6%);
+#   ALiBi by the bias MMA 0-3.5% faster without it (ab47_alibi_8b7627c.md). Member 0 runs without it; the
+#   tuning pingpong=1 remains.
 _PREFILL_WS_MEMBER0 = {
     128: {"plain": (8, 2, 64, 3, 64), "hooks": (12, 1, 64, 3, 64)},
 }
@@ -305,12 +312,8 @@ def _prefill_family(head_dim: int, kv_bytes: int, wgmma: Optional[bool] = None,
         hooked = variant is not None and _logits_hooks(variant, bias)
         # A mask that is the variant's KV range (a sliding window) costs only on edge steps: the plain shape.
         hooks = hooked and not (variant.mask_is_kv_range and not variant.logits_transform)
-        # Ping-pong for one query head per chunk (no GQA) without logits hooks or masks (measured above), nor
-        # ALiBi: by the bias MMA at 8 x 2, flex 16 heads 1k / 4k / 16k 216.8 / 2511 / 36153 us without it
-        # against 221.6 / 2510 / 37441 with it (perf/results/ab47_alibi_8b7627c.md, same run).
-        pingpong = hpc == 1 and not hooked and not bias
         shape = {**dict(zip(keys, ws["hooks" if hooks else "plain"])), "wgmma": 1, "producer": 1,
-                 "pingpong": int(pingpong), "rowsum": 1, "bias": bias}
+                 "pingpong": 0, "rowsum": 1, "bias": bias}  # no ping-pong: measured above
         if not _producer_blockers(variant, head_dim, kv_bytes, {**shape, "hpc": hpc}):
             family[0] = shape
     return family
@@ -393,8 +396,8 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     tuning (benchmarks): overrides of warps / mfrags / tile / stages / step (default: min(step, tile)) / wgmma
     (1: Hopper warpgroup MMAs, sm_90a only) / producer (1: warp-specialised, a producer warpgroup loads the
     tiles for `warps` compute warps; wgmma, the query copy, 16-bit KV, no KeyTransform), pingpong (1: with a
-    producer and 8, 12 or 16 compute warps, the warpgroups issue their S MMAs in turn; default: member 0's
-    (_prefill_family) where the tuning keeps its shape, else 0), rowsum (1: the softmax's row sums by warpgroup
+    producer and 8, 12 or 16 compute warps, the warpgroups issue their S MMAs in turn; default 0, measured
+    slower, see _PREFILL_WS_MEMBER0), rowsum (1: the softmax's row sums by warpgroup
     MMAs, prefill::Config::kRowSumMma; wgmma only), bias (1: a variant's ALiBi by warpgroup MMAs,
     prefill::Config::kBiasMma; default wherever _bias_mma_possible), q_buffers (1, or
     the stages: the loader's query copy; with a producer, 2 or more; default _prefill_q_buffers's choice),
@@ -424,11 +427,6 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     why = _producer_blockers(variant, head_dim, kv_bytes, shape) if shape["producer"] else []
     if why:
         raise ValueError(f"tuning producer=1 (warp-specialised prefill) needs {', '.join(why)}; shape {shape}")
-    # Member 0's ping-pong was measured for its own shape (_prefill_family): a shape that differs from it and
-    # does not name pingpong runs without it.
-    if "pingpong" not in tuning and any(shape[k] != default_shape[k] for k in
-                                        ("warps", "mfrags", "tile", "stages", "step", "wgmma", "producer")):
-        shape["pingpong"] = 0
     shape["pingpong"] = int(shape.get("pingpong", 0))
     if shape["pingpong"] not in (0, 1):
         raise ValueError(f"tuning pingpong must be 0 or 1, got {shape['pingpong']}")
