@@ -216,8 +216,13 @@ _PREFILL_SHAPES_WGMMA_WINDOW = {
 #   283 / 1511).
 #   At 67bb9b4 (per-row mask intervals, LogitsCtx::rel_pos), flex quick, same run (prefill_h100_quick_eeba742.md):
 #   the sliding window at 8 x 2 224.6 / 1308 us (16 heads, 16x1k / 16x4k) against 240.3 / 1406 at 12 x 1, so a
-#   mask that is the KV range runs the plain shape; ALiBi 254.8 / 2792 vs 251.5 / 2819 (even), soft-cap 324.0 /
+#   mask that is the KV range ran the plain shape; ALiBi 254.8 / 2792 vs 251.5 / 2819 (even), soft-cap 324.0 /
 #   3240 vs 265.3 / 2898 (its tanh: 12 x 1 stays for logits transforms and other masks).
+#   Not any more for the window (since the row sums by MMA and the window's plan cost; perf/results/ab47w_*.md,
+#   two runs, same process, 16 heads 16x1k / 4k / 8k / 16k): 12 x 1 205.6 / 1269 / 2600 / 5447 and 205.4 / 1153 /
+#   2606 / 5453 us against 8 x 2 213.8 / 1209 / 2673 / 5529 and 213.0 / 1297 / 2692 / 5532, faster in 7 of 8
+#   pairs (flex ratio 1.18-1.25 -> 1.18-1.30); so every logits mask runs 12 x 1, only ALiBi by its MMA and
+#   no hooks at all run 8 x 2.
 #   Ping-pong (tuning pingpong=1, prefill::Config::kPingPong: the compute warpgroups issue their S MMAs in turn)
 #   measured no better as a default (perf/results/prefill_ab33.md at adef042, prefill_ab34.md at d4fe955, same
 #   runs as the default): 8 x 2, 32/32 heads 16x1k / 4x4k / 1x16k 449 / 1242 / 4672 vs 464 / 1289 / 5098 us
@@ -310,9 +315,7 @@ def _prefill_family(head_dim: int, kv_bytes: int, wgmma: Optional[bool] = None,
         # ALiBi by MMA has no per-element hook: the plain shape (checked for it below)
         bias = int(_bias_mma_possible(variant, {"wgmma": 1, "warps": ws["plain"][0]}, hpc))
         hooked = variant is not None and _logits_hooks(variant, bias)
-        # A mask that is the variant's KV range (a sliding window) costs only on edge steps: the plain shape.
-        hooks = hooked and not (variant.mask_is_kv_range and not variant.logits_transform)
-        shape = {**dict(zip(keys, ws["hooks" if hooks else "plain"])), "wgmma": 1, "producer": 1,
+        shape = {**dict(zip(keys, ws["hooks" if hooked else "plain"])), "wgmma": 1, "producer": 1,
                  "pingpong": 0, "rowsum": 1, "bias": bias}  # no ping-pong: measured above
         if not _producer_blockers(variant, head_dim, kv_bytes, {**shape, "hpc": hpc}):
             family[0] = shape
