@@ -1,7 +1,7 @@
-"""compute-sanitizer racecheck / synccheck body (python3 .ci/sanitize_alibi.py from the repo root, on the GPU
-machine): one small ALiBi prefill per shape with the bias MMA (8 x 2 default, 12 x 1, 8 x 1 non-producer member), checked
-against the reference: the body of compute-sanitizer racecheck / synccheck runs over bias_setup's named barrier
-and the bias MMA's shared-memory operands."""
+"""The body of compute-sanitizer racecheck / synccheck runs over the ALiBi bias MMA (bias_setup's named barrier,
+the MMA's shared-memory operands): one small ALiBi prefill per shape (8 x 2 default, 12 x 1, the 8 x 1 non-producer
+member), checked against the reference. On the GPU machine, from the repo root:
+    compute-sanitizer --tool racecheck python3 .ci/sanitize_alibi.py"""
 import sys
 sys.path.insert(0, "tests")
 import torch
