@@ -21,15 +21,16 @@ user's. A hook is the BODY of a C++ function (the signature is fixed by the hook
   2^24; cheaper than converting the ints per element), split as rel_pos = rel_row + rel_col: rel_row the
   same across a row's elements, rel_col a compile-time constant in the prefill kernel, so a hook linear in
   rel_pos costs one multiply-add an element written as fmaf(a, ctx.rel_col, logits + a * ctx.rel_row)
-  (ALIBI below). Positions: query row r of request i is at
+  (as the prefill kernel's per-element ALiBi does). Positions: query row r of request i is at
   kv_pos_start[i] + kv_len_i - q_len_i + (r - qo_indptr[i]); KV token t at kv_pos_start[i] + t.
 * alibi_slope is a linear bias by relative position (ALiBi): logits += slope(qo_head) * rel_pos, after
   the logits_transform (as FlashAttention applies a soft-cap, then ALiBi) and before the mask; softmax
   attention only. It says what a logits_transform could say per element, in a form the prefill kernel
   folds into its tensor cores: on Hopper, without a logits_transform, the bias's column part rides the
   Q.K^T MMA (one more k step: slope / sm_scale against the step's column indices) and its row part the
-  softmax's per-row offsets, so it costs no instruction per element (perf/results/ab47_*.md). Several
-  alibi_slope hooks add up. With it sm_scale must be nonzero.
+  softmax's per-row offsets: no instruction per element, an eighth more Q.K^T tensor work (ALiBi then runs
+  about 5% behind no bias, against 12% per element; perf/results/ab47_*.md). Several alibi_slope hooks
+  add up. With it sm_scale must be nonzero.
 * use_softmax=False: the output is sum_j p_j v_j with p_j = logits_transform(...) (0 where masked),
   unnormalised, and there is no LSE (sigmoid attention).
 * kv_range is an optimisation: KV positions outside [lo, hi) must already be masked for every query

@@ -312,7 +312,7 @@ def _prefill_family(head_dim: int, kv_bytes: int, wgmma: Optional[bool] = None,
         family.append({**shape, "bias": int(_bias_mma_possible(variant, shape, hpc))})
     ws = _PREFILL_WS_MEMBER0.get(head_dim) if wgmma else None
     if ws:
-        # ALiBi by MMA has no per-element hook: the plain shape (checked for it below)
+        # ALiBi by MMA is no per-element hook: without other hooks it runs the plain shape
         bias = int(_bias_mma_possible(variant, {"wgmma": 1, "warps": ws["plain"][0]}, hpc))
         hooked = variant is not None and _logits_hooks(variant, bias)
         shape = {**dict(zip(keys, ws["hooks" if hooked else "plain"])), "wgmma": 1, "producer": 1,
