@@ -799,18 +799,16 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
         out_items[fill[item_cta_[r]]++] = work;
       }
     }
-  }
-  // Item i in creation order is the rank_[i]-th in LPT order, whose replicas' CTAs cta_of gives.
-  if (!in.group_requests) {
+  } else {  // creation order: item i is the rank_[i]-th in LPT order, whose replicas' CTAs cta_of gives
     rank_.resize(n_items);
     for (int64_t k = 0; k < n_items; ++k) rank_[order[k]] = (int32_t)k;
-  }
-  for (int64_t i = 0; i < n_items && !in.group_requests; ++i) {
-    const int64_t k = rank_[i];
-    FiWorkItem work = work_of(i);
-    for (int32_t u = 0; u < units; ++u) {
-      work.unit = u;
-      out_items[fill[cta_of(k, u)]++] = work;
+    for (int64_t i = 0; i < n_items; ++i) {
+      const int64_t k = rank_[i];
+      FiWorkItem work = work_of(i);
+      for (int32_t u = 0; u < units; ++u) {
+        work.unit = u;
+        out_items[fill[cta_of(k, u)]++] = work;
+      }
     }
   }
 
