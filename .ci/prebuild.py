@@ -48,17 +48,17 @@ def specs():
         out.append(prefill_spec(V.DEFAULT, D, q, q, g, tuning=ws[D]))
     for (g, q), t in itertools.product(((4, "bf16"), (4, "fp16"), (1, "bf16"), (1, "fp16")),
                                        ({"warps": 8, "mfrags": 1, "stages": 3, "producer": 1},
-                                        {"warps": 8, "mfrags": 2, "producer": 1, "pingpong": 0})):
+                                        {"warps": 8, "mfrags": 2, "stages": 3, "producer": 1, "pingpong": 0})):
         out.append(prefill_spec(V.DEFAULT, 128, q, q, g, tuning=t))
     for name in _VARIANTS:
         if not name.startswith("rope"):
             out.append(prefill_spec(V.BUILTIN_VARIANTS[name], 128, "bf16", "bf16", 4, tuning=ws[128]))
     for name, g in itertools.product(("soft_cap", "window", "alibi", "default"), (1, 4)):
         for t in (ws[128], {"warps": 8, "mfrags": 1, "stages": 3, "producer": 1},
-                  {"warps": 8, "mfrags": 2, "producer": 1, "pingpong": 0}):
+                  {"warps": 8, "mfrags": 2, "stages": 3, "producer": 1, "pingpong": 0}):
             out.append(prefill_spec(V.BUILTIN_VARIANTS[name], 128, "bf16", "bf16", g, tuning=t))
     # Ping-pong (tuning pingpong=1): tests/test_prefill_gpu.py (_PP, the variants at 12 x 1) and perf A/B runs.
-    pp = {"w8m2pp": {"warps": 8, "mfrags": 2, "producer": 1, "pingpong": 1},
+    pp = {"w8m2pp": {"warps": 8, "mfrags": 2, "stages": 3, "producer": 1, "pingpong": 1},
           "w8t128pp": {"warps": 8, "mfrags": 1, "tile": 128, "stages": 2, "step": 128, "producer": 1, "pingpong": 1},
           "w12pp": {"warps": 12, "mfrags": 1, "producer": 1, "pingpong": 1}}
     for q in ("bf16", "fp16"):

@@ -242,8 +242,15 @@ _PREFILL_SHAPES_WGMMA_WINDOW = {
 #   1x16k one pair each way by 2-4% (the same module timed twice in those runs differs by up to 1.6%);
 #   ALiBi by the bias MMA 0-3.5% faster without it (ab47_alibi_8b7627c.md). Member 0 runs without it; the
 #   tuning pingpong=1 remains.
+#   A window mask without a logits transform at 12 x 1 with 4 stages (perf/results/ab48s_*.md, two runs, ab48w.md a third at 8k / 16k,
+#   same process, 16 heads, 16x512 / 1k / 2k / 4k / 8k / 16k): 79.5 / 207.7 / 507.3 / 1239 / 2576 / 5411 and 80.0 /
+#   207.4 / 511.2 / 1279 / 2581 / 5438 us against 80.6 / 211.3 / 522.2 / 1248 / 2634 / 5430 and 80.6 / 205.9 / 523.2 /
+#   1320 / 2629 / 5460 at 3 stages, faster in 11 of 12 pairs (ab48w: 8k 2641 vs 2631, 16k 5433 vs 5574); the extra
+#   stage lets the producer run further into the next query tile's short KV range. Soft-cap at 4 stages 1-2% slower
+#   from 2k up (ab48s_*), so logits transforms (soft-cap + window too, not timed) keep 3; ALiBi + window's bias MMA
+#   operands leave no room for a fourth stage.
 _PREFILL_WS_MEMBER0 = {
-    128: {"plain": (8, 2, 64, 3, 64), "hooks": (12, 1, 64, 3, 64)},
+    128: {"plain": (8, 2, 64, 3, 64), "hooks": (12, 1, 64, 3, 64), "window": (12, 1, 64, 4, 64)},
 }
 # Query buffers of a warp-specialised kernel: the sub-item running and the next one, whose query tile the
 # producer copies ahead; each released through a barrier when its sub-item ends, so the stages are free
@@ -315,10 +322,16 @@ def _prefill_family(head_dim: int, kv_bytes: int, wgmma: Optional[bool] = None,
         # ALiBi by MMA is no per-element hook: without other hooks it runs the plain shape
         bias = int(_bias_mma_possible(variant, {"wgmma": 1, "warps": ws["plain"][0]}, hpc))
         hooked = variant is not None and _logits_hooks(variant, bias)
-        shape = {**dict(zip(keys, ws["hooks" if hooked else "plain"])), "wgmma": 1, "producer": 1,
-                 "pingpong": 0, "rowsum": 1, "bias": bias}  # no ping-pong: measured above
-        if not _producer_blockers(variant, head_dim, kv_bytes, {**shape, "hpc": hpc}):
-            family[0] = shape
+        names = ["plain"]
+        if hooked:  # a window mask without a transform: 4 stages where they fit (not beside the bias MMA's operands)
+            window = variant.mask_is_kv_range and not variant.logits_transform and "window" in ws
+            names = ["window", "hooks"] if window else ["hooks"]
+        for name in names:
+            shape = {**dict(zip(keys, ws[name])), "wgmma": 1, "producer": 1, "pingpong": 0, "rowsum": 1,
+                     "bias": bias}  # no ping-pong: measured above
+            if not _producer_blockers(variant, head_dim, kv_bytes, {**shape, "hpc": hpc}):
+                family[0] = shape
+                break
     return family
 
 

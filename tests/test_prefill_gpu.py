@@ -200,9 +200,9 @@ _WS = {64: {"warps": 12, "mfrags": 1, "producer": 1}, 128: {"warps": 12, "mfrags
 
 # Two compute warpgroups (384 threads: registers move from the producer), one or two fragments each.
 _WS8 = {"w8": {"warps": 8, "mfrags": 1, "stages": 3, "producer": 1},
-        "w8m2": {"warps": 8, "mfrags": 2, "producer": 1, "pingpong": 0}}  # (member 0 at one head a chunk)
+        "w8m2": {"warps": 8, "mfrags": 2, "stages": 3, "producer": 1, "pingpong": 0}}  # (member 0 at one head a chunk)
 # Ping-pong (prefill::Config::kPingPong): the compute warpgroups take turns at every step, skipped ones too.
-_PP = {"w8m2pp": {"warps": 8, "mfrags": 2, "producer": 1, "pingpong": 1},
+_PP = {"w8m2pp": {"warps": 8, "mfrags": 2, "stages": 3, "producer": 1, "pingpong": 1},
        "w8t128pp": {"warps": 8, "mfrags": 1, "tile": 128, "stages": 2, "step": 128, "producer": 1, "pingpong": 1},
        "w12pp": {"warps": 12, "mfrags": 1, "producer": 1, "pingpong": 1}}
 _WS8.update(_PP)

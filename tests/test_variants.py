@@ -347,6 +347,25 @@ def test_warp_specialised_prefill_specs(monkeypatch):
         W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning=ws)
 
 
+def test_window_member0_runs_four_stages(monkeypatch):
+    """A window mask without a logits transform runs member 0 at 12 x 1 with 4 stages (_PREFILL_WS_MEMBER0's
+    "window", measured faster in perf/results/ab48s_*.md); soft-cap (alone or with the window) keeps 3, and
+    ALiBi + window, whose bias MMA operands leave no room for a fourth stage, falls back to 3."""
+    monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", "90a")
+    def shape(variant, group):
+        return W._prefill_shape(128, 2, group, 0, variant)
+    for group in (1, 4, 8):
+        assert {k: shape(V.SLIDING_WINDOW, group)[k] for k in ("warps", "mfrags", "stages", "producer")} == \
+            {"warps": 12, "mfrags": 1, "stages": 4, "producer": 1}
+        for name in ("soft_cap", "soft_cap_window", "alibi_window", "custom_mask"):
+            got = shape(V.BUILTIN_VARIANTS[name], group)
+            assert (got["warps"], got["stages"], got["producer"]) == (12, 3, 1), (name, group, got)
+        assert shape(V.DEFAULT, group)["stages"] == 3 and shape(V.DEFAULT, group)["mfrags"] == 2
+    assert shape(V.BUILTIN_VARIANTS["alibi_window"], 4)["bias"] == 1
+    config = _config(W.prefill_spec(V.SLIDING_WINDOW, 128, "bf16", "bf16", 4))
+    assert config[4:8] == ["12", "1", "64", "4"]
+
+
 def test_pick_member_takes_large_tiles_in_whole_waves():
     """plan()'s tile pick: the large tile when each CTA gets FAMILY_TILES_PER_CTA of them or they fill whole
     waves of CTAs; the small one when large tiles would leave CTAs idle (the H100 measurements in
