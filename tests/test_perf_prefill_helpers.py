@@ -174,3 +174,25 @@ def test_paged_pool_holds_the_ragged_kv(page_size):
     assert torch.equal(paged.last_page_len, bsr.last_block_len)
     assert sorted(paged.table.reshape(-1).tolist()) == list(range(paged.num_pages))  # a permutation of the pool
     assert isinstance(bsr, formats.BSR) and bsr.block_width == page_size
+
+
+def test_flex_medians_per_cell(tmp_path):
+    """perf/flex_medians.py: each cell's median, min and max over runs, and the bar judged on the median."""
+    from perf import flex_medians as fm
+    cells = [("causal", 4096), ("alibi", 8192)]
+    ratios = {c: [RNG.uniform(1.1, 1.3) for _ in range(5)] for c in cells}
+    paths = []
+    for i in range(5):
+        rows = [{"variant": v, "batch": 16, "seq_len": s, "ratio_flex_over_ours": ratios[(v, s)][i],
+                 "ours_us": 100.0 + i, "flex_us": 100.0 * ratios[(v, s)][i]} for v, s in cells]
+        run = {"commit": "abc1234", "date": f"2026-11-23T0{i}:00:00", "device": {"name": "H100"},
+               "bars": {"flex_ratio_min": 1.2}, "flex": {"rows": rows}}
+        paths.append(tmp_path / f"r{i}.json")
+        paths[-1].write_text(json.dumps(run))
+    res = fm.medians(paths)
+    assert [(x["variant"], x["seq_len"]) for x in res["rows"]] == [("causal", 4096), ("alibi", 8192)]
+    for x in res["rows"]:
+        r = sorted(ratios[(x["variant"], x["seq_len"])])
+        assert x["ratio_median"] == r[2] and x["ratio_min"] == r[0] and x["ratio_max"] == r[4] and x["runs"] == 5
+        assert x["bar_met_by_median"] == (r[2] >= 1.2) and x["ours_us_median"] == 102.0
+    assert "| causal | 16x4096 |" in fm.markdown(res)
