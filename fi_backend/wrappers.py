@@ -230,6 +230,9 @@ _PREFILL_SHAPES_WGMMA_WINDOW = {
 #   1160 / 4459 vs 387 / 1136 / 4173; 12 x 1 with it within 5% either way; flex variants at 12 x 1 5-10% slower
 #   (prefill_flex34.md). ncu (1x16k, 8 x 2, adef042): tensor pipe 49% active, the compute warps' top stall
 #   fixed-latency waits (31%), MUFU 17% of their samples; no shared-memory or issue limit reached.
+#   (Taking a quarter or half of the softmax's exponentials off MUFU, by a polynomial on the FMA pipe as
+#   FlashAttention-4 does, was 2-9% slower in 35 of 36 flex pairs at 8 x 2 and 12 x 1: MUFU is not the limit;
+#   perf/results/ab48e_exp_poly.md has the patch.)
 #   Again at 11a97a8 (conditional rescale; perf/results/prefill_pp40_fa2.md, prefill_pp40_flex.md, same runs):
 #   32/32 394 / 1167 / 4451 vs 402 / 1231 / 4534 us, 32/8 377 / 1172 / 4403 vs 367 / 1132 / 4305; flex at
 #   16 heads, 512..16k, causal 0.95-1.00 of the plain shape's time, window 0.99-1.02, ALiBi 1.01-1.03.
