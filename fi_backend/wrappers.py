@@ -230,9 +230,9 @@ _PREFILL_SHAPES_WGMMA_WINDOW = {
 #   1160 / 4459 vs 387 / 1136 / 4173; 12 x 1 with it within 5% either way; flex variants at 12 x 1 5-10% slower
 #   (prefill_flex34.md). ncu (1x16k, 8 x 2, adef042): tensor pipe 49% active, the compute warps' top stall
 #   fixed-latency waits (31%), MUFU 17% of their samples; no shared-memory or issue limit reached.
-#   (Taking a quarter or half of the softmax's exponentials off MUFU, by a polynomial on the FMA pipe as
-#   FlashAttention-4 does, was 2-9% slower in 35 of 36 flex pairs at 8 x 2 and 12 x 1: MUFU is not the limit;
-#   perf/results/ab48e_exp_poly.md has the patch.)
+#   (Taking an eighth, a quarter or half of the softmax's exponentials off MUFU, by a polynomial on the FMA pipe
+#   as FlashAttention-4 does, was slower in 51 of 54 flex pairs at 8 x 2 and 12 x 1, by up to 11%: MUFU is not
+#   the limit; perf/results/ab48e_exp_poly.md has the figures and the patch.)
 #   Again at 11a97a8 (conditional rescale; perf/results/prefill_pp40_fa2.md, prefill_pp40_flex.md, same runs):
 #   32/32 394 / 1167 / 4451 vs 402 / 1231 / 4534 us, 32/8 377 / 1172 / 4403 vs 367 / 1132 / 4305; flex at
 #   16 heads, 512..16k, causal 0.95-1.00 of the plain shape's time, window 0.99-1.02, ALiBi 1.01-1.03.
@@ -245,13 +245,14 @@ _PREFILL_SHAPES_WGMMA_WINDOW = {
 #   1x16k one pair each way by 2-4% (the same module timed twice in those runs differs by up to 1.6%);
 #   ALiBi by the bias MMA 0-3.5% faster without it (ab47_alibi_8b7627c.md). Member 0 runs without it; the
 #   tuning pingpong=1 remains.
-#   A window mask without a logits transform at 12 x 1 with 4 stages (perf/results/ab48s_*.md, two runs, ab48w.md a third at 8k / 16k,
-#   same process, 16 heads, 16x512 / 1k / 2k / 4k / 8k / 16k): 79.5 / 207.7 / 507.3 / 1239 / 2576 / 5411 and 80.0 /
-#   207.4 / 511.2 / 1279 / 2581 / 5438 us against 80.6 / 211.3 / 522.2 / 1248 / 2634 / 5430 and 80.6 / 205.9 / 523.2 /
-#   1320 / 2629 / 5460 at 3 stages, faster in 11 of 12 pairs (ab48w: 8k 2641 vs 2631, 16k 5433 vs 5574); the extra
-#   stage lets the producer run further into the next query tile's short KV range. Soft-cap at 4 stages 1-2% slower
-#   from 2k up (ab48s_*), so logits transforms (soft-cap + window too, not timed) keep 3; ALiBi + window's bias MMA
-#   operands leave no room for a fourth stage.
+#   A window mask without a logits transform at 12 x 1 with 4 stages (perf/results/ab48s_*.md, two runs, and
+#   ab48w.md, a third at 8k / 16k; same process, 16 heads, 16x512 / 1k / 2k / 4k / 8k / 16k): 79.5 / 207.7 /
+#   507.3 / 1239 / 2576 / 5411 and 80.0 / 207.4 / 511.2 / 1279 / 2581 / 5438 us against 80.6 / 211.3 / 522.2 /
+#   1248 / 2634 / 5430 and 80.6 / 205.9 / 523.2 / 1320 / 2629 / 5460 at 3 stages, faster in 11 of 12 pairs
+#   (ab48w: 8k 2641 vs 2631, 16k 5433 vs 5574); with GQA 32/8 1-5.5% faster at five shapes
+#   (ab48g_window_gqa_573f7e8.md). The extra stage lets the producer run further into the next query tile's
+#   short KV range. Soft-cap at 4 stages 1-2% slower from 2k up (ab48s_*), so logits transforms (soft-cap +
+#   window too, not timed) keep 3; ALiBi + window's bias MMA operands leave no room for a fourth stage.
 _PREFILL_WS_MEMBER0 = {
     128: {"plain": (8, 2, 64, 3, 64), "hooks": (12, 1, 64, 3, 64), "window": (12, 1, 64, 4, 64)},
 }
