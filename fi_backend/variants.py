@@ -98,16 +98,18 @@ HOOKS: Dict[str, Tuple[str, str, str]] = {
     "kv_range": ("void", "int q_pos_min, int q_pos_max, int& lo, int& hi", "kHasKvRange"),
     "alibi_slope": ("float", "int qo_head", "kHasAlibiSlope"),
 }
-# How a chain of several bodies of one hook combines (the dispatcher's body; {n} = number of parts).
+# How a chain of several bodies of one hook combines (the dispatcher's body): statements in turn ({calls}),
+# or one expression joining the calls ({joined}, with _JOIN's operator).
 _CHAIN = {
     "query_transform": "{calls}",
     "key_transform": "{calls}",
     "logits_transform": "{calls}return logits;",
-    "logits_mask": "return {ands};",
+    "logits_mask": "return {joined};",
     "output_transform": "{calls}return o;",
     "kv_range": "{calls}",
-    "alibi_slope": "return {sums};",
+    "alibi_slope": "return {joined};",
 }
+_JOIN = {"logits_mask": " && ", "alibi_slope": " + "}  # every mask must hold; slopes add up
 _CALL = {
     "query_transform": "{f}(params, x0, x1, i, ctx);\n",
     "key_transform": "{f}(params, x0, x1, i, ctx);\n",
@@ -217,10 +219,8 @@ class Variant:
                              f"    {body.strip()}\n  }}")
             if bodies:
                 calls = [_CALL[hook].format(f=f"{hook}_{k}") for k in range(len(bodies))]
-                if hook == "logits_mask":
-                    chain = _CHAIN[hook].format(ands=" && ".join(calls))
-                elif hook == "alibi_slope":
-                    chain = _CHAIN[hook].format(sums=" + ".join(calls))
+                if hook in _JOIN:
+                    chain = _CHAIN[hook].format(joined=_JOIN[hook].join(calls))
                 else:
                     chain = _CHAIN[hook].format(calls="".join("    " + c for c in calls))
                 lines.append(f"  static __device__ __forceinline__ {ret} {hook}(const VariantParams& params, {args}) {{\n"

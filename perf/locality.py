@@ -25,10 +25,6 @@ HEADS = 16
 SHAPES = ((1, 16384), (2, 16384), (4, 16384), (16, 16384), (4, 4096), (16, 4096), (64, 4096))
 
 
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--name", default="locality", help="results name (default: locality)")
@@ -37,17 +33,17 @@ def main(argv=None) -> int:
     fa2 = P.FlashInferRagged("fa2")
     for i, (b, s) in enumerate(SHAPES, 1):
         case = P.Case(b, s, HEADS, HEADS)
-        flops = 4 * b * HEADS * P.D * s * (s + 1) / 2
+        flops = P.attention_flops(P.unmasked_pairs(s, s, causal=True), HEADS, P.D) * b
         fn, _, info = P.ours_fn(case)
         afn, _ = fa2.fn(case)
         rep = 30 if b * s * s <= 4 * 16384 * 16384 else 10
         ours = time_us(fn, rep=rep)["median_us"]
         anchor = time_us(afn, rep=rep)["median_us"]
         r = {"batch": b, "seq_len": s, "num_qo_heads": HEADS, "num_kv_heads": HEADS, "head_dim": P.D,
-             "pairs": b * HEADS, "ours_us": ours, "fi_fa2_us": anchor, "ours_tflops": flops / ours / 1e6,
-             "fi_fa2_tflops": flops / anchor / 1e6, "ratio_fi_fa2_over_ours": anchor / ours, **info}
+             "pairs": b * HEADS, "ours_us": ours, "fi_fa2_us": anchor, "ours_tflops": P.tflops(flops, ours),
+             "fi_fa2_tflops": P.tflops(flops, anchor), "ratio_fi_fa2_over_ours": anchor / ours, **info}
         rows.append(r)
-        log(f"[{i}/{len(SHAPES)}] {b}x{s} ({b * HEADS} request-head pairs): ours {ours:.1f} us "
+        P.log(f"[{i}/{len(SHAPES)}] {b}x{s} ({b * HEADS} request-head pairs): ours {ours:.1f} us "
             f"{r['ours_tflops']:.0f} TF/s, FA2 {anchor:.1f} us {r['fi_fa2_tflops']:.0f} TF/s, ratio "
             f"{r['ratio_fi_fa2_over_ours']:.3f}")
         del fn, afn, case
