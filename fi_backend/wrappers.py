@@ -433,6 +433,7 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     tuning = dict(tuning or {})
     min_blocks = int(tuning.pop("min_blocks", 1))
     q_buffers = tuning.pop("q_buffers", None)
+    row_prefetch = int(tuning.pop("row_prefetch", 0))
     unknown = set(tuning) - {"warps", "mfrags", "tile", "stages", "step", "wgmma", "producer", "pingpong", "rowsum",
                              "bias"}
     if unknown:
@@ -496,7 +497,13 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
         tag += f"_q{q_buffers}"
     if min_blocks != 1:
         tag += f"_b{min_blocks}"
-    return _attention_spec("prefill", variant, config, min_blocks, tag, [])
+    flags = []
+    if row_prefetch:
+        if not shape["producer"]:
+            raise ValueError(f"tuning row_prefetch=1 needs producer=1 (the producer warpgroup prefetches); shape {shape}")
+        flags.append("-DFI_PREFILL_ROW_PREFETCH=1")
+        tag += "_rp"
+    return _attention_spec("prefill", variant, config, min_blocks, tag, flags)
 
 
 def _attention_spec(kernel: str, variant: Variant, config: str, min_blocks: int, tag: str,

@@ -206,13 +206,20 @@ class Paged:
     """The case's K/V copied into a paged pool [pages, P, Hkv, D] (k and v caches) whose pages are a random
     permutation, with its block table, a compact CSR of it (FlashInfer) and our BSR."""
 
-    def __init__(self, case: Case, page_size: int, seed=1):
+    def __init__(self, case: Case, page_size: int, seed=1, group: int = 0):
+        """group > 0: pages shuffled only within consecutive groups of `group` pages (perf/page1_gather.py: how
+        far apart a tile's rows lie); 0: one random permutation of the whole pool."""
         from fi_backend import formats
         P, s = page_size, case.seq_len
         blocks = (s + P - 1) // P
         self.page_size, self.num_pages = P, case.batch * blocks
         dev = case.q.device
-        perm = torch.randperm(self.num_pages, generator=torch.Generator().manual_seed(seed)).to(torch.int32)
+        gen = torch.Generator().manual_seed(seed)
+        if group > 0:
+            perm = torch.cat([g[torch.randperm(len(g), generator=gen)]
+                              for g in torch.arange(self.num_pages).split(group)]).to(torch.int32)
+        else:
+            perm = torch.randperm(self.num_pages, generator=gen).to(torch.int32)
         self.table = perm.view(case.batch, blocks).to(dev)
         tok = torch.arange(case.rows, device=dev)
         t = tok % s

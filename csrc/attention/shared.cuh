@@ -53,6 +53,11 @@ enum ErrorBits : int32_t {
 #ifndef FI_DECODE_INDEX_AHEAD
 #define FI_DECODE_INDEX_AHEAD 4
 #endif
+// The producer's L2 prefetch of its looked-up K / V rows before it waits for a free stage (prefill
+// tuning row_prefetch): the gathered rows' DRAM (and address translation) latency under that wait.
+#ifndef FI_PREFILL_ROW_PREFETCH
+#define FI_PREFILL_ROW_PREFETCH 0
+#endif
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -356,6 +361,24 @@ struct Loader {
            Cfg::KV::kBytes;
   }
 
+  // Into L2 ahead of their copies: the K and V rows of this thread's lookups (a page id outside the cache
+  // is skipped here and reported by publish()).
+  static __device__ __forceinline__ void prefetch_rows(const Params& p, const Cursor& cur, const int (&page)[kLookups],
+                                                       const int (&slot)[kLookups]) {
+    const int kv_head = kv_head_of(p, cur.w.unit);
+#pragma unroll
+    for (int r = 0; r < kLookups; ++r) {
+      if (slot[r] < 0 || page[r] < 0 || page[r] >= p.num_kv_blocks) continue;
+      const int64_t off = ((int64_t)page[r] * p.kv_stride_block + (int64_t)slot[r] * p.kv_stride_token +
+                           (int64_t)kv_head * p.kv_stride_head) * Cfg::KV::kBytes;
+#pragma unroll
+      for (int b = 0; b < kHeadDim * Cfg::KV::kBytes; b += 128) {
+        ptx::prefetch_l2(static_cast<const char*>(p.k) + off + b);
+        ptx::prefetch_l2(static_cast<const char*>(p.v) + off + b);
+      }
+    }
+  }
+
   static __device__ __forceinline__ int64_t* row_offsets(uint8_t* smem, int tile_no) {
     return reinterpret_cast<int64_t*>(smem + Cfg::kRowOffsetsAt) + (tile_no & 1) * kTile;
   }
@@ -558,6 +581,7 @@ struct Loader {
 #pragma unroll 1
     for (int j = 0;; ++j) {
       const int s = j % kStages;
+      if constexpr (FI_PREFILL_ROW_PREFETCH > 0) prefetch_rows(p, cur, page, slot);
       ptx::mbar_wait(empty + 8 * s, ((j / kStages) & 1) ^ 1);
       if (kQCopy && !cur.done && cur.tile == 0) {
         ptx::mbar_wait(qempty + 8 * (nsub % Cfg::kQBuffers), ((nsub / Cfg::kQBuffers) & 1) ^ 1);
