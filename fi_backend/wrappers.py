@@ -421,7 +421,8 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     MMAs, prefill::Config::kRowSumMma; wgmma only), bias (1: a variant's ALiBi by warpgroup MMAs,
     prefill::Config::kBiasMma; default wherever _bias_mma_possible), q_buffers (1, or
     the stages: the loader's query copy; with a producer, 2 or more; default _prefill_q_buffers's choice),
-    and min_blocks (CTAs per SM the register budget is cut for; default 1: the kernel's own need)."""
+    min_blocks (CTAs per SM the register budget is cut for; default 1: the kernel's own need), and defines
+    ({"FI_PREFILL_...": int}: csrc macros for A/B runs, e.g. FI_PREFILL_ROW_PREFETCH, FI_PREFILL_KV_VOTE)."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
     kv_bytes = 1 if kv_dtype.startswith("fp8") else 2
@@ -433,7 +434,7 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     tuning = dict(tuning or {})
     min_blocks = int(tuning.pop("min_blocks", 1))
     q_buffers = tuning.pop("q_buffers", None)
-    row_prefetch = int(tuning.pop("row_prefetch", 0))
+    defines = dict(tuning.pop("defines", {}))
     unknown = set(tuning) - {"warps", "mfrags", "tile", "stages", "step", "wgmma", "producer", "pingpong", "rowsum",
                              "bias"}
     if unknown:
@@ -498,11 +499,11 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     if min_blocks != 1:
         tag += f"_b{min_blocks}"
     flags = []
-    if row_prefetch:
-        if not shape["producer"]:
-            raise ValueError(f"tuning row_prefetch=1 needs producer=1 (the producer warpgroup prefetches); shape {shape}")
-        flags.append("-DFI_PREFILL_ROW_PREFETCH=1")
-        tag += "_rp"
+    for name, value in sorted(defines.items()):  # A/B runs of a csrc macro (perf/page1_gather.py)
+        if not (name.startswith("FI_PREFILL_") and name.replace("_", "").isalnum() and isinstance(value, int)):
+            raise ValueError(f"tuning defines: names FI_PREFILL_* with int values, got {name}={value!r}")
+        flags.append(f"-D{name}={value}")
+        tag += f"_{name[len('FI_PREFILL_'):].lower()}{value}"
     return _attention_spec("prefill", variant, config, min_blocks, tag, flags)
 
 

@@ -6,13 +6,15 @@ paged section), on the same inputs in one process, in interleaved rounds (median
   page1_g256    pages shuffled within groups of 256 (a tile's rows inside one 2 MiB stretch of the pool)
   page1_inorder pages in order (TMA boxes by the producer's vote, or gathered with FI_BACKEND_KV_TMA=0)
   page16        16-token pages, a random permutation
-and each paged layout again with the producer's L2 row prefetch (tuning row_prefetch=1) where --row-prefetch.
+and each layout again with the kernel built with csrc macros (--defines, JSON: label -> {macro: value}; e.g.
+'{"novote": {"FI_PREFILL_KV_VOTE": 0}, "rp": {"FI_PREFILL_ROW_PREFETCH": 1}}').
 
-    python -m perf.page1_gather [--rounds 3] [--row-prefetch] [--name NAME]   # GPU machine; perf/results/NAME.json
+    python -m perf.page1_gather [--rounds 3] [--defines JSON] [--name NAME]   # GPU machine; perf/results/NAME.json
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 
@@ -28,22 +30,22 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=int, default=100)
-    ap.add_argument("--row-prefetch", action="store_true", help="also time the paged layouts with row_prefetch=1")
+    ap.add_argument("--defines", default="{}", help="JSON: label -> {csrc macro: value}, each a module to time too")
     ap.add_argument("--shapes", default="16x1024,4x4096", help="batch x length, comma-separated")
     ap.add_argument("--name", default="page1_gather")
     a = ap.parse_args(argv)
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.shapes.split(",")]
+    builds = [("", None)] + [("+" + k, {"defines": v}) for k, v in json.loads(a.defines).items()]
     rows = []
     for b, s in shapes:
         case = P.Case(b, s, P.HQ, P.HQ, seed=s)
-        fns = {}
+        fns, checks = {}, {}
         fn, ref, info = P.ours_fn(case)
-        fns["ragged"] = fn
-        checks = {}
-        for name, (ps, group) in LAYOUTS.items():
-            paged = P.Paged(case, ps, group=group)
-            tunings = [(name, None)] + ([(name + "+rp", {"row_prefetch": 1})] if a.row_prefetch else [])
-            for label, tuning in tunings:
+        fn()
+        for name, (ps, group) in [("ragged", (None, 0))] + list(LAYOUTS.items()):
+            paged = P.Paged(case, ps, group=group) if ps else None
+            for suffix, tuning in builds:
+                label = name + suffix
                 f, out, pinfo = P.ours_fn(case, paged=paged, tuning=tuning)
                 if pinfo["rows_per_tile"] != info["rows_per_tile"]:
                     raise SystemExit(f"{label}: rows per tile {pinfo['rows_per_tile']} != ragged's {info['rows_per_tile']}")

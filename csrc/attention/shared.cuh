@@ -58,6 +58,10 @@ enum ErrorBits : int32_t {
 #ifndef FI_PREFILL_ROW_PREFETCH
 #define FI_PREFILL_ROW_PREFETCH 0
 #endif
+// 0: the producer never votes for TMA boxes (every tile gathered, maps or not; A/B runs).
+#ifndef FI_PREFILL_KV_VOTE
+#define FI_PREFILL_KV_VOTE 1
+#endif
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -574,7 +578,7 @@ struct Loader {
     constexpr int kBarrierId = 9;  // the producer's own named barrier (the compute side's is 8)
     Cursor cur;
     int page[kLookups], slot[kLookups];
-    const bool maps = tma.use != 0;
+    const bool maps = FI_PREFILL_KV_VOTE && tma.use != 0;
     seek_queue(p, vp, cur);  // an empty queue: the first tile is the kEnd record
     prefetch_pages(p, cur, page, slot);
     int nsub = 0;  // sub-items issued: the next one's query buffer is nsub % kQBuffers
