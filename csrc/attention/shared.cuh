@@ -62,6 +62,10 @@ enum ErrorBits : int32_t {
 #ifndef FI_PREFILL_KV_VOTE
 #define FI_PREFILL_KV_VOTE 1
 #endif
+// 1: the producer votes on every tile, not only until a sub-item's first gathered tile (A/B runs).
+#ifndef FI_PREFILL_VOTE_EVERY_TILE
+#define FI_PREFILL_VOTE_EVERY_TILE 0
+#endif
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -582,6 +586,7 @@ struct Loader {
     seek_queue(p, vp, cur);  // an empty queue: the first tile is the kEnd record
     prefetch_pages(p, cur, page, slot);
     int nsub = 0;  // sub-items issued: the next one's query buffer is nsub % kQBuffers
+    bool vote = maps;  // the same in every loading thread (set from tma_decide)
 #pragma unroll 1
     for (int j = 0;; ++j) {
       const int s = j % kStages;
@@ -593,11 +598,13 @@ struct Loader {
       }
       // Row offsets are double-buffered by tile parity: the barrier below also orders this tile's
       // publish after every loading thread's copies of tile j - 2 (issued before the last barrier).
+      if (cur.tile == 0 || FI_PREFILL_VOTE_EVERY_TILE) vote = maps;
       publish(p, smem, j, cur, page, slot);
-      if (maps) tma_vote(p, smem, j, cur, page, slot);
+      if (vote) tma_vote(p, smem, j, cur, page, slot);
       ptx::bar_sync(kBarrierId, kThreads);
-      const int token0 = maps ? tma_decide(smem, j) : INT32_MIN;
+      const int token0 = vote ? tma_decide(smem, j) : INT32_MIN;
       const bool box = token0 != INT32_MIN;
+      vote = box;
       issue(p, vp, smem, j, cur, !box);
       if (box && tid() == 0) {
         const uint32_t bar = full + 8 * s;
