@@ -422,7 +422,7 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     prefill::Config::kBiasMma; default wherever _bias_mma_possible), q_buffers (1, or
     the stages: the loader's query copy; with a producer, 2 or more; default _prefill_q_buffers's choice),
     min_blocks (CTAs per SM the register budget is cut for; default 1: the kernel's own need), and defines
-    ({"FI_PREFILL_...": int}: csrc macros for A/B runs, e.g. FI_PREFILL_ROW_PREFETCH, FI_PREFILL_KV_VOTE)."""
+    ({"FI_PREFILL_...": int}: csrc macros for A/B runs, e.g. FI_PREFILL_KV_VOTE, FI_PREFILL_VOTE_EVERY_TILE)."""
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
     kv_bytes = 1 if kv_dtype.startswith("fp8") else 2

@@ -7,7 +7,7 @@ paged section), on the same inputs in one process, in interleaved rounds (median
   page1_inorder pages in order (TMA boxes by the producer's vote, or gathered with FI_BACKEND_KV_TMA=0)
   page16        16-token pages, a random permutation
 and each layout again with the kernel built with csrc macros (--defines, JSON: label -> {macro: value}; e.g.
-'{"novote": {"FI_PREFILL_KV_VOTE": 0}, "rp": {"FI_PREFILL_ROW_PREFETCH": 1}}').
+'{"novote": {"FI_PREFILL_KV_VOTE": 0}, "every": {"FI_PREFILL_VOTE_EVERY_TILE": 1}}', csrc/attention/shared.cuh).
 
     python -m perf.page1_gather [--rounds 3] [--defines JSON] [--name NAME]   # GPU machine; perf/results/NAME.json
 """

@@ -61,12 +61,20 @@ def random_kv(num_blocks, page, Hkv, D, dtype, *, layout="NHD", packed=False):
 
 def make_bsr(kv_lens, q_lens, page, *, num_blocks=None, sglang=False, consecutive=False):
     """A vLLM block table (random distinct pages) or an SGLang token table as a device BSR. consecutive:
-    the pages in order instead (request 0's first, then request 1's, ...: a ragged tensor at page 1)."""
+    the pages in order instead (request 0's first, then request 1's, ...: a ragged tensor at page 1);
+    "runs": runs of pages in order, of random lengths up to 256 tokens, in random order (within one request,
+    KV tiles the producer copies by TMA and tiles it gathers, in either order)."""
     B = len(kv_lens)
     nblk = [(l + page - 1) // page for l in kv_lens]
     total = sum(nblk)
     num_blocks = num_blocks or total + 7
-    perm = (torch.arange(num_blocks) if consecutive else torch.randperm(num_blocks))[:total].to(torch.int32)
+    if consecutive == "runs":
+        cuts = torch.randint(1, max(2, 256 // page) + 1, (num_blocks,)).cumsum(0)
+        runs = torch.arange(num_blocks).tensor_split(cuts[cuts < num_blocks])
+        perm = torch.cat([runs[i] for i in torch.randperm(len(runs))])
+    else:
+        perm = torch.arange(num_blocks) if consecutive else torch.randperm(num_blocks)
+    perm = perm[:total].to(torch.int32)
     qo_indptr = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32)
     kv_lens_t = torch.tensor(kv_lens, dtype=torch.int32)
     if sglang:
@@ -145,7 +153,7 @@ def poison_unused(k, v, bsr):
 def run_case(attn, kv_lens, q_lens, *, dtype, kv_dtype=None, layout="NHD", packed=False, causal=False,
              variant_kw=None, ref_kw=None, k_scale=1.0, v_scale=1.0, tol=None, lse_tol=None, what="",
              consecutive=False, poison=False):
-    """consecutive: pages in order (make_bsr); poison: the slots no request reads hold NaN (poison_unused)."""
+    """consecutive: pages in order, or in runs (make_bsr); poison: the slots no request reads hold NaN (poison_unused)."""
     kv_dtype = kv_dtype or dtype
     page = attn.page_size
     sglang = layout == "SGL"

@@ -317,12 +317,15 @@ def test_plan_order(monkeypatch, name, kv_lens, env_off, grouped):
 # (partial, scattered pages). Every slot no request reads holds NaN (run_case(poison=True)): a box that
 # reached past a request's tokens would put NaN into P.V. Each case asserts that the kernel got the maps
 # (which tiles go by TMA is decided on the GPU); the cases with pages in random order check the gather
-# beside them.
+# beside them, and those with runs of pages in order ("runs") a request whose tiles go both ways (a sub-item
+# stops voting for boxes at its first gathered tile).
 _TMA_CASES = [(64, 1, 1, "NHD", False, None, True), (128, 4, 1, "NHD", False, "w8", True),
               (128, 1, 1, "SGL", False, "w8m2pp", True), (128, 1, 16, "NHD", True, "w8t128pp", True),
               (128, 8, 16, "NHD", False, "w12pp", True), (256, 4, 16, "NHD", True, None, True),
               (128, 4, 16, "NHD", True, "w8m2pp", False), (64, 1, 32, "NHD", False, None, False),
-              (128, 1, 16, "NHD", False, "w8t128pp", False), (256, 4, 8, "NHD", False, None, False)]
+              (128, 1, 16, "NHD", False, "w8t128pp", False), (256, 4, 8, "NHD", False, None, False),
+              (128, 1, 1, "NHD", False, "w8m2pp", "runs"), (128, 4, 16, "NHD", True, None, "runs"),
+              (128, 1, 1, "SGL", False, "w8t128pp", "runs")]
 
 
 @pytest.mark.parametrize("D,group,page,layout,packed,shape,consecutive", _TMA_CASES)

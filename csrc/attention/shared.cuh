@@ -53,11 +53,6 @@ enum ErrorBits : int32_t {
 #ifndef FI_DECODE_INDEX_AHEAD
 #define FI_DECODE_INDEX_AHEAD 4
 #endif
-// The producer's L2 prefetch of its looked-up K / V rows before it waits for a free stage (prefill
-// tuning row_prefetch): the gathered rows' DRAM (and address translation) latency under that wait.
-#ifndef FI_PREFILL_ROW_PREFETCH
-#define FI_PREFILL_ROW_PREFETCH 0
-#endif
 // 0: the producer never votes for TMA boxes (every tile gathered, maps or not; A/B runs).
 #ifndef FI_PREFILL_KV_VOTE
 #define FI_PREFILL_KV_VOTE 1
@@ -369,24 +364,6 @@ struct Loader {
            Cfg::KV::kBytes;
   }
 
-  // Into L2 ahead of their copies: the K and V rows of this thread's lookups (a page id outside the cache
-  // is skipped here and reported by publish()).
-  static __device__ __forceinline__ void prefetch_rows(const Params& p, const Cursor& cur, const int (&page)[kLookups],
-                                                       const int (&slot)[kLookups]) {
-    const int kv_head = kv_head_of(p, cur.w.unit);
-#pragma unroll
-    for (int r = 0; r < kLookups; ++r) {
-      if (slot[r] < 0 || page[r] < 0 || page[r] >= p.num_kv_blocks) continue;
-      const int64_t off = ((int64_t)page[r] * p.kv_stride_block + (int64_t)slot[r] * p.kv_stride_token +
-                           (int64_t)kv_head * p.kv_stride_head) * Cfg::KV::kBytes;
-#pragma unroll
-      for (int b = 0; b < kHeadDim * Cfg::KV::kBytes; b += 128) {
-        ptx::prefetch_l2(static_cast<const char*>(p.k) + off + b);
-        ptx::prefetch_l2(static_cast<const char*>(p.v) + off + b);
-      }
-    }
-  }
-
   static __device__ __forceinline__ int64_t* row_offsets(uint8_t* smem, int tile_no) {
     return reinterpret_cast<int64_t*>(smem + Cfg::kRowOffsetsAt) + (tile_no & 1) * kTile;
   }
@@ -575,6 +552,12 @@ struct Loader {
   // the phase cannot complete without them); the other threads issue nothing. Any other tile (partial,
   // scattered pages) is gathered as before. (One-page boxes for scattered pages of 16 tokens were tried:
   // 17-23% slower than the gather, perf/results/ab44q.md.)
+  // A sub-item stops voting at its first gathered tile: its later tiles are gathered without a vote (an
+  // engine's scattered pages stay scattered; ragged KV fails only on its partial last tile). A failed vote
+  // on every tile cost page 1 at 16x1k 8% (427-430 against 403-408 us, ragged 383-389; page 16 2-3%;
+  // perf/results/ab49_once_*.json, same process); never voting is 3% faster again at page 1 (389-396) but
+  // gives up the boxes of pages in order. An L2 prefetch of each looked-up row before the wait for a free
+  // stage changed nothing (ab49_vote_*).
   static __device__ __forceinline__ void produce(const Params& p, const VariantParams& vp, uint8_t* smem,
                                                  uint32_t full, uint32_t empty, uint32_t qempty, const KvTma& tma) {
     static_assert(kThreads == 128 && Cfg::kLoaderThread0 > 0, "a producer warpgroup after the compute warps");
@@ -590,7 +573,6 @@ struct Loader {
 #pragma unroll 1
     for (int j = 0;; ++j) {
       const int s = j % kStages;
-      if constexpr (FI_PREFILL_ROW_PREFETCH > 0) prefetch_rows(p, cur, page, slot);
       ptx::mbar_wait(empty + 8 * s, ((j / kStages) & 1) ^ 1);
       if (kQCopy && !cur.done && cur.tile == 0) {
         ptx::mbar_wait(qempty + 8 * (nsub % Cfg::kQBuffers), ((nsub / Cfg::kQBuffers) & 1) ^ 1);
