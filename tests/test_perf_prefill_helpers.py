@@ -152,12 +152,16 @@ def test_cli_rejects_unknown_sections(capsys):
     assert e.value.code == 2 and "nope" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_paged_pool_holds_the_ragged_kv(page_size):
-    """The paged section's pool, read through its BSR and through FlashInfer's CSR, gives back the ragged K/V."""
+@pytest.mark.parametrize("page_size,group", [(1, 0), (16, 0), (1, 8)])
+def test_paged_pool_holds_the_ragged_kv(page_size, group):
+    """The paged section's pool, read through its BSR and through FlashInfer's CSR, gives back the ragged K/V
+    (group: pages shuffled only within groups, perf/page1_gather.py)."""
     from fi_backend import formats
     case = pf.Case(3, RNG.randint(1, 70), 4, 2, head_dim=16, seed=RNG.randrange(1000), device="cpu")
-    paged = pf.Paged(case, page_size, seed=RNG.randrange(1000))
+    paged = pf.Paged(case, page_size, seed=RNG.randrange(1000), group=group)
+    if group:  # every page stays within its group of `group` consecutive pages
+        table = paged.table.reshape(-1)
+        assert torch.equal(table // group, torch.arange(len(table)) // group)
     # our BSR: request i's blocks, expanded to slots of the flattened pool, are its tokens in order
     bsr = paged.bsr
     slots = []
