@@ -39,4 +39,6 @@ setup(
     packages=["fi_backend", "fi_backend.kernels", "fi_backend.adapters"],
     ext_modules=[planner],
     cmdclass={"build_py": BuildPyWithCsrc},
+    # A wheel built here installs on every later Python (e.g. built on 3.11, run on the GPU machine's 3.12).
+    options={"bdist_wheel": {"py_limited_api": "cp311"}} if _ABI3 else {},
 )
