@@ -243,8 +243,21 @@ def _bound(noise: dict) -> dict:
 
 
 def _write(name: str, record: dict) -> None:
+    """A test's record, stamped with when, where and at which commit it ran (FI_COMMIT where the tree travels
+    without .git, as on the GPU machine)."""
+    import datetime
+    import torch
+    commit = os.environ.get("FI_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True,
+                                             stderr=subprocess.DEVNULL).strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
+    stamp = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
+             "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"vllm_{name}.json").write_text(json.dumps(record, indent=1))
+    (RESULTS / f"vllm_{name}.json").write_text(json.dumps({**stamp, **record}, indent=1))
 
 
 # ------------------------------------------------------------------------------------ tests
