@@ -210,6 +210,18 @@ def test_prefill_tile_family_specs():
         W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={"warps": 4}, member=1)
 
 
+def test_prefill_tuning_defines():
+    """A tuning's csrc macros (A/B runs) reach nvcc and name the module; anything but FI_PREFILL_* names with
+    int values is refused, naming the key."""
+    base = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 1)
+    spec = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 1, tuning={"defines": {"FI_PREFILL_VOTE_EVERY_TILE": 1}})
+    assert "-DFI_PREFILL_VOTE_EVERY_TILE=1" in spec.nvcc_flags and spec.memo_key != base.memo_key
+    assert spec.params["CONFIG"] == base.params["CONFIG"] and "vote_every_tile1" in spec.tag
+    for bad in ({"FI_DECODE_L2_PREFETCH": 0}, {"FI_PREFILL_KV_VOTE": "0"}, {"FI_PREFILL_X;rm": 1}):
+        with pytest.raises(ValueError, match="defines"):
+            W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 1, tuning={"defines": bad})
+
+
 @pytest.mark.parametrize("llama31", [None, ref.Llama31Scaling()])
 def test_rope_table_matches_reference(llama31):
     theta, scale = random.choice([10000.0, 500000.0]), random.choice([1.0, 2.0])
