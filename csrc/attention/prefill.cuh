@@ -890,10 +890,7 @@ struct Kernel {
       uint8_t* stage = smem + (j % kStages) * Cfg::kStageBytes;
       if constexpr (Cfg::kProducer) {
         ptx::mbar_wait(full + 8 * (j % kStages), (j / kStages) & 1);
-        // The landed tile (cp.async writes, generic proxy), for the tensor cores; a TMA box is in the async
-        // proxy already, and needs it only for a query tile copied with it.
-        const int landed = FI_PREFILL_FENCE_BOXES ? 0 : Cfg::record(smem, j % kStages)->flags;
-        if (!(landed & kBoxed) || (landed & kFirst)) wgmma::fence_proxy_async();
+        wgmma::fence_proxy_async();  // the landed tile (cp.async writes, generic proxy), for the tensor cores
       } else {
         L::before_barrier(p, smem, j, cur, page, slot);
         ptx::cp_async_wait<kStages - 2>();

@@ -61,10 +61,6 @@ enum ErrorBits : int32_t {
 #ifndef FI_PREFILL_VOTE_EVERY_TILE
 #define FI_PREFILL_VOTE_EVERY_TILE 0
 #endif
-// 1: the compute warps fence every landed tile into the async proxy, TMA boxes included (A/B runs).
-#ifndef FI_PREFILL_FENCE_BOXES
-#define FI_PREFILL_FENCE_BOXES 1
-#endif
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -158,7 +154,7 @@ struct Work {
   int64_t block_start;   // offset of the request's first KV block in kv_indices
 };
 
-enum RecordFlags : int32_t { kFirst = 1, kLast = 2, kEnd = 4, kBoxed = 8 };  // kBoxed: K / V by TMA (produce())
+enum RecordFlags : int32_t { kFirst = 1, kLast = 2, kEnd = 4 };
 
 struct alignas(16) TileRecord {
   Work w;
@@ -416,7 +412,7 @@ struct Loader {
       }
       rec->tile_kv_begin = tile_begin;
       rec->n_valid = cur.w.kv_hi - tile_begin;
-      rec->flags = (cur.tile == 0 ? kFirst : 0) | (cur.tile == cur.w.ntiles - 1 ? kLast : 0) | (gather ? 0 : kBoxed);
+      rec->flags = (cur.tile == 0 ? kFirst : 0) | (cur.tile == cur.w.ntiles - 1 ? kLast : 0);
       rec->qslot = qslot;
     }
     if constexpr (kQCopy) {
