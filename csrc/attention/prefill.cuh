@@ -76,6 +76,8 @@
 // is done, K's stage is held to the end of the step (the compute side reads the tile record in it).
 // ncu with TMA (perf/results/prefill_ncu_45.md): the producer waits for free stages; the compute warps
 // issue 576 instructions per 64-token step and stall on the softmax's dependencies (tensor pipe 54%).
+// Tried and slower (610c3b7, perf/results/ab49_page1.md): the compute warps reading the stage's record after
+// the full barrier to skip fence.proxy.async for TMA-boxed tiles; 1-2% slower at every flex and ragged shape.
 // Row sums by MMA (Cfg::kRowSumMma, the default with wgmma): the softmax's denominators come from one
 // m64n8k16 MMA of P against ones per 16 tokens, issued beside P.V, instead of an FADD a probability
 // (perf/results/ab46r_*.md against FADDs, same process: fa2 1x16k 4-7% faster in 4 of 4 pairs, 4x4k 0-3%,
