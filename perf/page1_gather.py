@@ -52,11 +52,8 @@ def main(argv=None) -> int:
                 f()
                 checks[label] = P._check(f"{b}x{s} {label} vs ragged", P.diff_stats(out, ref))
                 fns[label] = f
-        times = {k: [] for k in fns}
-        for r in range(a.rounds):
-            for k, f in fns.items():
-                times[k].append(P.measure(f, a.rep)["median_us"])
-            P.log(f"{b}x{s} round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in times.items()))
+        times = P.time_rounds(fns, a.rounds, a.rep, on_round=lambda i, t: P.log(
+            f"{b}x{s} round {i + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in t.items())))
         med = {k: statistics.median(v) for k, v in times.items()}
         rows.append({**case.shape(), "rows_per_tile": info["rows_per_tile"], "us_per_round": times, "median_us": med,
                      "over_ragged": {k: v / med["ragged"] for k, v in med.items()}, "checks": checks})

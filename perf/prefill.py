@@ -357,6 +357,19 @@ def measure(fn, rep: int) -> dict:
     return time_us(fn, rep=timed_reps((time.perf_counter() - t0) * 1e6, rep))
 
 
+def time_rounds(fns: dict, rounds: int, rep: int, on_round=None) -> dict:
+    """{label: [median us, one a round]}: each fn timed once a round, in order, the rounds one after another,
+    so the figures compared within a round were taken seconds apart (perf/results/ab49_page1.md: a shape's
+    time moves by up to 8% within minutes). on_round(i, times) after each round (progress)."""
+    times = {k: [] for k in fns}
+    for i in range(rounds):
+        for k, f in fns.items():
+            times[k].append(measure(f, rep)["median_us"])
+        if on_round:
+            on_round(i, times)
+    return times
+
+
 def time_tunings(case: Case, tunings: list, rep: int, out, label: str, **kw) -> dict:
     """Median us of ours with each kernel shape forced, on the same inputs in the same process (an A/B of
     shapes), keyed by the tuning's JSON; each output checked against `out` (the wrapper's own pick)."""
@@ -457,10 +470,7 @@ def paged_section(a) -> dict:
             fns[f"page{P}"] = pfn
             pools.append(paged)
             outs.append(pout)
-        per_round = {k: [] for k in fns}
-        for _ in range(rounds):
-            for k, f in fns.items():
-                per_round[k].append(measure(f, a.rep)["median_us"])
+        per_round = time_rounds(fns, rounds, a.rep)
         r["us_per_round"] = per_round
         r["ragged_us"] = statistics.median(per_round["ragged"])
         msg = f"paged {b:2d}x{s:5d}: ragged {r['ragged_us']:8.1f} us"
@@ -606,10 +616,7 @@ def flex_section(a) -> dict:
             # Ours and flex in alternating rounds, after flex's compile: a figure timed right after seconds
             # of idle GPU (a compile) or after another's load would otherwise carry the clocks' state into
             # the ratio. Times are the rounds' medians, the ratio the median of the rounds' ratios.
-            rounds = {"ours": [], "flex": []}
-            for _ in range(flex_rounds):
-                rounds["ours"].append(measure(fn, a.rep)["median_us"])
-                rounds["flex"].append(measure(flex_fn, a.rep)["median_us"])
+            rounds = time_rounds({"ours": fn, "flex": flex_fn}, flex_rounds, a.rep)
             ratios = [f / o for o, f in zip(rounds["ours"], rounds["flex"])]
             r["us_per_round"], r["ratio_per_round"] = rounds, ratios
             r["ours_us"], r["flex_us"] = statistics.median(rounds["ours"]), statistics.median(rounds["flex"])

@@ -200,3 +200,16 @@ def test_flex_medians_per_cell(tmp_path):
         assert x["ratio_median"] == r[2] and x["ratio_min"] == r[0] and x["ratio_max"] == r[4] and x["runs"] == 5
         assert x["bar_met_by_median"] == (r[2] >= 1.2) and x["ours_us_median"] == 102.0
     assert "| causal | 16x4096 |" in fm.markdown(res)
+
+
+def test_time_rounds_interleaves(monkeypatch):
+    """Every fn once a round, in the given order, round after round (the paged and flex sections' method)."""
+    calls = []
+    monkeypatch.setattr(pf, "measure", lambda f, rep: {"median_us": float(f())})
+    labels = [f"f{i}" for i in range(RNG.randint(2, 4))]
+    fns = {k: (lambda k=k: calls.append(k) or len(calls)) for k in labels}
+    rounds = RNG.randint(2, 5)
+    seen = []
+    times = pf.time_rounds(fns, rounds, 10, on_round=lambda i, t: seen.append(i))
+    assert calls == labels * rounds and seen == list(range(rounds))
+    assert times == {k: [float(r * len(labels) + j + 1) for r in range(rounds)] for j, k in enumerate(labels)}

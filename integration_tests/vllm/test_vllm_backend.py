@@ -247,14 +247,10 @@ def _write(name: str, record: dict) -> None:
     without .git, as on the GPU machine)."""
     import datetime
     import torch
-    commit = os.environ.get("FI_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True,
-                                             stderr=subprocess.DEVNULL).strip()
-        except (OSError, subprocess.CalledProcessError):
-            commit = "unknown"
-    stamp = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit,
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from perf.common import commit  # FI_COMMIT, else git
+    stamp = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit(),
              "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"vllm_{name}.json").write_text(json.dumps({**stamp, **record}, indent=1))
