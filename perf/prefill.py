@@ -459,7 +459,7 @@ def paged_section(a) -> dict:
         case = Case(b, s, HQ, HQ, seed=s)
         fn, ragged_out, info = ours_fn(case)
         fn()
-        fns, pools, outs = {"ragged": fn}, [], []
+        fns, pools = {"ragged": fn}, {}  # pools: page size -> (Paged, our output on it)
         r = {**case.shape(), "ragged_rows_per_tile": info["rows_per_tile"], "rounds": rounds}
         for P in PAGE_SIZES:
             paged = Paged(case, P)
@@ -468,8 +468,7 @@ def paged_section(a) -> dict:
             r[f"page{P}_plan_ms"] = pinfo["plan_ms"]
             r[f"check_page{P}_vs_ragged"] = _check(f"paged {b}x{s} page {P} vs ragged", diff_stats(pout, ragged_out))
             fns[f"page{P}"] = pfn
-            pools.append(paged)
-            outs.append(pout)
+            pools[P] = (paged, pout)
         per_round = time_rounds(fns, rounds, a.rep)
         r["us_per_round"] = per_round
         r["ragged_us"] = statistics.median(per_round["ragged"])
@@ -481,10 +480,10 @@ def paged_section(a) -> dict:
             r[f"page{P}_over_ragged"] = statistics.median(ratios)
             msg += f" | page {P} {r[f'page{P}_us']:8.1f} us ({r[f'page{P}_over_ragged']:.3f}x)"
             if fi_state is not None:
-                ffn, fout = flashinfer_paged_fn(case, pools[PAGE_SIZES.index(P)], fi_state)
+                ffn, fout = flashinfer_paged_fn(case, pools[P][0], fi_state)
                 r[f"fi_fa2_page{P}_us"] = measure(ffn, a.rep)["median_us"]
                 r[f"check_page{P}_vs_fi_fa2"] = _check(f"paged {b}x{s} page {P} vs FlashInfer",
-                                                       diff_stats(outs[PAGE_SIZES.index(P)], fout))
+                                                       diff_stats(pools[P][1], fout))
                 msg += f" (FI fa2 {r[f'fi_fa2_page{P}_us']:.1f})"
                 del ffn, fout
         if fi_state is not None:  # FlashInfer's own paged cost against its ragged one, for context
@@ -496,7 +495,7 @@ def paged_section(a) -> dict:
         r["bar_met"] = all(r[f"page{P}_over_ragged"] <= BARS["paged_over_ragged_max"] for P in PAGE_SIZES)
         rows.append(r)
         log(msg)
-        del fn, fns, pools, outs, ragged_out, case
+        del fn, fns, pools, ragged_out, case
         torch.cuda.empty_cache()
     return {**_stamp(), "num_qo_heads": HQ, "num_kv_heads": HQ, "head_dim": D, "page_sizes": list(PAGE_SIZES),
             "layout": "paged pool [pages, page, Hkv, D] for k and v, pages a random permutation; ragged = this "
