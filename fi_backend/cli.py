@@ -1,6 +1,8 @@
 """`fi-backend` command line: ahead-of-time kernel builds and cache information.
 
     fi-backend build [--arch 90a] [--jobs N] [--list] [NAMES...]   build module sets (default: all)
+    fi-backend build --model NAME|config.json [--kv-dtype bf16,fp8_e4m3]   build one model's modules
+    fi-backend models [--markdown]                                  the model zoo and what fi-backend runs
     fi-backend info                                                 toolchain, archs, cache contents
 
 A cache built on a machine without a GPU ships to one that has it:
@@ -18,6 +20,7 @@ from typing import List, Optional
 
 from . import __version__, env
 from . import kernels
+from . import models
 
 
 def _size(n: int) -> str:
@@ -72,7 +75,31 @@ def cmd_info(args) -> int:
     return 0
 
 
+def _model_arg(text: str):
+    """A zoo model by name or HF id, or a HF config.json (or a directory holding one); (model, None) or (None, error)."""
+    import json
+    from pathlib import Path
+    path = Path(text)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        try:
+            config = json.loads(path.read_text())
+            return models.from_hf_config(config, name=config.get("_name_or_path") or path.parent.name), None
+        except (OSError, ValueError, TypeError) as e:
+            return None, f"{path}: not a usable HF config.json: {e}"
+    try:
+        return models.find(text), None
+    except KeyError as e:
+        return None, f"{text!r} is neither a config.json nor a zoo model (`fi-backend models` lists them)"
+
+
 def cmd_build(args) -> int:
+    if args.model is not None:
+        return _build_model(args)
+    if args.kv_dtype is not None or args.q_dtype is not None:
+        print("fi-backend build: --kv-dtype and --q-dtype go with --model", file=sys.stderr)
+        return 2
     sets = kernels.module_sets()
     if args.list:
         archs, _ = _archs_or_error(args.arch)
@@ -90,10 +117,50 @@ def cmd_build(args) -> int:
     except (KeyError, RuntimeError, ValueError) as e:
         print(f"fi-backend build: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2
-    jobs = args.jobs or os.cpu_count() or 1
+    return _build_specs(specs, archs, args.jobs, ", ".join(names))
+
+
+def _build_model(args) -> int:
+    """`fi-backend build --model`: the check's refusal (exit 2), or every module models.modules_of names."""
+    if args.names or args.list:
+        print("fi-backend build: --model builds one model's modules; it takes no set names or --list", file=sys.stderr)
+        return 2
+    model, error = _model_arg(args.model)
+    if model is None:
+        print(f"fi-backend build: {error}", file=sys.stderr)
+        return 2
+    ok, reason = models.check(model)
+    if not ok:
+        print(f"fi-backend build: {model.name}: refused: {reason}", file=sys.stderr)
+        return 2
+    try:
+        archs = kernels.resolve_arch_list(args.arch)
+    except (RuntimeError, ValueError) as e:
+        print(f"fi-backend build: {e}", file=sys.stderr)
+        return 2
+    kv_dtypes = tuple(t.strip() for t in (args.kv_dtype or "bf16,fp8_e4m3").split(",") if t.strip())
+    # The prefill tile family follows the architectures in effect: make them the build's while naming the modules.
+    saved = os.environ.get(env.CUDA_ARCH_LIST)
+    os.environ[env.CUDA_ARCH_LIST] = " ".join(archs)
+    try:
+        specs = models.modules_of(model, kv_dtypes=kv_dtypes, q_dtype=args.q_dtype or "bf16")
+    except (KeyError, ValueError) as e:
+        print(f"fi-backend build: {model.name}: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
+        return 2
+    finally:
+        if saved is None:
+            os.environ.pop(env.CUDA_ARCH_LIST, None)
+        else:
+            os.environ[env.CUDA_ARCH_LIST] = saved
+    return _build_specs(specs, archs, args.jobs, f"{model.name}, KV {', '.join(kv_dtypes)}")
+
+
+def _build_specs(specs, archs, jobs: Optional[int], label: str) -> int:
+    """Build `specs` in parallel with a progress line per module; 1 if any failed."""
+    jobs = jobs or os.cpu_count() or 1
     root = kernels.cache_dir(archs)
     total = len(specs)
-    print(f"fi-backend: {total} modules ({', '.join(names)}) for sm_{' sm_'.join(archs)}, "
+    print(f"fi-backend: {total} modules ({label}) for sm_{' sm_'.join(archs)}, "
           f"{jobs} jobs, cache {root}", file=sys.stderr, flush=True)
     lock = threading.Lock()
     done = [0]
@@ -124,6 +191,36 @@ def cmd_build(args) -> int:
     return 1 if failed else 0
 
 
+_MODEL_COLUMNS = ("model", "heads q/kv", "group", "head_dim", "window", "soft-cap", "rope", "kind", "fi-backend")
+
+
+def _model_row(model, name: str) -> tuple:
+    ok, reason = models.check(model)
+    layers = "all layers" if model.window_layers == "all" else model.window_layers
+    window = "-" if model.sliding_window is None else f"{model.sliding_window}, {layers}"
+    softcap = "-" if model.attn_logit_softcapping is None else str(model.attn_logit_softcapping)
+    return (name, f"{model.num_qo_heads}/{model.num_kv_heads}", str(model.group), str(model.head_dim), window,
+            softcap, model.rope_scaling or "-", model.kind, "runs" if ok else f"refused: {reason}")
+
+
+def cmd_models(args) -> int:
+    if args.markdown:
+        rows = [_model_row(m, f"[{m.name}](https://huggingface.co/{m.hf_id})") for m in models.ZOO]
+        print("| " + " | ".join(_MODEL_COLUMNS) + " |")
+        print("|" + "|".join("---" for _ in _MODEL_COLUMNS) + "|")
+        for row in rows:
+            print("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
+        return 0
+    rows = [_model_row(m, m.name) for m in models.ZOO]
+    widths = [max(len(r[i]) for r in rows + [_MODEL_COLUMNS]) for i in range(len(_MODEL_COLUMNS) - 1)]
+    for row in [_MODEL_COLUMNS] + rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
+    runs = sum(1 for r in rows if r[-1] == "runs")
+    print(f"{len(rows)} models, {runs} run, {len(rows) - runs} refused "
+          f"(`fi-backend build --model NAME` builds a model's kernel modules)")
+    return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="fi-backend", description="fi-backend kernel builds and cache")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -134,7 +231,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                                   "else the current GPU)")
     b.add_argument("--jobs", "-j", type=int, default=None, help="modules built at once (default: CPU count)")
     b.add_argument("--list", action="store_true", help="list the module sets and their modules")
+    b.add_argument("--model", help="build the modules of one model instead: a zoo name (see `fi-backend models`, "
+                                   "case-insensitive) or a HF config.json (or its directory)")
+    b.add_argument("--kv-dtype", help="with --model: KV-cache dtypes, comma-separated (default: bf16,fp8_e4m3)")
+    b.add_argument("--q-dtype", choices=("bf16", "fp16"), help="with --model: the model's dtype (default: bf16)")
     b.set_defaults(func=cmd_build)
+
+    m = sub.add_parser("models", help="the model zoo: attention configuration and whether fi-backend runs it")
+    m.add_argument("--markdown", action="store_true", help="print a markdown table (for the README)")
+    m.set_defaults(func=cmd_models)
 
     i = sub.add_parser("info", help="version, nvcc, architectures in effect, cache directory and contents")
     i.add_argument("--arch", help="show the cache for these architectures")
