@@ -12,10 +12,12 @@ A cache built on a machine without a GPU ships to one that has it:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import List, Optional
 
 from . import __version__, env
@@ -77,8 +79,6 @@ def cmd_info(args) -> int:
 
 def _model_arg(text: str):
     """A zoo model by name or HF id, or a HF config.json (or a directory holding one); (model, None) or (None, error)."""
-    import json
-    from pathlib import Path
     path = Path(text)
     if path.is_dir():
         path = path / "config.json"
@@ -90,7 +90,7 @@ def _model_arg(text: str):
             return None, f"{path}: not a usable HF config.json: {e}"
     try:
         return models.find(text), None
-    except KeyError as e:
+    except KeyError:
         return None, f"{text!r} is neither a config.json nor a zoo model (`fi-backend models` lists them)"
 
 
