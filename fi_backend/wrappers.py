@@ -38,7 +38,7 @@ from .workspace import Workspace
 
 __all__ = ["BatchAttention", "decode_spec", "prefill_spec", "KERNELS", "HEAD_DIMS", "Q_DTYPES", "KV_DTYPES"]
 
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 80, 96, 128, 256)
 Q_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 KV_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8_e4m3",
                     torch.float8_e5m2: "fp8_e5m2"}
@@ -67,6 +67,20 @@ SMEM_PER_SM = 228 * 1024   # Hopper; 227 KiB per CTA at most
 SMEM_PER_CTA = 227 * 1024
 
 
+def _row_dim(head_dim: int) -> int:
+    """The width of the kernels' shared-memory rows for a head size: whole 64-column blocks (80 and 96 run in
+    128-wide rows, their pad never loaded from memory), so tile shapes and shared memory go by it."""
+    return (head_dim + 63) // 64 * 64
+
+
+def _check_head_dim(head_dim: int, variant: Variant) -> None:
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+    if head_dim != _row_dim(head_dim) and (variant.query_transform or variant.key_transform):
+        raise ValueError(f"variant {variant.name}: fused rotary transforms (query_transform / key_transform) need "
+                         f"head_dim 64, 128 or 256, got {head_dim}; apply RoPE before attention")
+
+
 def _kernel_shape(head_dim: int, kv_bytes: int, group: int, key_transform: bool = False) -> dict:
     """Kernel shape for a head_dim, KV element size and GQA group: rows (packed rows per tile),
     hpc (query heads per chunk), warps, sub (16-token blocks per warp per tile), stages.
@@ -74,6 +88,7 @@ def _kernel_shape(head_dim: int, kv_bytes: int, group: int, key_transform: bool 
     Heads per chunk: the largest divisor of the group that fits a 16-row tile (8 rows for head_dim
     256, where 16 rows exceed the register file); 8-row tiles when the chunk fits (half the P.V work).
     Warps / tile / stages from _SHAPES: about 8 warps per SM with two ~64 KiB tiles in flight."""
+    head_dim = _row_dim(head_dim)
     max_rows = 8 if head_dim == 256 else 16
     hpc = max(d for d in range(1, min(group, max_rows) + 1) if group % d == 0)
     rows = 8 if hpc <= 8 else 16
@@ -84,6 +99,7 @@ def _kernel_shape(head_dim: int, kv_bytes: int, group: int, key_transform: bool 
 
 def _smem_bytes(head_dim: int, kv_bytes: int, shape: dict) -> int:
     """Shared memory of a kernel shape; mirrors Config::kSmemBytes (decode.cuh)."""
+    head_dim = _row_dim(head_dim)
     record = 80
     stage = 2 * 16 * shape["sub"] * shape["warps"] * head_dim * kv_bytes + shape["rows"] * head_dim * 2 + record
     stage = (stage + 127) // 128 * 128
@@ -102,8 +118,7 @@ def decode_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, gr
 
     tuning (benchmarks): overrides of warps / sub / stages, and l2_prefetch (0, 64, 128, 256 bytes)
     / index_ahead (tiles) compiled in as FI_DECODE_L2_PREFETCH / FI_DECODE_INDEX_AHEAD."""
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+    _check_head_dim(head_dim, variant)
     kv_bytes = 1 if kv_dtype.startswith("fp8") else 2
     shape = _kernel_shape(head_dim, kv_bytes, group, key_transform=bool(variant.key_transform))
     tuning = dict(tuning or {})
@@ -265,7 +280,8 @@ PREFILL_PRODUCER_Q_BUFFERS = 2
 def _producer_blockers(variant: Optional[Variant], head_dim: int, kv_bytes: int, shape: dict) -> list:
     """Why a shape cannot run warp-specialised (empty: it can): the producer warpgroup copies the query
     tiles (wgmma, no QueryTransform) and K/V straight into the MMAs' layout (16-bit KV, no KeyTransform),
-    128 // (head_dim / 8) query rows per copy round (a whole number of GQA groups)."""
+    128 // (head_dim / 8) packed rows per copy round (tile rows a whole number of rounds)."""
+    head_dim = _row_dim(head_dim)
     why = []
     if not shape.get("wgmma"):
         why.append("wgmma=1")
@@ -274,8 +290,8 @@ def _producer_blockers(variant: Optional[Variant], head_dim: int, kv_bytes: int,
     if variant is not None and (variant.query_transform or variant.key_transform):
         why.append("no QueryTransform / KeyTransform (RoPE)")
     rows_per_round = 128 // (head_dim * 2 // 16)
-    if rows_per_round % shape.get("hpc", 1) or (16 * shape["mfrags"] * shape["warps"]) % rows_per_round:
-        why.append(f"heads per chunk dividing {rows_per_round}")
+    if (16 * shape["mfrags"] * shape["warps"]) % rows_per_round:
+        why.append(f"query tile rows a multiple of {rows_per_round}")
     if shape["warps"] % 4:
         why.append("whole compute warpgroups (warps a multiple of 4)")
     smem = _prefill_smem_bytes(head_dim, kv_bytes, {**shape, "producer": 1}, PREFILL_PRODUCER_Q_BUFFERS)
@@ -313,6 +329,7 @@ def _prefill_family(head_dim: int, kv_bytes: int, wgmma: Optional[bool] = None,
     over two runs each way (perf/results/ab46r_*.md, ab46s_*.md: 1x16k up to 7%, 4x4k 0-8%), flex within noise."""
     if wgmma is None:
         wgmma = prefill_uses_wgmma()
+    head_dim = _row_dim(head_dim)
     table = _PREFILL_SHAPES_WGMMA if wgmma else _PREFILL_SHAPES_SYNC
     if wgmma and variant is not None and variant.mask_is_kv_range:
         table = {**table, **_PREFILL_SHAPES_WGMMA_WINDOW}
@@ -369,6 +386,7 @@ def prefill_family_size(head_dim: int, kv_dtype: str, tuning: Optional[dict] = N
 
 def _prefill_smem_bytes(head_dim: int, kv_bytes: int, shape: dict, q_buffers: int = 1) -> int:
     """Shared memory of a prefill shape with q_buffers query tiles; mirrors prefill::Config::kSmemBytes."""
+    head_dim = _row_dim(head_dim)
     record = 80  # a TileRecord per stage, apart from the stages
     align = 1024 if shape.get("wgmma") else 128
     stage = (2 * shape["tile"] * head_dim * kv_bytes + align - 1) // align * align
@@ -423,8 +441,7 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     the stages: the loader's query copy; with a producer, 2 or more; default _prefill_q_buffers's choice),
     min_blocks (CTAs per SM the register budget is cut for; default 1: the kernel's own need), and defines
     ({"FI_PREFILL_...": int}: csrc macros for A/B runs, e.g. FI_PREFILL_KV_VOTE, FI_PREFILL_VOTE_EVERY_TILE)."""
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+    _check_head_dim(head_dim, variant)
     kv_bytes = 1 if kv_dtype.startswith("fp8") else 2
     size = prefill_family_size(head_dim, kv_dtype, tuning)
     if not 0 <= member < size:

@@ -247,7 +247,7 @@ def test_kv_cache_shape_refuses_what_the_kernels_cannot_read():
     with pytest.raises(ValueError, match="block sizes 1..256"):
         B.get_kv_cache_shape(10, 512, 8, 128)
     with pytest.raises(ValueError, match="head sizes"):
-        B.get_kv_cache_shape(10, 16, 8, 96)
+        B.get_kv_cache_shape(10, 16, 8, 112)
     with pytest.raises(ValueError, match="KV-cache dtypes"):
         B.get_kv_cache_shape(10, 16, 8, 128, "fp8_e5m2")
     assert B.get_kv_cache_shape(7, 1, 2, 64, "fp8") == (7, 1, 2, 128)
@@ -265,8 +265,9 @@ LLAMA = dict(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_s
 @pytest.mark.parametrize("change", [
     {}, {"kv_cache_dtype": "fp8"}, {"kv_cache_dtype": "fp8_e4m3"}, {"kv_cache_dtype": None},
     {"kv_cache_dtype": "bfloat16"}, {"dtype": torch.float16, "kv_cache_dtype": "float16"}, {"head_size": 64},
-    {"head_size": 256}, {"block_size": 1}, {"block_size": 256}, {"block_size": 48}, {"block_size": None},
-    {"has_sliding_window": True},
+    {"head_size": 256}, {"head_size": 80}, {"head_size": 96}, {"block_size": 1}, {"block_size": 256}, {"block_size": 48}, {"block_size": None},
+    {"has_sliding_window": True}, {"device_capability": SimpleNamespace(major=8, minor=0)},
+    {"device_capability": SimpleNamespace(major=8, minor=9)},
 ])
 def test_supported_configurations(change):
     assert adapter._Backend.validate_configuration(**{**LLAMA, **change}) == []
@@ -274,7 +275,7 @@ def test_supported_configurations(change):
 
 @pytest.mark.parametrize("change, words", [
     ({"use_mla": True}, "MLA"),
-    ({"head_size": 96}, "head size 96"),
+    ({"head_size": 112}, "head size 112"),
     ({"dtype": torch.float32}, "model dtype torch.float32"),
     ({"kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype 'fp8_e5m2'"),
     ({"kv_cache_dtype": "float16"}, "kv_cache_dtype float16 with model dtype torch.bfloat16"),
@@ -286,7 +287,7 @@ def test_supported_configurations(change):
     ({"use_sparse": True}, "sparse"),
     ({"use_mm_prefix": True}, "multimodal"),
     ({"use_per_head_quant_scales": True}, "per-head"),
-    ({"device_capability": SimpleNamespace(major=8, minor=0)}, "compute capability 8.0"),
+    ({"device_capability": SimpleNamespace(major=7, minor=5)}, "compute capability 7.5"),
     ({"device_capability": SimpleNamespace(major=10, minor=0)}, "Hopper"),
     ({"use_batch_invariant": True}, "VLLM_BATCH_INVARIANT"),
     ({"use_kv_connector": True}, "KV connectors"),
@@ -328,7 +329,7 @@ def impl(num_heads=8, head_size=64, num_kv_heads=2, **kw):
 
 def test_impl_refuses_what_the_kernels_cannot_run():
     with pytest.raises(ValueError, match="head sizes"):
-        impl(head_size=80)
+        impl(head_size=112)
     with pytest.raises(NotImplementedError, match="decoder self-attention"):
         impl(attn_type="encoder_only")
     with pytest.raises(NotImplementedError, match="sinks"):
@@ -609,7 +610,7 @@ def test_with_vllm_registration_selection_and_v2_metadata():
     assert backend is adapter.FiAttentionBackend and backend.get_name() == "CUSTOM"
     cfg = AttentionSelectorConfig(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_size=None)
     assert backend.validate_configuration(device_capability=DeviceCapability(9, 0), **cfg._asdict()) == []
-    bad = cfg._replace(head_size=96, attn_type="encoder_only")._asdict()
+    bad = cfg._replace(head_size=112, attn_type="encoder_only")._asdict()
     assert len(backend.validate_configuration(device_capability=DeviceCapability(9, 0), **bad)) == 2
     assert backend.get_kv_cache_block_dim(16, 8, 128) == 0
     assert [select_common_block_size(b, [backend]) for b in (16, 64, 528)] == [16, 64, 176]

@@ -188,7 +188,10 @@ def test_bad_variants_give_clear_errors():
     with pytest.raises(V.VariantError, match="ROPE_INTERLEAVE"):
         V.ROPE.resolve({"rope": ref.RopeConfig(interleave=True)}, head_dim=128, device="cpu")
     with pytest.raises(ValueError, match="head_dim"):
-        W.decode_spec(V.DEFAULT, 96, "bf16", "bf16", 4)
+        W.decode_spec(V.DEFAULT, 112, "bf16", "bf16", 4)
+    for spec in (W.decode_spec, W.prefill_spec):  # 80 / 96 run in 128-wide rows: no fused rotary on the pad
+        with pytest.raises(ValueError, match="rotary.*head_dim 64, 128 or 256, got 96"):
+            spec(V.ROPE, 96, "bf16", "bf16", 4)
     with pytest.raises(ValueError, match="shared memory"):
         W.decode_spec(V.DEFAULT, 256, "bf16", "bf16", 4, tuning={"warps": 8, "stages": 2})
     with pytest.raises(ValueError, match="tuning"):
@@ -330,12 +333,14 @@ def test_warp_specialised_prefill_specs(monkeypatch):
     with pytest.raises(ValueError, match="pingpong must be 0 or 1"):
         W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "pingpong": 2})
     assert spec.memo_key != W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning=no_producer).memo_key
-    # member 0 by default where it can (_PREFILL_WS_MEMBER0); not with fp8 KV, RoPE, or 16 heads a chunk
+    # member 0 by default where it can (_PREFILL_WS_MEMBER0), any heads per chunk; not with fp8 KV or RoPE
     assert _producer(W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4)) == "true"
     assert _producer(W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, member=1)) == "false"
     assert _producer(W.prefill_spec(V.DEFAULT, 128, "bf16", "fp8_e4m3", 4)) == "false"
     assert _producer(W.prefill_spec(V.ROPE, 128, "bf16", "bf16", 4)) == "false"
-    assert _producer(W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 16)) == "false"
+    for group in (3, 5, 6, 7, 16, 64):  # the query copy derives each packed row's (row, head)
+        assert _producer(W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", group)) == "true", group
+        assert _producer(W.prefill_spec(V.DEFAULT, 96, "bf16", "bf16", group)) == "true", group
     # no ping-pong by default (measured slower since ab47q: _PREFILL_WS_MEMBER0); the tuning turns it on
     def pingpong(variant, group, tuning=None):
         return _config(W.prefill_spec(variant, 128, "bf16", "bf16", group, tuning=tuning))[-2]
@@ -348,8 +353,8 @@ def test_warp_specialised_prefill_specs(monkeypatch):
         W.prefill_spec(V.DEFAULT, 128, "bf16", "fp8_e4m3", 4, tuning=ws)
     with pytest.raises(ValueError, match="producer=1.*RoPE"):
         W.prefill_spec(V.ROPE, 128, "bf16", "bf16", 4, tuning=ws)
-    with pytest.raises(ValueError, match="producer=1.*heads per chunk dividing 4"):
-        W.prefill_spec(V.DEFAULT, 256, "bf16", "bf16", 8, tuning={"warps": 4, "mfrags": 1, "producer": 1})
+    # a copy round of 4 rows (head_dim 256) with 8 heads a chunk: rows derived one by one
+    assert _producer(W.prefill_spec(V.DEFAULT, 256, "bf16", "bf16", 8, tuning={"warps": 4, "mfrags": 1, "producer": 1})) == "true"
     with pytest.raises(ValueError, match="q_buffers >= 2"):
         W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "q_buffers": 1})
     with pytest.raises(ValueError, match="q_buffers 4 .* at most"):  # 4 x 48 KB of queries + 2 stages

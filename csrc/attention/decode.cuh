@@ -52,7 +52,11 @@ struct Config {
   using DQ = DQ_;
   using DKV = DKV_;
   using KV = KvType<DKV>;
-  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDim = kHeadDim_;  // the tensors' head size
+  // The MMAs and shared-memory rows run a power-of-two width (80 and 96 as 128: the rows' swizzle, k steps in
+  // pairs, whole merge passes); the loader fills the pad with zeros and the epilogue stores kHeadDim columns.
+  // Decode streams KV: the padded MMAs' extra work hides under the loads.
+  static constexpr int kHeadDimPad = kHeadDim <= 64 ? 64 : (kHeadDim <= 128 ? 128 : 256);
   static constexpr int kRows = kRows_;  // packed rows per tile: 8 or 16
   static constexpr int kHeadsPerChunk = kHeadsPerChunk_;
   static constexpr int kWarps = kWarps_;
@@ -67,22 +71,22 @@ struct Config {
   static constexpr bool kFragFp8 = kFp8;  // Q.K^T k dimension in the fp8 ldmatrix order
   static constexpr bool kMmaBf16 = KV::kMmaBf16;
   static constexpr bool kQBf16 = sizeof(DQ) == 2 && !std::is_same<DQ, __half>::value;
-  static constexpr int kRowBytes = kHeadDim * KV::kBytes;
+  static constexpr int kRowBytes = kHeadDimPad * KV::kBytes;
   static constexpr int kChunksPerRow = kRowBytes / 16;
   static constexpr int kRowsPerRound = kThreads / kChunksPerRow;  // tile rows one load round covers
   static constexpr int kTokensPerThread = kTile / kRowsPerRound;
-  static constexpr int kKSteps = kHeadDim / 16;
-  static constexpr int kMTiles = kHeadDim / 16;
+  static constexpr int kKSteps = kHeadDimPad / 16;
+  static constexpr int kMTiles = kHeadDimPad / 16;
   static constexpr int kRowsPerTile = kRows / kHeadsPerChunk;
   static constexpr int kPackedRows = kRowsPerTile * kHeadsPerChunk;
   static constexpr int kKvTileBytes = kTile * kRowBytes;
-  static constexpr int kQSlotBytes = kRows * kHeadDim * 2;
+  static constexpr int kQSlotBytes = kRows * kHeadDimPad * 2;
   static constexpr int kQBuffers = 1;  // the query rides in each stage's slot (kQSlotBytes)
   static constexpr int kStageBytes = (2 * kKvTileBytes + kQSlotBytes + (int)sizeof(TileRecord) + 127) / 128 * 128;
   // Cross-warp merge scratch [warp][row][D / kPasses] float lives in the stage just consumed.
-  static constexpr int kScratchBytesFull = kWarps * kRows * kHeadDim * 4;
+  static constexpr int kScratchBytesFull = kWarps * kRows * kHeadDimPad * 4;
   static constexpr int kPasses = kScratchBytesFull <= 2 * kKvTileBytes ? 1 : (kScratchBytesFull <= 4 * kKvTileBytes ? 2 : 4);
-  static constexpr int kPassDim = kHeadDim / kPasses;
+  static constexpr int kPassDim = kHeadDimPad / kPasses;
   static constexpr int kMdBytes = kWarps * kRows * 8;
   static constexpr int kRowOffsetsAt = kStages * kStageBytes + kMdBytes + 16;  // the loader's (shared.cuh)
   static constexpr int kSmemBytes = kRowOffsetsAt + 2 * kTile * 8;
@@ -92,7 +96,8 @@ struct Config {
     return reinterpret_cast<TileRecord*>(smem + s * kStageBytes + 2 * kKvTileBytes + kQSlotBytes);
   }
 
-  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim must be 64, 128 or 256");
+  static_assert(kHeadDim == 64 || kHeadDim == 80 || kHeadDim == 96 || kHeadDim == 128 || kHeadDim == 256,
+                "head_dim must be 64, 80, 96, 128 or 256");
   static_assert(kRows == 8 || kRows == 16, "packed rows per tile must be 8 or 16");
   static_assert(kStages >= 2, "the pipeline needs at least two stages");
   static_assert(kHeadsPerChunk >= 1 && kHeadsPerChunk <= kRows, "heads per chunk must fit in a tile");
@@ -148,7 +153,7 @@ struct Kernel {
       for (int s = 0; s < kKSteps; ++s)
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          const uint32_t u = *reinterpret_cast<const uint32_t*>(qs + pr * kHeadDim + k_dim<kFp8>(s, j, 0, c));
+          const uint32_t u = *reinterpret_cast<const uint32_t*>(qs + pr * Cfg::kHeadDimPad + k_dim<kFp8>(s, j, 0, c));
           const float2 f = ptx::unpack2<Cfg::kQBf16>(u);
           x[s][j][0] = f.x;
           x[s][j][1] = f.y;
@@ -491,7 +496,8 @@ struct Kernel {
       for (int i = threadIdx.x; i < Cfg::kPackedRows * kVecs; i += kThreads) {
         const int pr = i / kVecs, dl = (i % kVecs) * 8;
         const int r = pr / kHPC;
-        if (r >= nrows) continue;
+        const int d0 = pass * kPassDim + dl;
+        if (r >= nrows || d0 >= kHeadDim) continue;  // a padding row, or the pad of an 80 / 96 head
         const int q_row = row0 + r, qo_head = unit * kHPC + pr % kHPC;
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
         float mmax = -INFINITY, den = 0.f;
@@ -520,7 +526,6 @@ struct Kernel {
         }
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[e] *= scale;
-        const int d0 = pass * kPassDim + dl;
         if (!split) {
           E::store_out(p, vp, q_row, qo_head, d0, acc);
           if (Variant::kUseSoftmax && p.lse != nullptr && d0 == 0)

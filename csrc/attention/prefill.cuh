@@ -117,7 +117,10 @@ struct Config {
   using DQ = DQ_;
   using DKV = DKV_;
   using KV = KvType<DKV>;
-  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDim = kHeadDim_;  // the tensors' head size: the MMAs' k steps and O's columns
+  // Shared-memory rows are kHeadDimPad wide (80 and 96 as 128: whole 64-column blocks for wgmma's swizzle,
+  // 16-byte chunks a power of two for the loader's rows); the pad columns are never read by an MMA.
+  static constexpr int kHeadDimPad = (kHeadDim + 63) / 64 * 64;
   static constexpr int kHeadsPerChunk = kHeadsPerChunk_;
   static constexpr int kWarps = kWarps_;
   static constexpr int kThreads = 32 * kWarps;  // the compute warps
@@ -184,12 +187,12 @@ struct Config {
   static constexpr bool kQBf16 = sizeof(DQ) == 2 && !std::is_same<DQ, __half>::value;
   static constexpr bool kMmaBf16 = kQBf16;
   static constexpr int kKSteps = kHeadDim / 16;
-  static constexpr int kRowBytes = kHeadDim * KV::kBytes;
+  static constexpr int kRowBytes = kHeadDimPad * KV::kBytes;
   static constexpr int kChunksPerRow = kRowBytes / 16;
   static constexpr int kRowsPerRound = kLoaderThreads / kChunksPerRow;
   static constexpr int kTokensPerThread = (kTile + kRowsPerRound - 1) / kRowsPerRound;  // last round partial (12 warps)
   static constexpr int kKvTileBytes = kTile * kRowBytes;
-  static constexpr int kCRowBytes = kHeadDim * 2;  // the 16-bit copy of a converted tile
+  static constexpr int kCRowBytes = kHeadDimPad * 2;  // the 16-bit copy of a converted tile
   static constexpr int kCChunksPerRow = kCRowBytes / 16;
   static constexpr int kCTileBytes = kTile * kCRowBytes;
   static constexpr int kStageAlign = kWgmma ? 1024 : 128;  // wgmma's swizzle atoms are 1024-byte aligned
@@ -197,7 +200,7 @@ struct Config {
   // stages then fit beside two 64 KB query buffers (a record per stage would round each up to 33 KB).
   static constexpr int kStageBytes = (2 * kKvTileBytes + kStageAlign - 1) / kStageAlign * kStageAlign;
   static constexpr int kConvertBytes = kFp8 ? 2 * kCTileBytes : 0;
-  static constexpr int kQRowBytes = kHeadDim * 2;  // the query tile, [kTileRows][D], swizzled
+  static constexpr int kQRowBytes = kHeadDimPad * 2;  // the query tile, [kTileRows][D], swizzled
   static constexpr int kQChunksPerRow = kQRowBytes / 16;
   static constexpr int kQBytes = kTileRows * kQRowBytes;
   static constexpr int kFlagBytes = (kTileRows / 8 + 15) / 16 * 16;  // rows whose split merge this CTA owns (bits)
@@ -229,7 +232,8 @@ struct Config {
   static constexpr int kBiasBar = kPingPongBar + kWarps / 4;  // + warpgroup: bias_setup's (after ping-pong's)
   static_assert(sizeof(TileRecord) % 8 == 0 && kRecordsAt % 16 == 0, "tile records, row offsets: 8-byte aligned");
 
-  static_assert(kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256, "head_dim must be 64, 128 or 256");
+  static_assert(kHeadDim == 64 || kHeadDim == 80 || kHeadDim == 96 || kHeadDim == 128 || kHeadDim == 256,
+                "head_dim must be 64, 80, 96, 128 or 256");
   static_assert(!kRowSumMma || kWgmma, "row sums by MMA: warpgroup MMAs");
   static_assert(!kBiasMma || (kWgmma && 8 % kHeadsPerChunk == 0 && kBiasBar + kWarps / 4 <= 16),
                 "the ALiBi bias by MMA: warpgroup MMAs, heads per chunk dividing 8, at most 12 compute warps");
@@ -559,10 +563,16 @@ struct Kernel {
     for (int kk = 0; kk < kStep / 16; ++kk) p_fragment(s, kk, a[kk]);
     wgmma::fence();  // P and the rescaled O, written by this thread, before the MMAs read them
     const uint64_t b0 = wgmma::desc(vs + Cfg::mma_offset(t0, 0), kTile * 128, 1024);
+    // A head size that is not a whole number of 64-column blocks (80, 96): the full blocks in one MMA, the rest
+    // (16 or 32 columns of the next block) in a second.
+    constexpr int kFull = kHeadDim % 64 == 0 ? kHeadDim : kHeadDim / 64 * 64, kRest = kHeadDim - kFull;
 #pragma unroll
     for (int kk = 0; kk < kStep / 16; ++kk) {
       const uint64_t b = wgmma::desc_advance(b0, Cfg::mma_offset(16 * kk, 0));
-      wgmma::Mma<kHeadDim, kBf16>::template rs<1>(reinterpret_cast<float(&)[kDTiles * 4]>(o), a[kk], b, 1);
+      wgmma::Mma<kFull, kBf16>::template rs<1>(reinterpret_cast<float(&)[kFull / 2]>(o), a[kk], b, 1);
+      if constexpr (kRest > 0)
+        wgmma::Mma<kRest, kBf16>::template rs<1>(reinterpret_cast<float(&)[kRest / 2]>(o[kFull / 8]), a[kk],
+                                                 wgmma::desc_advance(b, kFull / 64 * kTile * 128), 1);
     }
     if constexpr (kRowSum) {  // the row sums: P . ones (Cfg::kRowSumMma)
       const uint64_t ones = wgmma::desc_plain(os, 128, 256);

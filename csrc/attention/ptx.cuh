@@ -174,12 +174,24 @@ __device__ __forceinline__ float2 unpack2(uint32_t u) {
 template <bool kE5m2>
 __device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t x) {
   uint32_t out;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+  // No fp8 cvt before sm_89 (Ampere): e5m2 is fp16's high byte; e4m3's exponent and mantissa bits land in
+  // fp16's at 2^-8 of the value (subnormals included), a multiply by 256 is exact. (e4m3's NaN reads 480.)
+  const uint32_t b = (x & 0xFFu) | ((x & 0xFF00u) << 8);  // byte i at bits 16 i
+  if constexpr (kE5m2) {
+    out = b << 8;
+  } else {
+    const uint32_t h = ((b & 0x007F007Fu) << 7) | ((b & 0x00800080u) << 8);
+    asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(out) : "r"(h), "r"(0x5C005C00u));
+  }
+#else
   const uint16_t lo = static_cast<uint16_t>(x);
   if constexpr (kE5m2) {
     asm("cvt.rn.f16x2.e5m2x2 %0, %1;\n" : "=r"(out) : "h"(lo));
   } else {
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(out) : "h"(lo));
   }
+#endif
   return out;
 }
 

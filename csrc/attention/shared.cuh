@@ -17,7 +17,7 @@
 // Bounds. KV indices outside [0, num_kv_blocks) and kv_indices offsets outside the array are never
 // dereferenced: the tokens read as zeros and a bit is set in error_flags (ErrorBits).
 //
-// A kernel's Cfg provides: DQ, KV (KvType), kHeadDim, kThreads, kTile (KV tokens per stage),
+// A kernel's Cfg provides: DQ, KV (KvType), kHeadDim, kHeadDimPad (shared-memory row width), kThreads, kTile (KV tokens per stage),
 // kRowsPerTile (query rows per sub-item), kHeadsPerChunk, kPackedRows, kRows (packed rows of the stage's
 // query slot), kQSlotBytes (0: no query slot; the kernel loads queries itself), kQBuffers and kQAt (> 1:
 // the loader copies each sub-item's query tile into buffer qslot of kQBuffers at kQAt, kQBytes apart,
@@ -208,6 +208,10 @@ struct Loader {
   static constexpr int kTile = Cfg::kTile;
   static constexpr int kRows = Cfg::kRows;
   static constexpr int kHeadDim = Cfg::kHeadDim;
+  // Shared-memory rows are Cfg::kHeadDimPad wide (Cfg::kChunksPerRow chunks); a row's first kLoadChunks
+  // chunks hold the head, the pad is filled with zeros (the decode kernel's MMAs run the padded width).
+  static constexpr int kLoadChunks = kHeadDim * Cfg::KV::kBytes / 16;
+  static constexpr int kQChunks = kHeadDim * 2 / 16, kQChunksPad = Cfg::kHeadDimPad * 2 / 16;
   static constexpr int kHPC = Cfg::kHeadsPerChunk;
   static constexpr int kRowsPerTile = Cfg::kRowsPerTile;
   static constexpr int kTPT = Cfg::kTokensPerThread;
@@ -417,34 +421,47 @@ struct Loader {
     }
     if constexpr (kQCopy) {
       if (cur.tile == 0) {  // the sub-item's query tile, in the MMAs' layout (Cfg::q_offset), zeros past nrows
-        // A thread copies one 16-byte chunk column of rows pr0, pr0 + kRound, ...: same head, rows kRound /
-        // kHPC apart (few registers: this runs inside the compute loop, next to the accumulators).
-        constexpr int kChunksQ = kHeadDim * 2 / 16;
+        // A thread copies one 16-byte chunk column of rows pr0, pr0 + kRound, ... (few registers: this runs
+        // inside the compute loop, next to the accumulators). Where a round holds whole GQA groups, those rows
+        // are one head, kRound / kHPC query rows apart: a pointer step; else each row's (row, head) is derived.
+        constexpr int kChunksQ = kQChunksPad;
         constexpr int kRound = kThreads / kChunksQ;
-        static_assert(kThreads % kChunksQ == 0 && kRound % kHPC == 0 && Cfg::kTileRows % kRound == 0, "query copy");
+        static_assert(kThreads % kChunksQ == 0 && Cfg::kTileRows % kRound == 0, "query copy");
         const uint32_t qbuf = ptx::smem_u32(smem + Cfg::kQAt + qslot * Cfg::kQBytes);
         const int t = ptx::thread_index_here() - Cfg::kLoaderThread0;
         const int ch = t % kChunksQ, pr0 = t / kChunksQ;
-        const DQ* src = static_cast<const DQ*>(p.q) + (int64_t)(cur.w.row0 + pr0 / kHPC) * p.q_stride_row +
-                        (int64_t)(cur.w.unit * kHPC + pr0 % kHPC) * p.q_stride_head + ch * 8;
+        const DQ* q = static_cast<const DQ*>(p.q);
+        if constexpr (kRound % kHPC == 0) {
+          const DQ* src = q + (int64_t)(cur.w.row0 + pr0 / kHPC) * p.q_stride_row +
+                          (int64_t)(cur.w.unit * kHPC + pr0 % kHPC) * p.q_stride_head + ch * 8;
 #pragma unroll 1
-        for (int pr = pr0; pr < Cfg::kTileRows; pr += kRound) {
-          const bool ok = pr < Cfg::kPackedRows && pr / kHPC < cur.w.nrows;
-          ptx::cp_async_16(qbuf + Cfg::q_offset(pr, ch), ok ? src : p.q, ok);
-          src += (int64_t)(kRound / kHPC) * p.q_stride_row;
+          for (int pr = pr0; pr < Cfg::kTileRows; pr += kRound) {
+            const bool ok = pr < Cfg::kPackedRows && pr / kHPC < cur.w.nrows && ch < kQChunks;
+            ptx::cp_async_16(qbuf + Cfg::q_offset(pr, ch), ok ? src : p.q, ok);
+            src += (int64_t)(kRound / kHPC) * p.q_stride_row;
+          }
+        } else {
+          const DQ* head0 = q + (int64_t)cur.w.row0 * p.q_stride_row + (int64_t)cur.w.unit * kHPC * p.q_stride_head + ch * 8;
+#pragma unroll 1
+          for (int pr = pr0; pr < Cfg::kTileRows; pr += kRound) {
+            const int r = pr / kHPC;
+            const bool ok = pr < Cfg::kPackedRows && r < cur.w.nrows && ch < kQChunks;
+            const DQ* src = head0 + (int64_t)r * p.q_stride_row + (int64_t)(pr - r * kHPC) * p.q_stride_head;
+            ptx::cp_async_16(qbuf + Cfg::q_offset(pr, ch), ok ? src : p.q, ok);
+          }
         }
       }
     }
     if constexpr (Cfg::kQSlotBytes > 0) {
     if (cur.tile == 0) {  // query tile: packed row pr = local row * kHPC + local head, zeros past nrows
-      constexpr int kChunksQ = kHeadDim * 2 / 16;
+      constexpr int kChunksQ = kQChunksPad;
       const uint32_t qslot = ptx::smem_u32(stage + 2 * Cfg::kKvTileBytes);
       const int head0 = cur.w.unit * kHPC;
 #pragma unroll
       for (int i = tid; i < kRows * kChunksQ; i += kThreads) {
         const int pr = i / kChunksQ, ch = i % kChunksQ;
         const int r = pr / kHPC, h = pr % kHPC;
-        const bool ok = pr < Cfg::kPackedRows && r < cur.w.nrows;
+        const bool ok = pr < Cfg::kPackedRows && r < cur.w.nrows && ch < kQChunks;
         const DQ* src = static_cast<const DQ*>(p.q) + (ok ? (int64_t)(cur.w.row0 + r) * p.q_stride_row +
                                                               (int64_t)(head0 + h) * p.q_stride_head + ch * 8
                                                         : 0);
@@ -463,7 +480,7 @@ struct Loader {
       const int row = row_base + r * Cfg::kRowsPerRound;
       if (kTile % Cfg::kRowsPerRound != 0 && row >= kTile) break;  // a partial last round
       const int64_t row_off = offs[row];
-      const bool ok = row_off >= 0;
+      const bool ok = row_off >= 0 && chunk < kLoadChunks;
       const int64_t off = ok ? row_off + chunk * 16 : 0;
       const uint32_t dst = Cfg::tile_offset(row, chunk);
       ptx::cp_async_16<FI_DECODE_L2_PREFETCH>(ks + dst, kbase + off, ok);
@@ -548,7 +565,7 @@ struct Loader {
   }
 
   // With TMA maps (tma.use), a tile of consecutive tokens (tma_vote / tma_decide) is copied by thread 0 as
-  // kHeadDim / 64 boxes each of K and V, its bytes added to the full barrier before its own arrivals (so
+  // kHeadDimPad / 64 boxes each of K and V, its bytes added to the full barrier before its own arrivals (so
   // the phase cannot complete without them); the other threads issue nothing. Any other tile (partial,
   // scattered pages) is gathered as before. (One-page boxes for scattered pages of 16 tokens were tried:
   // 17-23% slower than the gather, perf/results/ab44q.md.)
@@ -561,7 +578,7 @@ struct Loader {
   static __device__ __forceinline__ void produce(const Params& p, const VariantParams& vp, uint8_t* smem,
                                                  uint32_t full, uint32_t empty, uint32_t qempty, const KvTma& tma) {
     static_assert(kThreads == 128 && Cfg::kLoaderThread0 > 0, "a producer warpgroup after the compute warps");
-    static_assert(kHeadDim % 64 == 0 && !Cfg::kFp8, "TMA boxes: 64 16-bit elements (128 bytes) of a row");
+    static_assert(!Cfg::kFp8, "TMA boxes: 64 16-bit elements (128 bytes) of a row");
     constexpr int kBarrierId = 9;  // the producer's own named barrier (the compute side's is 8)
     Cursor cur;
     int page[kLookups], slot[kLookups];
@@ -594,7 +611,7 @@ struct Loader {
         const int kv_head = kv_head_of(p, cur.w.unit);
         ptx::mbar_expect_tx(bar, 2 * Cfg::kKvTileBytes);
 #pragma unroll
-        for (int cb = 0; cb < kHeadDim / 64; ++cb) {
+        for (int cb = 0; cb < Cfg::kHeadDimPad / 64; ++cb) {  // a box past the head's columns reads zeros
           ptx::tma_load_3d(ks + cb * kTile * 128, &tma.k, 64 * cb, kv_head, token0, bar);
           ptx::tma_load_3d(vs + cb * kTile * 128, &tma.v, 64 * cb, kv_head, token0, bar);
         }
@@ -646,6 +663,7 @@ struct Epilogue {
   // at the same slot; interleaved pairs (2i, 2i + 1) are the two halves of one register.
   static __device__ __forceinline__ void rotate_pairs(const VariantParams& vp, float (&x)[kKSteps][2][2],
                                                       const RotaryCtx& ctx, int c, bool is_key) {
+    static_assert(Cfg::kHeadDim == Cfg::kHeadDimPad, "rotary transforms: head size 64, 128 or 256 (no pad columns)");
     if constexpr (Variant::kRotaryInterleave) {
 #pragma unroll
       for (int s = 0; s < kKSteps; ++s)

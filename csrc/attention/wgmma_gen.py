@@ -97,7 +97,7 @@ def body(n, ty, form):
 
 def main():
     out = [HEADER]
-    for n in (8, 32, 64, 128, 256):
+    for n in (8, 16, 32, 64, 128, 256):
         for bf16, ty in ((True, "bf16"), (False, "f16")):
             out.append(f"template <>\nstruct Mma<{n}, {'true' if bf16 else 'false'}> {{\n")
             out.append("  // D (+)= A . B, A and B from shared memory (descriptors); kTransB: B is MN-major\n")

@@ -49,6 +49,7 @@ import torch
 from fi_backend import ops as _ops
 from fi_backend import variants as _variants
 from fi_backend.formats import BSR
+from fi_backend.wrappers import HEAD_DIMS
 
 __all__ = ["register", "BACKEND_NAME", "BACKEND_CLASS_PATH", "FiAttentionMetadata", "layer_variant", "plan_counts",
            "check_errors"]
@@ -57,11 +58,12 @@ BACKEND_NAME = "CUSTOM"                                # vLLM 0.26 has no other 
 BACKEND_CLASS_PATH = f"{__name__}.FiAttentionBackend"  # what register() hands to vLLM's register_backend
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 
-HEAD_SIZES = (64, 128, 256)                            # the kernels' (fi_backend.wrappers.HEAD_DIMS)
+HEAD_SIZES = HEAD_DIMS                                 # the kernels' (fi_backend.wrappers)
 DTYPES = (torch.bfloat16, torch.float16)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3")  # "fp8" is e4m3 on CUDA
 MAX_BLOCK_SIZE = 256                                   # the kernels' largest page (KV block width Bc)
-COMPUTE_CAPABILITY = (9, 0)                            # kernels are built for sm_90a (H100 / H200)
+# Hopper (sm_90a: warpgroup MMAs, TMA) and Ampere / Ada (mma.sync: A100, A10, L40S, RTX 4090)
+COMPUTE_CAPABILITIES = ((8, 0), (8, 6), (8, 7), (8, 9), (9, 0))
 _FP8_DTYPE = torch.float8_e4m3fn
 
 _VLLM_CLASSES = ("FiAttentionBackend", "FiAttentionMetadataBuilder", "FiAttentionImpl")
@@ -405,7 +407,7 @@ class _Backend:
 
     @classmethod
     def supports_compute_capability(cls, capability) -> bool:
-        return (capability.major, capability.minor) == COMPUTE_CAPABILITY
+        return (capability.major, capability.minor) in COMPUTE_CAPABILITIES
 
     @classmethod
     def supports_kv_connector(cls) -> bool:
@@ -451,7 +453,7 @@ class _Backend:
         if not cls.supports_compute_capability(device_capability):
             cap = f"{device_capability.major}.{device_capability.minor}"
             reasons.append(f"compute capability {cap} is not supported: fi-backend's kernels are built for "
-                           "Hopper (sm_90a: H100, H200)")
+                           f"{', '.join(f'{a}.{b}' for a, b in COMPUTE_CAPABILITIES)} (Ampere, Ada, Hopper)")
         if use_batch_invariant:
             reasons.append("VLLM_BATCH_INVARIANT is not supported: the plan splits KV by batch composition")
         if use_kv_connector:

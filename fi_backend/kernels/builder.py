@@ -52,12 +52,13 @@ class BuildError(RuntimeError):
 
 # ----------------------------------------------------------------------------- architectures
 
-_ARCH = re.compile(r"^(\d+)(?:\.(\d))?([af]?)$")
+_ARCH = re.compile(r"^(\d+)(?:\.(\d))?([af]?)(\+ptx)?$")
 
 
 def parse_arch_list(text: Union[str, Iterable[str]], *, source: str = env.CUDA_ARCH_LIST) -> ArchList:
     """Architectures from "9.0a", "90a", "sm_90a" or "compute_90a" entries separated by spaces,
-    ';' or ','. Returns canonical names ("90a", "100a", "80"), sorted, without duplicates."""
+    ';' or ','; "8.0+PTX" adds the PTX (newer GPUs JIT-compile it: how sm_80 kernels are proven on an
+    H100). Returns canonical names ("90a", "100a", "80", "80+ptx"), sorted, without duplicates."""
     tokens = re.split(r"[\s;,]+", text) if isinstance(text, str) else list(text)
     archs = set()
     for token in tokens:
@@ -71,16 +72,16 @@ def parse_arch_list(text: Union[str, Iterable[str]], *, source: str = env.CUDA_A
         m = _ARCH.match(t)
         if not m:
             raise ValueError(f"{source}: cannot read architecture {raw!r}; accepted forms: "
-                             "'9.0a', '90a', 'sm_90a', '8.0', '80' (separated by spaces, ';' or ',')")
-        major, minor, suffix = m.groups()
+                             "'9.0a', '90a', 'sm_90a', '8.0', '80', '8.0+PTX' (separated by spaces, ';' or ',')")
+        major, minor, suffix, ptx = m.groups()
         number = int(major + minor) if minor is not None else int(major)
         if number < 50:
             raise ValueError(f"{source}: architecture {raw!r} reads as sm_{number}; give major and minor "
                              "(e.g. '9.0a' or '90a')")
-        archs.add(f"{number}{suffix}")
+        archs.add(f"{number}{suffix}" + ("+ptx" if ptx else ""))
     if not archs:
         raise ValueError(f"{source}: no architecture given (example: '90a' for H100)")
-    return tuple(sorted(archs, key=lambda a: (int(a.rstrip("af")), a)))
+    return tuple(sorted(archs, key=lambda a: (int(re.match(r"\d+", a).group()), a)))
 
 
 def arch_of_capability(major: int, minor: int) -> str:
@@ -108,7 +109,13 @@ def resolve_arch_list(archs: Union[None, str, Iterable[str]] = None) -> ArchList
 
 
 def gencode_flags(archs: ArchList) -> Tuple[str, ...]:
-    return tuple(f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs)
+    flags = []
+    for a in archs:
+        base = a[:-len("+ptx")] if a.endswith("+ptx") else a
+        flags.append(f"-gencode=arch=compute_{base},code=sm_{base}")
+        if a.endswith("+ptx"):
+            flags.append(f"-gencode=arch=compute_{base},code=compute_{base}")
+    return tuple(flags)
 
 
 # ----------------------------------------------------------------------------- toolchain
