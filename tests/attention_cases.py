@@ -146,8 +146,11 @@ def poison_unused(k, v, bsr):
         slots = (blocks[:, None] * page + torch.arange(page, device=blocks.device)).reshape(-1)[:n]
         used[slots] = True
     unused = ~used.view(k.shape[0], page)
-    k[unused] = float("nan")
-    v[unused] = float("nan")
+    for t in (k, v):
+        if t.element_size() == 1:  # fp8: NaN by its bits (0x7F is NaN in e4m3fn and e5m2)
+            t.view(torch.uint8)[unused] = 0x7F
+        else:
+            t[unused] = float("nan")
 
 
 def run_case(attn, kv_lens, q_lens, *, dtype, kv_dtype=None, layout="NHD", packed=False, causal=False,
