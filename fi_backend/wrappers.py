@@ -765,6 +765,11 @@ class BatchAttention:
         self._q_shape = torch.Size((0, num_qo_heads, head_dim))
         self._dev_index = dev.index
 
+    @property
+    def module_names(self) -> list:
+        """The kernel modules this wrapper loaded (its tile family), by cache name."""
+        return [f.module.name for f in self._family]
+
     def _use_member(self, member: int) -> None:
         """Make family member `member` the kernel that plan() plans for and run() launches."""
         self._launcher = self._family[member]

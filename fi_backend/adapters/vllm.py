@@ -487,9 +487,18 @@ class _MetadataBuilder:
         common = dict(device=device, num_qo_heads=s.num_qo_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                       q_dtype=q_dtype, kv_dtype=_kv_torch_dtype(s.kv_cache_dtype, q_dtype),
                       page_size=kv_cache_spec.block_size, variant=s.variant, max_requests=sched.max_num_seqs)
-        # A decode step has one query row per request; any other step at most max_num_batched_tokens.
-        decode = _make_wrapper("decode", max_rows=sched.max_num_seqs, **common)
-        prefill = _make_wrapper("prefill", max_rows=max(sched.max_num_batched_tokens, sched.max_num_seqs), **common)
+        # A decode step has one query row per request; any other step at most max_num_batched_tokens. Both
+        # kernels' modules are built (or found in the cache) here, at the engine's start, never mid-serving.
+        what = (f"{s.num_qo_heads} query heads, {s.num_kv_heads} KV heads, head size {s.head_dim}, KV "
+                f"{s.kv_cache_dtype}, variant {s.variant.name}")
+        try:
+            decode = _make_wrapper("decode", max_rows=sched.max_num_seqs, **common)
+            prefill = _make_wrapper("prefill", max_rows=max(sched.max_num_batched_tokens, sched.max_num_seqs),
+                                    **common)
+        except Exception as e:  # a build failure or a refused shape: say which model shape, at start-up
+            raise RuntimeError(f"fi-backend cannot run this model's attention ({what}): {e}") from e
+        for name in decode.module_names + prefill.module_names:
+            _log.info("fi-backend: kernel module %s ready (%s)", name, what)
         params = dict(s.plan_params)
         if "alibi_slopes" in params:  # a device tensor made once: captured graphs read it by address
             params["alibi_slopes"] = torch.tensor(params["alibi_slopes"], dtype=torch.float32, device=device)
