@@ -12,6 +12,7 @@ A cache built on a machine without a GPU ships to one that has it:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -103,21 +104,37 @@ def cmd_build(args) -> int:
     sets = kernels.module_sets()
     if args.list:
         archs, _ = _archs_or_error(args.arch)
-        for name, s in sets.items():
-            print(f"{name}: {s.description}")
-            for spec in s.specs():
-                print(f"  {spec.family} {spec.readable_tag()}  ({spec.template})")
+        with _arch_list(archs) if archs else contextlib.nullcontext():
+            for name, s in sets.items():
+                print(f"{name}: {s.description}")
+                for spec in s.specs():
+                    print(f"  {spec.family} {spec.readable_tag()}  ({spec.template})")
         if archs:
             print(f"(archs sm_{' sm_'.join(archs)}, cache {kernels.cache_dir(archs)})")
         return 0
     names = args.names or list(sets)
     try:
-        specs = kernels.specs_of(names)
         archs = kernels.resolve_arch_list(args.arch)
+        with _arch_list(archs):
+            specs = kernels.specs_of(names)
     except (KeyError, RuntimeError, ValueError) as e:
         print(f"fi-backend build: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2
     return _build_specs(specs, archs, args.jobs, ", ".join(names))
+
+
+@contextlib.contextmanager
+def _arch_list(archs):
+    """The build's architectures in effect while specs are named: the prefill tile family follows them."""
+    saved = os.environ.get(env.CUDA_ARCH_LIST)
+    os.environ[env.CUDA_ARCH_LIST] = " ".join(archs)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(env.CUDA_ARCH_LIST, None)
+        else:
+            os.environ[env.CUDA_ARCH_LIST] = saved
 
 
 def _build_model(args) -> int:
@@ -139,19 +156,12 @@ def _build_model(args) -> int:
         print(f"fi-backend build: {e}", file=sys.stderr)
         return 2
     kv_dtypes = tuple(t.strip() for t in (args.kv_dtype or "bf16,fp8_e4m3").split(",") if t.strip())
-    # The prefill tile family follows the architectures in effect: make them the build's while naming the modules.
-    saved = os.environ.get(env.CUDA_ARCH_LIST)
-    os.environ[env.CUDA_ARCH_LIST] = " ".join(archs)
     try:
-        specs = models.modules_of(model, kv_dtypes=kv_dtypes, q_dtype=args.q_dtype or "bf16")
+        with _arch_list(archs):
+            specs = models.modules_of(model, kv_dtypes=kv_dtypes, q_dtype=args.q_dtype or "bf16")
     except (KeyError, ValueError) as e:
         print(f"fi-backend build: {model.name}: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2
-    finally:
-        if saved is None:
-            os.environ.pop(env.CUDA_ARCH_LIST, None)
-        else:
-            os.environ[env.CUDA_ARCH_LIST] = saved
     return _build_specs(specs, archs, args.jobs, f"{model.name}, KV {', '.join(kv_dtypes)}")
 
 
