@@ -1,0 +1,871 @@
+"""The model zoo's head configurations: fi-backend against FlashInfer 0.6.14, same inputs, same process.
+
+    python -m perf.zoo [--quick] [--sections decode,prefill] [--name zoo_h100] [--no-flashinfer]
+                       [--configs 32/8/128,28/4/128] [--merge]
+
+Sections:
+  decode   every distinct (query heads, KV heads, head_dim) among the zoo models that fi_backend.models.check()
+           accepts (--quick: those of QUICK_MODELS), at pages 1, 16, 64, 128, for batch x KV length cells
+           7x1000, 64x2047, 128x4099 (--quick: 64x2047); bf16 q and KV. Ours: BatchAttention(kernel="decode")
+           as perf/decode.py runs it (pages a random permutation of the pool; KV sets rotated so that 256 MB
+           separate two reads of one set, perf.decode.L2_ROTATE_BYTES). Anchor: FlashInfer's
+           BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True) on the same q and pages (its NHD layout
+           [pages, 2, page, Hkv, D]; ours reads the k and v views by strides), for head_dim 64 / 128 / 256
+           (FI_HEAD_DIMS); head_dim 80 / 96 time ours only (anchor "none"). ratio = FlashInfer us / ours us,
+           the median of the rounds' ratios (> 1: ours faster). Bar: ratio >= 0.98 in every cell.
+  prefill  causal bf16, batch x length 4x4096 (also with --quick), this step's K/V ragged (a page-1 identity BSR,
+           perf.prefill.ours_fn), for GQA groups 3..7 at head_dim 128 (PREFILL_CONFIGS) and 32/32 heads at head_dim
+           96 (Phi-3-mini) and 80. Anchors: FlashInfer's FA2 ragged wrapper (perf.prefill.FlashInferRagged, head_dim
+           in FI_HEAD_DIMS) and vLLM's FlashAttention-3 when importable (perf.prefill.vllm_fa3; skipped cleanly
+           otherwise). TFLOP/s count causal (query, key) pairs: 4 * h * d * pairs (perf.prefill.attention_flops /
+           unmasked_pairs). Bars: at head_dim 128 each group's TFLOP/s >= 0.95 of group 4's (32/8 heads) and
+           >= 1.1x FlashInfer FA2's; at head_dim 96 ours >= 0.9 of vLLM FA3's TFLOP/s.
+
+Timing: perf.prefill.time_rounds (alternating rounds, ours then the anchors, each figure the median of CUDA-event
+timings, perf.common.time_us); figures are the medians of the rounds, ratios the medians of the rounds' ratios.
+Correctness: ours against the anchor on the whole batch and against a float32 reference on two requests
+(decode) or SDPA on request 0 (prefill); a relative L2 difference above 2e-2 fails the run (exit 1) after the
+JSON is written. Our kernel modules are built first, in parallel (--no-prebuild: lazily); FlashInfer JIT-compiles
+each new head configuration on its first call (~26 s each for decode, timed and recorded).
+
+A full run takes more than one 10-minute command on the GPU machine: split it with --configs (and --sections),
+copying each run's JSON back to perf/results/ and passing --merge, which adds the new rows to
+perf/results/<name>.json (rows keyed by heads, head_dim, page and shape; the new ones win).
+Results: perf/results/<name>.json and .md (also under $OUT when set). FI_COMMIT names the commit where the tree
+travels without .git.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from perf.common import RESULTS, commit, device_info, write_result
+
+DTYPE = torch.bfloat16
+DEVICE = "cuda"                        # the decode cases' device (the CPU tests set "cpu")
+FI_HEAD_DIMS = (64, 128, 256)          # head sizes FlashInfer 0.6.14 has kernels for
+PAGE_SIZES = (1, 16, 64, 128)
+DECODE_CELLS = ((7, 1000), (64, 2047), (128, 4099))   # (batch, KV length), odd on purpose
+QUICK_CELLS = ((64, 2047),)
+QUICK_MODELS = ("Llama-3.1-8B", "Qwen2.5-7B", "Qwen2.5-14B", "Llama-3.2-3B", "Qwen2.5-1.5B", "Gemma-2-9B",
+                "Llama-3.1-405B", "Gemma-3-1B")
+# (query heads, KV heads, head_dim, label): the group-4 reference first
+PREFILL_CONFIGS = (
+    (32, 8, 128, "group 4 (Llama-3.1-8B)"),
+    (24, 8, 128, "group 3 (Llama-3.2-3B)"),
+    (40, 8, 128, "group 5 (Qwen2.5-14B)"),
+    (12, 2, 128, "group 6 (Qwen2.5-1.5B)"),
+    (24, 4, 128, "group 6 (24/4)"),
+    (28, 4, 128, "group 7 (Qwen2.5-7B)"),
+    (32, 32, 96, "head_dim 96 (Phi-3-mini)"),
+    (32, 32, 80, "head_dim 80 (32/32)"),
+)
+PREFILL_SHAPES = ((4, 4096),)
+BARS = {"decode_ratio_min": 0.98, "prefill_over_group4_min": 0.95, "prefill_over_fi_fa2_min": 1.1,
+        "prefill_d96_over_vllm_fa3_min": 0.9}
+MAX_REL_DIFF = 2e-2
+SECTIONS = ("decode", "prefill")
+_failures: list = []
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------ pure helpers (tested on the CPU)
+
+def config_key(hq: int, hkv: int, d: int) -> str:
+    return f"{hq}/{hkv}/{d}"
+
+
+def parse_configs(text):
+    """"32/8/128,28/4/128" -> [(32, 8, 128), (28, 4, 128)] (None or "" -> None: no filter)."""
+    if not text:
+        return None
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        parts = item.split("/")
+        if len(parts) != 3:
+            raise ValueError(f"config {item!r}: expected query_heads/kv_heads/head_dim, e.g. 32/8/128")
+        hq, hkv, d = (int(p) for p in parts)
+        if hq < 1 or hkv < 1 or d < 1 or hq % hkv:
+            raise ValueError(f"config {item!r}: query heads must be a positive multiple of KV heads")
+        if (hq, hkv, d) not in out:
+            out.append((hq, hkv, d))
+    return out
+
+
+def parse_shapes(text, sep="x"):
+    """"7x1000,64x2047" -> [(7, 1000), (64, 2047)]."""
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        parts = item.lower().split(sep)
+        if len(parts) != 2:
+            raise ValueError(f"shape {item!r}: expected batch{sep}length, e.g. 64{sep}2047")
+        b, n = int(parts[0]), int(parts[1])
+        if b < 1 or n < 1:
+            raise ValueError(f"shape {item!r}: batch and length must be >= 1")
+        out.append((b, n))
+    return out
+
+
+def parse_ints(text):
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def fi_supports(head_dim: int, fi_head_dims=FI_HEAD_DIMS) -> bool:
+    return head_dim in fi_head_dims
+
+
+def decode_configs(only=None, quick=False, fi_head_dims=FI_HEAD_DIMS):
+    """(configs, refused): the distinct (query heads, KV heads, head_dim) of the zoo's accepted models as dicts
+    (models using each, anchor "flashinfer" or "none"), ordered by head_dim, group, heads; refused: [(model, why)].
+    quick: only QUICK_MODELS' configs; only: [(hq, hkv, d)] keeps those (and adds any not in the zoo, as
+    "(not in the zoo)"), which overrides quick."""
+    from fi_backend.models import ZOO, check
+    by, refused = {}, []
+    for m in ZOO:
+        ok, why = check(m)
+        if not ok:
+            refused.append((m.name, why))
+            continue
+        by.setdefault((m.num_qo_heads, m.num_kv_heads, m.head_dim), []).append(m.name)
+    if only is not None:
+        keys = list(only)
+    elif quick:
+        keys = [k for k, names in by.items() if any(n in QUICK_MODELS for n in names)]
+    else:
+        keys = list(by)
+    keys = sorted(set(keys), key=lambda k: (k[2], k[0] // k[1], k[0]))
+    configs = []
+    for hq, hkv, d in keys:
+        configs.append({"num_qo_heads": hq, "num_kv_heads": hkv, "head_dim": d, "group": hq // hkv,
+                        "config": config_key(hq, hkv, d), "models": by.get((hq, hkv, d), ["(not in the zoo)"]),
+                        "anchor": "flashinfer" if fi_supports(d, fi_head_dims) else "none"})
+    return configs, refused
+
+
+def prefill_configs(only=None, extra=None):
+    """PREFILL_CONFIGS as dicts, filtered by `only` [(hq, hkv, d)] when given; `extra` [(hq, hkv, d)] replaces the
+    list (labels "group g")."""
+    base = PREFILL_CONFIGS
+    if extra:
+        labels = {(hq, hkv, d): label for hq, hkv, d, label in PREFILL_CONFIGS}
+        base = tuple((hq, hkv, d, labels.get((hq, hkv, d), f"group {hq // hkv}")) for hq, hkv, d in extra)
+    out = []
+    for hq, hkv, d, label in base:
+        if only is not None and (hq, hkv, d) not in only:
+            continue
+        out.append({"num_qo_heads": hq, "num_kv_heads": hkv, "head_dim": d, "group": hq // hkv,
+                    "config": config_key(hq, hkv, d), "label": label})
+    return out
+
+
+def kv_sets(kv_bytes: int, rotate_bytes: int = 256 << 20, max_sets: int = 64) -> int:
+    """KV sets to rotate so that rotate_bytes separate two reads of one set (perf.decode.Case's rule)."""
+    return max(1, min(max_sets, math.ceil(rotate_bytes / max(kv_bytes, 1))))
+
+
+def decode_kv_bytes(batch: int, kv_len: int, hkv: int, d: int, element_bytes: int = 2) -> int:
+    return batch * kv_len * hkv * d * 2 * element_bytes
+
+
+def round_ratio(anchor_rounds, ours_rounds):
+    """Median over rounds of anchor time / our time (> 1: ours faster); None when a side has no figures."""
+    pairs = [(a, o) for a, o in zip(anchor_rounds or [], ours_rounds or []) if a and o]
+    if not pairs:
+        return None
+    return statistics.median(a / o for a, o in pairs)
+
+
+def add_group_ratios(rows):
+    """Each prefill row's ours TFLOP/s over group 4's (32/8 heads) of the same shape: at the same head_dim when
+    that row exists, else at head_dim 128 (named in group4_ref). Bars only at head_dim 128 (not on group 4)."""
+    ref = {}
+    for r in rows:
+        if r["num_qo_heads"] == 32 and r["num_kv_heads"] == 8 and r.get("ours_tflops"):
+            ref[(r["batch"], r["seq_len"], r["head_dim"])] = r["ours_tflops"]
+    for r in rows:
+        shape = (r["batch"], r["seq_len"])
+        d = r["head_dim"] if shape + (r["head_dim"],) in ref else 128
+        g4 = ref.get(shape + (d,))
+        r["group4_ref"] = config_key(32, 8, d) if g4 else None
+        r["over_group4"] = r["ours_tflops"] / g4 if g4 and r.get("ours_tflops") else None
+        is_g4 = r["num_qo_heads"] == 32 and r["num_kv_heads"] == 8
+        if r["head_dim"] == 128 and not is_g4 and r["over_group4"] is not None:
+            r["bar_group4_met"] = r["over_group4"] >= BARS["prefill_over_group4_min"]
+        else:
+            r.pop("bar_group4_met", None)
+    return rows
+
+
+def decode_row_key(r):
+    return (r["num_qo_heads"], r["num_kv_heads"], r["head_dim"], r["page_size"], r["batch"], r["kv_len"])
+
+
+def prefill_row_key(r):
+    return (r["num_qo_heads"], r["num_kv_heads"], r["head_dim"], r["batch"], r["seq_len"])
+
+
+def merge_results(old: dict, new: dict) -> dict:
+    """new's rows over old's (decode keyed by heads, head_dim, page, batch, KV; prefill by heads, head_dim,
+    batch, length), the rest of new winning; summaries recomputed."""
+    out = dict(old)
+    out.update({k: v for k, v in new.items() if k not in SECTIONS})
+    for sec, key in (("decode", decode_row_key), ("prefill", prefill_row_key)):
+        if sec not in new:
+            continue
+        if sec not in old:
+            out[sec] = new[sec]
+            continue
+        fresh = {key(r) for r in new[sec]["rows"]}
+        rows = [r for r in old[sec]["rows"] if key(r) not in fresh] + new[sec]["rows"]
+        merged = {**old[sec], **new[sec], "rows": rows}
+        if sec == "decode":
+            rows.sort(key=lambda r: (r["head_dim"], r["num_qo_heads"] // r["num_kv_heads"], r["num_qo_heads"],
+                                     r["page_size"], r["batch"], r["kv_len"]))
+            merged["configs"] = {**old[sec].get("configs", {}), **new[sec].get("configs", {})}
+        else:
+            add_group_ratios(rows)
+        out[sec] = merged
+    summarize(out)
+    return out
+
+
+def summarize(results: dict) -> dict:
+    """Each section's bar summary, from its rows (in place; returns results)."""
+    if "decode" in results:
+        rows = results["decode"]["rows"]
+        ratios = [r["ratio"] for r in rows if r.get("ratio") is not None]
+        below = [f"{r['config']} page {r['page_size']} {r['batch']}x{r['kv_len']}: {r['ratio']:.3f}"
+                 for r in rows if r.get("ratio") is not None and r["ratio"] < BARS["decode_ratio_min"]]
+        results["decode"]["summary"] = {
+            "cells": len(rows), "cells_with_anchor": len(ratios), "min_ratio": min(ratios) if ratios else None,
+            "median_ratio": statistics.median(ratios) if ratios else None, "cells_below_bar": below,
+            "bar": f"ratio (FlashInfer us / ours us) >= {BARS['decode_ratio_min']} in every cell",
+            "bar_met": (not below) if ratios else None}
+    if "prefill" in results:
+        rows = results["prefill"]["rows"]
+        fails = []
+        for r in rows:
+            tag = f"{r['config']} {r['batch']}x{r['seq_len']}"
+            if r.get("bar_group4_met") is False:
+                fails.append(f"{tag}: {r['over_group4']:.3f} of group 4")
+            if r.get("bar_fi_fa2_met") is False:
+                fails.append(f"{tag}: {r['ratio_fi_fa2']:.3f}x FlashInfer FA2")
+            if r.get("bar_vllm_fa3_met") is False:
+                fails.append(f"{tag}: {r['ratio_vllm_fa3']:.3f} of vLLM FA3")
+        results["prefill"]["summary"] = {
+            "rows": len(rows), "bars_missed": fails,
+            "bar": (f"head_dim 128: >= {BARS['prefill_over_group4_min']} of group 4's TFLOP/s and >= "
+                    f"{BARS['prefill_over_fi_fa2_min']}x FlashInfer FA2; head_dim 96: >= "
+                    f"{BARS['prefill_d96_over_vllm_fa3_min']} of vLLM FA3's TFLOP/s (when importable)")}
+    return results
+
+
+# ------------------------------------------------------------------------------------------------ decode (GPU)
+
+class DecodeCase:
+    """perf.decode.Case with the heads and head_dim as arguments (perf/decode.py reads module globals): a batch of
+    one-token queries over `kv_lens`, a paged pool whose pages are a random permutation, `sets` independent KV
+    caches in FlashInfer's NHD layout [pages, 2, page, Hkv, D], our (k, v) views of them, block table, CSR."""
+
+    def __init__(self, hq, hkv, d, kv_lens, page_size, sets=None, seed=0, device=None):
+        from perf.decode import L2_ROTATE_BYTES
+        device = device or DEVICE
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        self.hq, self.hkv, self.d = hq, hkv, d
+        self.kv_lens = torch.tensor(kv_lens, dtype=torch.int32)
+        self.B = len(kv_lens)
+        self.page = page_size
+        blocks = (self.kv_lens + page_size - 1) // page_size
+        self.blocks = blocks
+        self.max_blocks = int(blocks.max())
+        self.num_pages = int(blocks.sum())
+        self.kv_bytes = int(self.kv_lens.sum()) * hkv * d * 2 * torch.tensor([], dtype=DTYPE).element_size()
+        self.sets = sets or kv_sets(self.kv_bytes, L2_ROTATE_BYTES)
+        perm = torch.randperm(self.num_pages, generator=g).to(torch.int32)
+        table = torch.zeros(self.B, self.max_blocks, dtype=torch.int32)
+        starts = torch.cumsum(blocks, 0) - blocks
+        col = torch.arange(self.max_blocks)
+        used = col[None, :] < blocks[:, None]
+        table[used] = perm[(starts[:, None] + col[None, :])[used]]
+        self.table_cpu = table
+        self.block_table = table.to(device)
+        self.indptr = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(blocks, 0).to(torch.int32)]).to(device)
+        self.indices = perm[(starts[:, None] + col[None, :])[used]].to(device)
+        self.last_page_len = (self.kv_lens - (blocks - 1) * page_size).to(torch.int32).to(device)
+        shape = (self.num_pages, 2, page_size, hkv, d)
+        self.caches = [torch.randn(shape, dtype=DTYPE, device=device) for _ in range(self.sets)]
+        self.kv_pairs = [(c[:, 0], c[:, 1]) for c in self.caches]
+        self.q = torch.randn(self.B, hq, d, dtype=DTYPE, device=device)
+        self.qo_indptr = torch.arange(self.B + 1, dtype=torch.int32)
+        self.bytes = self.kv_bytes + 2 * self.q.numel() * self.q.element_size()
+
+
+def rotating(run, sets):
+    """fn() that calls run(i) with the next KV set each call (host-side bookkeeping only: time_us times the
+    device with the host running ahead), so perf.prefill.time_rounds / measure rotate sets without a setup."""
+    state = {"i": 0}
+
+    def fn():
+        state["i"] = (state["i"] + 1) % sets
+        run(state["i"])
+    return fn
+
+
+def ours_decode(case: DecodeCase):
+    """(fn, out, run): our decode kernel on the case (perf.decode.ours with the case's heads); run(i) on set i."""
+    from fi_backend import formats
+    from fi_backend.workspace import Workspace
+    from fi_backend.wrappers import BatchAttention
+    num_ctas = BatchAttention.recommended_num_ctas("cuda", case.hq, case.hkv, case.d, q_dtype=DTYPE, kv_dtype=DTYPE)
+    tile_q = BatchAttention.query_tile_rows(case.hq, case.hkv, case.d, q_dtype=DTYPE, kv_dtype=DTYPE)
+    ws = Workspace("cuda", max_requests=case.B, max_tokens=case.B, num_ctas=num_ctas, max_tile_q=max(16, tile_q),
+                   num_qo_heads=case.hq, num_kv_heads=case.hkv, head_dim=case.d)
+    attn = BatchAttention(ws, case.hq, case.hkv, case.d, q_dtype=DTYPE, kv_dtype=DTYPE, page_size=case.page)
+    bsr = formats.from_block_table(case.block_table, case.kv_lens.cuda(), case.qo_indptr.cuda(), case.page,
+                                   num_kv_blocks=case.num_pages)
+    attn.plan(case.qo_indptr, case.kv_lens, bsr)
+    out = torch.empty_like(case.q)
+    kv = case.kv_pairs
+
+    def run(i):
+        attn.run(case.q, kv[i], out=out)
+    fn = rotating(run, case.sets)
+    fn.num_ctas = num_ctas
+    fn.ws = ws
+    return fn, out, run
+
+
+class FlashInferDecode:
+    """FlashInfer's BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True), NHD, one wrapper re-planned per
+    case; the first plan + run + synchronise of each head configuration (its JIT build when cold) is timed."""
+
+    def __init__(self):
+        import flashinfer
+        self.buf = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+        self.w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.buf, "NHD", use_tensor_cores=True)
+        self.first_call_s = {}
+
+    def fn(self, case: DecodeCase):
+        t0 = time.perf_counter()
+        self.w.plan(case.indptr, case.indices, case.last_page_len, case.hq, case.hkv, case.d, case.page,
+                    q_data_type=DTYPE, kv_data_type=DTYPE)
+        out = torch.empty_like(case.q)
+        w, caches = self.w, case.caches
+
+        def run(i):
+            w.run(case.q, caches[i], out=out)
+        key = config_key(case.hq, case.hkv, case.d)
+        if key not in self.first_call_s:
+            run(0)
+            torch.cuda.synchronize()
+            self.first_call_s[key] = time.perf_counter() - t0
+            log(f"  flashinfer decode {key}: first plan + run {self.first_call_s[key]:.1f} s (JIT build if cold)")
+        return rotating(run, case.sets), out, run
+
+
+def decode_reference(case: DecodeCase, req: int, set_index: int = 0) -> torch.Tensor:
+    """float32 attention of request `req`'s query over its pages in set `set_index`: [Hq, D]."""
+    L = int(case.kv_lens[req])
+    c = case.caches[set_index]
+    pages = case.table_cpu[req, :int(case.blocks[req])].long().to(c.device)
+    k = c[pages, 0].reshape(-1, case.hkv, case.d)[:L].float()
+    v = c[pages, 1].reshape(-1, case.hkv, case.d)[:L].float()
+    g = case.hq // case.hkv
+    q = case.q[req].float().view(case.hkv, g, case.d)
+    logits = torch.einsum("hgd,lhd->hgl", q, k) / math.sqrt(case.d)
+    p = torch.softmax(logits, dim=-1)
+    return torch.einsum("hgl,lhd->hgd", p, v).reshape(case.hq, case.d)
+
+
+def _check(label, stats):
+    stats = dict(stats)
+    stats["ok"] = bool(stats["rel_diff"] < MAX_REL_DIFF)
+    if not stats["ok"]:
+        _failures.append(f"{label}: relative difference {stats['rel_diff']:.3e} "
+                         f"(max |diff| {stats['max_abs_diff']:.3e})")
+        log(f"MISMATCH {_failures[-1]}")
+    return stats
+
+
+def decode_cell(a, cfg, page, b, L, fi, info):
+    """(row, anchored): one decode cell, ours and (fi not None) FlashInfer in alternating rounds; anchored False
+    when FlashInfer failed here (info records why; the caller drops the anchor for the config's other cells)."""
+    from perf.prefill import diff_stats, time_rounds
+    hq, hkv, d, key = cfg["num_qo_heads"], cfg["num_kv_heads"], cfg["head_dim"], cfg["config"]
+    case = DecodeCase(hq, hkv, d, [L] * b, page, seed=b * 7919 + L)
+    fn, out, run = ours_decode(case)
+    r = {"config": key, "num_qo_heads": hq, "num_kv_heads": hkv, "head_dim": d, "group": hq // hkv,
+         "models": cfg["models"], "page_size": page, "batch": b, "kv_len": L, "sets": case.sets,
+         "kv_bytes": case.kv_bytes, "bytes": case.bytes, "num_ctas": fn.num_ctas, "rounds": a.rounds}
+    run(0)
+    ours0 = out.clone()
+    label = f"decode {key} page {page} {b}x{L}"
+    checks = {}
+    for req in sorted({0, b - 1}):
+        checks[f"ref_req{req}"] = _check(f"{label} ours vs reference req {req}",
+                                         diff_stats(ours0[req], decode_reference(case, req)))
+    fns = {"ours": fn}
+    anchored = fi is not None
+    if anchored:
+        try:
+            ffn, fout, frun = fi.fn(case)
+            frun(0)
+            torch.cuda.synchronize()
+            checks["fi"] = _check(f"{label} ours vs FlashInfer", diff_stats(ours0, fout))
+            fns["fi"] = ffn
+        except Exception as e:  # an anchor failing (its JIT build, a shape) is recorded, not fatal
+            info["anchor_error"] = f"{type(e).__name__}: {e}"
+            info["anchor"] = "none (failed)"
+            log(f"  FlashInfer failed on {label}, anchor dropped for this config: {info['anchor_error']}")
+            anchored = False
+    r["checks"] = checks
+    times = time_rounds(fns, a.rounds, a.rep)
+    r["ours_us_rounds"] = times["ours"]
+    r["ours_us"] = statistics.median(times["ours"])
+    r["ours_gbps"] = case.bytes / (r["ours_us"] * 1e-6) / 1e9
+    msg = (f"  decode {key} page {page:3d} {b:3d}x{L:5d}: ours {r['ours_us']:8.1f} us "
+           f"({r['ours_gbps']:6.0f} GB/s, {case.sets} sets)")
+    if "fi" in times:
+        r["fi_us_rounds"] = times["fi"]
+        r["fi_us"] = statistics.median(times["fi"])
+        r["ratio_rounds"] = [f / o for f, o in zip(times["fi"], times["ours"])]
+        r["ratio"] = round_ratio(times["fi"], times["ours"])
+        r["bar_met"] = r["ratio"] >= BARS["decode_ratio_min"]
+        msg += (f"  FI {r['fi_us']:8.1f} us  ratio {r['ratio']:.3f}"
+                + ("" if r["bar_met"] else f"  BELOW {BARS['decode_ratio_min']}"))
+    else:
+        r["anchor"] = "none"
+    log(msg)
+    return r, anchored
+
+
+def decode_section(a, with_fi, fi_reason) -> dict:
+    from perf.decode import MAX_SET_BYTES
+    only = parse_configs(a.configs)
+    configs, refused = decode_configs(only, a.quick, a.fi_head_dims)
+    cells = parse_shapes(a.cells) if a.cells else list(QUICK_CELLS if a.quick else DECODE_CELLS)
+    pages = parse_ints(a.pages) if a.pages else list(PAGE_SIZES)
+    fi, fi_error = None, None
+    if with_fi and any(c["anchor"] == "flashinfer" for c in configs):
+        try:
+            fi = FlashInferDecode()
+        except Exception as e:
+            fi_error = f"{type(e).__name__}: {e}"
+            log(f"FlashInfer decode wrapper unavailable ({fi_error}): ours only")
+    rows, cfg_info, errors = [], {}, []
+    n_cells = len(configs) * len(pages) * len(cells)
+    done = 0
+    log(f"== decode: {len(configs)} head configs x pages {pages} x cells {cells} = {n_cells} cells, "
+        f"{a.rounds} rounds")
+    for ci, cfg in enumerate(configs):
+        hq, hkv, d, key = cfg["num_qo_heads"], cfg["num_kv_heads"], cfg["head_dim"], cfg["config"]
+        anchored = fi is not None and cfg["anchor"] == "flashinfer"
+        none_why = f"head_dim {d} has no FlashInfer kernel" if cfg["anchor"] == "none" else fi_reason or fi_error
+        why = "" if anchored else f" (anchor none: {none_why})"
+        log(f"decode config [{ci + 1}/{len(configs)}] {key} group {cfg['group']} ({', '.join(cfg['models'])})"
+            + (": FlashInfer JIT-compiles a new head config on first use (~26 s when cold)" if anchored else why))
+        info = {"models": cfg["models"], "anchor": "flashinfer tensor-core decode" if anchored else "none"}
+        t_cfg = time.perf_counter()
+        for page in pages:
+            for b, L in cells:
+                done += 1
+                kv_bytes = decode_kv_bytes(b, L, hkv, d)
+                if kv_bytes > MAX_SET_BYTES:
+                    log(f"  skip {key} page {page} {b}x{L}: KV {kv_bytes / 2**30:.1f} GiB over the limit")
+                    continue
+                try:
+                    r, anchored = decode_cell(a, cfg, page, b, L, fi if anchored else None, info)
+                except Exception as e:   # recorded (the run fails at the end), the other cells still run
+                    _failures.append(f"decode {key} page {page} {b}x{L}: {type(e).__name__}: {e}")
+                    log(f"  ERROR {_failures[-1]}")
+                    errors.append({"config": key, "page_size": page, "batch": b, "kv_len": L,
+                                   "error": f"{type(e).__name__}: {e}"})
+                    torch.cuda.empty_cache()
+                    continue
+                r["cell"] = f"{done}/{n_cells}"
+                rows.append(r)
+                torch.cuda.empty_cache()
+        info["seconds"] = time.perf_counter() - t_cfg
+        if fi is not None and key in fi.first_call_s:
+            info["fi_first_call_s"] = fi.first_call_s[key]
+        cfg_info[key] = info
+    import_note = {}
+    if with_fi:
+        import flashinfer
+        import_note["flashinfer"] = flashinfer.__version__
+    return {**_stamp(), **import_note,
+            "anchor": ("FlashInfer BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True), NHD, same q and pages; "
+                       f"head_dim {'/'.join(map(str, a.fi_head_dims))} only" if with_fi else
+                       f"none ({fi_reason})"),
+            "dtype": "bf16 q and KV", "kv": "pages a random permutation of the pool; KV sets rotated past L2 "
+                                           "(perf.decode.L2_ROTATE_BYTES between two reads of one set)",
+            "ratio": "FlashInfer us / ours us, median of the rounds' ratios (> 1: ours faster)",
+            "pages": pages, "cells": cells, "refused_models": refused, "configs": cfg_info, "errors": errors,
+            "rows": rows}
+
+
+# ------------------------------------------------------------------------------------------------ prefill (GPU)
+
+def sdpa_reference_check(case, out, label) -> dict:
+    """ours' request 0 against torch SDPA (causal, bf16) on the same q / k / v."""
+    from perf.prefill import diff_stats
+    s, g = case.seq_len, case.hq // case.hkv
+    q = case.q[:s].transpose(0, 1).unsqueeze(0)
+    k = case.k[:s].repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)
+    v = case.v[:s].repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)[0].transpose(0, 1)
+    return _check(label, diff_stats(out[:s], ref))
+
+
+def prefill_cell(a, cfg, b, s, fa2, vfunc, fa2_broken: dict) -> dict:
+    """One prefill row: ours, FlashInfer FA2 (fa2 not None, head_dim in --fi-head-dims and not broken) and vLLM
+    FA3 (vfunc not None) in alternating rounds on the same q / k / v. fa2_broken: head_dim -> why FA2 failed there
+    (filled here; a failed JIT build is not retried)."""
+    from perf.prefill import Case, attention_flops, diff_stats, ours_fn, tflops, time_rounds, unmasked_pairs, vllm_fn
+    hq, hkv, d, key = cfg["num_qo_heads"], cfg["num_kv_heads"], cfg["head_dim"], cfg["config"]
+    label = f"prefill {key} {b}x{s}"
+    case = Case(b, s, hq, hkv, d, seed=s + 31 * hq + hkv + d)
+    flops = attention_flops(b * unmasked_pairs(s, s), hq, d)
+    fn, out, info = ours_fn(case)
+    fn()
+    torch.cuda.synchronize()
+    r = {"config": key, "label": cfg["label"], **case.shape(), "group": hq // hkv, "flops": flops,
+         "num_ctas": info["num_ctas"], "rows_per_tile": info["rows_per_tile"], "rounds": a.rounds}
+    checks = {"sdpa_req0": sdpa_reference_check(case, out, f"{label} ours vs SDPA req 0")}
+    fns = {"ours": fn}
+    if fa2 is not None and fi_supports(d, a.fi_head_dims) and d not in fa2_broken:
+        try:
+            ffn, fout = fa2.fn(case)
+            ffn()
+            torch.cuda.synchronize()
+            checks["fi_fa2"] = _check(f"{label} ours vs FlashInfer FA2", diff_stats(out, fout))
+            fns["fi_fa2"] = ffn
+        except Exception as e:
+            fa2_broken[d] = r["fi_fa2_error"] = f"{type(e).__name__}: {e}"
+            log(f"  FlashInfer FA2 failed on {label} (dropped at head_dim {d}): {r['fi_fa2_error']}")
+    if vfunc is not None:
+        try:
+            vfn, vout = vllm_fn(vfunc, case)
+            vfn()
+            torch.cuda.synchronize()
+            checks["vllm_fa3"] = _check(f"{label} ours vs vLLM FA3", diff_stats(out, vout))
+            fns["vllm_fa3"] = vfn
+        except Exception as e:
+            r["vllm_fa3_error"] = f"{type(e).__name__}: {e}"
+            log(f"  vLLM FA3 failed on {label}: {r['vllm_fa3_error']}")
+    r["checks"] = checks
+    times = time_rounds(fns, a.rounds, a.rep)
+    r["ours_us_rounds"] = times["ours"]
+    r["ours_us"] = statistics.median(times["ours"])
+    r["ours_tflops"] = tflops(flops, r["ours_us"])
+    msg = f"  prefill {key:>10} {b}x{s}: ours {r['ours_us']:8.1f} us {r['ours_tflops']:5.0f} TF/s"
+    for k in ("fi_fa2", "vllm_fa3"):
+        if k not in times:
+            continue
+        r[f"{k}_us_rounds"] = times[k]
+        r[f"{k}_us"] = statistics.median(times[k])
+        r[f"{k}_tflops"] = tflops(flops, r[f"{k}_us"])
+        r[f"ratio_{k}"] = round_ratio(times[k], times["ours"])   # ours' speed over the anchor's
+        msg += f" | {k} {r[f'{k}_tflops']:5.0f} TF/s, ours x{r[f'ratio_{k}']:.3f}"
+    if r.get("ratio_fi_fa2") is not None and d == 128:
+        r["bar_fi_fa2_met"] = r["ratio_fi_fa2"] >= BARS["prefill_over_fi_fa2_min"]
+        msg += "" if r["bar_fi_fa2_met"] else f" BELOW {BARS['prefill_over_fi_fa2_min']}x FA2"
+    if r.get("ratio_vllm_fa3") is not None and d == 96:
+        r["bar_vllm_fa3_met"] = r["ratio_vllm_fa3"] >= BARS["prefill_d96_over_vllm_fa3_min"]
+        msg += "" if r["bar_vllm_fa3_met"] else f" BELOW {BARS['prefill_d96_over_vllm_fa3_min']} of FA3"
+    log(msg)
+    return r
+
+
+def prefill_section(a, with_fi, fi_reason) -> dict:
+    from perf.prefill import FlashInferRagged, vllm_fa3
+    only = parse_configs(a.configs)
+    configs = prefill_configs(only, parse_configs(a.prefill_configs))
+    shapes = parse_shapes(a.prefill_shapes) if a.prefill_shapes else list(PREFILL_SHAPES)
+    fa2, broken, fa2_broken = None, {}, {}
+    if with_fi and any(fi_supports(c["head_dim"], a.fi_head_dims) for c in configs):
+        try:
+            fa2 = FlashInferRagged("fa2")
+        except Exception as e:
+            broken["fi_fa2"] = f"{type(e).__name__}: {e}"
+            log(f"FlashInfer FA2 ragged wrapper unavailable ({broken['fi_fa2']}): no FA2 anchor")
+    vfunc, vllm_reason = (None, "skipped (--no-vllm)") if a.no_vllm else vllm_fa3()
+    if vllm_reason:
+        log(f"vLLM FA3 anchor unavailable: {vllm_reason}")
+    rows, errors = [], []
+    n = len(configs) * len(shapes)
+    log(f"== prefill: {len(configs)} head configs x shapes {shapes} = {n} cells, {a.rounds} rounds")
+    fa2_announced = set()
+    for (b, s) in shapes:
+        for cfg in configs:
+            key, d = cfg["config"], cfg["head_dim"]
+            log(f"prefill [{len(rows) + len(errors) + 1}/{n}] {key} {cfg['label']} {b}x{s}"
+                + (f": FlashInfer FA2 JIT-compiles head_dim {d} on first use (when cold)"
+                   if fa2 is not None and fi_supports(d, a.fi_head_dims) and d not in fa2_announced else ""))
+            fa2_announced.add(d)
+            try:
+                rows.append(prefill_cell(a, cfg, b, s, fa2, vfunc, fa2_broken))
+            except Exception as e:   # recorded (the run fails at the end), the other cells still run
+                _failures.append(f"prefill {key} {b}x{s}: {type(e).__name__}: {e}")
+                log(f"  ERROR {_failures[-1]}")
+                errors.append({"config": key, "batch": b, "seq_len": s, "error": f"{type(e).__name__}: {e}"})
+            torch.cuda.empty_cache()
+    add_group_ratios(rows)
+    for r in rows:
+        if r.get("over_group4") is not None:
+            log(f"  prefill {r['config']:>10} {r['batch']}x{r['seq_len']}: {r['over_group4']:.3f} of group 4 "
+                f"({r['group4_ref']})")
+    fl = {}
+    if fa2 is not None:
+        fl["fi_fa2_first_call_s"] = fa2.first_call_s
+    ver = {}
+    if with_fi:
+        import flashinfer
+        ver["flashinfer"] = flashinfer.__version__
+    broken.update({f"fi_fa2_d{d}": why for d, why in fa2_broken.items()})
+    return {**_stamp(), **ver, **fl, "vllm_fa3": "available" if vfunc else vllm_reason, "anchor_errors": broken,
+            "errors": errors,
+            "flops": "4 * h * d * causal pairs (perf.prefill.attention_flops / unmasked_pairs), h = query heads",
+            "kv": "ours: ragged (page-1 identity BSR, perf.prefill.ours_fn); anchors: FlashInfer FA2 ragged wrapper, "
+                  "vLLM flash_attn_varlen_func(fa_version=3)",
+            "ratio": "anchor us / ours us, median of the rounds' ratios (> 1: ours faster)",
+            "anchor_fa2": ("FlashInfer BatchPrefillWithRaggedKVCacheWrapper backend fa2" if with_fi else
+                           f"none ({fi_reason})"),
+            "shapes": shapes, "rows": rows}
+
+
+# ------------------------------------------------------------------------------------------------ prebuild
+
+def prebuild(decode_cfgs, prefill_cfgs, jobs=None) -> dict:
+    """Build (or find cached) our decode and prefill modules for the configs, in parallel (kernels.build_many),
+    so the timed sections do not build them one at a time."""
+    from fi_backend import kernels, variants
+    from fi_backend.wrappers import decode_spec, prefill_family_size, prefill_spec
+    specs, seen = [], set()
+
+    def add(spec):
+        if spec.memo_key not in seen:
+            seen.add(spec.memo_key)
+            specs.append(spec)
+    for c in decode_cfgs:
+        add(decode_spec(variants.DEFAULT, c["head_dim"], "bf16", "bf16", c["group"]))
+    for c in prefill_cfgs:
+        for m in range(prefill_family_size(c["head_dim"], "bf16")):
+            add(prefill_spec(variants.DEFAULT, c["head_dim"], "bf16", "bf16", c["group"], member=m))
+    if not specs:
+        return {"modules": 0, "seconds": 0.0, "errors": []}
+    jobs = jobs or min(16, os.cpu_count() or 1)
+    log(f"prebuild: {len(specs)} kernel modules, {jobs} at a time (cached ones load at once)")
+    t0 = time.perf_counter()
+    errors = []
+
+    def done(spec, res):
+        if isinstance(res, Exception):
+            errors.append(f"{spec.readable_tag()}: {type(res).__name__}: {res}")
+            log(f"  prebuild failed {spec.family} {spec.readable_tag()}: {res}")
+        else:
+            log(f"  {spec.family} {spec.readable_tag()}: "
+                + (f"built in {res.seconds:.1f} s" if getattr(res, "built", False) else "cached"))
+    kernels.build_many(specs, jobs=jobs, on_done=done)
+    secs = time.perf_counter() - t0
+    log(f"prebuild: {len(specs)} modules in {secs:.1f} s" + (f", {len(errors)} failed" if errors else ""))
+    return {"modules": len(specs), "seconds": secs, "errors": errors}
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+def _stamp() -> dict:
+    import datetime
+    return {"device": device_info(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": commit()}
+
+
+def _f(x, spec=".1f"):
+    return "-" if x is None else format(x, spec)
+
+
+def write_report(json_path) -> Path:
+    """perf/results/<name>.md: the tables of a results JSON (its figures; nothing recomputed but formatting)."""
+    r = json.loads(Path(json_path).read_text())
+    dev = r.get("device", {}).get("name", "?")
+    lines = [f"# Model zoo head configurations, {dev}, {str(r.get('date', '?'))[:10]}, commit "
+             f"{str(r.get('commit', '?'))[:12]}", "",
+             "fi-backend against FlashInfer (and vLLM FA3 where importable), same inputs, same process, alternating "
+             "rounds; each figure the median of the rounds' CUDA-event medians, each ratio the median of the rounds' "
+             "ratios (anchor us / ours us, > 1: ours faster). Each section names its own date and commit.", ""]
+    if "decode" in r:
+        s = r["decode"]
+        sm = s.get("summary", {})
+        lines += [f"## Decode ({str(s.get('date', '?'))[:10]}, commit {str(s.get('commit', '?'))[:12]})", "",
+                  f"{s.get('dtype')}; {s.get('kv')}. Anchor: {s.get('anchor')}. Bar: {sm.get('bar')}: "
+                  f"{'met' if sm.get('bar_met') else 'NOT met' if sm.get('bar_met') is False else 'no anchor'}; "
+                  f"min ratio {_f(sm.get('min_ratio'), '.3f')}, median {_f(sm.get('median_ratio'), '.3f')} over "
+                  f"{sm.get('cells_with_anchor')} anchored cells of {sm.get('cells')}.", ""]
+        if sm.get("cells_below_bar"):
+            lines += ["Below the bar: " + "; ".join(sm["cells_below_bar"]) + ".", ""]
+        lines += ["| heads q/kv | D | group | models | page | batch x KV | ours us | ours GB/s | FI us | FI / ours | "
+                  "rel diff vs FI |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for x in s["rows"]:
+            models = ", ".join(x["models"][:3]) + (f" +{len(x['models']) - 3}" if len(x["models"]) > 3 else "")
+            lines.append(f"| {x['num_qo_heads']}/{x['num_kv_heads']} | {x['head_dim']} | {x['group']} | {models} | "
+                         f"{x['page_size']} | {x['batch']}x{x['kv_len']} | {_f(x['ours_us'])} | "
+                         f"{_f(x.get('ours_gbps'), '.0f')} | {_f(x.get('fi_us'))} | {_f(x.get('ratio'), '.3f')} | "
+                         f"{_f(x.get('checks', {}).get('fi', {}).get('rel_diff'), '.1e')} |")
+        fc = {k: v.get("fi_first_call_s") for k, v in s.get("configs", {}).items() if v.get("fi_first_call_s")}
+        if fc:
+            lines += ["", "FlashInfer first plan + run per head config (s, JIT build when cold): "
+                      + ", ".join(f"{k} {v:.1f}" for k, v in fc.items()) + "."]
+        lines.append("")
+    if "prefill" in r:
+        s = r["prefill"]
+        sm = s.get("summary", {})
+        lines += [f"## Prefill ({str(s.get('date', '?'))[:10]}, commit {str(s.get('commit', '?'))[:12]})", "",
+                  f"Causal bf16. TFLOP/s = {s.get('flops')}. KV: {s.get('kv')}. vLLM FA3: {s.get('vllm_fa3')}. "
+                  f"FlashInfer FA2 first plan + run {_f(s.get('fi_fa2_first_call_s'))} s. Bar: {sm.get('bar')}"
+                  + (": missed " + "; ".join(sm["bars_missed"]) if sm.get("bars_missed") else ": met where measured")
+                  + ".", "",
+                  "| config | heads q/kv | D | batch x len | ours us | ours TF/s | over group 4 | FI FA2 TF/s | "
+                  "ours / FA2 | vLLM FA3 TF/s | ours / FA3 | rel diff vs SDPA |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for x in s["rows"]:
+            lines.append(f"| {x['label']} | {x['num_qo_heads']}/{x['num_kv_heads']} | {x['head_dim']} | "
+                         f"{x['batch']}x{x['seq_len']} | {_f(x['ours_us'])} | {_f(x['ours_tflops'], '.0f')} | "
+                         f"{_f(x.get('over_group4'), '.3f')} | {_f(x.get('fi_fa2_tflops'), '.0f')} | "
+                         f"{_f(x.get('ratio_fi_fa2'), '.3f')} | {_f(x.get('vllm_fa3_tflops'), '.0f')} | "
+                         f"{_f(x.get('ratio_vllm_fa3'), '.3f')} | "
+                         f"{_f(x.get('checks', {}).get('sdpa_req0', {}).get('rel_diff'), '.1e')} |")
+        lines.append("")
+    out = Path(json_path).with_suffix(".md")
+    out.write_text("\n".join(lines))
+    log(f"wrote {out}")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m perf.zoo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help=f"decode: the configs of {', '.join(QUICK_MODELS)} at 64x2047 only; 3 rounds, 50 repeats")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
+    ap.add_argument("--name", default="zoo_h100", help="results name: perf/results/<name>.json (default zoo_h100)")
+    ap.add_argument("--no-flashinfer", action="store_true", help="time ours only")
+    ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's FA3 prefill anchor")
+    ap.add_argument("--configs", help="only these head configs, query_heads/kv_heads/head_dim comma-separated "
+                                      "(e.g. 32/8/128,28/4/128); applies to both sections; overrides --quick's list")
+    ap.add_argument("--prefill-configs", help="prefill: these head configs instead of the default list")
+    ap.add_argument("--cells", help="decode batch x KV length, comma-separated (default 7x1000,64x2047,128x4099; "
+                                    "--quick 64x2047)")
+    ap.add_argument("--pages", help="decode page sizes, comma-separated (default 1,16,64,128)")
+    ap.add_argument("--prefill-shapes", help="prefill batch x length, comma-separated (default 4x4096)")
+    ap.add_argument("--rounds", type=int, default=None, help="alternating rounds per cell (default 5; --quick 3)")
+    ap.add_argument("--rep", type=int, default=None, help="timed calls per figure at most (default 100; --quick 50)")
+    ap.add_argument("--fi-head-dims", default=",".join(map(str, FI_HEAD_DIMS)),
+                    help="head sizes to try FlashInfer at (default 64,128,256)")
+    ap.add_argument("--no-prebuild", action="store_true", help="build our kernel modules lazily, one at a time")
+    ap.add_argument("--jobs", type=int, default=None, help="parallel module builds (default min(16, CPUs))")
+    ap.add_argument("--merge", action="store_true",
+                    help="add this run's rows to perf/results/<name>.json instead of replacing it")
+    ap.add_argument("--report", metavar="JSON", help="only write the markdown table of a results JSON")
+    return ap
+
+
+def resolve_args(argv=None):
+    """Parsed and checked arguments, with the --quick defaults filled in (CPU-testable)."""
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    a.section_list = [x for x in a.sections.split(",") if x]
+    bad = [x for x in a.section_list if x not in SECTIONS]
+    if bad:
+        ap.error(f"--sections: unknown {bad}; accepted: {', '.join(SECTIONS)}")
+    try:
+        parse_configs(a.configs)
+        parse_configs(a.prefill_configs)
+        if a.cells:
+            parse_shapes(a.cells)
+        if a.prefill_shapes:
+            parse_shapes(a.prefill_shapes)
+        a.fi_head_dims = tuple(parse_ints(a.fi_head_dims))
+        if a.pages:
+            parse_ints(a.pages)
+    except ValueError as e:
+        ap.error(str(e))
+    if a.rounds is None:
+        a.rounds = 3 if a.quick else 5
+    if a.rep is None:
+        a.rep = 50 if a.quick else 100
+    return a
+
+
+def main(argv=None):
+    a = resolve_args(argv)
+    if a.report:
+        write_report(a.report)
+        return 0
+    t0 = time.perf_counter()
+    with_fi, fi_reason = not a.no_flashinfer, "--no-flashinfer" if a.no_flashinfer else None
+    if with_fi:
+        try:
+            import flashinfer
+            log(f"flashinfer {flashinfer.__version__}")
+        except Exception as e:
+            with_fi, fi_reason = False, f"flashinfer not importable: {type(e).__name__}: {e}"
+            log(f"{fi_reason}: timing ours only")
+    results = {"device": device_info(), "bars": BARS, "quick": a.quick, "rounds": a.rounds, "rep": a.rep,
+               "argv": sys.argv[1:] if argv is None else list(argv),
+               "notes": [f"correctness: relative L2 difference < {MAX_REL_DIFF} against the anchor and a reference "
+                         "(not a substitute for tests)"]}
+    if not a.no_prebuild:
+        dcfg = (decode_configs(parse_configs(a.configs), a.quick, a.fi_head_dims)[0]
+                if "decode" in a.section_list else [])
+        pcfg = (prefill_configs(parse_configs(a.configs), parse_configs(a.prefill_configs))
+                if "prefill" in a.section_list else [])
+        try:
+            results["prebuild"] = prebuild(dcfg, pcfg, a.jobs)
+        except Exception as e:   # the sections build lazily instead
+            log(f"prebuild failed ({type(e).__name__}: {e}); modules build lazily")
+            results["prebuild"] = {"error": f"{type(e).__name__}: {e}"}
+    for name in a.section_list:
+        runner = decode_section if name == "decode" else prefill_section
+        results[name] = runner(a, with_fi, fi_reason)
+    results["wall_s"] = time.perf_counter() - t0
+    old_path = RESULTS / f"{a.name}.json"
+    if a.merge and old_path.is_file():
+        results = merge_results(json.loads(old_path.read_text()), results)
+    else:
+        summarize(results)
+    path = write_result(a.name, results)
+    md = write_report(path)
+    if os.environ.get("OUT"):
+        shutil.copy(md, Path(os.environ["OUT"], md.name))
+    for sec in SECTIONS:
+        if sec in results and sec in a.section_list:
+            log(f"{sec}: {json.dumps(results[sec].get('summary'))}")
+    log(f"total {results['wall_s']:.0f} s")
+    if _failures:
+        log("correctness checks failed:\n  " + "\n  ".join(_failures))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
