@@ -32,10 +32,13 @@ def log(msg):
 
 
 class Case:
-    """One batch: lengths, a paged KV pool with `sets` independent KV caches, q, and block tables."""
+    """One batch: lengths, a paged KV pool with `sets` independent KV caches, q, and block tables. Heads and
+    head_dim default to HQ / HKV / D (perf/zoo.py passes the model zoo's)."""
 
-    def __init__(self, kv_lens, page_size, sets=None, seed=0, kv_dtype=DTYPE, split_kv=False):
+    def __init__(self, kv_lens, page_size, sets=None, seed=0, kv_dtype=DTYPE, split_kv=False, *, hq=None, hkv=None,
+                 d=None, device="cuda"):
         g = torch.Generator(device="cpu").manual_seed(seed)
+        self.hq, self.hkv, self.d = hq or HQ, hkv or HKV, d or D
         self.kv_lens = torch.tensor(kv_lens, dtype=torch.int32)
         self.B = len(kv_lens)
         self.page = page_size
@@ -43,7 +46,7 @@ class Case:
         self.max_blocks = int(blocks.max())
         self.num_pages = int(blocks.sum())
         self.kv_dtype = kv_dtype
-        kv_bytes = int(self.kv_lens.sum()) * HKV * D * 2 * torch.tensor([], dtype=kv_dtype).element_size()
+        kv_bytes = int(self.kv_lens.sum()) * self.hkv * self.d * 2 * torch.tensor([], dtype=kv_dtype).element_size()
         self.kv_bytes = kv_bytes
         self.sets = sets or max(1, min(64, math.ceil(L2_ROTATE_BYTES / max(kv_bytes, 1))))
         # pages of a request are a random permutation of the pool, as in a serving engine's cache
@@ -53,17 +56,18 @@ class Case:
         col = torch.arange(self.max_blocks)
         used = col[None, :] < blocks[:, None]
         table[used] = perm[(starts[:, None] + col[None, :])[used]]
-        self.block_table = table.cuda()
-        self.indptr = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(blocks, 0).to(torch.int32)]).cuda()
-        self.indices = perm[(starts[:, None] + col[None, :])[used]].cuda()  # compact CSR for FlashInfer, same order
-        self.last_page_len = (self.kv_lens - (blocks - 1) * page_size).to(torch.int32).cuda()
+        self.block_table = table.to(device)
+        self.indptr = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(blocks, 0).to(torch.int32)]).to(device)
+        self.indices = perm[(starts[:, None] + col[None, :])[used]].to(device)  # compact CSR for FlashInfer, same order
+        self.last_page_len = (self.kv_lens - (blocks - 1) * page_size).to(torch.int32).to(device)
         # FlashInfer's NHD layout [pages, 2, page, Hkv, D], or split (k, v) caches [pages, page, Hkv, D]
-        shape = (self.num_pages, page_size, HKV, D) if split_kv else (self.num_pages, 2, page_size, HKV, D)
-        make = lambda: torch.randn(shape, dtype=DTYPE, device="cuda").to(kv_dtype)
+        head = (self.hkv, self.d)
+        shape = (self.num_pages, page_size, *head) if split_kv else (self.num_pages, 2, page_size, *head)
+        make = lambda: torch.randn(shape, dtype=DTYPE, device=device).to(kv_dtype)
         self.caches = [(make(), make()) if split_kv else make() for _ in range(self.sets)]
         # the same caches as ours reads them: a (k, v) pair of [pages, page, Hkv, D] views
         self.kv_pairs = [c if split_kv else (c[:, 0], c[:, 1]) for c in self.caches]
-        self.q = torch.randn(self.B, HQ, D, dtype=DTYPE, device="cuda")
+        self.q = torch.randn(self.B, self.hq, self.d, dtype=DTYPE, device=device)
         self.out = torch.empty_like(self.q)
         self.qo_indptr = torch.arange(self.B + 1, dtype=torch.int32)
         self.bytes = kv_bytes + 2 * self.q.numel() * self.q.element_size()
@@ -82,11 +86,11 @@ def ours(case: Case, *, split=True, variant=None, plan_kw=None, num_ctas=None):
     from fi_backend import variants
     variant = variant or variants.DEFAULT
     if num_ctas is None:
-        num_ctas = BatchAttention.recommended_num_ctas("cuda", HQ, HKV, D, q_dtype=DTYPE, kv_dtype=case.kv_dtype,
+        num_ctas = BatchAttention.recommended_num_ctas("cuda", case.hq, case.hkv, case.d, q_dtype=DTYPE, kv_dtype=case.kv_dtype,
                                                        variant=variant, tuning=TUNING)
     ws = Workspace("cuda", max_requests=case.B, max_tokens=case.B, num_ctas=num_ctas, max_tile_q=16,
-                   num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D)
-    attn = BatchAttention(ws, HQ, HKV, D, q_dtype=DTYPE, kv_dtype=case.kv_dtype, page_size=case.page,
+                   num_qo_heads=case.hq, num_kv_heads=case.hkv, head_dim=case.d)
+    attn = BatchAttention(ws, case.hq, case.hkv, case.d, q_dtype=DTYPE, kv_dtype=case.kv_dtype, page_size=case.page,
                           variant=variant, tuning=TUNING)
     bsr = formats.from_block_table(case.block_table, case.kv_lens.cuda(), case.qo_indptr.cuda(), case.page,
                                    num_kv_blocks=case.num_pages)
@@ -109,7 +113,7 @@ def flashinfer_fn(case: Case, tensor_cores: bool):
     import flashinfer
     buf = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
     w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(buf, "NHD", use_tensor_cores=tensor_cores)
-    w.plan(case.indptr, case.indices, case.last_page_len, HQ, HKV, D, case.page,
+    w.plan(case.indptr, case.indices, case.last_page_len, case.hq, case.hkv, case.d, case.page,
            q_data_type=DTYPE, kv_data_type=case.kv_dtype)
     out = torch.empty_like(case.q)
     state = {"i": 0}

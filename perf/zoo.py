@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from perf.common import RESULTS, commit, device_info, write_result
+from perf.decode import Case
 
 DTYPE = torch.bfloat16
 DEVICE = "cuda"                        # the decode cases' device (the CPU tests set "cpu")
@@ -176,11 +177,6 @@ def prefill_configs(only=None, extra=None):
     return out
 
 
-def kv_sets(kv_bytes: int, rotate_bytes: int = 256 << 20, max_sets: int = 64) -> int:
-    """KV sets to rotate so that rotate_bytes separate two reads of one set (perf.decode.Case's rule)."""
-    return max(1, min(max_sets, math.ceil(rotate_bytes / max(kv_bytes, 1))))
-
-
 def decode_kv_bytes(batch: int, kv_len: int, hkv: int, d: int, element_bytes: int = 2) -> int:
     return batch * kv_len * hkv * d * 2 * element_bytes
 
@@ -280,42 +276,14 @@ def summarize(results: dict) -> dict:
 
 # ------------------------------------------------------------------------------------------------ decode (GPU)
 
-class DecodeCase:
-    """perf.decode.Case with the heads and head_dim as arguments (perf/decode.py reads module globals): a batch of
-    one-token queries over `kv_lens`, a paged pool whose pages are a random permutation, `sets` independent KV
-    caches in FlashInfer's NHD layout [pages, 2, page, Hkv, D], our (k, v) views of them, block table, CSR."""
+class DecodeCase(Case):
+    """perf.decode.Case with the zoo config's heads and head_dim, keeping the block table on the host too (the
+    float32 reference reads it)."""
 
     def __init__(self, hq, hkv, d, kv_lens, page_size, sets=None, seed=0, device=None):
-        from perf.decode import L2_ROTATE_BYTES
-        device = device or DEVICE
-        g = torch.Generator(device="cpu").manual_seed(seed)
-        self.hq, self.hkv, self.d = hq, hkv, d
-        self.kv_lens = torch.tensor(kv_lens, dtype=torch.int32)
-        self.B = len(kv_lens)
-        self.page = page_size
-        blocks = (self.kv_lens + page_size - 1) // page_size
-        self.blocks = blocks
-        self.max_blocks = int(blocks.max())
-        self.num_pages = int(blocks.sum())
-        self.kv_bytes = int(self.kv_lens.sum()) * hkv * d * 2 * torch.tensor([], dtype=DTYPE).element_size()
-        self.sets = sets or kv_sets(self.kv_bytes, L2_ROTATE_BYTES)
-        perm = torch.randperm(self.num_pages, generator=g).to(torch.int32)
-        table = torch.zeros(self.B, self.max_blocks, dtype=torch.int32)
-        starts = torch.cumsum(blocks, 0) - blocks
-        col = torch.arange(self.max_blocks)
-        used = col[None, :] < blocks[:, None]
-        table[used] = perm[(starts[:, None] + col[None, :])[used]]
-        self.table_cpu = table
-        self.block_table = table.to(device)
-        self.indptr = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(blocks, 0).to(torch.int32)]).to(device)
-        self.indices = perm[(starts[:, None] + col[None, :])[used]].to(device)
-        self.last_page_len = (self.kv_lens - (blocks - 1) * page_size).to(torch.int32).to(device)
-        shape = (self.num_pages, 2, page_size, hkv, d)
-        self.caches = [torch.randn(shape, dtype=DTYPE, device=device) for _ in range(self.sets)]
-        self.kv_pairs = [(c[:, 0], c[:, 1]) for c in self.caches]
-        self.q = torch.randn(self.B, hq, d, dtype=DTYPE, device=device)
-        self.qo_indptr = torch.arange(self.B + 1, dtype=torch.int32)
-        self.bytes = self.kv_bytes + 2 * self.q.numel() * self.q.element_size()
+        super().__init__(kv_lens, page_size, sets, seed, hq=hq, hkv=hkv, d=d, device=device or DEVICE)
+        self.blocks = (self.kv_lens + page_size - 1) // page_size
+        self.table_cpu = self.block_table.cpu()
 
 
 def rotating(run, sets):
