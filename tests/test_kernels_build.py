@@ -185,12 +185,20 @@ def test_module_name_is_family_tag_hash(toy_csrc):
     ("90a", ("90a",)), ("9.0a", ("90a",)), ("sm_90a", ("90a",)), ("compute_90a", ("90a",)),
     ("SM_90A", ("90a",)), ("8.0", ("80",)), ("100a 9.0a", ("90a", "100a")),
     ("9.0a;10.0a", ("90a", "100a")), ("90a, sm_90a,9.0a", ("90a",)), (" 8.6 ; 80 ,", ("80", "86")),
+    ("8.0+PTX", ("80+ptx",)), ("90a 8.0+ptx", ("80+ptx", "90a")),
 ])
 def test_parse_arch_list(text, expected):
     assert parse_arch_list(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "  ;", "hopper", "9", "sm_9x", "90b"])
+def test_ptx_arch_adds_the_ptx():
+    """8.0+PTX: sm_80 code plus compute_80 PTX, which a newer GPU (the H100 here) JIT-compiles."""
+    assert builder.gencode_flags(parse_arch_list("8.0+PTX 90a")) == (
+        "-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_80,code=compute_80",
+        "-gencode=arch=compute_90a,code=sm_90a")
+
+
+@pytest.mark.parametrize("text", ["", "  ;", "hopper", "9", "sm_9x", "90b", "8.0+sass"])
 def test_parse_arch_list_rejects(text):
     with pytest.raises(ValueError, match="FI_BACKEND_CUDA_ARCH_LIST"):
         parse_arch_list(text)
