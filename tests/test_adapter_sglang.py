@@ -527,7 +527,8 @@ class Engine:
         q_lens = [r[1] for r in reqs]
         seq = [p + n for p, n in zip(prefix, q_lens)]
         return SimpleNamespace(
-            forward_mode=self.modes.EXTEND if mode is None else mode, batch_size=len(reqs), req_pool_indices=torch.tensor([r[0] for r in reqs]),
+            forward_mode=self.modes.EXTEND if mode is None else mode, batch_size=len(reqs),
+            req_pool_indices=torch.tensor([r[0] for r in reqs]),
             seq_lens=torch.tensor(seq), seq_lens_cpu=torch.tensor(seq), seq_lens_sum=sum(seq),
             out_cache_loc=torch.tensor(loc), extend_seq_lens=torch.tensor(q_lens, dtype=torch.int32),
             extend_prefix_lens=torch.tensor(prefix, dtype=torch.int32), extend_seq_lens_cpu=q_lens,
@@ -675,6 +676,7 @@ def test_steps_as_sglang_drives_them(page, kind, ref_wrappers):
     got = adapter.plan_counts()
     assert got["prefill"] - counts["prefill"] == 2 * groups
     assert got["decode"] - counts["decode"] == 7 * groups
+    assert got["graph_steps"] - counts["graph_steps"] == 4
     assert runner.token_to_kv_pool.writes == 9 * len(layers)
 
 

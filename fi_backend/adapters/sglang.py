@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import math
 import os
 import threading
 import weakref
@@ -98,7 +97,7 @@ _SGLANG_CLASSES = ("FiAttnBackend",)
 # A child of SGLang's "sglang" logger namespace (SGLang configures the root logger's handler and level).
 _log = logging.getLogger("sglang.fi_backend")
 _logged_registered = False
-_PLAN_COUNTS = {"decode": 0, "prefill": 0}
+_PLAN_COUNTS = {"decode": 0, "prefill": 0, "graph_steps": 0}
 _wrappers = weakref.WeakSet()   # every BatchAttention this process made, for check_errors()
 _define_lock = threading.Lock()
 
@@ -169,8 +168,8 @@ def _sglang_class(name: str) -> type:
 
 
 def plan_counts() -> dict:
-    """Plans made in this process per kernel, {"decode": n, "prefill": m} (tests and debugging; one per
-    layer group per step)."""
+    """Plans made in this process per kernel, {"decode": n, "prefill": m, ...} (one per layer group per
+    step), and "graph_steps": steps planned for a decode CUDA-graph capture or replay (tests and debugging)."""
     return dict(_PLAN_COUNTS)
 
 
@@ -613,6 +612,7 @@ class _Backend:
         same buffers and workspace sections the captured run() reads. SGLang's replay view carries the padded
         req_pool_indices / seq_lens / seq_lens_cpu of the captured batch size."""
         self.forward_metadata = self._planner.plan(forward_batch)
+        _PLAN_COUNTS["graph_steps"] += 1
 
     def init_forward_metadata_in_graph(self, forward_batch) -> None:
         """Nothing to record in the graph: the plan is made out of it."""

@@ -1,0 +1,518 @@
+"""SGLang 0.5.15 end to end with `attention_backend="fi_backend"`, on the GPU machine.
+
+    source /tmp/sglang-env.sh                       # SGLang 0.5.15 importable (../shared/device/ENGINES.md)
+    python3 -m pytest -q integration_tests/sglang   # not collected by the default run (testpaths = tests)
+
+A device command may run 10 minutes at most and an SGLang engine takes 2-3 minutes to start (the
+flashinfer backend compiles its kernels on first use for about 2 more), so run the engines one command
+each, then the comparisons, which reuse the engines' records:
+
+    python3 integration_tests/sglang/test_sglang_backend.py --engine llama_flashinfer_graphs
+    python3 integration_tests/sglang/test_sglang_backend.py --engine llama_triton_graphs
+    python3 integration_tests/sglang/test_sglang_backend.py --engine llama_fi_backend_graphs
+    python3 integration_tests/sglang/test_sglang_backend.py --engine llama_fi_backend_eager
+    python3 integration_tests/sglang/test_sglang_backend.py --engine gemma2_flashinfer_graphs   # and the other
+    ...                                                                                          # gemma2_* engines
+    FI_SGLANG_TEST_REUSE=1 python3 -m pytest -q integration_tests/sglang
+
+(`--list` prints the engines.) fi-backend need not be installed: SGLang finds out-of-tree backends through
+the entry-point group `sglang.srt.plugins` in every process it starts (the scheduler runs in its own
+process), so this file writes fi-backend's entry point (a dist-info folder with entry_points.txt, no
+code) into a temporary folder that it puts on PYTHONPATH ahead of this checkout, whose fi_backend the
+engines import. (A user installs fi-backend next to SGLang instead: `pip install .`.)
+
+Models: Llama-3.1-8B's shapes (32 query / 8 KV heads, head_dim 128) and Gemma-2-9B's (16 / 8 heads,
+head_dim 256; layers alternate sliding-window and full attention, both soft-capped at 50, the window cut
+to 64 tokens so that the prompts cross it), FI_SGLANG_TEST_LAYERS layers (default 4), SGLang's dummy
+weights redrawn in the scheduler process right after loading (a test-only SGLang plugin written next to
+the entry point: an AFTER hook on DummyModelLoader.load_model, through SGLang's HookRegistry) to unit-
+variance activations as the vLLM tests do: SGLang's dummy weights (uniform +-1e-3) make attention
+contribute almost nothing, so logprobs would agree whatever attention computed. The same plugin adds an
+RPC the test calls (Engine.collective_rpc("fi_it_dump")) to read, in the scheduler process, the attention
+backend's class, fi-backend's plan counts and kernel error flags, and CUDA memory.
+
+Engines (each in its own process, this file run as a script): SGLang's flashinfer backend (the reference),
+its triton backend (rounding noise), and fi_backend with CUDA graphs (decode: full graphs at batch sizes
+1-16; prefill: SGLang's default breakable graph, attention eager at its breaks) and without
+(disable_cuda_graph). All with the radix cache on, chunked prefill of 512 tokens and mixed chunks
+(enable_mixed_chunk: decodes ride along prefill chunks).
+
+Tolerance. The flashinfer vs triton difference on the same workload measures rounding noise; fi_backend
+must stay within 2x that noise plus a floor (0.02 max, 0.002 mean, in nats) of flashinfer, and fi_backend
+with CUDA graphs within the same bound of fi_backend without. Greedy generations are compared until the
+first differing token, which must be a near-tie (each side's token in the other's top 5).
+
+Results (one JSON per engine and per test) go to $OUT if set, else integration_tests/results/, as
+sglang_*.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYERS = int(os.environ.get("FI_SGLANG_TEST_LAYERS", "4"))
+RESULTS = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "integration_tests" / "results"
+ENGINE_TIMEOUT_S = int(os.environ.get("FI_SGLANG_TEST_ENGINE_TIMEOUT", "570"))
+REUSE = os.environ.get("FI_SGLANG_TEST_REUSE") == "1"
+ENTRY_POINT = "fi_backend.adapters.sglang:register"
+# Llama-3.1-8B's config.json (../shared/models/llama-3.1-8b), used when that file is not beside the checkout.
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128009, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False,
+    "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "vocab_size": 128256,
+}
+# Gemma-2-9B's config.json (google/gemma-2-9b), the sliding window cut from 4096 to WINDOW tokens.
+WINDOW = 64
+GEMMA2_9B = {
+    "architectures": ["Gemma2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": 1,
+    "final_logit_softcapping": 30.0, "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
+    "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 3584, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 8192, "model_type": "gemma2",
+    "num_attention_heads": 16, "num_hidden_layers": 42, "num_key_value_heads": 8, "pad_token_id": 0,
+    "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": WINDOW,
+    "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 256000,
+}
+ENGINE_ARGS = dict(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", context_length=4096,
+                   mem_fraction_static=0.5, chunked_prefill_size=512, enable_mixed_chunk=True,
+                   max_running_requests=16, cuda_graph_bs_decode=[1, 2, 4, 8, 16], random_seed=0,
+                   log_level="info", disable_radix_cache=False)
+MAX_FLOOR, MEAN_FLOOR = 0.02, 0.002
+# label -> (backend, CUDA graphs, model kind, workloads)
+ENGINES = {
+    "llama_flashinfer_graphs": ("flashinfer", True, "llama", ("logprobs",)),
+    "llama_triton_graphs": ("triton", True, "llama", ("logprobs",)),
+    "llama_fi_backend_graphs": ("fi_backend", True, "llama", ("logprobs", "long")),
+    "llama_fi_backend_eager": ("fi_backend", False, "llama", ("logprobs",)),
+    "gemma2_flashinfer_graphs": ("flashinfer", True, "gemma2", ("logprobs",)),
+    "gemma2_triton_graphs": ("triton", True, "gemma2", ("logprobs",)),
+    "gemma2_fi_backend_graphs": ("fi_backend", True, "gemma2", ("logprobs",)),
+}
+
+
+# ------------------------------------------------------------------------------------ the plugin folder
+
+PLUGIN = r'''
+"""Test-only SGLang plugin of integration_tests/sglang (loaded in every SGLang process by load_plugins)."""
+import json, math, os, sys, zlib
+
+
+def register():
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    HookRegistry.register("sglang.srt.model_loader.loader.DummyModelLoader.load_model", _redraw, HookType.AFTER)
+    from sglang.srt.managers.scheduler import Scheduler
+    Scheduler.fi_it_dump = _dump   # an RPC for Engine.collective_rpc("fi_it_dump", path=...)
+
+
+def _redraw(model, *args, **kwargs):
+    """Unit-variance activations: norm weights to NORM_FILL (1 for Llama's RMSNorm, 0 for Gemma's 1 + w),
+    matrices N(0, gain^2 / fan_in), deterministic per parameter name, in place."""
+    import torch
+    norm_fill = float(os.environ.get("FI_SGLANG_IT_NORM_FILL", "1.0"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not torch.is_floating_point(p):
+                continue
+            if p.dim() == 1:
+                p.fill_(norm_fill)
+                continue
+            gen = torch.Generator(device=p.device)
+            gen.manual_seed(zlib.crc32(name.encode()))
+            gain = 4.0 if "lm_head" in name else 1.0
+            p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype)
+                    * (gain / math.sqrt(p.shape[-1])))
+    os.environ["FI_SGLANG_IT_REDRAWN"] = str(sum(p.numel() for p in model.parameters()))
+    return model
+
+
+def _dump(self, path):
+    import torch
+    mr = self.tp_worker.model_runner
+    rec = {"attn_backend": type(mr.attn_backend).__name__, "redrawn_parameters": int(os.environ.get(
+        "FI_SGLANG_IT_REDRAWN", "0")), "page_size": mr.page_size, "kv_cache_dtype": str(mr.kv_cache_dtype)}
+    if "fi_backend.adapters.sglang" in sys.modules:
+        from fi_backend.adapters import sglang as adapter
+        rec["plan_counts"] = adapter.plan_counts()
+        try:
+            adapter.check_errors()
+            rec["kernel_errors"] = None
+        except RuntimeError as e:
+            rec["kernel_errors"] = str(e)
+    torch.cuda.synchronize()
+    rec["memory"] = {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
+                     "free": torch.cuda.mem_get_info()[0]}
+    with open(path, "w") as f:
+        json.dump(rec, f)
+'''
+
+
+def _dist_info(folder: Path, name: str, version: str, entry_points: str) -> None:
+    info = folder / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(entry_points)
+
+
+def plugin_folder() -> Path:
+    """A folder to put on PYTHONPATH ahead of this checkout: the test plugin, and fi-backend's entry point
+    as metadata only (the code is this checkout's). Ahead of everything else, its fi-backend metadata is
+    the one importlib.metadata reports (distributions are unique by name, the first on the path wins), so
+    neither an installed fi-backend nor a stale fi_backend.egg-info in the checkout can hide the entry point."""
+    folder = Path(tempfile.mkdtemp(prefix="fi-sglang-plugins-"))
+    (folder / "fi_sglang_it_plugin.py").write_text(PLUGIN)
+    _dist_info(folder, "fi-sglang-it", "0.0.0", "[sglang.srt.plugins]\nfi_sglang_it = fi_sglang_it_plugin:register\n")
+    version = {}
+    exec((ROOT / "fi_backend" / "_version.py").read_text(), version)
+    _dist_info(folder, "fi-backend", version["__version__"], f"[sglang.srt.plugins]\nfi_backend = {ENTRY_POINT}\n")
+    return folder
+
+
+# ------------------------------------------------------------------------------------ the engine process
+
+def _llama_config() -> dict:
+    for candidate in (os.environ.get("FI_SGLANG_TEST_CONFIG"), ROOT.parent / "shared/models/llama-3.1-8b/config.json",
+                      ROOT / "shared/models/llama-3.1-8b/config.json"):
+        if candidate and Path(candidate).is_file():
+            return json.loads(Path(candidate).read_text())
+    return dict(LLAMA_31_8B)
+
+
+def make_model_dir(kind: str) -> str:
+    """A model folder with only config.json (dummy weights, no tokenizer), in /tmp."""
+    config = _llama_config() if kind == "llama" else dict(GEMMA2_9B)
+    config["num_hidden_layers"] = LAYERS
+    path = Path(tempfile.mkdtemp(prefix=f"fi-sglang-{kind}-"))
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return str(path)
+
+
+def _tokens(rng: random.Random, n: int) -> list:
+    return [rng.randrange(1000, 120000) for _ in range(n)]
+
+
+def _top(entries) -> dict:
+    """SGLang's top-logprob entries [(logprob, token id, text)] as {token id: logprob}."""
+    return {str(t): float(lp) for lp, t, *_ in entries}
+
+
+def _generate(engine, prompts: list, params, **kw) -> list:
+    out = engine.generate(input_ids=prompts, sampling_params=params, **kw)
+    return out if isinstance(out, list) else [out]
+
+
+def dump(engine) -> dict:
+    """The scheduler process's view (the test plugin's RPC)."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        path = f.name
+    engine.collective_rpc("fi_it_dump", path=path)
+    rec = json.loads(Path(path).read_text())
+    os.unlink(path)
+    return rec
+
+
+def workload_logprobs(engine) -> dict:
+    """Prompt logprobs of mixed-length prompts (1300 tokens: chunked over 3 steps), first-token top-5
+    logprobs of prompts that hit the radix cache, and greedy generations (mixed prefill + decode steps,
+    then pure decode steps)."""
+    rng = random.Random(1234)
+    prompts = [_tokens(rng, n) for n in (3, 17, 64, 200, 511, 1300)]
+    one = {"max_new_tokens": 1, "temperature": 0.0}
+    outs = _generate(engine, prompts, one, return_logprob=True, logprob_start_len=0)
+    prompt_lp = []
+    for o in outs:   # one entry per prompt token; the first token's logprob is None (nothing predicts it)
+        entries = o["meta_info"]["input_token_logprobs"]
+        prompt_lp.append([float(lp) for lp, *_ in entries[1 if entries and entries[0][0] is None else 0:]])
+    assert [len(lp) for lp in prompt_lp] == [len(p) - 1 for p in prompts], [len(lp) for lp in prompt_lp]
+
+    # Input-logprob requests do not reuse the radix cache (their prefix match stops at logprob_start_len);
+    # these requests fill it (or hit it) first, so that the next ones hit it with cached prefixes.
+    _generate(engine, prompts[3:], one)
+    hits = [prompts[5][:800] + _tokens(rng, 40), prompts[4][:496] + _tokens(rng, 5), prompts[3] + _tokens(rng, 1),
+            prompts[5][:1296] + _tokens(rng, 3)]
+    outs = _generate(engine, hits, one, return_logprob=True, top_logprobs_num=5)
+    first = [_top(o["meta_info"]["output_top_logprobs"][0]) for o in outs]
+    cached = [int(o["meta_info"].get("cached_tokens", 0)) for o in outs]
+
+    gen_prompts = [_tokens(rng, n) for n in (5, 33, 100, 257, 400, 640, 900, 1200)]
+    params = {"max_new_tokens": 48, "temperature": 0.0, "ignore_eos": True}
+    outs = _generate(engine, gen_prompts, params, return_logprob=True, top_logprobs_num=5)
+    gens = [{"tokens": [int(t) for t in o["output_ids"]],
+             "logprobs": [_top(step) for step in o["meta_info"]["output_top_logprobs"]]} for o in outs]
+    return {"prompt_logprobs": prompt_lp, "prefix_hit_first_token": first, "prefix_hit_cached_tokens": cached,
+            "generations": gens}
+
+
+def workload_long(engine, rounds: int = 3) -> dict:
+    """Three rounds of 40 requests (prompts 8..600 tokens, 16..320 greedy tokens each) through 16 request
+    slots, plus 4 prompts sampled twice each (n = 2: the radix cache shares their prompt): the batch fills,
+    mixes prefill chunks with decodes and drains over hundreds of steps. The scheduler's CUDA memory is
+    read after each round (rounds 2 and 3 see the same radix-cache state)."""
+    rng = random.Random(99)
+    lens = [rng.randrange(8, 600) for _ in range(40)]
+    out_lens = [rng.randrange(16, 320) for _ in range(39)] + [320]
+    prompts = [_tokens(rng, n) for n in lens]
+    params = [{"max_new_tokens": m, "temperature": 0.0, "ignore_eos": True} for m in out_lens]
+    sampled = [_tokens(rng, n) for n in (30, 130, 260, 500)]
+    memory, seconds, stats = [], [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        outs = _generate(engine, prompts, params)
+        got = [len(o["output_ids"]) for o in outs]
+        if got != out_lens:
+            raise AssertionError(f"generated lengths {got} != requested {out_lens}")
+        outs = _generate(engine, sampled, {"max_new_tokens": 64, "temperature": 1.0, "n": 2, "ignore_eos": True})
+        if [len(o["output_ids"]) for o in outs] != [64] * 8:
+            raise AssertionError(f"parallel sampling: {len(outs)} outputs of {[len(o['output_ids']) for o in outs]}")
+        seconds.append(time.perf_counter() - t0)
+        s = dump(engine)
+        memory.append(s["memory"])
+        stats.append(s)
+    return {"rounds": rounds, "requests": len(prompts) + 2 * len(sampled), "tokens_per_round": sum(out_lens) + 8 * 64,
+            "max_steps_lower_bound": max(out_lens), "memory": memory, "seconds": seconds, "stats": stats}
+
+
+def run_engine(backend: str, graphs: bool, kind: str, model: str, workloads: list, out: str) -> None:
+    import sglang as sgl
+    import torch
+    record = {"backend": backend, "graphs": graphs, "kind": kind,
+              "model": json.loads(Path(model, "config.json").read_text()), "sglang": sgl.__version__,
+              "torch": torch.__version__, "device": torch.cuda.get_device_name()}
+    from importlib.metadata import entry_points
+    eps = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
+    record["plugins"] = eps
+    assert "fi_sglang_it" in eps and eps.get("fi_backend") == ENTRY_POINT, eps
+    if backend == "fi_backend":
+        import fi_backend
+        record["fi_backend"] = fi_backend.__version__
+        record["fi_backend_path"] = str(Path(fi_backend.__file__).parent)
+    kwargs = dict(ENGINE_ARGS, model_path=model, attention_backend=backend)
+    if not graphs:
+        kwargs["disable_cuda_graph"] = True
+    t0 = time.perf_counter()
+    engine = sgl.Engine(**kwargs)
+    record["engine_start_s"] = time.perf_counter() - t0
+    try:
+        record["stats_start"] = dump(engine)
+        for name in workloads:
+            t0 = time.perf_counter()
+            record[name] = {"logprobs": workload_logprobs, "long": workload_long}[name](engine)
+            record[name + "_s"] = time.perf_counter() - t0
+        record["stats"] = dump(engine)
+    finally:
+        engine.shutdown()
+    Path(out).write_text(json.dumps(record))
+
+
+def run_engine_process(label: str) -> dict:
+    """One engine of ENGINES in its own process (this file as a script); returns its record."""
+    backend, graphs, kind, workloads = ENGINES[label]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"sglang_engine_{label}.json"
+    folder = plugin_folder()
+    env = dict(os.environ, FI_SGLANG_IT_NORM_FILL="0.0" if kind == "gemma2" else "1.0",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(folder), str(ROOT), os.environ.get("PYTHONPATH")])))
+    cmd = [sys.executable, __file__, "--run", label, "--model", make_model_dir(kind), "--out", str(out)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
+    (RESULTS / f"sglang_engine_{label}.log").write_text(proc.stdout + proc.stderr)
+    assert proc.returncode == 0, f"{label} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}"
+    record = json.loads(out.read_text())
+    record["wall_s"] = time.perf_counter() - t0
+    out.write_text(json.dumps(record))
+    return record
+
+
+# ------------------------------------------------------------------------------------ comparisons
+
+def _logprob_diffs(ref: dict, test: dict) -> list:
+    """|difference| of every prompt logprob and of the first-token top-5 logprobs both runs report."""
+    diffs = []
+    for a, b in zip(ref["prompt_logprobs"], test["prompt_logprobs"], strict=True):
+        diffs += [abs(x - y) for x, y in zip(a, b, strict=True)]
+    for a, b in zip(ref["prefix_hit_first_token"], test["prefix_hit_first_token"], strict=True):
+        diffs += [abs(a[t] - b[t]) for t in a.keys() & b.keys()]
+    return diffs
+
+
+def _generation_diffs(ref: dict, test: dict) -> tuple:
+    """Logprob differences of greedy generations up to their first differing token (a near-tie: each
+    token in the other's top 5). Returns (diffs, tokens compared, tokens generated)."""
+    diffs, compared, total = [], 0, 0
+    for i, (a, b) in enumerate(zip(ref["generations"], test["generations"], strict=True)):
+        total += len(a["tokens"])
+        for step, (ta, tb, la, lb) in enumerate(zip(a["tokens"], b["tokens"], a["logprobs"], b["logprobs"])):
+            if ta != tb:
+                assert str(tb) in la and str(ta) in lb, (
+                    f"generation {i} step {step}: tokens {ta} vs {tb} are not a near-tie (top-5 {la} vs {lb})")
+                break
+            diffs.append(abs(la[str(ta)] - lb[str(tb)]))
+            compared += 1
+    return diffs, compared, total
+
+
+def _stats(diffs: list) -> dict:
+    return {"max": max(diffs, default=0.0), "mean": sum(diffs) / max(len(diffs), 1), "n": len(diffs)}
+
+
+def _bound(noise: dict) -> dict:
+    return {"max": 2 * noise["max"] + MAX_FLOOR, "mean": 2 * noise["mean"] + MEAN_FLOOR}
+
+
+def _write(name: str, record: dict) -> None:
+    """A test's record, stamped with when, where and at which commit it ran (FI_COMMIT where the tree travels
+    without .git, as on the GPU machine)."""
+    import datetime
+    import torch
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from perf.common import commit  # FI_COMMIT, else git
+    stamp = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": commit(),
+             "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"sglang_{name}.json").write_text(json.dumps({**stamp, **record}, indent=1))
+
+
+def _check_fi_backend_ran(record: dict, graphs: bool) -> None:
+    stats = record["stats"]
+    assert stats["attn_backend"] == "FiAttnBackend", stats["attn_backend"]
+    assert stats["redrawn_parameters"] > 0, "the weights were not redrawn"
+    assert stats["kernel_errors"] is None, stats["kernel_errors"]
+    counts = stats["plan_counts"]
+    assert counts["prefill"] > 0 and counts["decode"] > 0, counts
+    assert (counts["graph_steps"] > 0) == graphs, counts
+
+
+# ------------------------------------------------------------------------------------ tests
+
+@pytest.fixture(scope="module")
+def engines():
+    pytest.importorskip("sglang")
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    done = {}
+
+    def get(label: str) -> dict:
+        if label not in done:
+            path = RESULTS / f"sglang_engine_{label}.json"
+            if REUSE and path.is_file():
+                done[label] = json.loads(path.read_text())
+            else:
+                done[label] = run_engine_process(label)
+        return done[label]
+
+    return get
+
+
+def _noise(engines, kind: str) -> dict:
+    """flashinfer vs triton on the same workload: what rounding alone moves."""
+    fi, triton = engines(f"{kind}_flashinfer_graphs")["logprobs"], engines(f"{kind}_triton_graphs")["logprobs"]
+    gen, _, _ = _generation_diffs(fi, triton)
+    return {"logprobs": _stats(_logprob_diffs(fi, triton)), "generation": _stats(gen) if gen else None}
+
+
+def _against_flashinfer(engines, kind: str, name: str) -> None:
+    ref = engines(f"{kind}_flashinfer_graphs")
+    run = engines(f"{kind}_fi_backend_graphs")
+    _check_fi_backend_ran(run, graphs=True)
+    assert ref["stats"]["attn_backend"] == "FlashInferAttnBackend", ref["stats"]["attn_backend"]
+    noise = _noise(engines, kind)
+    bound = _bound(noise["logprobs"])
+    got = _stats(_logprob_diffs(ref["logprobs"], run["logprobs"]))
+    gen, compared, total = _generation_diffs(ref["logprobs"], run["logprobs"])
+    values = [x for lp in ref["logprobs"]["prompt_logprobs"] for x in lp]
+    mean = sum(values) / len(values)
+    spread = math.sqrt(sum((x - mean) ** 2 for x in values) / len(values))
+    _write(name, {"noise_triton_vs_flashinfer": noise, "bound": bound, "fi_backend_vs_flashinfer": got,
+                  "generation": {**_stats(gen), "compared": compared, "generated": total},
+                  "flashinfer_prompt_logprob_std": spread, "plan_counts": run["stats"]["plan_counts"],
+                  "cached_tokens": run["logprobs"]["prefix_hit_cached_tokens"]})
+    assert min(run["logprobs"]["prefix_hit_cached_tokens"]) >= 16, "the prefix prompts did not hit the radix cache"
+    assert spread > 0.5, "degenerate model: prompt logprobs too uniform to tell attention apart"
+    assert got["max"] <= bound["max"] and got["mean"] <= bound["mean"], (got, bound)
+    assert max(gen, default=0.0) <= bound["max"], (gen, bound)
+
+
+@pytest.mark.gpu
+def test_llama_logprobs_match_flashinfer(engines):
+    _against_flashinfer(engines, "llama", "llama_logprobs")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(os.environ.get("FI_SGLANG_TEST_VARIANTS", "1") == "0", reason="FI_SGLANG_TEST_VARIANTS=0")
+def test_gemma2_window_softcap_logprobs_match_flashinfer(engines):
+    """Gemma-2-9B's shapes: head_dim 256, sliding-window (64) and full layers, soft-cap 50: two layer groups."""
+    _against_flashinfer(engines, "gemma2", "gemma2_logprobs")
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_match_eager(engines):
+    eager = engines("llama_fi_backend_eager")
+    graphs = engines("llama_fi_backend_graphs")
+    _check_fi_backend_ran(eager, graphs=False)
+    _check_fi_backend_ran(graphs, graphs=True)
+    bound = _bound(_noise(engines, "llama")["logprobs"])
+    got = _stats(_logprob_diffs(eager["logprobs"], graphs["logprobs"]))
+    gen, compared, total = _generation_diffs(eager["logprobs"], graphs["logprobs"])
+    _write("cuda_graphs", {"bound": bound, "graphs_vs_eager": got,
+                           "generation": {**_stats(gen), "compared": compared, "generated": total},
+                           "plan_counts_graphs": graphs["stats"]["plan_counts"],
+                           "plan_counts_eager": eager["stats"]["plan_counts"]})
+    assert got["max"] <= bound["max"] and got["mean"] <= bound["mean"], (got, bound)
+    assert max(gen, default=0.0) <= bound["max"], (gen, bound)
+
+
+@pytest.mark.gpu
+def test_long_generation_no_errors_no_leak(engines):
+    run = engines("llama_fi_backend_graphs")
+    long = run["long"]
+    mem = long["memory"]
+    growth = mem[-1]["allocated"] - mem[1]["allocated"]
+    free_drop = mem[0]["free"] - mem[-1]["free"]
+    _write("long_generation", {**{k: v for k, v in long.items() if k != "stats"},
+                               "allocated_growth_round2_to_3": growth, "free_drop_round1_to_3": free_drop,
+                               "plan_counts": run["stats"]["plan_counts"]})
+    assert long["max_steps_lower_bound"] >= 300
+    assert all(s["kernel_errors"] is None for s in long["stats"]), [s["kernel_errors"] for s in long["stats"]]
+    assert growth <= 8 << 20, f"CUDA memory allocated grew by {growth} bytes between identical rounds"
+    assert free_drop <= 128 << 20, f"free GPU memory dropped by {free_drop} bytes over the rounds"
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="SGLang engines for the tests above")
+    parser.add_argument("--engine", help="run one engine of ENGINES in its own process and write its record")
+    parser.add_argument("--list", action="store_true", help="print the engines")
+    parser.add_argument("--run", help=argparse.SUPPRESS)     # in the engine process
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    a = parser.parse_args()
+    if a.list:
+        for label, (backend, graphs, kind, workloads) in ENGINES.items():
+            print(f"{label:28s} backend {backend}, CUDA graphs {'on' if graphs else 'off'}, {kind}, "
+                  f"workloads {', '.join(workloads)}")
+    elif a.engine:
+        rec = run_engine_process(a.engine)
+        print(json.dumps({k: rec[k] for k in ("backend", "graphs", "kind", "engine_start_s", "wall_s", "stats")},
+                         indent=1))
+    elif a.run:
+        backend, graphs, kind, workloads = ENGINES[a.run]
+        run_engine(backend, graphs, kind, a.model, list(workloads), a.out)
+    else:
+        parser.print_help()
