@@ -15,6 +15,9 @@ each, then the comparisons, which reuse the engines' records:
     ...                                                                                          # gemma2_* engines
     FI_SGLANG_TEST_REUSE=1 python3 -m pytest -q integration_tests/sglang
 
+With FI_SGLANG_TEST_FP8=1 the comparison with an fp8 e4m3 KV cache runs too (engines llama_*_fp8);
+FI_SGLANG_TEST_VARIANTS=0 skips the Gemma-2 one.
+
 (`--list` prints the engines.) fi-backend need not be installed: SGLang finds out-of-tree backends through
 the entry-point group `sglang.srt.plugins` in every process it starts (the scheduler runs in its own
 process), so this file writes fi-backend's entry point (a dist-info folder with entry_points.txt, no
@@ -95,15 +98,20 @@ ENGINE_ARGS = dict(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat1
                    max_running_requests=16, cuda_graph_bs_decode=[1, 2, 4, 8, 16], random_seed=0,
                    log_level="info", disable_radix_cache=False)
 MAX_FLOOR, MEAN_FLOOR = 0.02, 0.002
-# label -> (backend, CUDA graphs, model kind, workloads)
+# label -> (backend, CUDA graphs, model kind, workloads, further engine arguments)
+FP8 = {"kv_cache_dtype": "fp8_e4m3"}
 ENGINES = {
-    "llama_flashinfer_graphs": ("flashinfer", True, "llama", ("logprobs",)),
-    "llama_triton_graphs": ("triton", True, "llama", ("logprobs",)),
-    "llama_fi_backend_graphs": ("fi_backend", True, "llama", ("logprobs", "long")),
-    "llama_fi_backend_eager": ("fi_backend", False, "llama", ("logprobs",)),
-    "gemma2_flashinfer_graphs": ("flashinfer", True, "gemma2", ("logprobs",)),
-    "gemma2_triton_graphs": ("triton", True, "gemma2", ("logprobs",)),
-    "gemma2_fi_backend_graphs": ("fi_backend", True, "gemma2", ("logprobs",)),
+    "llama_flashinfer_graphs": ("flashinfer", True, "llama", ("logprobs",), {}),
+    "llama_triton_graphs": ("triton", True, "llama", ("logprobs",), {}),
+    "llama_fi_backend_graphs": ("fi_backend", True, "llama", ("logprobs", "long"), {}),
+    "llama_fi_backend_eager": ("fi_backend", False, "llama", ("logprobs",), {}),
+    "gemma2_flashinfer_graphs": ("flashinfer", True, "gemma2", ("logprobs",), {}),
+    "gemma2_triton_graphs": ("triton", True, "gemma2", ("logprobs",), {}),
+    "gemma2_fi_backend_graphs": ("fi_backend", True, "gemma2", ("logprobs",), {}),
+    # fp8 e4m3 KV cache (FI_SGLANG_TEST_FP8=1; scales 1: the dummy checkpoint has none)
+    "llama_flashinfer_fp8": ("flashinfer", True, "llama", ("logprobs",), FP8),
+    "llama_triton_fp8": ("triton", True, "llama", ("logprobs",), FP8),
+    "llama_fi_backend_fp8": ("fi_backend", True, "llama", ("logprobs",), FP8),
 }
 
 
@@ -288,10 +296,10 @@ def workload_long(engine, rounds: int = 3) -> dict:
             "max_steps_lower_bound": max(out_lens), "memory": memory, "seconds": seconds, "stats": stats}
 
 
-def run_engine(backend: str, graphs: bool, kind: str, model: str, workloads: list, out: str) -> None:
+def run_engine(backend: str, graphs: bool, kind: str, model: str, workloads: list, extra: dict, out: str) -> None:
     import sglang as sgl
     import torch
-    record = {"backend": backend, "graphs": graphs, "kind": kind,
+    record = {"backend": backend, "graphs": graphs, "kind": kind, "engine_args": extra,
               "model": json.loads(Path(model, "config.json").read_text()), "sglang": sgl.__version__,
               "torch": torch.__version__, "device": torch.cuda.get_device_name()}
     from importlib.metadata import entry_points
@@ -302,7 +310,7 @@ def run_engine(backend: str, graphs: bool, kind: str, model: str, workloads: lis
         import fi_backend
         record["fi_backend"] = fi_backend.__version__
         record["fi_backend_path"] = str(Path(fi_backend.__file__).parent)
-    kwargs = dict(ENGINE_ARGS, model_path=model, attention_backend=backend)
+    kwargs = dict(ENGINE_ARGS, model_path=model, attention_backend=backend, **extra)
     if not graphs:
         kwargs["disable_cuda_graph"] = True
     t0 = time.perf_counter()
@@ -322,7 +330,7 @@ def run_engine(backend: str, graphs: bool, kind: str, model: str, workloads: lis
 
 def run_engine_process(label: str) -> dict:
     """One engine of ENGINES in its own process (this file as a script); returns its record."""
-    backend, graphs, kind, workloads = ENGINES[label]
+    backend, graphs, kind, workloads, _ = ENGINES[label]
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"sglang_engine_{label}.json"
     folder = plugin_folder()
@@ -331,10 +339,12 @@ def run_engine_process(label: str) -> dict:
     cmd = [sys.executable, __file__, "--run", label, "--model", make_model_dir(kind), "--out", str(out)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
-    (RESULTS / f"sglang_engine_{label}.log").write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, f"{label} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}"
+    log = proc.stdout + proc.stderr
+    (RESULTS / f"sglang_engine_{label}.log").write_text(log)
+    assert proc.returncode == 0, f"{label} failed ({proc.returncode}):\n{log[-6000:]}"
     record = json.loads(out.read_text())
     record["wall_s"] = time.perf_counter() - t0
+    record["log_fi_backend_active"] = "fi-backend attention is active" in log   # the scheduler's log line
     out.write_text(json.dumps(record))
     return record
 
@@ -397,6 +407,7 @@ def _check_fi_backend_ran(record: dict, graphs: bool) -> None:
     counts = stats["plan_counts"]
     assert counts["prefill"] > 0 and counts["decode"] > 0, counts
     assert (counts["graph_steps"] > 0) == graphs, counts
+    assert record["log_fi_backend_active"], "SGLang's log does not say that fi-backend is active"
 
 
 # ------------------------------------------------------------------------------------ tests
@@ -421,19 +432,19 @@ def engines():
     return get
 
 
-def _noise(engines, kind: str) -> dict:
+def _noise(engines, kind: str, suffix: str = "graphs") -> dict:
     """flashinfer vs triton on the same workload: what rounding alone moves."""
-    fi, triton = engines(f"{kind}_flashinfer_graphs")["logprobs"], engines(f"{kind}_triton_graphs")["logprobs"]
+    fi, triton = engines(f"{kind}_flashinfer_{suffix}")["logprobs"], engines(f"{kind}_triton_{suffix}")["logprobs"]
     gen, _, _ = _generation_diffs(fi, triton)
     return {"logprobs": _stats(_logprob_diffs(fi, triton)), "generation": _stats(gen) if gen else None}
 
 
-def _against_flashinfer(engines, kind: str, name: str) -> None:
-    ref = engines(f"{kind}_flashinfer_graphs")
-    run = engines(f"{kind}_fi_backend_graphs")
+def _against_flashinfer(engines, kind: str, name: str, suffix: str = "graphs") -> None:
+    ref = engines(f"{kind}_flashinfer_{suffix}")
+    run = engines(f"{kind}_fi_backend_{suffix}")
     _check_fi_backend_ran(run, graphs=True)
     assert ref["stats"]["attn_backend"] == "FlashInferAttnBackend", ref["stats"]["attn_backend"]
-    noise = _noise(engines, kind)
+    noise = _noise(engines, kind, suffix)
     bound = _bound(noise["logprobs"])
     got = _stats(_logprob_diffs(ref["logprobs"], run["logprobs"]))
     gen, compared, total = _generation_diffs(ref["logprobs"], run["logprobs"])
@@ -460,6 +471,14 @@ def test_llama_logprobs_match_flashinfer(engines):
 def test_gemma2_window_softcap_logprobs_match_flashinfer(engines):
     """Gemma-2-9B's shapes: head_dim 256, sliding-window (64) and full layers, soft-cap 50: two layer groups."""
     _against_flashinfer(engines, "gemma2", "gemma2_logprobs")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(os.environ.get("FI_SGLANG_TEST_FP8", "0") != "1", reason="FI_SGLANG_TEST_FP8=1 runs it")
+def test_fp8_kv_logprobs_match_flashinfer(engines):
+    """--kv-cache-dtype fp8_e4m3 on Llama shapes: the bound comes from flashinfer vs triton with fp8 KV too."""
+    _against_flashinfer(engines, "llama", "fp8_logprobs", suffix="fp8")
+    assert "float8_e4m3fn" in engines("llama_fi_backend_fp8")["stats"]["kv_cache_dtype"]
 
 
 @pytest.mark.gpu
@@ -504,15 +523,15 @@ if __name__ == "__main__":
     parser.add_argument("--out", help=argparse.SUPPRESS)
     a = parser.parse_args()
     if a.list:
-        for label, (backend, graphs, kind, workloads) in ENGINES.items():
-            print(f"{label:28s} backend {backend}, CUDA graphs {'on' if graphs else 'off'}, {kind}, "
-                  f"workloads {', '.join(workloads)}")
+        for label, (backend, graphs, kind, workloads, extra) in ENGINES.items():
+            print(f"{label:26s} backend {backend}, CUDA graphs {'on' if graphs else 'off'}, {kind}, "
+                  f"workloads {', '.join(workloads)}" + "".join(f", {k} {v}" for k, v in extra.items()))
     elif a.engine:
         rec = run_engine_process(a.engine)
         print(json.dumps({k: rec[k] for k in ("backend", "graphs", "kind", "engine_start_s", "wall_s", "stats")},
                          indent=1))
     elif a.run:
-        backend, graphs, kind, workloads = ENGINES[a.run]
-        run_engine(backend, graphs, kind, a.model, list(workloads), a.out)
+        backend, graphs, kind, workloads, extra = ENGINES[a.run]
+        run_engine(backend, graphs, kind, a.model, list(workloads), extra, a.out)
     else:
         parser.print_help()
