@@ -16,6 +16,33 @@ and the adapter's counters. Engines: FLASH_ATTN (FlashAttention-3), TRITON_ATTN 
 with CUDA graphs, and a sliding-window variant of the model (FLASH_ATTN and CUSTOM). Prefix caching and
 chunked prefill (512-token steps) are on in all of them.
 
+Other models' shapes (test_model_shapes_match_flash_attn[kind], configs/<kind>.json: the models' HF
+config.json with torch_dtype bfloat16 and max_position_embeddings at most 8192; the test cuts the layers
+to FI_VLLM_TEST_LAYERS):
+    qwen2_7b    Qwen2.5-7B       28 / 4 heads (GQA 7), head_dim 128, q/k/v biases, no sliding window
+    phi3_mini   Phi-3-mini-4k    32 / 32 heads (MHA), head_dim 96, sliding window 2047 -> 127
+    mistral_7b  Mistral-7B-v0.1  32 / 8 heads, head_dim 128, sliding window 4096 -> 256
+    gemma2_9b   Gemma-2-9B       16 / 8 heads, head_dim 256, scale 256^-0.5, layers alternate sliding
+                                 (4096 -> 128) and full attention, attention soft-cap 50 -> 4
+The windows and Gemma-2's attention soft-cap are cut (->) so they bite on this workload's prompts
+(3-1300 tokens, generations to 1248) and on unit-variance logits (a cap of 50 changes O(1) logits by
+less than 1e-3); FI_VLLM_TEST_REAL_VARIANTS=1 keeps the models' own and adds one prompt 300 tokens past the
+window to the prompt-logprob requests (max_model_len 8192 where that needs more than 4096). Each kind
+runs three eager engines (FLASH_ATTN, TRITON_ATTN, CUSTOM); its noise bound is its own TRITON_ATTN vs
+FLASH_ATTN distance. Token ids are drawn below the vocabulary size (Phi-3, Mistral: 32k). A reference
+backend that refuses a kind at start-up (vLLM: "Selected backend ... is not valid for this
+configuration") skips it, naming the backend; CUSTOM refusing one fails (the README lists these shapes
+as supported). The test also checks what vLLM handed fi-backend's layers (heads, head size, scale,
+windows, soft-cap), so a variant vLLM dropped cannot pass unnoticed.
+
+IT_MODELS=kind,kind,... runs only those kinds (llama: the three Llama tests; window: the sliding-window
+one; the four above), e.g. IT_MODELS=qwen2_7b,phi3_mini, so that one GPU command of at most 10 minutes
+runs a part (a kind is three engines, about 2-3 minutes).
+
+Weights: matrices N(0, gain^2 / fan_in), seeded by the parameter's name (so every engine of a kind draws the
+same ones), gain 4 for a separate lm_head; norm weights 1 (0 for Gemma's (1 + w) norms); biases (Qwen2's
+q/k/v) N(0, 0.5^2), seeded by name too.
+
 Tolerance. Two correct attention kernels differ by rounding only (bf16 inputs and P, fp32
 accumulation in another order, split-KV merges); the FLASH_ATTN vs TRITON_ATTN difference on the same
 workload measures that noise. CUSTOM must stay within 2x that noise plus a small floor (0.02 max,
@@ -28,11 +55,13 @@ Results (one JSON per engine and per test) go to $OUT if set, else integration_t
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -59,6 +88,21 @@ LLAMA_31_8B = {
     "vocab_size": 128256,
 }
 WINDOW = 64      # the sliding-window model: layers alternate sliding (64 tokens) and full attention
+CONFIGS = Path(__file__).resolve().parent / "configs"
+# Other models' shapes: kind -> (config file, test sliding window, test attention soft-cap); None keeps the
+# config's. The windows and the cap are cut so that they bite (module docstring).
+SHAPES = {
+    "qwen2_7b": ("qwen2_7b.json", None, None),
+    "phi3_mini": ("phi3_mini.json", 127, None),
+    "mistral_7b": ("mistral_7b.json", 256, None),
+    "gemma2_9b": ("gemma2_9b.json", 128, 4.0),
+}
+REAL_VARIANTS = os.environ.get("FI_VLLM_TEST_REAL_VARIANTS", "0") == "1"
+KINDS = ("llama", "window") + tuple(SHAPES)
+SELECTED = tuple(k.strip() for k in os.environ.get("IT_MODELS", "").split(",") if k.strip()) or KINDS
+if set(SELECTED) - set(KINDS):
+    raise ValueError(f"IT_MODELS names unknown kinds {sorted(set(SELECTED) - set(KINDS))}; known: {', '.join(KINDS)}")
+BIAS_STD = 0.5
 ENGINE_ARGS = dict(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096,
                    gpu_memory_utilization=0.5, enable_prefix_caching=True, enable_chunked_prefill=True,
                    max_num_batched_tokens=512, max_num_seqs=16, seed=0)
@@ -76,26 +120,71 @@ def _llama_config() -> dict:
     return dict(LLAMA_31_8B)
 
 
-def make_model_dir(kind: str) -> str:
-    """A model folder with only config.json (dummy weights, no tokenizer), in /tmp."""
-    config = _llama_config()
+def model_config(kind: str) -> dict:
+    """The config.json of a kind, layers cut to LAYERS (and, for SHAPES, window and soft-cap as the test sets them)."""
+    if kind in SHAPES:
+        name, window, softcap = SHAPES[kind]
+        config = json.loads((CONFIGS / name).read_text())
+        if not REAL_VARIANTS:
+            if window is not None:
+                config["sliding_window"] = window
+                if "sliding_window_size" in config:
+                    config["sliding_window_size"] = window
+            if softcap is not None:
+                config["attn_logit_softcapping"] = softcap
+        if config["model_type"] == "gemma2":   # Gemma-2: even layers sliding, odd ones full (as transformers derives)
+            config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(LAYERS)]
+    else:
+        config = _llama_config()
     config["num_hidden_layers"] = LAYERS
     if kind == "window":
         config["sliding_window"] = WINDOW
         config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(LAYERS)]
+    return config
+
+
+def _window(config: dict):
+    """The model's sliding window as vLLM reads it (Qwen2: only with use_sliding_window), or None."""
+    if not config.get("use_sliding_window", True):
+        return None
+    return config.get("sliding_window")
+
+
+def workload_options(config: dict) -> dict:
+    """What the logprob workload adapts to a model: the token-id range (below its vocabulary) and, when its
+    window is longer than the workload's prompts (FI_VLLM_TEST_REAL_VARIANTS=1), one prompt 300 tokens past
+    it and the max_model_len that takes it."""
+    window = _window(config)
+    long = [window + 300] if window and window + 300 > 1300 else []
+    max_len = ENGINE_ARGS["max_model_len"]
+    if long and long[0] + 1 > max_len:
+        max_len = min(8192, config.get("max_position_embeddings", 8192))
+        assert long[0] + 1 <= max_len, (long, max_len)
+    return {"token_hi": min(120000, config["vocab_size"]), "long_prompts": long, "max_model_len": max_len}
+
+
+def make_model_dir(kind: str) -> str:
+    """A model folder with only config.json (dummy weights, no tokenizer), in /tmp."""
+    config = model_config(kind)
     path = Path(tempfile.mkdtemp(prefix=f"fi-vllm-{kind}-"))
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return str(path)
 
 
-def _redraw_weights(model) -> int:
+def _redraw_weights(model, norm_fill: float = 1.0) -> int:
     """Unit-variance activations (see the module docstring); deterministic per parameter name, in place
-    (CUDA graphs and compiled code keep reading the same storage)."""
+    (CUDA graphs and compiled code keep reading the same storage). norm_fill: 1 for RMSNorm's w, 0 for
+    Gemma's 1 + w."""
     import torch
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 1:   # Llama's 1-D parameters are its RMSNorm weights (no biases)
-                p.fill_(1.0)
+            if p.dim() == 1 and name.endswith(".bias"):   # Qwen2's q/k/v biases (Llama has none)
+                gen = torch.Generator(device=p.device)
+                gen.manual_seed(zlib.crc32(name.encode()))
+                p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype) * BIAS_STD)
+                continue
+            if p.dim() == 1:   # otherwise norm weights
+                p.fill_(norm_fill)
                 continue
             gen = torch.Generator(device=p.device)
             gen.manual_seed(zlib.crc32(name.encode()))
@@ -104,37 +193,56 @@ def _redraw_weights(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _tokens(rng: random.Random, n: int) -> list:
-    return [rng.randrange(1000, 120000) for _ in range(n)]
+def _attention_layers(model) -> dict:
+    """What vLLM built: per attention layer, its impl class and the settings it was handed."""
+    layers = {}
+    for name, m in model.named_modules():
+        impl = getattr(m, "impl", None)
+        if impl is None or not hasattr(impl, "scale"):
+            continue
+        rec = {"impl": f"{type(impl).__module__}.{type(impl).__qualname__}",
+               "layer_sliding_window": getattr(m, "sliding_window", None)}
+        for key in ("num_heads", "num_kv_heads", "head_size", "scale", "sliding_window", "logits_soft_cap"):
+            value = getattr(impl, key, None)
+            rec[key] = value if value is None or isinstance(value, (int, float, str)) else repr(value)
+        if not isinstance(rec["layer_sliding_window"], (int, type(None))):
+            rec["layer_sliding_window"] = repr(rec["layer_sliding_window"])
+        layers[name] = rec
+    return layers
+
+
+def _tokens(rng: random.Random, n: int, hi: int = 120000) -> list:
+    return [rng.randrange(1000, hi) for _ in range(n)]
 
 
 def _top(logprobs: dict) -> dict:
     return {str(t): float(lp.logprob) for t, lp in logprobs.items()}
 
 
-def workload_logprobs(llm) -> dict:
-    """Prompt logprobs of mixed-length prompts (1300 tokens: chunked over 3 steps), first-token top-5
-    logprobs of prompts that hit the prefix cache, and greedy generations (mixed prefill + decode steps,
-    then pure decode steps)."""
+def workload_logprobs(llm, token_hi: int = 120000, long_prompts=()) -> dict:
+    """Prompt logprobs of mixed-length prompts (1300 tokens: chunked over 3 steps; long_prompts added after
+    them), first-token top-5 logprobs of prompts that hit the prefix cache, and greedy generations (mixed
+    prefill + decode steps, then pure decode steps). Token ids in [1000, token_hi)."""
     from vllm import SamplingParams, TokensPrompt
     rng = random.Random(1234)
-    prompts = [_tokens(rng, n) for n in (3, 17, 64, 200, 511, 1300)]
+    prompts = [_tokens(rng, n, token_hi) for n in (3, 17, 64, 200, 511, 1300)]
+    every = prompts + [_tokens(random.Random(4321 + n), n, token_hi) for n in long_prompts]
     sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
-    prompt_lp = [[float(d[t].logprob) for t, d in zip(p[1:], o.prompt_logprobs[1:])] for p, o in zip(prompts, outs)]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in every], sp, use_tqdm=False)
+    prompt_lp = [[float(d[t].logprob) for t, d in zip(p[1:], o.prompt_logprobs[1:])] for p, o in zip(every, outs)]
 
     # Prompt-logprob requests never read the prefix cache; these requests fill it (or hit it) first,
     # so that the next ones hit it with cached prefixes of 192 to 1296 tokens.
     sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[3:]], sp, use_tqdm=False)
-    hits = [prompts[5][:800] + _tokens(rng, 40), prompts[4][:496] + _tokens(rng, 5), prompts[3] + _tokens(rng, 1),
-            prompts[5][:1296] + _tokens(rng, 3)]
+    hits = [prompts[5][:800] + _tokens(rng, 40, token_hi), prompts[4][:496] + _tokens(rng, 5, token_hi),
+            prompts[3] + _tokens(rng, 1, token_hi), prompts[5][:1296] + _tokens(rng, 3, token_hi)]
     sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5, detokenize=False)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in hits], sp, use_tqdm=False)
     first = [_top(o.outputs[0].logprobs[0]) for o in outs]
     cached = [o.num_cached_tokens for o in outs]
 
-    gen_prompts = [_tokens(rng, n) for n in (5, 33, 100, 257, 400, 640, 900, 1200)]
+    gen_prompts = [_tokens(rng, n, token_hi) for n in (5, 33, 100, 257, 400, 640, 900, 1200)]
     sp = SamplingParams(max_tokens=48, temperature=0.0, logprobs=5, ignore_eos=True, detokenize=False)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in gen_prompts], sp, use_tqdm=False)
     gens = [{"tokens": list(o.outputs[0].token_ids), "logprobs": [_top(d) for d in o.outputs[0].logprobs]}
@@ -143,7 +251,7 @@ def workload_logprobs(llm) -> dict:
             "generations": gens}
 
 
-def workload_long(llm, rounds: int = 3) -> dict:
+def workload_long(llm, rounds: int = 3, token_hi: int = 120000) -> dict:
     """Three rounds of 40 requests (prompts 8..600 tokens, 16..320 sampled tokens each) through 16 batch
     slots: the batch fills, mixes prefill chunks with decodes, and drains over hundreds of steps. CUDA
     memory is read after each round (rounds 2 and 3 see the same prefix-cache state)."""
@@ -152,7 +260,7 @@ def workload_long(llm, rounds: int = 3) -> dict:
     rng = random.Random(99)
     lens = [rng.randrange(8, 600) for _ in range(40)]
     out_lens = [rng.randrange(16, 320) for _ in range(39)] + [320]
-    prompts = [TokensPrompt(prompt_token_ids=_tokens(rng, n)) for n in lens]
+    prompts = [TokensPrompt(prompt_token_ids=_tokens(rng, n, token_hi)) for n in lens]
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, detokenize=False) for m in out_lens]
     memory, seconds = [], []
     for _ in range(rounds):
@@ -174,7 +282,9 @@ def run_engine(backend: str, graphs: bool, model: str, workloads: list, out: str
     import torch
     import vllm
     from vllm import LLM
-    record = {"backend": backend, "graphs": graphs, "model": json.loads(Path(model, "config.json").read_text()),
+    config = json.loads(Path(model, "config.json").read_text())
+    options = workload_options(config)
+    record = {"backend": backend, "graphs": graphs, "model": config, "workload_options": options,
               "vllm": vllm.__version__, "torch": torch.__version__, "device": torch.cuda.get_device_name()}
     if backend == "CUSTOM":
         from importlib.metadata import entry_points
@@ -185,7 +295,7 @@ def run_engine(backend: str, graphs: bool, model: str, workloads: list, out: str
         if not installed:   # a source checkout: register by hand (the engine runs in this process)
             from fi_backend.adapters.vllm import register
             register()
-    kwargs = dict(ENGINE_ARGS)
+    kwargs = dict(ENGINE_ARGS, max_model_len=options["max_model_len"])
     if graphs:
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": CAPTURE_SIZES}
     else:
@@ -194,10 +304,15 @@ def run_engine(backend: str, graphs: bool, model: str, workloads: list, out: str
     llm = LLM(model=model, attention_backend=backend, **kwargs)
     record["engine_start_s"] = time.perf_counter() - t0
     record["cudagraph_mode"] = str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)
-    record["parameters"] = llm.apply_model(_redraw_weights)[0]
+    norm_fill = 0.0 if config["model_type"].startswith("gemma") else 1.0
+    record["parameters"] = llm.apply_model(functools.partial(_redraw_weights, norm_fill=norm_fill))[0]
+    record["attention"] = llm.apply_model(_attention_layers)[0]
     for name in workloads:
         t0 = time.perf_counter()
-        record[name] = {"logprobs": workload_logprobs, "long": workload_long}[name](llm)
+        if name == "logprobs":
+            record[name] = workload_logprobs(llm, options["token_hi"], options["long_prompts"])
+        else:
+            record[name] = workload_long(llm, token_hi=options["token_hi"])
         record[name + "_s"] = time.perf_counter() - t0
     if backend == "CUSTOM":
         from fi_backend.adapters import vllm as adapter
@@ -281,17 +396,42 @@ def engines():
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
             (RESULTS / f"vllm_engine_{label}.log").write_text(proc.stdout + proc.stderr)
-            assert proc.returncode == 0, f"{label} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}"
-            done[key] = json.loads(out.read_text())
-            done[key]["wall_s"] = time.perf_counter() - t0
+            refused = _refusal(proc.stdout + proc.stderr) if proc.returncode != 0 else None
+            if refused and backend != "CUSTOM":   # a reference backend that cannot run this model
+                done[key] = {"refused": refused}
+            else:
+                assert proc.returncode == 0, f"{label} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-6000:]}"
+                done[key] = json.loads(out.read_text())
+                done[key]["wall_s"] = time.perf_counter() - t0
+        if "refused" in done[key]:
+            pytest.skip(f"{backend} cannot run {kind}: {done[key]['refused']}")
         return done[key]
 
     return get
 
 
-def _noise(engines) -> dict:
-    """FLASH_ATTN vs TRITON_ATTN on the Llama workload: what rounding alone moves."""
-    fa, triton = engines("FLASH_ATTN")["logprobs"], engines("TRITON_ATTN")["logprobs"]
+_REFUSALS = (r"Selected backend \S+ is not valid for this configuration\.?\s*(?:Reason:\s*)?(.*)",
+             r"(?:ValueError|NotImplementedError): (.*\b(?:not supported|does not support|unsupported)\b.*)")
+
+
+def _refusal(log: str):
+    """The reason an engine gave for refusing the model at start-up, if its log's last lines carry one."""
+    for line in reversed(log.splitlines()[-200:]):
+        for pattern in _REFUSALS:
+            m = re.search(pattern, line)
+            if m:
+                return m.group(1).strip()[:300] or line.strip()[:300]
+    return None
+
+
+def _selected(kind: str) -> None:
+    if kind not in SELECTED:
+        pytest.skip(f"IT_MODELS={','.join(SELECTED)} leaves out {kind}")
+
+
+def _noise(engines, kind: str = "llama") -> dict:
+    """FLASH_ATTN vs TRITON_ATTN on a kind's workload: what rounding alone moves."""
+    fa, triton = engines("FLASH_ATTN", kind=kind)["logprobs"], engines("TRITON_ATTN", kind=kind)["logprobs"]
     noise = _stats(_logprob_diffs(fa, triton))
     gen, _, _ = _generation_diffs(fa, triton)
     return {"logprobs": noise, "generation": _stats(gen) if gen else None}
@@ -299,6 +439,7 @@ def _noise(engines) -> dict:
 
 @pytest.mark.gpu
 def test_prompt_logprobs_match_flash_attn(engines):
+    _selected("llama")
     fa, custom = engines("FLASH_ATTN")["logprobs"], engines("CUSTOM")["logprobs"]
     noise = _noise(engines)
     bound = _bound(noise["logprobs"])
@@ -318,6 +459,7 @@ def test_prompt_logprobs_match_flash_attn(engines):
 
 @pytest.mark.gpu
 def test_cuda_graphs_match_eager(engines):
+    _selected("llama")
     eager = engines("CUSTOM")
     graphs = engines("CUSTOM", graphs=True, workloads=("logprobs", "long"))
     assert "FULL" in graphs["cudagraph_mode"], graphs["cudagraph_mode"]
@@ -334,6 +476,7 @@ def test_cuda_graphs_match_eager(engines):
 
 @pytest.mark.gpu
 def test_long_generation_no_errors_no_leak(engines):
+    _selected("llama")
     run = engines("CUSTOM", graphs=True, workloads=("logprobs", "long"))
     long = run["long"]
     mem = long["memory"]
@@ -351,12 +494,76 @@ def test_long_generation_no_errors_no_leak(engines):
 def test_sliding_window_matches_flash_attn(engines):
     """Layers alternate sliding (64-token window) and full attention: two KV-cache groups, two builders,
     the window variant. Same bound as the Llama test (same shapes and weight scale)."""
+    _selected("window")
     fa, custom = engines("FLASH_ATTN", kind="window")["logprobs"], engines("CUSTOM", kind="window")["logprobs"]
     bound = _bound(_noise(engines)["logprobs"])
     got = _stats(_logprob_diffs(fa, custom))
     gen, compared, total = _generation_diffs(fa, custom)
     _write("sliding_window", {"window": WINDOW, "bound": bound, "custom_vs_fa": got,
                               "generation": {**_stats(gen), "compared": compared, "generated": total}})
+    assert got["max"] <= bound["max"] and got["mean"] <= bound["mean"], (got, bound)
+    assert max(gen, default=0.0) <= bound["max"], (gen, bound)
+
+
+def _check_layers(kind: str, config: dict, layers: dict) -> dict:
+    """What vLLM handed fi-backend's layers must be the model's: heads, head size, scale, windows, soft-cap."""
+    assert layers, "found no attention layers in the CUSTOM engine's model"
+    assert all(r["impl"].startswith("fi_backend.") for r in layers.values()), {r["impl"] for r in layers.values()}
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    scale = config.get("query_pre_attn_scalar", head_dim) ** -0.5
+    max_len = workload_options(config)["max_model_len"]
+    window = _window(config)
+    if window is not None and window >= max_len:
+        window = None
+    if config.get("layer_types"):
+        want_windows = {window if t == "sliding_attention" else None for t in config["layer_types"]}
+    else:
+        want_windows = {window}
+    got_windows = {w if w and w < max_len else None for w in (r["sliding_window"] for r in layers.values())}
+    softcap = config.get("attn_logit_softcapping") or None
+    got = {"layers": len(layers), "num_heads": {r["num_heads"] for r in layers.values()},
+           "num_kv_heads": {r["num_kv_heads"] for r in layers.values()},
+           "head_size": {r["head_size"] for r in layers.values()}, "windows": got_windows,
+           "soft_cap": {r["logits_soft_cap"] or None for r in layers.values()},
+           "scale": {round(r["scale"], 6) for r in layers.values()}}
+    want = {"layers": config["num_hidden_layers"], "num_heads": {config["num_attention_heads"]},
+            "num_kv_heads": {config["num_key_value_heads"]}, "head_size": {head_dim}, "windows": want_windows,
+            "soft_cap": {softcap}, "scale": {round(scale, 6)}}
+    assert got == want, f"{kind}: vLLM built attention layers {got}, the config says {want}"
+    return {k: sorted(v, key=str) if isinstance(v, set) else v for k, v in got.items()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", list(SHAPES))
+def test_model_shapes_match_flash_attn(engines, kind):
+    """Another model's shapes (SHAPES; module docstring): CUSTOM within 2x this model's own TRITON_ATTN vs
+    FLASH_ATTN distance (plus the floor) of FLASH_ATTN, all three eager."""
+    _selected(kind)
+    fa = engines("FLASH_ATTN", kind=kind)
+    noise = _noise(engines, kind)
+    custom = engines("CUSTOM", kind=kind)
+    config = custom["model"]
+    layers = _check_layers(kind, config, custom["attention"])
+    bound = _bound(noise["logprobs"])
+    got = _stats(_logprob_diffs(fa["logprobs"], custom["logprobs"]))
+    gen, compared, total = _generation_diffs(fa["logprobs"], custom["logprobs"])
+    values = [x for lp in fa["logprobs"]["prompt_logprobs"] for x in lp]
+    mean = sum(values) / len(values)
+    spread = math.sqrt(sum((x - mean) ** 2 for x in values) / len(values))
+    cached = custom["logprobs"]["prefix_hit_cached_tokens"]
+    _write(f"model_shapes_{kind}", {
+        "kind": kind, "config_file": SHAPES[kind][0], "real_variants": REAL_VARIANTS, "layers": LAYERS,
+        "sliding_window": _window(config), "attn_logit_softcapping": config.get("attn_logit_softcapping"),
+        "workload_options": custom["workload_options"], "attention_layers": layers,
+        "noise_triton_vs_fa": noise, "bound": bound, "custom_vs_fa": got,
+        "generation": {**_stats(gen), "compared": compared, "generated": total},
+        "fa_prompt_logprob_std": spread, "cached_tokens": cached, "plan_counts": custom["plan_counts"],
+        "engine_start_s": {b: r.get("engine_start_s") for b, r in
+                           (("FLASH_ATTN", fa), ("TRITON_ATTN", engines("TRITON_ATTN", kind=kind)), ("CUSTOM", custom))}})
+    assert custom["plan_counts"]["prefill"] > 0 and custom["plan_counts"]["decode"] > 0, custom["plan_counts"]
+    if _window(config) is None:   # sliding-window layers may keep less of a prefix in the cache
+        assert min(cached) >= 16, f"the prefix-cache prompts did not hit the cache: {cached}"
+    assert spread > 0.5, "degenerate model: prompt logprobs too uniform to tell attention apart"
     assert got["max"] <= bound["max"] and got["mean"] <= bound["mean"], (got, bound)
     assert max(gen, default=0.0) <= bound["max"], (gen, bound)
 
