@@ -64,6 +64,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # integration_tests/compare.py
+from compare import bound as _bound, generation_diffs as _generation_diffs  # noqa: E402
+from compare import logprob_diffs as _logprob_diffs, stats as _stats  # noqa: E402
 LAYERS = int(os.environ.get("FI_SGLANG_TEST_LAYERS", "4"))
 RESULTS = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "integration_tests" / "results"
 ENGINE_TIMEOUT_S = int(os.environ.get("FI_SGLANG_TEST_ENGINE_TIMEOUT", "570"))
@@ -97,7 +100,6 @@ ENGINE_ARGS = dict(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat1
                    mem_fraction_static=0.5, chunked_prefill_size=512, enable_mixed_chunk=True,
                    max_running_requests=16, cuda_graph_bs_decode=[1, 2, 4, 8, 16], random_seed=0,
                    log_level="info", disable_radix_cache=False)
-MAX_FLOOR, MEAN_FLOOR = 0.02, 0.002
 # label -> (backend, CUDA graphs, model kind, workloads, further engine arguments)
 FP8 = {"kv_cache_dtype": "fp8_e4m3"}
 ENGINES = {
@@ -350,40 +352,6 @@ def run_engine_process(label: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------ comparisons
-
-def _logprob_diffs(ref: dict, test: dict) -> list:
-    """|difference| of every prompt logprob and of the first-token top-5 logprobs both runs report."""
-    diffs = []
-    for a, b in zip(ref["prompt_logprobs"], test["prompt_logprobs"], strict=True):
-        diffs += [abs(x - y) for x, y in zip(a, b, strict=True)]
-    for a, b in zip(ref["prefix_hit_first_token"], test["prefix_hit_first_token"], strict=True):
-        diffs += [abs(a[t] - b[t]) for t in a.keys() & b.keys()]
-    return diffs
-
-
-def _generation_diffs(ref: dict, test: dict) -> tuple:
-    """Logprob differences of greedy generations up to their first differing token (a near-tie: each
-    token in the other's top 5). Returns (diffs, tokens compared, tokens generated)."""
-    diffs, compared, total = [], 0, 0
-    for i, (a, b) in enumerate(zip(ref["generations"], test["generations"], strict=True)):
-        total += len(a["tokens"])
-        for step, (ta, tb, la, lb) in enumerate(zip(a["tokens"], b["tokens"], a["logprobs"], b["logprobs"])):
-            if ta != tb:
-                assert str(tb) in la and str(ta) in lb, (
-                    f"generation {i} step {step}: tokens {ta} vs {tb} are not a near-tie (top-5 {la} vs {lb})")
-                break
-            diffs.append(abs(la[str(ta)] - lb[str(tb)]))
-            compared += 1
-    return diffs, compared, total
-
-
-def _stats(diffs: list) -> dict:
-    return {"max": max(diffs, default=0.0), "mean": sum(diffs) / max(len(diffs), 1), "n": len(diffs)}
-
-
-def _bound(noise: dict) -> dict:
-    return {"max": 2 * noise["max"] + MAX_FLOOR, "mean": 2 * noise["mean"] + MEAN_FLOOR}
-
 
 def _write(name: str, record: dict) -> None:
     """A test's record, stamped with when, where and at which commit it ran (FI_COMMIT where the tree travels

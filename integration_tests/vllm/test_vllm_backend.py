@@ -72,6 +72,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # integration_tests/compare.py
+from compare import bound as _bound, generation_diffs as _generation_diffs  # noqa: E402
+from compare import logprob_diffs as _logprob_diffs, stats as _stats  # noqa: E402
 LAYERS = int(os.environ.get("FI_VLLM_TEST_LAYERS", "4"))
 RESULTS = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "integration_tests" / "results"
 ENGINE_TIMEOUT_S = int(os.environ.get("FI_VLLM_TEST_ENGINE_TIMEOUT", "480"))
@@ -107,7 +110,6 @@ ENGINE_ARGS = dict(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat1
                    gpu_memory_utilization=0.5, enable_prefix_caching=True, enable_chunked_prefill=True,
                    max_num_batched_tokens=512, max_num_seqs=16, seed=0)
 CAPTURE_SIZES = [1, 2, 4, 8, 16]   # max_num_seqs 16: every decode batch replays a captured graph
-MAX_FLOOR, MEAN_FLOOR = 0.02, 0.002
 
 
 # ------------------------------------------------------------------------------------ the engine process
@@ -322,40 +324,6 @@ def run_engine(backend: str, graphs: bool, model: str, workloads: list, out: str
 
 
 # ------------------------------------------------------------------------------------ comparisons
-
-def _logprob_diffs(ref: dict, test: dict) -> list:
-    """|difference| of every prompt logprob and of the first-token top-5 logprobs both runs report."""
-    diffs = []
-    for a, b in zip(ref["prompt_logprobs"], test["prompt_logprobs"], strict=True):
-        diffs += [abs(x - y) for x, y in zip(a, b, strict=True)]
-    for a, b in zip(ref["prefix_hit_first_token"], test["prefix_hit_first_token"], strict=True):
-        diffs += [abs(a[t] - b[t]) for t in a.keys() & b.keys()]
-    return diffs
-
-
-def _generation_diffs(ref: dict, test: dict) -> tuple:
-    """Logprob differences of greedy generations up to their first differing token (a near-tie: each
-    token in the other's top 5). Returns (diffs, tokens compared, tokens generated)."""
-    diffs, compared, total = [], 0, 0
-    for i, (a, b) in enumerate(zip(ref["generations"], test["generations"], strict=True)):
-        total += len(a["tokens"])
-        for step, (ta, tb, la, lb) in enumerate(zip(a["tokens"], b["tokens"], a["logprobs"], b["logprobs"])):
-            if ta != tb:
-                assert str(tb) in la and str(ta) in lb, (
-                    f"generation {i} step {step}: tokens {ta} vs {tb} are not a near-tie (top-5 {la} vs {lb})")
-                break
-            diffs.append(abs(la[str(ta)] - lb[str(tb)]))
-            compared += 1
-    return diffs, compared, total
-
-
-def _stats(diffs: list) -> dict:
-    return {"max": max(diffs, default=0.0), "mean": sum(diffs) / max(len(diffs), 1), "n": len(diffs)}
-
-
-def _bound(noise: dict) -> dict:
-    return {"max": 2 * noise["max"] + MAX_FLOOR, "mean": 2 * noise["mean"] + MEAN_FLOOR}
-
 
 def _write(name: str, record: dict) -> None:
     """A test's record, stamped with when, where and at which commit it ran (FI_COMMIT where the tree travels
