@@ -59,6 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 from pathlib import Path
 
 import pytest
@@ -104,7 +105,7 @@ ENGINE_ARGS = dict(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat1
 FP8 = {"kv_cache_dtype": "fp8_e4m3"}
 ENGINES = {
     "llama_flashinfer_graphs": ("flashinfer", True, "llama", ("logprobs",), {}),
-    "llama_triton_graphs": ("triton", True, "llama", ("logprobs",), {}),
+    "llama_triton_graphs": ("triton", True, "llama", ("logprobs", "long"), {}),
     "llama_fi_backend_graphs": ("fi_backend", True, "llama", ("logprobs", "long"), {}),
     "llama_fi_backend_eager": ("fi_backend", False, "llama", ("logprobs",), {}),
     "gemma2_flashinfer_graphs": ("flashinfer", True, "gemma2", ("logprobs",), {}),
@@ -301,8 +302,11 @@ def workload_long(engine, rounds: int = 3) -> dict:
 def run_engine(backend: str, graphs: bool, kind: str, model: str, workloads: list, extra: dict, out: str) -> None:
     import sglang as sgl
     import torch
+    from importlib.metadata import version
+    if getattr(sgl, "__file__", None) is None:   # a namespace package, not SGLang
+        raise RuntimeError("SGLang is not importable here (source /tmp/sglang-env.sh first)")
     record = {"backend": backend, "graphs": graphs, "kind": kind, "engine_args": extra,
-              "model": json.loads(Path(model, "config.json").read_text()), "sglang": sgl.__version__,
+              "model": json.loads(Path(model, "config.json").read_text()), "sglang": version("sglang"),
               "torch": torch.__version__, "device": torch.cuda.get_device_name()}
     from importlib.metadata import entry_points
     eps = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
@@ -407,26 +411,30 @@ def _noise(engines, kind: str, suffix: str = "graphs") -> dict:
     return {"logprobs": _stats(_logprob_diffs(fi, triton)), "generation": _stats(gen) if gen else None}
 
 
-def _against_flashinfer(engines, kind: str, name: str, suffix: str = "graphs") -> None:
+def _against_flashinfer(engines, kind: str, name: str, suffix: str = "graphs", noise: Optional[dict] = None,
+                        near_tie: bool = True) -> dict:
+    """fi_backend vs flashinfer within twice `noise` (default: flashinfer vs triton) plus the floor."""
     ref = engines(f"{kind}_flashinfer_{suffix}")
     run = engines(f"{kind}_fi_backend_{suffix}")
     _check_fi_backend_ran(run, graphs=True)
     assert ref["stats"]["attn_backend"] == "FlashInferAttnBackend", ref["stats"]["attn_backend"]
-    noise = _noise(engines, kind, suffix)
+    noise = noise or _noise(engines, kind, suffix)
     bound = _bound(noise["logprobs"])
     got = _stats(_logprob_diffs(ref["logprobs"], run["logprobs"]))
-    gen, compared, total = _generation_diffs(ref["logprobs"], run["logprobs"])
+    gen, compared, total = _generation_diffs(ref["logprobs"], run["logprobs"], near_tie)
     values = [x for lp in ref["logprobs"]["prompt_logprobs"] for x in lp]
     mean = sum(values) / len(values)
     spread = math.sqrt(sum((x - mean) ** 2 for x in values) / len(values))
-    _write(name, {"noise_triton_vs_flashinfer": noise, "bound": bound, "fi_backend_vs_flashinfer": got,
-                  "generation": {**_stats(gen), "compared": compared, "generated": total},
-                  "flashinfer_prompt_logprob_std": spread, "plan_counts": run["stats"]["plan_counts"],
-                  "cached_tokens": run["logprobs"]["prefix_hit_cached_tokens"]})
+    record = {"noise": noise, "bound": bound, "fi_backend_vs_flashinfer": got,
+              "generation": {**_stats(gen), "compared": compared, "generated": total},
+              "flashinfer_prompt_logprob_std": spread, "plan_counts": run["stats"]["plan_counts"],
+              "cached_tokens": run["logprobs"]["prefix_hit_cached_tokens"]}
+    _write(name, record)
     assert min(run["logprobs"]["prefix_hit_cached_tokens"]) >= 16, "the prefix prompts did not hit the radix cache"
     assert spread > 0.5, "degenerate model: prompt logprobs too uniform to tell attention apart"
     assert got["max"] <= bound["max"] and got["mean"] <= bound["mean"], (got, bound)
     assert max(gen, default=0.0) <= bound["max"], (gen, bound)
+    return record
 
 
 @pytest.mark.gpu
@@ -437,15 +445,33 @@ def test_llama_logprobs_match_flashinfer(engines):
 @pytest.mark.gpu
 @pytest.mark.skipif(os.environ.get("FI_SGLANG_TEST_VARIANTS", "1") == "0", reason="FI_SGLANG_TEST_VARIANTS=0")
 def test_gemma2_window_softcap_logprobs_match_flashinfer(engines):
-    """Gemma-2-9B's shapes: head_dim 256, sliding-window (64) and full layers, soft-cap 50: two layer groups."""
-    _against_flashinfer(engines, "gemma2", "gemma2_logprobs")
+    """Gemma-2-9B's shapes: head_dim 256, sliding-window (64) and full layers, soft-cap 50: two layer groups.
+
+    SGLang's flashinfer and triton backends disagree on these shapes by far more than rounding (4.4 nats at
+    most on the H100, 2026-11-25), which makes the flashinfer bound loose; so fi_backend must also agree with
+    the triton backend within the Llama kind's bound (twice its flashinfer-vs-triton distance plus the floor)."""
+    record = _against_flashinfer(engines, "gemma2", "gemma2_logprobs")
+    triton, run = engines("gemma2_triton_graphs"), engines("gemma2_fi_backend_graphs")
+    bound = _bound(_noise(engines, "llama")["logprobs"])
+    got = _stats(_logprob_diffs(triton["logprobs"], run["logprobs"]))
+    _write("gemma2_logprobs", {**record, "fi_backend_vs_triton": got, "bound_vs_triton": bound})
+    assert got["max"] <= bound["max"] and got["mean"] <= bound["mean"], (got, bound)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(os.environ.get("FI_SGLANG_TEST_FP8", "0") != "1", reason="FI_SGLANG_TEST_FP8=1 runs it")
 def test_fp8_kv_logprobs_match_flashinfer(engines):
-    """--kv-cache-dtype fp8_e4m3 on Llama shapes: the bound comes from flashinfer vs triton with fp8 KV too."""
-    _against_flashinfer(engines, "llama", "fp8_logprobs", suffix="fp8")
+    """--kv-cache-dtype fp8_e4m3 on Llama shapes. SGLang's flashinfer and triton backends attend to an extend
+    step's own tokens unquantized (K/V as computed) and read only the cached prefix as fp8; fi-backend reads
+    every token from the fp8 cache (as vLLM's backends do, and as decode does), so its logprobs carry the
+    quantization of those tokens as well. The noise is therefore the larger of flashinfer vs triton (fp8) and
+    flashinfer's own fp8 vs bf16 distance, and the first differing greedy token need not be a top-5 near-tie."""
+    fp8 = _noise(engines, "llama", "fp8")
+    quant = _stats(_logprob_diffs(engines("llama_flashinfer_graphs")["logprobs"],
+                                  engines("llama_flashinfer_fp8")["logprobs"]))
+    noise = {"logprobs": {k: max(fp8["logprobs"][k], quant[k]) for k in ("max", "mean")},
+             "triton_vs_flashinfer_fp8": fp8, "flashinfer_fp8_vs_bf16": quant}
+    _against_flashinfer(engines, "llama", "fp8_logprobs", suffix="fp8", noise=noise, near_tie=False)
     assert "float8_e4m3fn" in engines("llama_fi_backend_fp8")["stats"]["kv_cache_dtype"]
 
 
@@ -468,18 +494,28 @@ def test_cuda_graphs_match_eager(engines):
 
 @pytest.mark.gpu
 def test_long_generation_no_errors_no_leak(engines):
-    run = engines("llama_fi_backend_graphs")
+    """fi_backend's long run has no kernel error and grows CUDA memory no more than the triton backend does
+    on the same workload (SGLang itself allocates between rounds: the radix cache keeps each round's
+    sampled continuations)."""
+    run, ref = engines("llama_fi_backend_graphs"), engines("llama_triton_graphs")
+
+    def growth(long):
+        mem = long["memory"]
+        return mem[-1]["allocated"] - mem[1]["allocated"], mem[0]["free"] - mem[-1]["free"]
+
     long = run["long"]
-    mem = long["memory"]
-    growth = mem[-1]["allocated"] - mem[1]["allocated"]
-    free_drop = mem[0]["free"] - mem[-1]["free"]
+    (grown, free_drop), (ref_grown, ref_free_drop) = growth(long), growth(ref["long"])
     _write("long_generation", {**{k: v for k, v in long.items() if k != "stats"},
-                               "allocated_growth_round2_to_3": growth, "free_drop_round1_to_3": free_drop,
+                               "allocated_growth_round2_to_3": grown, "free_drop_round1_to_3": free_drop,
+                               "triton_allocated_growth_round2_to_3": ref_grown,
+                               "triton_free_drop_round1_to_3": ref_free_drop,
                                "plan_counts": run["stats"]["plan_counts"]})
     assert long["max_steps_lower_bound"] >= 300
     assert all(s["kernel_errors"] is None for s in long["stats"]), [s["kernel_errors"] for s in long["stats"]]
-    assert growth <= 8 << 20, f"CUDA memory allocated grew by {growth} bytes between identical rounds"
-    assert free_drop <= 128 << 20, f"free GPU memory dropped by {free_drop} bytes over the rounds"
+    assert grown <= max(ref_grown, 0) + (8 << 20), (
+        f"CUDA memory allocated grew by {grown} bytes between identical rounds (triton backend: {ref_grown})")
+    assert free_drop <= max(ref_free_drop, 0) + (128 << 20), (
+        f"free GPU memory dropped by {free_drop} bytes over the rounds (triton backend: {ref_free_drop})")
 
 
 if __name__ == "__main__":
