@@ -18,10 +18,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _load(name, path):
+    """The IT file as a module; the sys.path entry it adds (integration_tests/, for compare.py) is taken back,
+    else its vllm/ and sglang/ folders would pass for the engines (importlib.util.find_spec) in other tests."""
+    saved = list(sys.path)
     spec = importlib.util.spec_from_file_location(name, REPO / path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module   # cloudpickle pickles by value only modules it finds imported
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = saved
     return module
 
 
@@ -43,6 +49,12 @@ class Tiny(torch.nn.Module):
                  "norm": "model.layers.0.input_layernorm.weight"}
         for short, p in super().named_parameters(*args, **kwargs):
             yield names[short], p
+
+
+def test_loading_the_its_leaves_the_engines_unimportable():
+    assert str(REPO / "integration_tests") not in sys.path
+    if importlib.util.find_spec("vllm") is not None:
+        assert "integration_tests" not in str(importlib.util.find_spec("vllm").submodule_search_locations)
 
 
 def test_the_tp_kind_is_llama_70b_over_two_gpus():
