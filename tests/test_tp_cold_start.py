@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from fi_backend import kernels
+from fi_backend import kernels, reference
+from fi_backend import variants as V
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
@@ -48,6 +50,38 @@ def test_summarise_ranks_down_errors_and_leftovers(tmp_path):
     s = T.summarise([_report(0, ("a", True))], 1, tmp_path)
     assert not s["verdict"]["no_leftovers_in_cache"] and s["cache_leftovers"] == [".tmp-decode_x-12-ab"]
     assert not T.summarise([], 1, tmp_path)["ok"]
+
+
+class _RefWrapper:
+    """A rank's wrapper computed by the reference (what _plan_and_run needs of BatchAttention), optionally off."""
+
+    def __init__(self, hq, hkv, d, wrong=False):
+        self.num_qo_heads, self.num_kv_heads, self.head_dim, self.wrong = hq, hkv, d, wrong
+
+    def plan(self, qo, kv, bsr, causal, **params):
+        assert qo.dtype == kv.dtype == torch.int32 and qo.device.type == kv.device.type == "cpu" and causal
+        assert bsr.kv_lens.tolist() == kv.tolist() and bsr.qo_indptr.tolist() == qo.tolist()
+        self.bsr, self.params = bsr, params
+
+    def run(self, q, cache):
+        d = self.head_dim
+        o, _ = reference.attention_bsr(q.double(), cache[..., :d].double(), cache[..., d:].double(), self.bsr,
+                                       causal=True, **self.params)
+        return (o * (1.1 if self.wrong else 1.0)).to(q.dtype)
+
+    def check_errors(self):
+        pass
+
+
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+def test_plan_and_run_measures_against_the_reference(kernel):
+    """The rank's check (run on the GPU by each rank) on the CPU, with the wrapper the reference itself."""
+    cpu = torch.device("cpu")
+    assert T._plan_and_run(_RefWrapper(8, 1, 128), kernel, 16, cpu, {}) < 1e-2   # bf16 rounding only
+    assert T._plan_and_run(_RefWrapper(8, 1, 128, wrong=True), kernel, 16, cpu, {}) > T.TOLERANCE
+    window = T._plan_params(V.combine(V.SOFT_CAP, V.SLIDING_WINDOW))
+    assert window == {"window_left": 37, "logits_soft_cap": 2.5} and T._plan_params(V.DEFAULT) == {}
+    assert T._plan_and_run(_RefWrapper(4, 2, 128), kernel, 1, cpu, window) < 1e-2
 
 
 def test_refusals(tmp_path):

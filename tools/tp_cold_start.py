@@ -98,7 +98,8 @@ def _plan_and_run(wrapper, kernel: str, page: int, device, params: dict) -> floa
     q = torch.randn(int(qo[-1]), hq, d, generator=g).to(device=device, dtype=torch.bfloat16)
     wrapper.plan(qo, kv, bsr, causal=True, **params)
     out = wrapper.run(q, cache)
-    torch.cuda.synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     wrapper.check_errors()
     o_ref, _ = ref.attention_bsr(q.double(), cache[..., :d].double(), cache[..., d:].double(), bsr, causal=True,
                                   **params)
