@@ -281,6 +281,9 @@ def dump(engine) -> dict:
                 if other.is_file():
                     break
                 time.sleep(0.1)
+            else:   # recorded, not raised: the engine's logprobs are still worth keeping
+                rec["ranks"].append({"tp_rank": r, "error": f"rank {r} did not answer the dump RPC in 30 s"})
+                continue
             rec["ranks"].append(json.loads(other.read_text()))
             other.unlink()
     return rec
@@ -592,7 +595,7 @@ def test_tensor_parallel_logprobs_match_flashinfer(engines):
     ranks = run["stats"].get("ranks", [])
     assert len(ranks) == 2, f"{len(ranks)} ranks answered the dump RPC"
     for r in ranks:
-        assert r["attn_backend"] == "FiAttnBackend" and r["kernel_errors"] is None, r
+        assert "error" not in r and r["attn_backend"] == "FiAttnBackend" and r["kernel_errors"] is None, r
         assert r["plan_counts"]["prefill"] > 0 and r["plan_counts"]["decode"] > 0 and r["plan_counts"]["graph_steps"] > 0
         assert r["heads"] == [[32, 4, 128]], r["heads"]
     assert sorted(r["gpu"] for r in ranks) == [0, 1], [r["gpu"] for r in ranks]   # one rank per GPU
