@@ -52,8 +52,10 @@ DEFAULT_COST_KV = 1.0
 # and the unsplit plan's tolerance over the lower bound below which no chunk search runs.
 MAX_SPLIT_ITEMS_PER_CTA = _planner.MAX_SPLIT_ITEMS_PER_CTA
 BALANCED_SLACK = _planner.BALANCED_SLACK
-# Fill walks the partition's bisection on its cap takes at most (plan_into's partition).
+# Fill walks the partition's search for its cap takes at most, and the interval (relative to the lower
+# bound) at which its bisection stops (plan_into's partition).
 PARTITION_WALKS = _planner.PARTITION_WALKS
+PARTITION_PRECISION = _planner.PARTITION_PRECISION
 # Smallest KV chunk a split produces: below ~128 tokens the fixed cost of an item (loading the query
 # tile, filling the pipeline, writing and later merging a partial state) outweighs the extra parallelism.
 DEFAULT_MIN_KV_CHUNK = 128

@@ -194,24 +194,28 @@ def fill_walk(pairs, cap, *, num_ctas, min_kv_chunk, align, cost_q, cost_kv):
 
 
 def partition_model(pairs, lpt_makespan, *, num_ctas, **kw):
-    """The partition the planner must choose (ChoosePartition): bisection on the cap between total cost /
-    num_ctas and LPT's makespan, S.PARTITION_WALKS fill walks at most, an infeasible walk raising the lower
-    end, a feasible one lowering the upper end to its makespan; the best walk if strictly below LPT's, else
-    None. (Roomy sections: every walk fits.)"""
+    """The partition the planner must choose (ChoosePartition): a first walk at LPT's makespan (infeasible:
+    no partition), then bisection between total cost / num_ctas and the best so far, an infeasible walk
+    raising the lower end, a feasible one lowering the upper end to its makespan, S.PARTITION_WALKS walks in
+    all at most, until the interval is within S.PARTITION_PRECISION of the bound; the best walk if strictly
+    below LPT's, else None. (Roomy sections: every walk fits.)"""
     if not kw["cost_kv"] > 0:
         return None
-    lo, hi, best = total_cost(pairs, kw["cost_q"], kw["cost_kv"]) / num_ctas, lpt_makespan, None
-    for _ in range(S.PARTITION_WALKS):
-        if not lo < hi:
+    bound = total_cost(pairs, kw["cost_q"], kw["cost_kv"]) / num_ctas
+    lo, hi, best = bound, lpt_makespan, None
+    for walk in range(S.PARTITION_WALKS):
+        if not hi - lo > S.PARTITION_PRECISION * bound:
             break
-        mid = 0.5 * (lo + hi)
-        walk = fill_walk(pairs, mid, num_ctas=num_ctas, **kw)
-        if walk is None:
-            lo = mid
+        cap = hi if walk == 0 else 0.5 * (lo + hi)
+        got = fill_walk(pairs, cap, num_ctas=num_ctas, **kw)
+        if got is None:
+            if walk == 0:
+                return None
+            lo = cap
             continue
-        if walk[1] < (lpt_makespan if best is None else best[1]):
-            best = walk
-        hi = walk[1]
+        if got[1] < (lpt_makespan if best is None else best[1]):
+            best = got
+        hi = got[1]
     return best
 
 

@@ -539,28 +539,32 @@ Planner::Split Planner::FillWalk(const PlanInputs& in, double cap, bool record, 
   if (record) items_.clear(), item_cta_.clear();
   for (const Pair& p : pairs_) {
     const int64_t rows = p.q_end - p.q_begin, len = p.kv_len;
-    // A cut leaves >= lo tokens behind it, or exactly the pair's last KV tile (a partial tile is one tile's
-    // work anyway; without this, 1001 tokens in 128-token tiles could not be cut past 768).
-    const int64_t last_cut = (len - lo) / align * align, last_tile = (len - 1) / align * align;
     int64_t begin = 0, pieces = 0;
+    double rest = p.cost;  // of the pair's KV [begin, len)
     for (;;) {
       if (cta == m) return s;
-      const double rest = ItemCost(in.cost_q, in.cost_kv, rows, len - begin);
       int64_t end = len;
+      double cost = rest;
       if (load + rest > cap) {
-        // KV tokens that still fit (< len - begin, as the rest does not); a cut at the last aligned
-        // boundary within them, if it leaves both sides >= lo.
+        // KV tokens that still fit (< len - begin, as the rest does not) and a cut at the last aligned
+        // boundary within them. It leaves >= lo tokens behind it, or exactly the pair's last KV tile (a
+        // partial tile is one tile's work anyway; without this, 1001 tokens in 128-token tiles could not be
+        // cut past 768). Divisions only here: at most one cut or close per CTA.
         const double room = (cap - load - in.cost_q * (double)rows) / in.cost_kv;
-        end = room >= 0.0 ? (begin + (int64_t)room) / align * align : 0;
-        end = end >= last_tile ? last_tile : std::min(end, last_cut);
+        end = -1;
+        if (room >= 0.0) {
+          const int64_t last_tile = (len - 1) / align * align;
+          end = (begin + (int64_t)room) / align * align;
+          end = end >= last_tile ? last_tile : std::min(end, (len - lo) / align * align);
+        }
         if (end < begin + lo) {
           if (empty) return s;  // not even the smallest piece fits an empty CTA
           max_load = std::max(max_load, load);
           ++cta, load = 0.0, empty = true;
           continue;
         }
+        cost = ItemCost(in.cost_q, in.cost_kv, rows, end - begin);
       }
-      const double cost = end == len && begin == 0 ? p.cost : ItemCost(in.cost_q, in.cost_kv, rows, end - begin);
       if (record) {
         items_.push_back(Item{FiWorkItem{p.request, p.q_begin, p.q_end, (int32_t)begin, (int32_t)end, -1, 1, 0}, cost});
         item_cta_.push_back(cta);
@@ -570,6 +574,7 @@ Planner::Split Planner::FillWalk(const PlanInputs& in, double cap, bool record, 
       s.chunk = std::max(s.chunk, end - begin);
       max_load = std::max(max_load, load);
       ++cta, load = 0.0, empty = true, begin = end;
+      rest = ItemCost(in.cost_q, in.cost_kv, rows, len - begin);
     }
     if (pieces > 1) {
       s.chunk = std::max(s.chunk, len - begin);
@@ -584,24 +589,29 @@ Planner::Split Planner::FillWalk(const PlanInputs& in, double cap, bool record, 
   return s;
 }
 
-// The partition's cap: bisection between the lower bound total cost / num_ctas and LPT's makespan, at
-// most kPartitionWalks fill walks; a feasible walk lowers the upper end to its makespan, an infeasible
-// one (or one that does not fit the section) raises the lower end to its cap. Feasibility is not quite
-// monotone in the cap (alignment), so this is a search, not a proof of the best cap. Returns true, with
-// the cap and makespan, when some walk's makespan is strictly below LPT's.
+// The partition's cap. The first walk's cap is LPT's makespan: when not even that fits the pairs into the
+// CTAs (or the section), no lower cap is tried (feasibility is all but monotone in the cap), so a batch the
+// partition cannot help costs one walk. Then bisection between the lower bound total cost / num_ctas and
+// the best makespan so far: a feasible walk lowers the upper end to its makespan, an infeasible one (or one
+// that does not fit the section) raises the lower end to its cap, until kPartitionWalks walks or an
+// interval of kPartitionPrecision times the bound. Alignment makes feasibility not quite monotone, so
+// this is a search, not a proof of the best cap. Returns true, with the cap and makespan, when some walk's
+// makespan is strictly below LPT's.
 bool Planner::ChoosePartition(const PlanInputs& in, const PlanSection& section, int64_t replicas,
                               double total_cost, double lpt_makespan, double* cap, double* makespan) {
   if (!(in.cost_kv > 0.0)) return false;  // KV costs nothing: cutting adds fixed cost only
-  double lo = total_cost / (double)in.num_ctas, hi = lpt_makespan, best = lpt_makespan;
-  for (int walk = 0; walk < kPartitionWalks && lo < hi; ++walk) {
-    const double mid = 0.5 * (lo + hi);
+  const double bound = total_cost / (double)in.num_ctas;
+  double lo = bound, hi = lpt_makespan, best = lpt_makespan;
+  for (int walk = 0; walk < kPartitionWalks && hi - lo > kPartitionPrecision * bound; ++walk) {
+    const double try_cap = walk == 0 ? hi : 0.5 * (lo + hi);
     double got;
-    const Split s = FillWalk(in, mid, false, &got);
+    const Split s = FillWalk(in, try_cap, false, &got);
     if (got == HUGE_VAL || s.num_items * replicas > section.max_items || s.partial_rows > section.max_partial_rows) {
-      lo = mid;
+      if (walk == 0) return false;
+      lo = try_cap;
       continue;
     }
-    if (got < best) best = got, *cap = mid;
+    if (got < best) best = got, *cap = try_cap;
     hi = got;
   }
   if (!(best < lpt_makespan)) return false;

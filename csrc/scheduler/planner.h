@@ -40,8 +40,10 @@ constexpr int64_t kMaxSplitItemsPerCta = 2;
 // within this fraction above units * total cost / num_ctas, a lower bound of every candidate's makespan
 // (splitting only adds items' fixed costs): it trades at most 2% of balance for host time.
 constexpr double kBalancedSlack = 0.02;
-// Fill walks the partition's bisection on the cap may take (each O(pairs + num_ctas)).
+// Fill walks the partition's search for its cap may take (each O(pairs + num_ctas)), and the interval,
+// relative to the lower bound, at which its bisection stops (planner.cc, ChoosePartition).
 constexpr int kPartitionWalks = 10;
+constexpr double kPartitionPrecision = 0.005;
 
 struct PlanInputs {
   const int32_t* qo_indptr = nullptr;  // [num_requests + 1], qo_indptr[0] == 0, non-decreasing

@@ -197,11 +197,17 @@ PyMODINIT_FUNC PyInit__planner(void) {
     Py_DECREF(m);
     return nullptr;
   }
-  PyObject* slack = PyFloat_FromDouble(fi::kBalancedSlack);
-  if (slack == nullptr || PyModule_AddObject(m, "BALANCED_SLACK", slack) != 0) {
-    Py_XDECREF(slack);
-    Py_DECREF(m);
-    return nullptr;
+  const struct {
+    const char* name;
+    double value;
+  } reals[] = {{"BALANCED_SLACK", fi::kBalancedSlack}, {"PARTITION_PRECISION", fi::kPartitionPrecision}};
+  for (const auto& c : reals) {
+    PyObject* value = PyFloat_FromDouble(c.value);
+    if (value == nullptr || PyModule_AddObject(m, c.name, value) != 0) {
+      Py_XDECREF(value);
+      Py_DECREF(m);
+      return nullptr;
+    }
   }
   return m;
 }
