@@ -147,7 +147,7 @@ class PlanInfo(NamedTuple):
     num_items: int
     num_rows: int
     num_partial_rows: int
-    kv_chunk: int        # KV chunk size (tokens) of split pairs; 0 when nothing was split
+    kv_chunk: int        # KV chunk size (tokens) of split pairs (a partition: its longest split piece); 0: no split
     num_split_rows: int
     makespan: float      # largest accumulated cost of a CTA
     num_split_pairs: int  # (request, query tile) pairs whose KV was split

@@ -98,7 +98,7 @@ struct PlanSummary {
   int64_t num_items = 0;
   int64_t num_rows = 0;
   int64_t num_partial_rows = 0;
-  int64_t kv_chunk = 0;  // 0 when nothing was split
+  int64_t kv_chunk = 0;  // 0 when nothing was split; the partition: its longest split piece
   int64_t num_split_rows = 0;
   double makespan = 0.0;  // the largest accumulated cost of a CTA
   int64_t num_split_pairs = 0;  // (request, query tile) pairs whose KV was split
