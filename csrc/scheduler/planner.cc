@@ -853,13 +853,17 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
     for (int64_t j = 0; j < num_pairs; ++j) {
       const Pair& p = pairs_[j];
       const int32_t rows = p.q_end - p.q_begin;
-      const int64_t n = std::max(chunks_of_[j], 1);
+      const int64_t n = chunks_of_[j];
+      if (n == 0) {  // whole (no ChunkShape: its divisions per pair cost more than the rest of this loop)
+        *item++ = Item{FiWorkItem{p.request, p.q_begin, p.q_end, 0, p.kv_len, -1, 1, 0}, p.cost};
+        continue;
+      }
       const ChunkShape shape(p.kv_len, n, align);
       int64_t kv_begin = 0;
       for (int64_t c = 0; c < n; ++c) {
         const int64_t kv_end = kv_begin + shape.Size(c, n, align);
         *item++ = Item{FiWorkItem{p.request, p.q_begin, p.q_end, (int32_t)kv_begin, (int32_t)kv_end, -1, 1, 0},
-                       n == 1 ? p.cost : ItemCost(in.cost_q, in.cost_kv, rows, kv_end - kv_begin)};
+                       ItemCost(in.cost_q, in.cost_kv, rows, kv_end - kv_begin)};
         kv_begin = kv_end;
       }
     }
