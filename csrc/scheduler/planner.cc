@@ -524,9 +524,8 @@ Planner::Split Planner::ChooseSplit(const PlanInputs& in, const PlanSection& sec
 // pair that does not fit whole is cut at the last boundary within the cap (a multiple of kv_chunk_align,
 // each piece at least min_kv_chunk rounded up to it, the remainder too unless it is the pair's last KV
 // tile) and goes on in the next CTA; when no such cut exists the CTA is closed and the pair tried on the
-// next. Each cut costs its piece's fixed
-// cost (cost_q * rows) once more, counted where it falls. A CTA closes with one cut at most, so the split
-// items are at most 2 (num_ctas - 1): within SplitBudget. Infeasible (+inf) when the pairs need more
+// next. Each cut costs its piece's fixed cost (cost_q * rows) once more, counted where it falls. A CTA
+// closes with one cut at most, so the split items are at most 2 (num_ctas - 1): within SplitBudget. Infeasible (+inf) when the pairs need more
 // CTAs, or an empty CTA takes not even the piece that must come next.
 Planner::Split Planner::FillWalk(const PlanInputs& in, double cap, bool record, double* makespan) {
   Split s;
