@@ -31,6 +31,9 @@ def specs():
             add(V.DEFAULT, D, "bf16", kv, 4)
         add(V.DEFAULT, 128, "fp16", "fp8_e4m3", 4)
         add(V.DEFAULT, 128, "bf16", "fp8_e4m3", 8)
+        if spec_fn is decode_spec:  # odd groups: tests/test_plan_partition_gpu.py
+            for g in (5, 7):
+                add(V.DEFAULT, 128, "bf16", "bf16", g)
         for name, q in itertools.product(_VARIANTS, ("bf16", "fp16")):
             add(V.BUILTIN_VARIANTS[name], 128, q, q, 4)
         for name in ("soft_cap", "window", "alibi", "default"):

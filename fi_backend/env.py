@@ -15,6 +15,10 @@ FI_BACKEND_PLAN_GROUPED     "0": prefill plans place all items longest first (LP
 FI_BACKEND_PLAN_WINDOW      "0": a causal sliding window's prefill tiles are planned at the cost of their whole
                             KV prefix; by default at that of their window (plan_into's kv_window; read when a
                             wrapper is made)
+FI_BACKEND_PLAN_PARTITION   "0": plans are always LPT over the chunk search's split; by default a partition
+                            (pairs filling CTA after CTA up to a cap, cut where it falls) replaces an LPT plan
+                            over 2% above the bound when its makespan is lower (plan_into's partition; read
+                            at each plan, for A/B runs; docs/planner.md)
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ QUIET = "FI_BACKEND_QUIET"
 KV_TMA = "FI_BACKEND_KV_TMA"
 PLAN_GROUPED = "FI_BACKEND_PLAN_GROUPED"
 PLAN_WINDOW = "FI_BACKEND_PLAN_WINDOW"
+PLAN_PARTITION = "FI_BACKEND_PLAN_PARTITION"
 
 _FALSE = ("0", "false", "no", "off")
 

@@ -18,7 +18,9 @@ keeps the candidate with the lowest LPT makespan (ties: fewer items) among "no s
 rule's chunk and a few chunks derived from the longest pair and the fair share of KV per CTA
 (csrc/scheduler/planner.cc, ChooseSplit). When the unsplit plan is already within BALANCED_SLACK of the
 lower bound num_units * total cost / num_ctas it is taken without a search. Split items write partial attention
-states, which the merge combines per row.
+states, which the merge combines per row. Where one LPT pass serves every unit and that plan is still over
+BALANCED_SLACK above the bound, a partition (the pairs filling CTA after CTA up to a cap, cut where it
+falls) replaces it when its makespan is strictly lower (plan_into's partition, PlanInfo.kind).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from fi_backend import _planner
+from fi_backend import _planner, env
 
 # Header ints (csrc/plan.h, enum FiPlanHeader).
 HEADER_INTS = 16
@@ -50,6 +52,10 @@ DEFAULT_COST_KV = 1.0
 # and the unsplit plan's tolerance over the lower bound below which no chunk search runs.
 MAX_SPLIT_ITEMS_PER_CTA = _planner.MAX_SPLIT_ITEMS_PER_CTA
 BALANCED_SLACK = _planner.BALANCED_SLACK
+# Fill walks the partition's search for its cap takes at most, and the interval (relative to the lower
+# bound) at which its bisection stops (plan_into's partition).
+PARTITION_WALKS = _planner.PARTITION_WALKS
+PARTITION_PRECISION = _planner.PARTITION_PRECISION
 # Smallest KV chunk a split produces: below ~128 tokens the fixed cost of an item (loading the query
 # tile, filling the pipeline, writing and later merging a partial state) outweighs the extra parallelism.
 DEFAULT_MIN_KV_CHUNK = 128
@@ -141,10 +147,11 @@ class PlanInfo(NamedTuple):
     num_items: int
     num_rows: int
     num_partial_rows: int
-    kv_chunk: int        # KV chunk size (tokens) of split pairs; 0 when nothing was split
+    kv_chunk: int        # KV chunk size (tokens) of split pairs (a partition: its longest split piece); 0: no split
     num_split_rows: int
     makespan: float      # largest accumulated cost of a CTA
     num_split_pairs: int  # (request, query tile) pairs whose KV was split
+    kind: str            # "lpt" (LPT over the chosen split) or "partition" (the capped fill, plan_into's partition)
 
 
 def _host_int32(x, name: str):
@@ -166,7 +173,7 @@ def plan_into(views: PlanViews, qo_indptr, kv_lens, *, tile_q: int, num_ctas: in
               min_kv_chunk: int = DEFAULT_MIN_KV_CHUNK, kv_chunk_align: int = 1,
               cost_q: float = DEFAULT_COST_Q, cost_kv: float = DEFAULT_COST_KV,
               force_kv_chunk: Optional[int] = None, force_split_pairs: Optional[int] = None,
-              group_requests: bool = False, kv_window: int = 0) -> PlanInfo:
+              group_requests: bool = False, kv_window: int = 0, partition: Optional[bool] = None) -> PlanInfo:
     """Plan one step into `views` in place.
 
     qo_indptr: int32 [B + 1] (numpy array or CPU tensor), query rows of each request, qo_indptr[0] = 0.
@@ -184,14 +191,22 @@ def plan_into(views: PlanViews, qo_indptr, kv_lens, *, tile_q: int, num_ctas: in
     PlanInputs::group_requests), instead of LPT over all items with queues in creation order.
     kv_window: the most KV positions a query row sees (a sliding window: window_left + 1; 0: no bound): a
     tile's cost counts at most kv_window - 1 + its rows of KV, and no pair is split unless forced.
+    partition: may the partition replace the LPT plan (None: unless FI_BACKEND_PLAN_PARTITION=0)? The pairs in
+    creation order fill CTA after CTA up to a cap of cost, cut where the cap falls (aligned, pieces of at least
+    min_kv_chunk), the cap by bisection; considered only where one LPT pass serves every unit (num_units == 1,
+    or num_ctas divisible by num_units), without group_requests, kv_window or a forced candidate, when LPT's
+    makespan is over BALANCED_SLACK above the bound, and kept only when strictly lower (PlanInfo.kind says
+    which plan it is; csrc/scheduler/planner.cc, ChoosePartition).
     """
+    if partition is None:
+        partition = env.flag(env.PLAN_PARTITION, True)
     L = views.layout
     out = _planner.plan(views.section, L.num_ctas, L.max_items, L.max_rows, views.max_partial_rows,
                         _host_int32(qo_indptr, "qo_indptr"), _host_int32(kv_lens, "kv_lens"),
                         tile_q, num_ctas, num_units, causal, min_kv_chunk, kv_chunk_align, cost_q, cost_kv,
                         -1 if force_kv_chunk is None else force_kv_chunk,
                         -1 if force_split_pairs is None else force_split_pairs, bool(group_requests),
-                        int(kv_window))
+                        int(kv_window), bool(partition))
     return PlanInfo._make(out)
 
 

@@ -161,6 +161,64 @@ def lpt_reference(costs, num_ctas):
     return per_cta, max(load for load, _ in heap)
 
 
+def fill_walk(pairs, cap, *, num_ctas, min_kv_chunk, align, cost_q, cost_kv):
+    """The partition with CTA loads up to cap (FillWalk in planner.cc): the pairs in creation order fill CTA 0,
+    1, ...; a pair that does not fit is cut at the last aligned boundary within the cap that leaves both sides
+    >= min_kv_chunk rounded up to the alignment (or behind it exactly the pair's last KV tile), else the CTA
+    is closed. Returns ([(pair, kv_begin, kv_end,
+    cta)], makespan), or None when the pairs need more CTAs or an empty CTA takes no piece."""
+    lo = round_up(min_kv_chunk, align)
+    pieces, cta, load, empty, max_load = [], 0, 0.0, True, 0.0
+    for j, (_, q0, q1, length) in enumerate(pairs):
+        rows, begin = q1 - q0, 0
+        last_cut, last_tile = max(0, length - lo) // align * align, max(0, length - 1) // align * align
+        while True:
+            if cta == num_ctas:
+                return None
+            end = length
+            if load + (cost_q * float(rows) + cost_kv * float(length - begin)) > cap:
+                room = (cap - load - cost_q * float(rows)) / cost_kv
+                end = (begin + int(room)) // align * align if room >= 0 else 0
+                end = last_tile if end >= last_tile else min(end, last_cut)
+                if end < begin + lo:
+                    if empty:
+                        return None
+                    max_load, cta, load, empty = max(max_load, load), cta + 1, 0.0, True
+                    continue
+            pieces.append((j, begin, end, cta))
+            load, empty = load + (cost_q * float(rows) + cost_kv * float(end - begin)), False
+            if end == length:
+                break
+            max_load, cta, load, empty, begin = max(max_load, load), cta + 1, 0.0, True, end
+    return pieces, max(max_load, load)
+
+
+def partition_model(pairs, lpt_makespan, *, num_ctas, **kw):
+    """The partition the planner must choose (ChoosePartition): a first walk at LPT's makespan (infeasible:
+    no partition), then bisection between total cost / num_ctas and the best so far, an infeasible walk
+    raising the lower end, a feasible one lowering the upper end to its makespan, S.PARTITION_WALKS walks in
+    all at most, until the interval is within S.PARTITION_PRECISION of the bound; the best walk if strictly
+    below LPT's, else None. (Roomy sections: every walk fits.)"""
+    if not kw["cost_kv"] > 0:
+        return None
+    bound = total_cost(pairs, kw["cost_q"], kw["cost_kv"]) / num_ctas
+    lo, hi, best = bound, lpt_makespan, None
+    for walk in range(S.PARTITION_WALKS):
+        if not hi - lo > S.PARTITION_PRECISION * bound:
+            break
+        cap = hi if walk == 0 else 0.5 * (lo + hi)
+        got = fill_walk(pairs, cap, num_ctas=num_ctas, **kw)
+        if got is None:
+            if walk == 0:
+                return None
+            lo = cap
+            continue
+        if got[1] < (lpt_makespan if best is None else best[1]):
+            best = got
+        hi = got[1]
+    return best
+
+
 def grouped_reference(costs, requests, num_ctas, units):
     """PlanInputs::group_requests: entries (creation order) by cost descending; requests by total cost
     descending (ties: lower index), each one's entries in that order and its replicas (k, u) unit-major; the
@@ -256,9 +314,15 @@ def check_plan(d, info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align
 
     # Chunks: split only into > 1 items when chunk > 0; aligned, non-empty, <= chunk, chunk order. The
     # split pairs are the longest (ties: created first), ceil(len / chunk) chunks each.
+    # The partition instead: any pairs, cut at aligned boundaries into pieces of at least min_kv_chunk rounded
+    # up to the alignment (a pair's last KV tile may be a piece of its own), contiguous in chunk order;
+    # kv_chunk is the longest split piece.
+    assert info.kind in ("lpt", "partition")
+    partition = info.kind == "partition"
     split_pairs = set(np.flatnonzero(n_of_pair > 1).tolist())
     assert len(split_pairs) == info.num_split_pairs
-    assert split_pairs == set(length_order(pairs)[:len(split_pairs)])
+    if not partition:
+        assert split_pairs == set(length_order(pairs)[:len(split_pairs)])
     it_chunk = chunk_index(d, it)
     for k in range(n_unit):
         j = item_pair[k]
@@ -266,10 +330,21 @@ def check_plan(d, info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align
         assert it["partial_stride"][k] == n and 0 <= c < n
         if n == 1:
             assert it["partial_base"][k] == -1 and (b, e) == (0, pairs[j][3])
+        elif partition:
+            assert b % align == 0 and (e == pairs[j][3] or e % align == 0) and e - b <= chunk
+            assert e - b >= round_up(min_kv_chunk, align) or (e == pairs[j][3] and b == (e - 1) // align * align)
         else:
             assert chunk > 0 and pairs[j][3] > chunk and n == -(-pairs[j][3] // chunk)
             assert b % align == 0 and 0 < e - b <= chunk
             assert chunk % align == 0 and chunk >= min_kv_chunk
+    if partition:
+        for j in split_pairs:
+            ks = np.flatnonzero(item_pair == j)
+            ks = ks[np.argsort(it_chunk[ks])]
+            assert it["kv_begin"][ks[0]] == 0 and it["kv_end"][ks[-1]] == pairs[j][3]
+            assert np.array_equal(it["kv_begin"][ks[1:]], it["kv_end"][ks[:-1]]), "pieces contiguous, in chunk order"
+        pieces = np.isin(item_pair, list(split_pairs))
+        assert chunk == (int((it["kv_end"] - it["kv_begin"])[pieces].max()) if split_pairs else 0)
     # The workspace bound (paper, appendix D): split items <= 2 * ceil(num_ctas / num_units), so partial
     # rows <= that * tile_q (a split item's replicas share its partial rows).
     share = share_of(num_ctas, num_units)
@@ -288,13 +363,20 @@ def check_plan(d, info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align
         expect[q0:q1] = n_of_pair[j] if n_of_pair[j] > 1 else 0
     assert np.array_equal(per_row, expect)
     assert np.array_equal(d.split_rows, np.flatnonzero(per_row > 0)) and d.num_split_rows == len(d.split_rows)
-    written = np.zeros(d.num_partial_rows, dtype=np.int64)
-    for k in np.flatnonzero(it["partial_base"] >= 0):
-        rows = np.arange(it["q_begin"][k], it["q_end"][k])
-        prow = it["partial_base"][k] + (rows - it["q_begin"][k]) * it["partial_stride"][k]
-        assert np.array_equal(prow, mi[rows] + it_chunk[k])  # contiguous per row, chunk order
-        written[prow] += 1
-    assert np.all(written == 1), "every partial row written exactly once"
+    # What the kernels' merge expects (decode.cuh, finish): for every unit, a split row's items write partial
+    # rows partial_base + (r - q_begin) * partial_stride, exactly its rows [merge_indptr[r], merge_indptr[r + 1])
+    # once each, in chunk order, so the (row, unit) arrival counter completes at merge_indptr[r + 1] - [r].
+    for u in range(num_units):
+        mine = all_items[all_items["unit"] == u]
+        mine_chunk = chunk_index(d, mine)
+        written = np.zeros(d.num_partial_rows, dtype=np.int64)
+        for k in np.flatnonzero(mine["partial_base"] >= 0):
+            rows = np.arange(mine["q_begin"][k], mine["q_end"][k])
+            prow = mine["partial_base"][k] + (rows - mine["q_begin"][k]) * mine["partial_stride"][k]
+            assert np.array_equal(prow, mi[rows] + mine_chunk[k])  # contiguous per row, chunk order
+            assert np.all(mine["partial_stride"][k] == mi[rows + 1] - mi[rows])
+            written[prow] += 1
+        assert np.all(written == 1), "every partial row written exactly once per unit"
 
     # Assignment: exactly LPT, replayed in Python on the items in creation order (by request, tile and
     # chunk). Unit blocks (the CTAs divide by the units): unit u runs on CTAs [u m', (u + 1) m'), m' =
@@ -309,7 +391,25 @@ def check_plan(d, info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align
             kv_len = min(kv_len, kv_window - 1 + rows)
         return cost_q * float(rows) + cost_kv * float(kv_len)
     got = [list(range(d.cta_indptr[c], d.cta_indptr[c + 1])) for c in range(num_ctas)]
-    if grouped:  # group_requests: the order grouped_reference gives, each CTA's queue in that order
+    if partition:  # the fill replayed (partition_model) on one unit's grid, every unit's block the same
+        blocks = num_units > 1 and num_ctas % num_units == 0
+        assert (num_units == 1 or blocks) and not grouped and not kv_window
+        mb = num_ctas // num_units if blocks else num_ctas
+        lpt = run_plan(np.asarray(qo, np.int32), np.asarray(kv, np.int32), tile_q=tile_q, num_ctas=num_ctas,
+                       causal=causal, min_kv_chunk=min_kv_chunk, align=align, cost_q=cost_q, cost_kv=cost_kv,
+                       num_units=num_units)[1]
+        assert lpt.kind == "lpt"
+        assert lpt.makespan > (1 + S.BALANCED_SLACK) * total_cost(pairs, cost_q, cost_kv) / mb
+        pieces, makespan = partition_model(pairs, lpt.makespan, num_ctas=mb, min_kv_chunk=min_kv_chunk, align=align,
+                                           cost_q=cost_q, cost_kv=cost_kv)
+        assert info.makespan == makespan < lpt.makespan
+        want = [[(pairs[j][1], b, e) for j, b, e, cta in pieces if cta == c] for c in range(mb)]
+        for u in range(num_units):
+            queues = [[(int(it["q_begin"][k]), int(it["kv_begin"][k]), int(it["kv_end"][k])) for k in got[u * mb + c]]
+                      for c in range(mb)]
+            assert queues == want and all(it["unit"][k] == u for c in range(mb) for k in got[u * mb + c])
+        costs = [cost_of(k) for k in range(d.num_items)]
+    elif grouped:  # group_requests: the order grouped_reference gives, each CTA's queue in that order
         blocks = num_units > 1 and num_ctas % num_units == 0
         mine = np.flatnonzero(it["unit"] == 0)
         creation = mine[np.lexsort((chunk_index(d, it[mine]), it["q_begin"][mine]))]
@@ -344,7 +444,7 @@ def check_plan(d, info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align
         assert info.makespan == pytest.approx(makespan, rel=1e-12, abs=0)
 
     # Makespan bounds that hold for list scheduling (see test_makespan_small_instances_vs_optimum).
-    if d.num_items:
+    if d.num_items and not partition:
         total, largest = sum(costs), max(costs)
         m = num_ctas
         assert info.makespan <= total / m + (1 - 1 / m) * largest + 1e-9 * (1 + total)
@@ -365,13 +465,15 @@ def roomy_views(num_ctas, rows, tile_q, layout_ctas=None, num_units=1):
 
 def run_plan(qo, kv, *, tile_q, num_ctas, causal=False, min_kv_chunk=1, align=1, cost_q=1.0, cost_kv=1.0,
              layout_ctas=None, views=None, force_kv_chunk=None, force_split_pairs=None, num_units=1,
-             group_requests=False, kv_window=0):
+             group_requests=False, kv_window=0, partition=False):
+    """plan_into on a roomy section; partition off unless asked (most tests replay the LPT search exactly)."""
     if views is None:
         views = roomy_views(num_ctas, int(qo[-1]), tile_q, layout_ctas, num_units)
     info = S.plan_into(views, qo, kv, tile_q=tile_q, num_ctas=num_ctas, num_units=num_units, causal=causal,
                        min_kv_chunk=min_kv_chunk,
                        kv_chunk_align=align, cost_q=cost_q, cost_kv=cost_kv, force_kv_chunk=force_kv_chunk,
-                       force_split_pairs=force_split_pairs, group_requests=group_requests, kv_window=kv_window)
+                       force_split_pairs=force_split_pairs, group_requests=group_requests, kv_window=kv_window,
+                       partition=partition)
     return views, info
 
 
@@ -425,11 +527,11 @@ plan_params = dict(
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(step=steps(), **plan_params)
-def test_plan_invariants(step, tile_q, num_ctas, num_units, causal, min_kv_chunk, align, cost_q, cost_kv):
+@given(step=steps(), partition=st.booleans(), **plan_params)
+def test_plan_invariants(step, partition, tile_q, num_ctas, num_units, causal, min_kv_chunk, align, cost_q, cost_kv):
     qo, kv = step
     views, info = run_plan(qo, kv, tile_q=tile_q, num_ctas=num_ctas, causal=causal, min_kv_chunk=min_kv_chunk,
-                           align=align, cost_q=cost_q, cost_kv=cost_kv, num_units=num_units)
+                           align=align, cost_q=cost_q, cost_kv=cost_kv, num_units=num_units, partition=partition)
     check_plan(S.decode_plan(views), info, qo, kv, tile_q=tile_q, num_ctas=num_ctas, causal=causal,
                min_kv_chunk=min_kv_chunk, align=align, cost_q=cost_q, cost_kv=cost_kv, num_units=num_units)
 
@@ -486,6 +588,146 @@ def test_group_requests_keeps_ctas_on_few_kv_streams(B, s):
     tiles = s // 256
     assert len(firsts[True]) <= -(-132 // tiles) + 1 < len(firsts[False])
     assert firsts[True, "makespan"] <= 1.02 * firsts[False, "makespan"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The partition (plan_into's partition): where it may replace LPT's plan, and that elsewhere nothing changes.
+
+def check_partition_switch(qo, kv, views_of, **kw):
+    """Plans with the partition allowed and not, on fresh sections from views_of(): the same bytes unless the
+    result is the partition, which only comes where one LPT pass serves every unit (one unit, or unit blocks),
+    without group_requests, kv_window or a forced candidate, when LPT's plan is over BALANCED_SLACK above the
+    bound, and with a makespan strictly below LPT's. Returns the kind."""
+    on, off = views_of(), views_of()
+    a = S.plan_into(on, qo, kv, partition=True, **kw)
+    b = S.plan_into(off, qo, kv, partition=False, **kw)
+    assert b.kind == "lpt"
+    if a.kind == "lpt":
+        assert a == b and on.section.tobytes() == off.section.tobytes()
+        return a.kind
+    units, m = kw.get("num_units", 1), kw["num_ctas"]
+    assert units == 1 or m % units == 0
+    assert not kw.get("group_requests") and not kw.get("kv_window") and kw.get("force_kv_chunk") is None
+    pairs = pairs_of(qo, kv, kw["tile_q"], kw.get("causal", False))
+    lin_ctas = m // units if units > 1 else m
+    bound = total_cost(pairs, kw.get("cost_q", 1.0), kw.get("cost_kv", 1.0)) / lin_ctas
+    assert b.makespan > (1 + S.BALANCED_SLACK) * bound and a.makespan < b.makespan
+    return a.kind
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(step=steps(), grouped=st.booleans(), window=st.sampled_from([0, 0, 5, 1000]),
+       forced_chunk=st.sampled_from([None, None, 0, 64]), **plan_params)
+def test_partition_only_where_allowed(step, grouped, window, forced_chunk, tile_q, num_ctas, num_units, causal,
+                                      min_kv_chunk, align, cost_q, cost_kv):
+    qo, kv = step
+    rows = int(qo[-1])
+    if forced_chunk:
+        forced_chunk = round_up(max(forced_chunk, min_kv_chunk), align)
+    kw = dict(tile_q=tile_q, num_ctas=num_ctas, num_units=num_units, causal=causal, min_kv_chunk=min_kv_chunk,
+              kv_chunk_align=align, cost_q=cost_q, cost_kv=cost_kv, group_requests=grouped, kv_window=window,
+              force_kv_chunk=forced_chunk)
+    check_partition_switch(qo, kv, lambda: roomy_views(num_ctas, rows, tile_q, None, num_units), **kw)
+
+
+# The decode wrapper's grids on the H100 (132 SMs, one CTA each, the largest multiple of the units): (num_ctas,
+# num_units) for 40/10, 32/8, 48/4 (group 12) and 128/8 (group 16) heads at head_dim 128, and the same units
+# over all 132 SMs (replicas, never the partition); one unit on 33 and 132 CTAs.
+GRIDS = [(130, 10), (128, 8), (132, 4), (132, 10), (132, 8), (33, 1), (132, 1)]
+
+
+@pytest.mark.parametrize("num_ctas,num_units", GRIDS)
+def test_partition_grid_of_shapes(num_ctas, num_units):
+    """A grid of decode and prefill-like shapes on the wrapper's grids: byte-identical plans wherever the
+    partition is not taken, and where it is, only as check_partition_switch allows (and check_plan's model)."""
+    rng = np.random.default_rng(num_ctas * 100 + num_units)
+    chosen = 0
+    for B in (1, 2, 3, 7, 13, 33, 64, 100, 256):
+        for kind in ("equal", "random", "skewed"):
+            if kind == "equal":
+                kv = np.full(B, int(rng.choice([17, 1001, 2047, 4096, 20000])), dtype=np.int32)
+            elif kind == "random":
+                kv = rng.integers(1, 8192, B).astype(np.int32)
+            else:
+                kv = rng.integers(1, 1024, B).astype(np.int32)
+                kv[int(rng.integers(B))] = 32768
+            for tile_q, q in ((2, 1), (64, 0)):  # decode rows, or causal prefill of the whole KV
+                qo = np.concatenate([[0], np.cumsum(np.ones(B, np.int64) if q else kv)]).astype(np.int32)
+                kw = dict(tile_q=tile_q, num_ctas=num_ctas, num_units=num_units, causal=not q, min_kv_chunk=128,
+                          kv_chunk_align=128, cost_q=128.0 if q else 4.0, cost_kv=1.0)
+                rows = int(qo[-1])
+                got = check_partition_switch(qo, kv, lambda: roomy_views(num_ctas, rows, tile_q, None, num_units),
+                                             **kw)
+                if got == "partition":
+                    chosen += 1
+                    views, info = run_plan(qo, kv, tile_q=tile_q, num_ctas=num_ctas, num_units=num_units,
+                                           causal=not q, min_kv_chunk=128, align=128, cost_q=kw["cost_q"],
+                                           partition=True)
+                    check_plan(S.decode_plan(views), info, qo, kv, tile_q=tile_q, num_ctas=num_ctas,
+                               num_units=num_units, causal=not q, min_kv_chunk=128, align=128,
+                               cost_q=kw["cost_q"], cost_kv=1.0)
+    blocks = num_units == 1 or num_ctas % num_units == 0
+    assert (chosen > 0) == blocks, "the partition wins some shapes on every grid that allows it"
+
+
+# Model makespans (cost units) of LPT's plan and the partition for the shapes of issue 26 on the H100's
+# decode grids (head_dim 128, bf16: KV tile 128 = cost_q, query tiles of 2 rows for group 4, 1 for groups
+# 12 and 16): (heads, num_ctas, num_units, KV lengths, LPT's makespan, the plan's makespan, its kind).
+ISSUE26 = [
+    ("40/10", 130, 10, [1001] * 7, 978.0, 768.0, "partition"),
+    ("40/10 on 132", 132, 10, [1001] * 7, 978.0, 978.0, "lpt"),  # replicas: no single LPT pass
+    ("32/8", 128, 8, [4096] * 13, 4224.0, 3584.0, "partition"),
+    ("48/4", 132, 4, [2047] * 64, 4350.0, 4350.0, "lpt"),  # 3.1% above the bound; a cut costs a KV tile
+    ("128/8", 128, 8, [2047] * 64, 8700.0, 8700.0, "lpt"),  # already at the bound
+    ("32/8 skewed", 128, 8, [32768] + [512] * 63, 4736.0, 4736.0, "lpt"),
+]
+
+
+@pytest.mark.parametrize("heads,num_ctas,num_units,kv,lpt_makespan,makespan,kind", ISSUE26)
+def test_partition_issue26_shapes(heads, num_ctas, num_units, kv, lpt_makespan, makespan, kind):
+    qo, kv = decode_step(kv)
+    tile_q = 2 if heads.startswith(("40/10", "32/8")) else 1
+    kw = dict(tile_q=tile_q, num_ctas=num_ctas, num_units=num_units, causal=False, min_kv_chunk=128, align=128,
+              cost_q=128.0, cost_kv=1.0)
+    views, info = run_plan(qo, kv, partition=True, **kw)
+    assert (run_plan(qo, kv, **kw)[1].makespan, info.makespan, info.kind) == (lpt_makespan, makespan, kind)
+    check_plan(S.decode_plan(views), info, qo, kv, **kw)
+    if kind == "partition":  # at most two split pieces on a CTA (the workspace's partial rows allow that)
+        d = S.decode_plan(views)
+        split = d.items["partial_base"] >= 0
+        assert max(np.count_nonzero(split[d.cta_indptr[c]:d.cta_indptr[c + 1]]) for c in range(num_ctas)) <= 2
+
+
+def test_partition_env_switch(monkeypatch):
+    """FI_BACKEND_PLAN_PARTITION=0 turns the partition off where plan_into's partition is left to it."""
+    qo, kv = decode_step([1001] * 7)
+    kw = dict(tile_q=2, num_ctas=130, num_units=10, min_kv_chunk=128, kv_chunk_align=128, cost_q=128.0)
+    views = roomy_views(130, 7, 2, None, 10)
+    monkeypatch.delenv("FI_BACKEND_PLAN_PARTITION", raising=False)
+    assert S.plan_into(views, qo, kv, **kw).kind == "partition"
+    monkeypatch.setenv("FI_BACKEND_PLAN_PARTITION", "0")
+    assert S.plan_into(views, qo, kv, **kw).kind == "lpt"
+    assert S.plan_into(views, qo, kv, partition=True, **kw).kind == "partition"  # an explicit switch wins
+    monkeypatch.setenv("FI_BACKEND_PLAN_PARTITION", "1")
+    assert S.plan_into(views, qo, kv, **kw).kind == "partition"
+
+
+def test_partition_keeps_to_the_section():
+    """The partition's walks count only when they fit the section: with one item or partial row less than the
+    roomy choice needs, another cap's partition (or LPT's plan) that fits; with no partial rows at all (LPT's
+    plan splits nothing here), LPT's plan byte for byte."""
+    qo, kv = decode_step([4096] * 13)
+    kw = dict(tile_q=2, num_ctas=128, num_units=8, min_kv_chunk=128, kv_chunk_align=128, cost_q=128.0)
+    part = S.plan_into(roomy_views(128, 13, 2, None, 8), qo, kv, partition=True, **kw)
+    lpt = S.plan_into(roomy_views(128, 13, 2, None, 8), qo, kv, partition=False, **kw)
+    assert part.kind == "partition" and lpt.num_items < part.num_items and lpt.num_partial_rows == 0
+    for caps in ((128, part.num_items - 1, 13, part.num_partial_rows), (128, part.num_items, 13, part.num_partial_rows - 1)):
+        views = sentinel_views(*caps)
+        tight = S.plan_into(views, qo, kv, **kw)
+        assert tight.num_items <= caps[1] and tight.num_partial_rows <= caps[3]
+        assert tight.makespan <= lpt.makespan and (tight.kind == "partition") == (tight.makespan < lpt.makespan)
+        check_partition_switch(qo, kv, lambda: sentinel_views(*caps), **kw)
+    assert check_partition_switch(qo, kv, lambda: sentinel_views(128, part.num_items, 13, 0), **kw) == "lpt"
 
 
 def check_choice(info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align, cost_q, cost_kv, num_units=1):
@@ -835,7 +1077,7 @@ def test_capacities(step, tile_q, num_ctas, num_units, causal, min_kv_chunk, ali
     candidate that does not) is an error, which names the bound and writes nothing."""
     qo, kv = step
     kw = dict(tile_q=tile_q, num_ctas=num_ctas, num_units=num_units, causal=causal, min_kv_chunk=min_kv_chunk,
-              kv_chunk_align=align, cost_q=cost_q, cost_kv=cost_kv)
+              kv_chunk_align=align, cost_q=cost_q, cost_kv=cost_kv, partition=False)
     model_kw = dict(num_ctas=num_ctas, min_kv_chunk=min_kv_chunk, align=align, cost_q=cost_q, cost_kv=cost_kv,
                     num_units=num_units)
     run_kw = dict(tile_q=tile_q, num_ctas=num_ctas, causal=causal, min_kv_chunk=min_kv_chunk, align=align,

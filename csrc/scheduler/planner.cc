@@ -446,10 +446,12 @@ double Planner::EvaluateSplit(const PlanInputs& in, const Split& split, double b
 // (where a split or two already reaches it) to one or two LPT passes. Every candidate's split items are
 // within WalkSplit's budget, so every plan fits the workspace's partial rows.
 Planner::Split Planner::ChooseSplit(const PlanInputs& in, const PlanSection& section, int64_t replicas,
-                                    double total_cost, double unsplit_makespan, double good_enough) {
+                                    double total_cost, double unsplit_makespan, double good_enough,
+                                    double* makespan_out) {
   Split best;
   best.num_items = (int64_t)pairs_.size();
-  double best_makespan = unsplit_makespan;
+  double& best_makespan = *makespan_out;  // the choice's LPT makespan
+  best_makespan = unsplit_makespan;
   const int64_t n = (int64_t)pairs_.size(), m = in.num_ctas, units = in.num_units, align = in.kv_chunk_align;
   const int64_t share = UnitShare(in);
   const int64_t lo = RoundUp(in.min_kv_chunk, align);
@@ -516,6 +518,130 @@ Planner::Split Planner::ChooseSplit(const PlanInputs& in, const PlanSection& sec
     }
   }
   return best;
+}
+
+// The partition: the pairs in creation order fill CTA 0, then CTA 1, ... up to `cap` of cost each. A
+// pair that does not fit whole is cut at the last boundary within the cap (a multiple of kv_chunk_align,
+// each piece at least min_kv_chunk rounded up to it, the remainder too unless it is the pair's last KV
+// tile) and goes on in the next CTA; when no such cut exists the CTA is closed and the pair tried on the
+// next. Each cut costs its piece's fixed cost (cost_q * rows) once more, counted where it falls. A CTA
+// closes with one cut at most, so the split items are at most 2 (num_ctas - 1): within SplitBudget. Infeasible (+inf) when the pairs need more
+// CTAs, or an empty CTA takes not even the piece that must come next.
+Planner::Split Planner::FillWalk(const PlanInputs& in, double cap, bool record, double* makespan) {
+  Split s;
+  *makespan = HUGE_VAL;
+  const int64_t align = in.kv_chunk_align, lo = RoundUp(in.min_kv_chunk, align);
+  const int32_t m = (int32_t)in.num_ctas;
+  int32_t cta = 0;
+  bool empty = true;  // nothing on `cta` yet
+  double load = 0.0, max_load = 0.0;
+  if (record) items_.clear(), item_cta_.clear();
+  for (const Pair& p : pairs_) {
+    const int64_t rows = p.q_end - p.q_begin, len = p.kv_len;
+    int64_t begin = 0, pieces = 0;
+    double rest = p.cost;  // of the pair's KV [begin, len)
+    for (;;) {
+      if (cta == m) return s;
+      int64_t end = len;
+      double cost = rest;
+      if (load + rest > cap) {
+        // KV tokens that still fit (< len - begin, as the rest does not) and a cut at the last aligned
+        // boundary within them. It leaves >= lo tokens behind it, or exactly the pair's last KV tile (a
+        // partial tile is one tile's work anyway; without this, 1001 tokens in 128-token tiles could not be
+        // cut past 768). Divisions only here: at most one cut or close per CTA.
+        const double room = (cap - load - in.cost_q * (double)rows) / in.cost_kv;
+        end = -1;
+        if (room >= 0.0) {
+          const int64_t last_tile = (len - 1) / align * align;
+          end = (begin + (int64_t)room) / align * align;
+          end = end >= last_tile ? last_tile : std::min(end, (len - lo) / align * align);
+        }
+        if (end < begin + lo) {
+          if (empty) return s;  // not even the smallest piece fits an empty CTA
+          max_load = std::max(max_load, load);
+          ++cta, load = 0.0, empty = true;
+          continue;
+        }
+        cost = ItemCost(in.cost_q, in.cost_kv, rows, end - begin);
+      }
+      if (record) {
+        items_.push_back(Item{FiWorkItem{p.request, p.q_begin, p.q_end, (int32_t)begin, (int32_t)end, -1, 1, 0}, cost});
+        item_cta_.push_back(cta);
+      }
+      load += cost, empty = false, ++pieces;
+      if (end == len) break;
+      s.chunk = std::max(s.chunk, end - begin);
+      max_load = std::max(max_load, load);
+      ++cta, load = 0.0, empty = true, begin = end;
+      rest = ItemCost(in.cost_q, in.cost_kv, rows, len - begin);
+    }
+    if (pieces > 1) {
+      s.chunk = std::max(s.chunk, len - begin);
+      s.num_split_pairs += 1;
+      s.split_items += pieces;
+      s.partial_rows += rows * pieces;
+      s.extra_rows += rows * (pieces - 1);
+    }
+  }
+  s.num_items = (int64_t)pairs_.size() + s.split_items - s.num_split_pairs;
+  *makespan = std::max(max_load, load);
+  return s;
+}
+
+// The partition's cap. The first walk's cap is LPT's makespan: when not even that fits the pairs into the
+// CTAs (or the section), no lower cap is tried (feasibility is all but monotone in the cap), so a batch the
+// partition cannot help costs one walk. Then bisection between the lower bound total cost / num_ctas and
+// the best makespan so far: a feasible walk lowers the upper end to its makespan, an infeasible one (or one
+// that does not fit the section) raises the lower end to its cap, until kPartitionWalks walks or an
+// interval of kPartitionPrecision times the bound. Alignment makes feasibility not quite monotone, so
+// this is a search, not a proof of the best cap. Returns true, with the cap and makespan, when some walk's
+// makespan is strictly below LPT's.
+bool Planner::ChoosePartition(const PlanInputs& in, const PlanSection& section, int64_t replicas,
+                              double total_cost, double lpt_makespan, double* cap, double* makespan) {
+  if (!(in.cost_kv > 0.0)) return false;  // KV costs nothing: cutting adds fixed cost only
+  const double bound = total_cost / (double)in.num_ctas;
+  double lo = bound, hi = lpt_makespan, best = lpt_makespan;
+  for (int walk = 0; walk < kPartitionWalks && hi - lo > kPartitionPrecision * bound; ++walk) {
+    const double try_cap = walk == 0 ? hi : 0.5 * (lo + hi);
+    double got;
+    const Split s = FillWalk(in, try_cap, false, &got);
+    if (got == HUGE_VAL || s.num_items * replicas > section.max_items || s.partial_rows > section.max_partial_rows) {
+      if (walk == 0) return false;
+      lo = try_cap;
+      continue;
+    }
+    if (got < best) best = got, *cap = try_cap;
+    hi = got;
+  }
+  if (!(best < lpt_makespan)) return false;
+  *makespan = best;
+  return true;
+}
+
+// Partial rows and merge map of items_[0, n_items) (creation order, a pair's items consecutive in chunk
+// order): a pair of n > 1 items is split, and row r of it owns partial rows [partial + (r - q_begin) * n,
+// + n), item c writing the c-th of each row's; whole pairs write through. Returns the split rows.
+int64_t Planner::WriteMergeMap(int64_t n_items, int32_t* merge_indptr, int32_t* split_rows) {
+  int32_t partial = 0;  // partial rows handed out so far, also merge_indptr at the current row
+  int64_t num_split_rows = 0;
+  for (int64_t k = 0; k < n_items;) {
+    const FiWorkItem& first = items_[k].work;
+    int64_t k1 = k + 1;
+    while (k1 < n_items && items_[k1].work.q_begin == first.q_begin) ++k1;
+    const int32_t n = (int32_t)(k1 - k);
+    if (n > 1) {
+      for (int32_t c = 0; c < n; ++c) items_[k + c].work.partial_base = partial + c, items_[k + c].work.partial_stride = n;
+      for (int32_t r = first.q_begin; r < first.q_end; ++r) {
+        partial += n;
+        merge_indptr[r + 1] = partial;
+        split_rows[num_split_rows++] = r;
+      }
+    } else {
+      for (int32_t r = first.q_begin; r < first.q_end; ++r) merge_indptr[r + 1] = partial;
+    }
+    k = k1;
+  }
+  return num_split_rows;
 }
 
 PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanSummary* summary) {
@@ -644,6 +770,7 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
   // ---- KV chunks: a fixed candidate, "no split" when already balanced, or the search -----------
   Split split;  // chunk 0: nothing split
   split.num_items = num_pairs;
+  double lpt_makespan = unsplit_makespan;  // of the split chosen (when searched)
   const double good_enough = (1.0 + kBalancedSlack) * ((double)lpt_units * total_cost / (double)m);
   if (num_pairs > 0 && in.force_kv_chunk != 0 &&
       (in.force_kv_chunk > 0 || (unsplit_makespan > good_enough && in.kv_window == 0))) {
@@ -664,9 +791,15 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
       split = WalkSplit(lin, in.force_kv_chunk, in.force_split_pairs);
       if (split.num_split_pairs == 0) split = Split{0, 0, 0, num_pairs, 0, 0};
     } else {
-      split = ChooseSplit(lin, section, units, total_cost, unsplit_makespan, good_enough);
+      split = ChooseSplit(lin, section, units, total_cost, unsplit_makespan, good_enough, &lpt_makespan);
     }
   }
+  // ---- the partition, where one LPT pass serves every unit and LPT's plan is not balanced ----------
+  double cap = 0.0, partition_makespan = 0.0;
+  const bool partition = in.allow_partition && lpt_units == 1 && !in.group_requests && in.kv_window == 0 &&
+                         in.force_kv_chunk < 0 && num_pairs > 0 && lpt_makespan > good_enough &&
+                         ChoosePartition(lin, section, units, total_cost, lpt_makespan, &cap, &partition_makespan);
+  if (partition) split = FillWalk(lin, cap, true, &partition_makespan);
   const int64_t chunk = split.chunk;
   if (split.num_items * units > section.max_items)
     return Fail(S::kCapacityExceeded, "max_items=%lld but the plan needs %lld work items", (long long)section.max_items,
@@ -693,11 +826,19 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
     }
     makespan = SortAndAssign(num_pairs, m, lpt_units, entry_request_.data());
   }
-  // The items in LPT order: order[k] indexes items_ (split plan) or pairs_ (unsplit plan); the CTA of
-  // its replica for unit u is item_cta_[k * units + u].
+  // The items in LPT order: order[k] indexes items_ (split plan or partition) or pairs_ (unsplit plan);
+  // the CTA of its replica for unit u is item_cta_[k * units + u].
   const int32_t* order = cost_order_.data();
+  const bool from_items = partition || split.num_split_pairs > 0;
   merge_indptr[0] = 0;
-  if (split.num_split_pairs == 0) {
+  if (partition) {
+    // FillWalk left the items in creation order with their CTAs: LPT order is creation order here.
+    num_split_rows = WriteMergeMap(n_items, merge_indptr, split_rows);
+    cost_order_.resize(n_items);
+    for (int64_t k = 0; k < n_items; ++k) cost_order_[k] = (int32_t)k;
+    makespan = partition_makespan;
+    order = cost_order_.data();
+  } else if (split.num_split_pairs == 0) {
     for (int64_t r = 0; r < num_rows; ++r) merge_indptr[r + 1] = 0;
   } else {
     for (int64_t i = 0; i < split.num_split_pairs; ++i) {
@@ -707,36 +848,26 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
     // Creation order (request, tile, chunk).
     items_.resize(n_items);
     Item* item = items_.data();
-    int32_t partial = 0;  // partial rows handed out so far, also merge_indptr at the current row
-    int32_t* split_row = split_rows;
     const int64_t align = in.kv_chunk_align;
     for (int64_t j = 0; j < num_pairs; ++j) {
       const Pair& p = pairs_[j];
       const int32_t rows = p.q_end - p.q_begin;
       const int64_t n = chunks_of_[j];
-      if (n == 0) {
+      if (n == 0) {  // whole (no ChunkShape: its divisions per pair cost more than the rest of this loop)
         *item++ = Item{FiWorkItem{p.request, p.q_begin, p.q_end, 0, p.kv_len, -1, 1, 0}, p.cost};
-        for (int32_t r = p.q_begin; r < p.q_end; ++r) merge_indptr[r + 1] = partial;
         continue;
       }
       const ChunkShape shape(p.kv_len, n, align);
       int64_t kv_begin = 0;
       for (int64_t c = 0; c < n; ++c) {
         const int64_t kv_end = kv_begin + shape.Size(c, n, align);
-        *item++ = Item{FiWorkItem{p.request, p.q_begin, p.q_end, (int32_t)kv_begin, (int32_t)kv_end,
-                                  (int32_t)(partial + c), (int32_t)n, 0},
+        *item++ = Item{FiWorkItem{p.request, p.q_begin, p.q_end, (int32_t)kv_begin, (int32_t)kv_end, -1, 1, 0},
                        ItemCost(in.cost_q, in.cost_kv, rows, kv_end - kv_begin)};
         kv_begin = kv_end;
       }
-      // Row r of the pair owns partial rows [partial + (r - q_begin) * n, + n), in chunk order.
-      for (int32_t r = p.q_begin; r < p.q_end; ++r) {
-        partial += (int32_t)n;
-        merge_indptr[r + 1] = partial;
-        *split_row++ = r;
-      }
-      num_split_rows += rows;
     }
     for (int64_t i = 0; i < split.num_split_pairs; ++i) chunks_of_[len_order_[i]] = 0;
+    num_split_rows = WriteMergeMap(n_items, merge_indptr, split_rows);
 
     // Items by cost, descending, ties in creation order; then LPT.
     keys_.resize(2 * n_items);
@@ -777,7 +908,7 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
   // CTAs the layout has beyond num_ctas get no items, so a kernel launched on the full grid is correct.
   for (int64_t c = grid + 1; c <= section.num_ctas; ++c) cta_indptr[c] = (int32_t)n_out;
   auto work_of = [&](int64_t i) {
-    if (split.num_split_pairs == 0) {
+    if (!from_items) {
       const Pair& p = pairs_[i];
       return FiWorkItem{p.request, p.q_begin, p.q_end, 0, p.kv_len, -1, 1, 0};
     }
@@ -830,6 +961,7 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
   summary->num_split_rows = num_split_rows;
   summary->makespan = makespan;
   summary->num_split_pairs = split.num_split_pairs;
+  summary->partition = partition;
   return S::kOk;
 }
 

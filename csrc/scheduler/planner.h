@@ -18,6 +18,11 @@
 // 2 * num_ctas (the walk then stops). The planner evaluates the LPT makespan of a small set of
 // candidates, "split nothing" and the previous rule's chunk among them, and keeps the best
 // (planner.cc, ChooseSplit, lists the set and the order of preference).
+//
+// A second kind of plan, the partition (stream-K style), competes with that choice where one LPT pass
+// serves every unit: the pairs in creation order fill CTA after CTA up to a cap of cost each, a pair
+// being cut where the cap falls (aligned, no piece under min_kv_chunk), with the cap found by bisection.
+// It replaces the LPT plan only when its makespan is strictly lower (planner.cc, ChoosePartition).
 #pragma once
 
 #include <cstdint>
@@ -35,6 +40,10 @@ constexpr int64_t kMaxSplitItemsPerCta = 2;
 // within this fraction above units * total cost / num_ctas, a lower bound of every candidate's makespan
 // (splitting only adds items' fixed costs): it trades at most 2% of balance for host time.
 constexpr double kBalancedSlack = 0.02;
+// Fill walks the partition's search for its cap may take (each O(pairs + num_ctas)), and the interval,
+// relative to the lower bound, at which its bisection stops (planner.cc, ChoosePartition).
+constexpr int kPartitionWalks = 10;
+constexpr double kPartitionPrecision = 0.005;
 
 struct PlanInputs {
   const int32_t* qo_indptr = nullptr;  // [num_requests + 1], qo_indptr[0] == 0, non-decreasing
@@ -65,6 +74,11 @@ struct PlanInputs {
   // cost counts, and no pair is split (the search's chunk costs know no window; a window bounds every
   // item's work anyway). A forced split (force_kv_chunk > 0) still splits.
   int64_t kv_window = 0;
+  // May the partition (a capped fill of CTA after CTA in creation order, pairs cut where the cap falls)
+  // replace the LPT plan? Only considered when one LPT pass serves every unit (num_units == 1, or unit
+  // blocks), without group_requests, kv_window or a forced candidate, and when the LPT plan's makespan is
+  // over kBalancedSlack above the lower bound; taken only when its makespan is strictly lower.
+  bool allow_partition = true;
 };
 
 // A caller-owned int32 buffer holding one plan section, laid out by csrc/plan.h for
@@ -84,10 +98,11 @@ struct PlanSummary {
   int64_t num_items = 0;
   int64_t num_rows = 0;
   int64_t num_partial_rows = 0;
-  int64_t kv_chunk = 0;  // 0 when nothing was split
+  int64_t kv_chunk = 0;  // 0 when nothing was split; the partition: its longest split piece
   int64_t num_split_rows = 0;
   double makespan = 0.0;  // the largest accumulated cost of a CTA
   int64_t num_split_pairs = 0;  // (request, query tile) pairs whose KV was split
+  bool partition = false;       // the plan is the partition (PlanInputs::allow_partition), not LPT's
 };
 
 enum class PlanStatus { kOk = 0, kInvalidArgument = 1, kCapacityExceeded = 2 };
@@ -122,7 +137,7 @@ class Planner {
   };
   // The pairs a candidate (chunk, max_pairs) splits: the first num_split_pairs of len_order_.
   struct Split {
-    int64_t chunk = 0;
+    int64_t chunk = 0;           // the partition: its longest split piece
     int64_t num_split_pairs = 0;
     int64_t split_items = 0;     // chunks of the split pairs
     int64_t num_items = 0;       // all items: unsplit pairs + split_items
@@ -138,7 +153,14 @@ class Planner {
   // `in` is the LPT's grid (unit blocks: one unit on num_ctas / units CTAs); replicas: items written per
   // item (the units), for the section's capacity.
   Split ChooseSplit(const PlanInputs& in, const PlanSection& section, int64_t replicas, double total_cost,
-                    double unsplit_makespan, double good_enough);
+                    double unsplit_makespan, double good_enough, double* makespan);
+  // The partition on `in`'s grid (one unit) with CTA loads up to `cap`: its shape and makespan (+inf when
+  // the pairs do not fit the CTAs). With `record`, its items in items_ (creation order, write-through
+  // fields) and each one's CTA in item_cta_.
+  Split FillWalk(const PlanInputs& in, double cap, bool record, double* makespan);
+  int64_t WriteMergeMap(int64_t n_items, int32_t* merge_indptr, int32_t* split_rows);
+  bool ChoosePartition(const PlanInputs& in, const PlanSection& section, int64_t replicas, double total_cost,
+                       double lpt_makespan, double* cap, double* makespan);
   void RadixSortKeys(int64_t n);
   double SortAndAssign(int64_t n, int32_t m, int32_t units, const int32_t* request_of = nullptr);
   double AssignByRequest(int64_t n, int32_t m, int32_t units, const int32_t* request_of);

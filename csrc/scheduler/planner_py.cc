@@ -22,6 +22,9 @@ namespace {
 // One planner per thread keeps its scratch arrays between calls: a plan in steady state allocates
 // nothing.
 thread_local fi::Planner g_planner;
+// PlanInfo.kind's two values, made once (module init) so a plan returns them without allocating.
+PyObject* g_kind_lpt = nullptr;
+PyObject* g_kind_partition = nullptr;
 
 bool IsInt32Format(const char* format) {
   if (format == nullptr) return false;  // PyBUF_FORMAT was asked for, so this is unexpected
@@ -60,12 +63,12 @@ PyObject* Plan(PyObject*, PyObject* args) {
   Py_ssize_t layout_ctas, max_items, max_rows, max_partial_rows, tile_q, num_ctas, num_units, min_kv_chunk,
       kv_chunk_align;
   Py_ssize_t force_kv_chunk = -1, force_split_pairs = -1, kv_window = 0;
-  int causal, group_requests = 0;
+  int causal, group_requests = 0, allow_partition = 1;
   double cost_q, cost_kv;
-  if (!PyArg_ParseTuple(args, "OnnnnOOnnnpnndd|nnpn:plan", &section_obj, &layout_ctas, &max_items, &max_rows,
+  if (!PyArg_ParseTuple(args, "OnnnnOOnnnpnndd|nnpnp:plan", &section_obj, &layout_ctas, &max_items, &max_rows,
                         &max_partial_rows, &qo_obj, &kv_obj, &tile_q, &num_ctas, &num_units, &causal, &min_kv_chunk,
                         &kv_chunk_align, &cost_q, &cost_kv, &force_kv_chunk, &force_split_pairs, &group_requests,
-                        &kv_window))
+                        &kv_window, &allow_partition))
     return nullptr;
 
   Py_buffer section, qo, kv;
@@ -99,6 +102,7 @@ PyObject* Plan(PyObject*, PyObject* args) {
   in.force_split_pairs = force_split_pairs;
   in.group_requests = group_requests != 0;
   in.kv_window = kv_window;
+  in.allow_partition = allow_partition != 0;
   fi::PlanSection out;
   out.data = static_cast<int32_t*>(section.buf);
   out.num_ints = section.len / 4;
@@ -112,9 +116,10 @@ PyObject* Plan(PyObject*, PyObject* args) {
     PyErr_SetString(PyExc_ValueError, g_planner.error());
     return nullptr;
   }
-  return Py_BuildValue("(nnnnndn)", (Py_ssize_t)summary.num_items, (Py_ssize_t)summary.num_rows,
+  return Py_BuildValue("(nnnnndnO)", (Py_ssize_t)summary.num_items, (Py_ssize_t)summary.num_rows,
                        (Py_ssize_t)summary.num_partial_rows, (Py_ssize_t)summary.kv_chunk,
-                       (Py_ssize_t)summary.num_split_rows, summary.makespan, (Py_ssize_t)summary.num_split_pairs);
+                       (Py_ssize_t)summary.num_split_rows, summary.makespan, (Py_ssize_t)summary.num_split_pairs,
+                       summary.partition ? g_kind_partition : g_kind_lpt);
 }
 
 // The plan.h offsets (int32 units) for a layout, so Python can check its own copy of the formulas.
@@ -140,10 +145,11 @@ PyObject* ItemFields(PyObject*, PyObject*) {
 PyMethodDef kMethods[] = {
     {"plan", Plan, METH_VARARGS,
      "plan(section, layout_num_ctas, max_items, max_rows, max_partial_rows, qo_indptr, kv_lens, tile_q, num_ctas, "
-     "num_units, causal, min_kv_chunk, kv_chunk_align, cost_q, cost_kv[, force_kv_chunk=-1, force_split_pairs=-1]) -> "
-     "(num_items, num_rows, num_partial_rows, kv_chunk, num_split_rows, makespan, num_split_pairs)\n\nWrites the "
-     "plan into `section` (int32, csrc/plan.h layout) in place. force_kv_chunk -1 searches for the chunk; 0 splits "
-     "nothing; L > 0 uses the candidate (L, force_split_pairs) (see csrc/scheduler/planner.h)."},
+     "num_units, causal, min_kv_chunk, kv_chunk_align, cost_q, cost_kv[, force_kv_chunk=-1, force_split_pairs=-1, "
+     "group_requests=False, kv_window=0, allow_partition=True]) -> (num_items, num_rows, num_partial_rows, kv_chunk, "
+     "num_split_rows, makespan, num_split_pairs, kind)\n\nWrites the plan into `section` (int32, csrc/plan.h "
+     "layout) in place. force_kv_chunk -1 searches for the chunk; 0 splits nothing; L > 0 uses the candidate (L, "
+     "force_split_pairs) (see csrc/scheduler/planner.h). kind: 'lpt' or 'partition'."},
     {"layout", Layout, METH_VARARGS,
      "layout(num_ctas, max_items, max_rows) -> (cta_indptr, merge_indptr, split_rows, items, total) offsets in "
      "int32 units, from csrc/plan.h"},
@@ -177,6 +183,7 @@ PyMODINIT_FUNC PyInit__planner(void) {
       {"NUM_SPLIT_ROWS", FI_PLAN_NUM_SPLIT_ROWS},
       {"NUM_UNITS", FI_PLAN_NUM_UNITS},
       {"MAX_SPLIT_ITEMS_PER_CTA", (long)fi::kMaxSplitItemsPerCta},
+      {"PARTITION_WALKS", (long)fi::kPartitionWalks},
   };
   for (const auto& c : constants) {
     if (PyModule_AddIntConstant(m, c.name, c.value) != 0) {
@@ -184,11 +191,23 @@ PyMODINIT_FUNC PyInit__planner(void) {
       return nullptr;
     }
   }
-  PyObject* slack = PyFloat_FromDouble(fi::kBalancedSlack);
-  if (slack == nullptr || PyModule_AddObject(m, "BALANCED_SLACK", slack) != 0) {
-    Py_XDECREF(slack);
+  g_kind_lpt = PyUnicode_InternFromString("lpt");
+  g_kind_partition = PyUnicode_InternFromString("partition");
+  if (g_kind_lpt == nullptr || g_kind_partition == nullptr) {
     Py_DECREF(m);
     return nullptr;
+  }
+  const struct {
+    const char* name;
+    double value;
+  } reals[] = {{"BALANCED_SLACK", fi::kBalancedSlack}, {"PARTITION_PRECISION", fi::kPartitionPrecision}};
+  for (const auto& c : reals) {
+    PyObject* value = PyFloat_FromDouble(c.value);
+    if (value == nullptr || PyModule_AddObject(m, c.name, value) != 0) {
+      Py_XDECREF(value);
+      Py_DECREF(m);
+      return nullptr;
+    }
   }
   return m;
 }
