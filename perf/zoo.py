@@ -1,6 +1,6 @@
 """The model zoo's head configurations: fi-backend against FlashInfer 0.6.14, same inputs, same process.
 
-    python -m perf.zoo [--quick] [--sections decode,prefill] [--name zoo_h100] [--no-flashinfer]
+    python -m perf zoo [--quick] [--sections decode,prefill] [--name zoo_h100] [--no-flashinfer]
                        [--configs 32/8/128,28/4/128] [--merge]
 
 Sections:
@@ -21,7 +21,7 @@ Sections:
            unmasked_pairs). Bars: at head_dim 128 each group's TFLOP/s >= 0.95 of group 4's (32/8 heads) and
            >= 1.1x FlashInfer FA2's; at head_dim 96 ours >= 0.9 of vLLM FA3's TFLOP/s.
 
-Timing: perf.prefill.time_rounds (alternating rounds, ours then the anchors, each figure the median of CUDA-event
+Timing: perf.common.time_rounds (alternating rounds, ours then the anchors, each figure the median of CUDA-event
 timings, perf.common.time_us); figures are the medians of the rounds, ratios the medians of the rounds' ratios.
 Correctness: ours against the anchor on the whole batch and against a float32 reference on two requests
 (decode) or SDPA on request 0 (prefill); a relative L2 difference above 2e-2 fails the run (exit 1) after the
@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from perf.common import RESULTS, commit, device_info, write_result
+from perf.common import RESULTS, commit, device_info, rotating, write_result
 from perf.decode import Case
 
 DTYPE = torch.bfloat16
@@ -286,17 +286,6 @@ class DecodeCase(Case):
         self.table_cpu = self.block_table.cpu()
 
 
-def rotating(run, sets):
-    """fn() that calls run(i) with the next KV set each call (host-side bookkeeping only: time_us times the
-    device with the host running ahead), so perf.prefill.time_rounds / measure rotate sets without a setup."""
-    state = {"i": 0}
-
-    def fn():
-        state["i"] = (state["i"] + 1) % sets
-        run(state["i"])
-    return fn
-
-
 def ours_decode(case: DecodeCase):
     """(fn, out, run): our decode kernel on the case (perf.decode.ours with the case's heads); run(i) on set i."""
     from fi_backend import formats
@@ -376,7 +365,7 @@ def _check(label, stats):
 def decode_cell(a, cfg, page, b, L, fi, info):
     """(row, anchored): one decode cell, ours and (fi not None) FlashInfer in alternating rounds; anchored False
     when FlashInfer failed here (info records why; the caller drops the anchor for the config's other cells)."""
-    from perf.prefill import diff_stats, time_rounds
+    from perf.common import diff_stats, time_rounds
     hq, hkv, d, key = cfg["num_qo_heads"], cfg["num_kv_heads"], cfg["head_dim"], cfg["config"]
     case = DecodeCase(hq, hkv, d, [L] * b, page, seed=b * 7919 + L)
     fn, out, run = ours_decode(case)
@@ -494,7 +483,7 @@ def decode_section(a, with_fi, fi_reason) -> dict:
 
 def sdpa_reference_check(case, out, label) -> dict:
     """ours' request 0 against torch SDPA (causal, bf16) on the same q / k / v."""
-    from perf.prefill import diff_stats
+    from perf.common import diff_stats
     s, g = case.seq_len, case.hq // case.hkv
     q = case.q[:s].transpose(0, 1).unsqueeze(0)
     k = case.k[:s].repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)
@@ -507,7 +496,8 @@ def prefill_cell(a, cfg, b, s, fa2, vfunc, fa2_broken: dict) -> dict:
     """One prefill row: ours, FlashInfer FA2 (fa2 not None, head_dim in --fi-head-dims and not broken) and vLLM
     FA3 (vfunc not None) in alternating rounds on the same q / k / v. fa2_broken: head_dim -> why FA2 failed there
     (filled here; a failed JIT build is not retried)."""
-    from perf.prefill import Case, attention_flops, diff_stats, ours_fn, tflops, time_rounds, unmasked_pairs, vllm_fn
+    from perf.common import diff_stats, time_rounds
+    from perf.prefill import Case, attention_flops, ours_fn, tflops, unmasked_pairs, vllm_fn
     hq, hkv, d, key = cfg["num_qo_heads"], cfg["num_kv_heads"], cfg["head_dim"], cfg["config"]
     label = f"prefill {key} {b}x{s}"
     case = Case(b, s, hq, hkv, d, seed=s + 31 * hq + hkv + d)
@@ -730,7 +720,7 @@ def write_report(json_path) -> Path:
 # ------------------------------------------------------------------------------------------------ main
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m perf.zoo", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m perf zoo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
                     help=f"decode: the configs of {', '.join(QUICK_MODELS)} at 64x2047 only; 3 rounds, 50 repeats")

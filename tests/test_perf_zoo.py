@@ -264,7 +264,7 @@ def test_main_flow_with_fakes(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(zoo, "ours_decode", fake_ours_decode)
     monkeypatch.setattr(zoo, "FlashInferDecode", FakeFI)
-    monkeypatch.setattr(pf, "time_rounds", fake_rounds)
+    monkeypatch.setattr(common, "time_rounds", fake_rounds)
     monkeypatch.setattr(pf, "Case", lambda *a, **k: real_case(*a, **k, device="cpu"))
     monkeypatch.setattr(pf, "ours_fn", fake_ours_fn)
     monkeypatch.setattr(pf, "FlashInferRagged", FakeRagged)

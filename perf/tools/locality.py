@@ -9,7 +9,7 @@ Prefill plans go request by request by default (fi_backend.wrappers, PLAN_GROUPE
 FI_BACKEND_PLAN_GROUPED=0 they are LPT over all items, so alternating runs are the A/B of that
 (perf/results/locality_h_*.json).
 
-    python -m perf.locality [--name NAME]   # on the GPU machine (FlashInfer staged); perf/results/NAME.json
+    python -m perf.tools.locality [--name NAME]   # on the GPU machine (FlashInfer staged); perf/results/NAME.json
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import sys
 import torch
 
 from perf import prefill as P
-from perf.common import time_us, write_result
+from perf.common import log, stamp, time_us, write_result
 
 HEADS = 16
 SHAPES = ((1, 16384), (2, 16384), (4, 16384), (16, 16384), (4, 4096), (16, 4096), (64, 4096))
@@ -43,13 +43,13 @@ def main(argv=None) -> int:
              "pairs": b * HEADS, "ours_us": ours, "fi_fa2_us": anchor, "ours_tflops": P.tflops(flops, ours),
              "fi_fa2_tflops": P.tflops(flops, anchor), "ratio_fi_fa2_over_ours": anchor / ours, **info}
         rows.append(r)
-        P.log(f"[{i}/{len(SHAPES)}] {b}x{s} ({b * HEADS} request-head pairs): ours {ours:.1f} us "
+        log(f"[{i}/{len(SHAPES)}] {b}x{s} ({b * HEADS} request-head pairs): ours {ours:.1f} us "
             f"{r['ours_tflops']:.0f} TF/s, FA2 {anchor:.1f} us {r['fi_fa2_tflops']:.0f} TF/s, ratio "
             f"{r['ratio_fi_fa2_over_ours']:.3f}")
         del fn, afn, case
         torch.cuda.empty_cache()
     from fi_backend import env
-    write_result(a.name, {**P._stamp(), "plan_grouped": env.flag(env.PLAN_GROUPED, True), "rows": rows})
+    write_result(a.name, {**stamp(), "plan_grouped": env.flag(env.PLAN_GROUPED, True), "rows": rows})
     return 0
 
 

@@ -6,7 +6,7 @@ head. Decode: 32/8 heads, head_dim 128, page 16, KV sets rotated (perf.decode.Ca
 FlashInfer's best decode path; prefill: causal, 32/8 heads, ragged (perf.prefill.Case), anchor FlashInfer's
 FA2 template; both timed on the same inputs in the same process. Median of CUDA-event timings.
 
-    python -m perf.sm_scaling            # on the GPU machine (FlashInfer staged); perf/results/sm_scaling.json
+    python -m perf.tools.sm_scaling            # on the GPU machine (FlashInfer staged); perf/results/sm_scaling.json
 """
 from __future__ import annotations
 

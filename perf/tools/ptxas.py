@@ -2,8 +2,8 @@
 into a scratch cache and reads ptxas's report. A shape that spills in its hot loop is slow; this is the
 first check before spending GPU time on a shape (prefill.cuh's 2-fragment shapes were chosen this way).
 
-    python -m perf.ptxas --kernel prefill --tunings '[{}, {"warps": 8, "mfrags": 2, "tile": 64, "stages": 2}]'
-    python -m perf.ptxas --kernel prefill --variant alibi --kv-dtype fp8_e4m3 --head-dim 128 --group 4
+    python -m perf.tools.ptxas --kernel prefill --tunings '[{}, {"warps": 8, "mfrags": 2, "tile": 64, "stages": 2}]'
+    python -m perf.tools.ptxas --kernel prefill --variant alibi --kv-dtype fp8_e4m3 --head-dim 128 --group 4
 
 Prints one line per shape: registers per thread, the spill stores / loads and stack frame ptxas reports (bytes), and
 whether ptxas serialised the kernel's wgmmas (C7512, C7518, ...: every HGMMA waited for before the next

@@ -3,7 +3,7 @@ what BatchAttention.recommended_num_ctas(kernel="decode") is chosen by. 32/8 hea
 bf16, KV sets rotated (perf.decode.Case); FlashInfer's best decode path on the same inputs, in the same
 process. Median of CUDA-event timings (perf.common.time_us).
 
-    python -m perf.decode_grid          # on the GPU machine (FlashInfer staged); perf/results/decode_grid.json
+    python -m perf.tools.decode_grid          # on the GPU machine (FlashInfer staged); perf/results/decode_grid.json
 """
 from __future__ import annotations
 
