@@ -210,3 +210,43 @@ def write_result(name: str, payload: dict) -> Path:
         Path(out, f"{name}.json").write_text(text)
     print(f"wrote {path}", file=sys.stderr)
     return path
+
+
+def prebuild_specs(wanted, jobs=None) -> dict:
+    """Build (or find cached) our kernel modules in parallel (kernels.build_many), so that timed runs do not build
+    them one at a time. wanted: (kernel "decode" | "prefill", variant, head_dim, kv dtype, group) tuples, bf16
+    queries; a prefill entry means every member of its tile family."""
+    import time
+
+    from fi_backend import kernels
+    from fi_backend.wrappers import decode_spec, prefill_family_size, prefill_spec
+    specs, seen = [], set()
+
+    def add(spec):
+        if spec.memo_key not in seen:
+            seen.add(spec.memo_key)
+            specs.append(spec)
+    for kernel, variant, d, kv, group in wanted:
+        if kernel == "decode":
+            add(decode_spec(variant, d, "bf16", kv, group))
+        else:
+            for m in range(prefill_family_size(d, kv)):
+                add(prefill_spec(variant, d, "bf16", kv, group, member=m))
+    if not specs:
+        return {"modules": 0, "seconds": 0.0, "errors": []}
+    jobs = jobs or min(16, os.cpu_count() or 1)
+    log(f"prebuild: {len(specs)} kernel modules, {jobs} at a time (cached ones load at once)")
+    t0 = time.perf_counter()
+    errors = []
+
+    def done(spec, res):
+        if isinstance(res, Exception):
+            errors.append(f"{spec.readable_tag()}: {type(res).__name__}: {res}")
+            log(f"  prebuild failed {spec.family} {spec.readable_tag()}: {res}")
+        else:
+            log(f"  {spec.family} {spec.readable_tag()}: "
+                + (f"built in {res.seconds:.1f} s" if getattr(res, "built", False) else "cached"))
+    kernels.build_many(specs, jobs=jobs, on_done=done)
+    secs = time.perf_counter() - t0
+    log(f"prebuild: {len(specs)} modules in {secs:.1f} s" + (f", {len(errors)} failed" if errors else ""))
+    return {"modules": len(specs), "seconds": secs, "errors": errors}

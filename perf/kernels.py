@@ -224,6 +224,33 @@ def estimate(cells: list, rounds: int, rep: int, *, vllm: bool = True, fa3: bool
     return {"cells": per, "jit": jit, "total_s": sum(per) + sum(jit.values())}
 
 
+def modules_needed(cells: list) -> list:
+    """(kernel, variant name, head_dim, kv dtype, group) of our modules the cells run (perf.common.prebuild_specs
+    takes them with the variant objects)."""
+    out = []
+    for c in cells:
+        g = c.get("num_qo_heads", 1) // c.get("num_kv_heads", 1)
+        if c["section"] == "decode":
+            key = ("decode", "default", c["head_dim"], c["kv_dtype"], g)
+        elif c["section"] in ("prefill", "append"):
+            key = ("prefill", c.get("variant", "causal"), c["head_dim"], "bf16", g)
+        else:
+            continue
+        if key not in out:
+            out.append(key)
+    return out
+
+
+def prebuild(cells: list) -> dict:
+    from fi_backend import variants
+
+    from perf.common import prebuild_specs
+    from perf.prefill import flex_specs
+    by_name = {name: spec[0] for name, spec in flex_specs(None).items()}
+    by_name["default"] = variants.DEFAULT
+    return prebuild_specs([(k, by_name[v], d, kv, g) for k, v, d, kv, g in modules_needed(cells)])
+
+
 def device_tag(name: str) -> str:
     """"NVIDIA H100 80GB HBM3" -> "h100": the short name results are filed under."""
     m = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b", name or "")
@@ -742,7 +769,13 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         log("perf kernels needs a CUDA GPU (--estimate runs without one)")
         return 2
+    try:
+        built = prebuild(cells)
+    except Exception as e:   # the cells build lazily instead
+        built = {"error": f"{type(e).__name__}: {e}"}
+        log(f"prebuild failed ({built['error']}); modules build lazily")
     results = run(a, cells, est)
+    results["prebuild"] = built
     if a.merge:
         results = merge_results(json.loads(Path(a.merge).read_text()), results)
     name = a.name or f"kernels_{device_tag(results['device']['name'])}" + ("_quick" if a.quick else "")

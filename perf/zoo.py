@@ -613,39 +613,12 @@ def prefill_section(a, with_fi, fi_reason) -> dict:
 # ------------------------------------------------------------------------------------------------ prebuild
 
 def prebuild(decode_cfgs, prefill_cfgs, jobs=None) -> dict:
-    """Build (or find cached) our decode and prefill modules for the configs, in parallel (kernels.build_many),
-    so the timed sections do not build them one at a time."""
-    from fi_backend import kernels, variants
-    from fi_backend.wrappers import decode_spec, prefill_family_size, prefill_spec
-    specs, seen = [], set()
-
-    def add(spec):
-        if spec.memo_key not in seen:
-            seen.add(spec.memo_key)
-            specs.append(spec)
-    for c in decode_cfgs:
-        add(decode_spec(variants.DEFAULT, c["head_dim"], "bf16", "bf16", c["group"]))
-    for c in prefill_cfgs:
-        for m in range(prefill_family_size(c["head_dim"], "bf16")):
-            add(prefill_spec(variants.DEFAULT, c["head_dim"], "bf16", "bf16", c["group"], member=m))
-    if not specs:
-        return {"modules": 0, "seconds": 0.0, "errors": []}
-    jobs = jobs or min(16, os.cpu_count() or 1)
-    log(f"prebuild: {len(specs)} kernel modules, {jobs} at a time (cached ones load at once)")
-    t0 = time.perf_counter()
-    errors = []
-
-    def done(spec, res):
-        if isinstance(res, Exception):
-            errors.append(f"{spec.readable_tag()}: {type(res).__name__}: {res}")
-            log(f"  prebuild failed {spec.family} {spec.readable_tag()}: {res}")
-        else:
-            log(f"  {spec.family} {spec.readable_tag()}: "
-                + (f"built in {res.seconds:.1f} s" if getattr(res, "built", False) else "cached"))
-    kernels.build_many(specs, jobs=jobs, on_done=done)
-    secs = time.perf_counter() - t0
-    log(f"prebuild: {len(specs)} modules in {secs:.1f} s" + (f", {len(errors)} failed" if errors else ""))
-    return {"modules": len(specs), "seconds": secs, "errors": errors}
+    """Our decode and prefill modules for the configs, built (or found cached) in parallel first."""
+    from fi_backend import variants
+    from perf.common import prebuild_specs
+    return prebuild_specs([("decode", variants.DEFAULT, c["head_dim"], "bf16", c["group"]) for c in decode_cfgs]
+                          + [("prefill", variants.DEFAULT, c["head_dim"], "bf16", c["group"]) for c in prefill_cfgs],
+                          jobs)
 
 
 # ------------------------------------------------------------------------------------------------ report

@@ -79,6 +79,31 @@ def test_estimate_is_monotone_and_quick_fits_the_bar_budget():
     assert K.estimate_call_us(K._decode_cell(256, 32768)) > K.estimate_call_us(c)
 
 
+def test_prebuild_asks_for_each_module_once(monkeypatch):
+    """The grid's own modules (decode bf16 and fp8 KV, the prefill family per variant and group) built in parallel
+    before any timing, each once."""
+    from fi_backend import kernels
+    from fi_backend.wrappers import prefill_family_size
+    monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", "90a")
+    seen = []
+
+    def fake_build_many(specs, jobs=None, on_done=None, **kw):
+        seen.extend(specs)
+        for sp in specs:
+            on_done(sp, kernels.BuildResult("x", None, False, 0.0))
+        return []
+    monkeypatch.setattr(kernels, "build_many", fake_build_many)
+    cells = K.grid(K.SECTIONS, False)
+    need = K.modules_needed(cells)
+    assert ("decode", "default", 128, "fp8_e4m3", 4) in need and ("prefill", "alibi", 128, "bf16", 1) in need
+    assert ("prefill", "causal", 128, "bf16", 4) in need and len(need) == len(set(need)) == 7
+    res = K.prebuild(cells + cells)
+    members = prefill_family_size(128, "bf16")
+    assert res["modules"] == len(seen) == 2 + 5 * members and not res["errors"]
+    assert len({sp.memo_key for sp in seen}) == len(seen)
+    assert K.modules_needed(K.merge_grid(True)) == []
+
+
 def test_device_tag():
     assert K.device_tag("NVIDIA H100 80GB HBM3") == "h100"
     assert K.device_tag("NVIDIA H200") == "h200"
@@ -233,6 +258,7 @@ def test_main_writes_json_markdown_and_plot(tmp_path, monkeypatch):
         def describe(self):
             return {"flashinfer": "FlashInfer (fake)"}
     monkeypatch.setattr(K, "Anchors", FakeAnchors)
+    monkeypatch.setattr(K, "prebuild", lambda cells: {"modules": len(K.modules_needed(cells))})
     runners = {s: fake_runner for s in K.SECTIONS}
 
     def broken(cell, ctx, rounds, rep):
@@ -247,6 +273,7 @@ def test_main_writes_json_markdown_and_plot(tmp_path, monkeypatch):
     assert len(dec) == 7 and dec[0]["anchor"] == "flashinfer"
     assert dec[0]["ratio"] == pytest.approx(statistics.median((110.0 + i) / (100.0 + i) for i in range(3)))
     assert doc["sections"]["append"]["rows"] == [] and doc["summary"]["prefill"]["cells"] == 3
+    assert doc["prebuild"] == {"modules": 3}   # decode group 4; prefill groups 4 (append too) and 1
     assert "ours_tflops" in doc["sections"]["prefill"]["rows"][0] and "ours_gbps" in dec[0]
     md = (tmp_path / "results" / "kq.md").read_text()
     assert "## decode" in md and "| 64x4096 p16 | 101.0 |" in md and "## Errors" in md
