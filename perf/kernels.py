@@ -11,8 +11,8 @@ Sections (32 query heads, head_dim 128, bf16 unless a cell says otherwise):
            the faster of tensor cores on and off), vLLM's FA3 (pages of 16 and more, bf16).
   prefill  causal prefill from scratch, this step's K/V ragged (perf.prefill.Case): 32 and 8 KV heads. Anchors:
            FlashInfer FA2 ragged wrapper, vLLM FA3 varlen, FlexAttention (torch.compile, block mask), FlashInfer FA3
-           with --fa3 (its first call JIT-compiles for about 100 s). The full grid adds the variants soft-cap 30,
-           ALiBi and sliding window 1024 against FlexAttention (16 heads, as AttentionGym).
+           with --fa3 (its first call JIT-compiles for about 100 s). The full grid adds 16 heads at batch 16 (as
+           AttentionGym): causal, and the variants soft-cap 30, ALiBi and sliding window 1024 against FlexAttention.
   append   a query chunk appended to a paged cache (page 16, bottom-right causal; perf.prefill.AppendCase), 8 KV heads.
            Anchors: FlashInfer FA2 paged prefill wrapper, vLLM FA3 with a block table.
   merge    merge_state of two attention states (32k rows) and merge_states of 8 (8k rows). Anchors: FlashInfer's
@@ -107,7 +107,7 @@ def prefill_grid(quick: bool) -> list:
     if quick:
         return [_prefill_cell(16, 1024, HQ, HKV), _prefill_cell(4, 4096, HQ, HKV), _prefill_cell(4, 4096, HQ, HQ)]
     cells = [_prefill_cell(b, s, HQ, hkv) for hkv in (HQ, HKV) for b, s in ((16, 1024), (4, 4096), (1, 16384))]
-    for v in FLEX_VARIANTS:
+    for v in ("causal",) + FLEX_VARIANTS:    # AttentionGym's shapes, as the FlexAttention baseline was measured
         for s in (1024, 4096):
             b = fit_batch(VARIANT_BATCH, s, VARIANT_HEADS, D)
             cells.append(_prefill_cell(b, s, VARIANT_HEADS, VARIANT_HEADS, v))

@@ -31,6 +31,7 @@ def test_grids_and_keys():
     assert d["64x4096 p16 fp8_e4m3"]["kv_dtype"] == "fp8_e4m3" and d["64x4096 p1"]["page_size"] == 1
     variants = [c for c in K.prefill_grid(False) if c["variant"] != "causal"]
     assert {c["variant"] for c in variants} == set(K.FLEX_VARIANTS) and all(c["num_qo_heads"] == 16 for c in variants)
+    assert "16/16 16x4096" in {c["cell"] for c in K.prefill_grid(False)}
     with pytest.raises(ValueError, match="skewed, sharegpt64"):
         K.uneven_kv_lens("nope")
 
