@@ -189,12 +189,15 @@ def estimate_call_us(cell: dict) -> float:
     return t * 1e6 + 8.0
 
 
-def estimate_cell_s(cell: dict, rounds: int, rep: int, impls: int) -> float:
+def estimate_cell_s(cell: dict, rounds: int, rep: int, impls: int, flex: bool | None = None) -> float:
+    """Seconds for one cell: its set-up, a FlexAttention compile when flex is an anchor (flex None: as
+    anchors_for says), and `impls` figures a round."""
     from perf.common import timed_reps
     call = estimate_call_us(cell)
     figure = EST_FIGURE_OVERHEAD_S + 2.5 * timed_reps(call, rep) * call * 1e-6   # spin cover + timed calls
-    flex = EST_FLEX_COMPILE_S if "flex" in anchors_for(cell, vllm=False) else 0.0
-    return EST_CELL_SETUP_S + flex + rounds * impls * figure
+    if flex is None:
+        flex = "flex" in anchors_for(cell, vllm=False)
+    return EST_CELL_SETUP_S + (EST_FLEX_COMPILE_S if flex else 0.0) + rounds * impls * figure
 
 
 def one_off_jit(cells: list, *, fa3: bool = False) -> dict:

@@ -210,6 +210,36 @@ def add_group_ratios(rows):
     return rows
 
 
+def estimate(a) -> dict:
+    """Seconds the run should take on an H100 (perf.kernels' per-cell model): {"timing_s", "jit_s" (FlashInfer's
+    JIT builds when its cache is cold), "total_s"}."""
+    from perf import kernels as K
+    total, jit = 0.0, 0.0
+    if "decode" in a.section_list:
+        configs, _ = decode_configs(parse_configs(a.configs), a.quick, a.fi_head_dims)
+        cells = parse_shapes(a.cells) if a.cells else list(QUICK_CELLS if a.quick else DECODE_CELLS)
+        pages = parse_ints(a.pages) if a.pages else list(PAGE_SIZES)
+        for c in configs:
+            anchored = c["anchor"] == "flashinfer" and not a.no_flashinfer
+            jit += K.EST_JIT_S["flashinfer_decode"] / 2 if anchored else 0.0   # one wrapper kind a config
+            for page in pages:
+                for b, L in cells:
+                    cell = {"section": "decode", "kv_dtype": "bf16", "kv_lens": [L] * b, "page_size": page,
+                            "num_qo_heads": c["num_qo_heads"], "num_kv_heads": c["num_kv_heads"],
+                            "head_dim": c["head_dim"]}
+                    total += K.estimate_cell_s(cell, a.rounds, a.rep, 1 + anchored, flex=False)
+    if "prefill" in a.section_list:
+        shapes = parse_shapes(a.prefill_shapes) if a.prefill_shapes else list(PREFILL_SHAPES)
+        for c in prefill_configs(parse_configs(a.configs), parse_configs(a.prefill_configs)):
+            impls = 1 + (not a.no_flashinfer and fi_supports(c["head_dim"], a.fi_head_dims)) + (not a.no_vllm)
+            for b, s in shapes:
+                cell = {"section": "prefill", "variant": "causal", "batch": b, "seq_len": s,
+                        "num_qo_heads": c["num_qo_heads"], "num_kv_heads": c["num_kv_heads"], "head_dim": c["head_dim"]}
+                total += K.estimate_cell_s(cell, a.rounds, a.rep, impls, flex=False)
+        jit += 0.0 if a.no_flashinfer else K.EST_JIT_S["flashinfer_fa2"]
+    return {"timing_s": total, "jit_s": jit, "total_s": total + jit}
+
+
 def decode_row_key(r):
     return (r["num_qo_heads"], r["num_kv_heads"], r["head_dim"], r["page_size"], r["batch"], r["kv_len"])
 
@@ -752,6 +782,9 @@ def main(argv=None):
     if a.report:
         write_report(a.report)
         return 0
+    est = estimate(a)
+    log(f"estimate: about {est['timing_s']:.0f} s of timing on an H100, plus up to {est['jit_s']:.0f} s of FlashInfer "
+        f"JIT builds when its cache is cold ({est['total_s'] / 60:.1f} min in all)")
     t0 = time.perf_counter()
     with_fi, fi_reason = not a.no_flashinfer, "--no-flashinfer" if a.no_flashinfer else None
     if with_fi:
