@@ -357,6 +357,12 @@ ANCHOR_LABELS = {"flashinfer": "FlashInfer", "flashinfer_fa2": "FI FA2", "flashi
                  "vllm_fa3": "vLLM FA3", "flex": "Flex", "torch": "PyTorch"}
 
 
+def _anchor_order(section: str, rows: list) -> list:
+    """The anchors the rows have, the section's primary one first."""
+    names = list(dict.fromkeys(k for x in rows for k in x.get("ratios", {})))
+    return sorted(names, key=lambda n: n != PRIMARY[section])
+
+
 def markdown(r: dict) -> str:
     dev = r.get("device", {}).get("name", "?")
     lines = [f"# Kernels, {dev}, {str(r.get('date', '?'))[:10]}, commit {str(r.get('commit', '?'))[:12]}"
@@ -369,7 +375,7 @@ def markdown(r: dict) -> str:
         body = r.get("sections", {}).get(sec)
         if not body:
             continue
-        names = list(dict.fromkeys(k for x in body["rows"] for k in x.get("ratios", {})))
+        names = _anchor_order(sec, body["rows"])
         rate = "TF/s" if sec in ("prefill", "append") else "GB/s"
         lines += [f"## {sec}", "", "| cell | ours us | ours " + rate + " | "
                   + " | ".join(f"{ANCHOR_LABELS.get(n, n)} us | ratio" for n in names) + " |",
@@ -402,7 +408,7 @@ def plot(r: dict, path) -> Path:
                              squeeze=False)
     for ax, sec in zip(axes[:, 0], secs):
         rows = r["sections"][sec]["rows"]
-        names = list(dict.fromkeys(k for x in rows for k in x.get("ratios", {})))
+        names = _anchor_order(sec, rows)
         width = 0.8 / max(1, len(names))
         for j, n in enumerate(names):
             ys = [i + j * width for i in range(len(rows))]
@@ -411,7 +417,7 @@ def plot(r: dict, path) -> Path:
         ax.invert_yaxis()
         ax.axvline(1.0, color="k", linewidth=0.8)
         ax.set_title(f"{sec}: anchor us / ours us (> 1: ours faster)", fontsize=9)
-        ax.legend(fontsize=7, loc="lower right")
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))   # beside the bars, not over them
         ax.grid(axis="x", alpha=0.3)
     fig.suptitle(f"fi-backend kernels, {r.get('device', {}).get('name', '?')}, commit {str(r.get('commit', '?'))[:12]}",
                  fontsize=10)
