@@ -1,8 +1,10 @@
 """`fi-backend` command line: ahead-of-time kernel builds and cache information.
 
     fi-backend build [--arch 90a] [--jobs N] [--list] [NAMES...]   build module sets (default: all)
-    fi-backend build --model NAME|config.json [--kv-dtype bf16,fp8_e4m3]   build one model's modules
-    fi-backend models [--markdown]                                  the model zoo and what fi-backend runs
+    fi-backend build --model NAME|config.json [--kv-dtype bf16,fp8_e4m3] [--tp N]   build one model's
+                                                                    (or one TP rank's) modules
+    fi-backend models [--markdown] [--tp N]                         the model zoo and what fi-backend runs
+                                                                    (--tp: what each of N ranks runs)
     fi-backend info                                                 toolchain, archs, cache contents
 
 A cache built on a machine without a GPU ships to one that has it:
@@ -98,8 +100,8 @@ def _model_arg(text: str):
 def cmd_build(args) -> int:
     if args.model is not None:
         return _build_model(args)
-    if args.kv_dtype is not None or args.q_dtype is not None:
-        print("fi-backend build: --kv-dtype and --q-dtype go with --model", file=sys.stderr)
+    if args.kv_dtype is not None or args.q_dtype is not None or args.tp != 1:
+        print("fi-backend build: --kv-dtype, --q-dtype and --tp go with --model", file=sys.stderr)
         return 2
     sets = kernels.module_sets()
     if args.list:
@@ -145,6 +147,11 @@ def _build_model(args) -> int:
     model, error = _model_arg(args.model)
     if model is None:
         print(f"fi-backend build: {error}", file=sys.stderr)
+        return 2
+    try:
+        model = models.tp_slice(model, args.tp)
+    except ValueError as e:
+        print(f"fi-backend build: --tp {args.tp}: {e}", file=sys.stderr)
         return 2
     ok, reason = models.check(model)
     if not ok:
@@ -204,8 +211,14 @@ def _build_specs(specs, archs, jobs: Optional[int], label: str) -> int:
 _MODEL_COLUMNS = ("model", "heads q/kv", "group", "head_dim", "window", "soft-cap", "rope", "kind", "fi-backend")
 
 
-def _model_row(model, name: str) -> tuple:
-    ok, reason = models.check(model)
+def _model_row(model, name: str, tp: int = 1) -> tuple:
+    """The zoo table's row of `model`, or with tp > 1 of one of its ranks (refused where the heads do not split)."""
+    try:
+        model = models.tp_slice(model, tp)
+    except ValueError as e:
+        ok, reason = False, str(e).split(": ", 1)[1]   # without the model's name: the row names it
+    else:
+        ok, reason = models.check(model)
     layers = "all layers" if model.window_layers == "all" else model.window_layers
     window = "-" if model.sliding_window is None else f"{model.sliding_window}, {layers}"
     softcap = "-" if model.attn_logit_softcapping is None else str(model.attn_logit_softcapping)
@@ -214,20 +227,26 @@ def _model_row(model, name: str) -> tuple:
 
 
 def cmd_models(args) -> int:
+    if args.tp < 1:
+        print(f"fi-backend models: --tp must be a number of GPUs >= 1, got {args.tp}", file=sys.stderr)
+        return 2
+    suffix = f" TP{args.tp}" if args.tp > 1 else ""
     if args.markdown:
-        rows = [_model_row(m, f"[{m.name}](https://huggingface.co/{m.hf_id})") for m in models.ZOO]
+        rows = [_model_row(m, f"[{m.name}](https://huggingface.co/{m.hf_id}){suffix}", args.tp) for m in models.ZOO]
         print("| " + " | ".join(_MODEL_COLUMNS) + " |")
         print("|" + "|".join("---" for _ in _MODEL_COLUMNS) + "|")
         for row in rows:
             print("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |")
         return 0
-    rows = [_model_row(m, m.name) for m in models.ZOO]
+    rows = [_model_row(m, m.name + suffix, args.tp) for m in models.ZOO]
     widths = [max(len(r[i]) for r in rows + [_MODEL_COLUMNS]) for i in range(len(_MODEL_COLUMNS) - 1)]
     for row in [_MODEL_COLUMNS] + rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1])
     runs = sum(1 for r in rows if r[-1] == "runs")
-    print(f"{len(rows)} models, {runs} run, {len(rows) - runs} refused "
-          f"(`fi-backend build --model NAME` builds a model's kernel modules)")
+    per_rank = f" (heads per rank at tensor parallelism {args.tp})" if args.tp > 1 else ""
+    print(f"{len(rows)} models{per_rank}, {runs} run, {len(rows) - runs} refused "
+          f"(`fi-backend build --model NAME{' --tp ' + str(args.tp) if args.tp > 1 else ''}` builds "
+          f"{'a rank' if args.tp > 1 else 'a model'}'s kernel modules)")
     return 0
 
 
@@ -245,10 +264,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                                    "case-insensitive) or a HF config.json (or its directory)")
     b.add_argument("--kv-dtype", help="with --model: KV-cache dtypes, comma-separated (default: bf16,fp8_e4m3)")
     b.add_argument("--q-dtype", choices=("bf16", "fp16"), help="with --model: the model's dtype (default: bf16)")
+    b.add_argument("--tp", type=int, default=1, help="with --model: one rank's modules under tensor parallelism "
+                                                     "over N GPUs (its heads split as vLLM and SGLang split them)")
     b.set_defaults(func=cmd_build)
 
     m = sub.add_parser("models", help="the model zoo: attention configuration and whether fi-backend runs it")
     m.add_argument("--markdown", action="store_true", help="print a markdown table (for the README)")
+    m.add_argument("--tp", type=int, default=1, help="what each rank runs under tensor parallelism over N GPUs "
+                                                     "(heads per rank; refused where they do not split)")
     m.set_defaults(func=cmd_models)
 
     i = sub.add_parser("info", help="version, nvcc, architectures in effect, cache directory and contents")

@@ -11,16 +11,19 @@ whose layers mix windowed and global attention lists the repeating pattern of it
     modules_of(model)   every decode and prefill kernel module the model needs (for ahead-of-time builds)
     from_hf_config(d)   a Model from a HF config.json dict (for models not in the zoo)
     find(name)          a zoo model by name or HF id, case-insensitive
+    tp_slice(model, tp) what one rank of tensor parallelism over `tp` GPUs runs (ValueError if heads do not divide)
+    tp_slices()         the TP-sliced configurations of the zoo's large models (TP_MODELS x TP_DEGREES)
 
-`fi-backend models` prints the zoo as a table; `fi-backend build --model NAME|config.json` builds a model's
-modules ahead of time.
+`fi-backend models [--tp N]` prints the zoo (or each model's rank at TP N) as a table; `fi-backend build
+--model NAME|config.json [--tp N]` builds a model's (or one rank's) modules ahead of time.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["Model", "ZOO", "find", "check", "variants_of", "modules_of", "from_hf_config"]
+__all__ = ["Model", "ZOO", "find", "check", "variants_of", "modules_of", "from_hf_config", "TP_DEGREES", "TP_MODELS",
+           "tp_heads", "tp_slice", "tp_slices"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class Model:
     sm_scale        softmax scale where it is not 1/sqrt(head_dim) (Gemma's query_pre_attn_scalar ** -0.5)
     rope_scaling    "<type> x<factor>" of the config's rope_scaling, or None
     mla             MLA's dimensions (kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim), or None
+    tp              tensor-parallel degree: 1 for a whole model, N for what one of N ranks runs (tp_slice)
     """
 
     name: str
@@ -49,6 +53,7 @@ class Model:
     sm_scale: Optional[float] = None
     mla: Optional[Dict[str, int]] = field(default=None, hash=False)
     note: str = ""
+    tp: int = 1
 
     @property
     def group(self) -> float:
@@ -146,6 +151,68 @@ ZOO: Tuple[Model, ...] = (
     Model("DeepSeek-V2-Lite", "deepseek-ai/DeepSeek-V2-Lite", 16, 16, 192, 27, rope_scaling="yarn x40",
          mla={"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}),
 )
+
+
+# ------------------------------------------------------------------------------------ tensor parallelism
+
+TP_DEGREES: Tuple[int, ...] = (2, 4, 8)
+# The zoo's models of 12B parameters and more: those served with tensor parallelism in practice.
+TP_MODELS: Tuple[str, ...] = (
+    "Llama-3.1-70B", "Llama-3.1-405B", "Qwen2.5-14B", "Qwen2.5-32B", "Qwen2.5-72B", "Qwen3-14B", "Qwen3-32B",
+    "Mistral-Nemo-12B", "Mixtral-8x7B", "Gemma-2-27B", "Gemma-3-12B", "Gemma-3-27B", "Phi-3-medium", "Phi-4",
+    "Yi-1.5-34B", "StarCoder2-15B", "Command-R",
+)
+
+
+def tp_heads(num_qo_heads: int, num_kv_heads: int, tp: int) -> Tuple[int, int]:
+    """(query heads, KV heads) of one rank when vLLM or SGLang split attention over `tp` ranks: query heads
+    divided evenly, KV heads divided evenly while there are at least `tp` of them, else each replicated over
+    tp // num_kv_heads ranks (one per rank: max(1, num_kv_heads // tp)). ValueError, naming the counts and the
+    degrees that work, where the engines refuse the split."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be a positive whole number of GPUs, got {tp!r}")
+    q, kv = num_qo_heads, num_kv_heads
+
+    def splits(t):
+        return q % t == 0 and (kv % t == 0 if kv >= t else t % kv == 0)
+
+    if not splits(tp):
+        ok = [t for t in (1, 2, 4, 8, 16) if splits(t)]
+        why = (f"{q} query heads do not divide by {tp}" if q % tp else
+               f"{kv} KV heads do not divide by {tp}" if kv >= tp else
+               f"{tp} ranks do not divide into copies of {kv} KV heads")
+        raise ValueError(f"tensor parallelism over {tp} GPUs cannot split {q} query / {kv} KV heads: {why} "
+                         f"(degrees that split them: {', '.join(map(str, ok))})")
+    return q // tp, max(1, kv // tp)
+
+
+def tp_slice(model: Model, tp: int) -> Model:
+    """What one rank of `model` under tensor parallelism over `tp` GPUs runs: its heads per tp_heads, every
+    other field the model's; named "<name> TP<tp>" (tp 1: the model itself). ValueError naming the model if the
+    heads do not split; an MLA model is sliced by heads too (check() still refuses it)."""
+    if tp == 1:
+        return model
+    if model.tp != 1:
+        raise ValueError(f"{model.name} is already one rank of TP {model.tp}; slice the whole model")
+    try:
+        q, kv = tp_heads(model.num_qo_heads, model.num_kv_heads, tp)
+    except ValueError as e:
+        raise ValueError(f"{model.name}: {e}") from None
+    return replace(model, name=f"{model.name} TP{tp}", num_qo_heads=q, num_kv_heads=kv, tp=tp)
+
+
+def tp_slices(names: Sequence[str] = TP_MODELS, degrees: Sequence[int] = TP_DEGREES) -> List[Model]:
+    """Every rank configuration of the named zoo models at the given degrees where the heads split (the rest
+    are skipped: tp_slice says why)."""
+    out = []
+    for name in names:
+        model = find(name)
+        for tp in degrees:
+            try:
+                out.append(tp_slice(model, tp))
+            except ValueError:
+                continue
+    return out
 
 
 def find(name: str) -> Model:

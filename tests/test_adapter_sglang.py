@@ -878,3 +878,25 @@ def test_with_sglang_registration_arguments_and_dispatch(ref_wrappers):
     idle = SimpleNamespace(forward_mode=SGLangForwardMode.IDLE, batch_size=0)
     backend.init_forward_metadata(idle)
     assert backend.forward(torch.zeros(0, 256), None, None, layers[0], idle).shape == (0, 256)
+
+
+# ------------------------------------------------------------------------------------ tensor parallelism
+
+def test_a_ranks_wrappers_live_on_its_gpu(ref_wrappers, caplog, monkeypatch):
+    """SGLang names the device by type alone ("cuda") and the rank's GPU by gpu_id: every wrapper (workspace) of
+    rank 3 of 4 is made on cuda:3, not on device 0, and its start-up log says so with the rank."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)   # no GPU 3 to ask for its capability
+    runner = model_runner(llama_layers(hq=2, hkv=1), hkv=1, device="cuda", gpu_id=3, tp_size=4, tp_rank=3)
+    caplog.set_level("INFO", logger="sglang.fi_backend")
+    backend = adapter._Backend(runner)
+    assert backend.device == torch.device("cuda", 3)
+    assert [str(w.kw["device"]) for w in ref_wrappers] == ["cuda:3", "cuda:3"]
+    assert "on cuda:3, tensor-parallel rank 3 of 4:" in caplog.text
+
+
+def test_rank_device():
+    from fi_backend.adapters import rank_device
+    assert rank_device("cuda:1") == torch.device("cuda", 1)
+    assert rank_device("cuda", 5) == torch.device("cuda", 5)
+    assert rank_device(torch.device("cuda", 2), 5) == torch.device("cuda", 2)   # an explicit index wins
+    assert rank_device("cpu", 3) == torch.device("cpu")

@@ -634,3 +634,36 @@ def test_with_vllm_registration_selection_and_v2_metadata():
             seq_lens_cpu_upper_bound=batch.seq_lens_cpu_upper_bound, for_cudagraph_capture=capture)
         assert md["a"] is md["b"] and md["a"].wrapper is wrapper and md["a"].num_rows == tokens
         assert wrapper.plans[-1]["bsr"].qo_indptr.data_ptr() == bufs.query_start_loc.data_ptr()
+
+
+# ------------------------------------------------------------------------------------ tensor parallelism
+
+@pytest.mark.parametrize("given, current, expected", [
+    ("cuda:3", 0, "cuda:3"),      # vLLM's rank device (cuda:<local rank>) as it is
+    ("cuda", 2, "cuda:2"),        # an index-less one: the rank's current device, never device 0 by default
+])
+def test_builder_puts_a_ranks_workspaces_on_its_device(stub_vllm, monkeypatch, caplog, given, current, expected):
+    """A tensor-parallel rank's metadata builder makes both wrappers (workspaces, ALiBi slopes) on the rank's
+    GPU and says in its start-up log which device and how many ranks."""
+    impls = {f"layers.{i}.attn": adapter._Impl(16, 128, 128 ** -0.5, 1) for i in range(2)}   # Llama-3.1-405B TP8
+    m = types.ModuleType("vllm.config")
+    m.get_layers_from_vllm_config = lambda cfg, cls, names: {n: SimpleNamespace(impl=impls[n]) for n in names}
+    monkeypatch.setitem(sys.modules, "vllm.config", m)
+    base = types.ModuleType("vllm.model_executor.layers.attention_layer_base")
+    base.AttentionLayerBase = object
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.layers.attention_layer_base", base)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    made = []
+    monkeypatch.setattr(adapter, "_make_wrapper", lambda kernel, **kw: made.append((kernel, kw)) or SimpleNamespace(
+        module_names=[f"{kernel}_module"]))
+    monkeypatch.setattr(adapter, "_logged_active", False)
+    cfg = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=64),
+                          model_config=SimpleNamespace(dtype=torch.bfloat16),
+                          parallel_config=SimpleNamespace(tensor_parallel_size=8))
+    spec = SimpleNamespace(num_kv_heads=1, head_size=128, block_size=16)
+    caplog.set_level("INFO", logger="vllm.fi_backend")
+    adapter.FiAttentionMetadataBuilder(spec, list(impls), cfg, given)
+    assert [(k, str(kw["device"]), kw["num_qo_heads"], kw["num_kv_heads"]) for k, kw in made] == [
+        ("decode", expected, 16, 1), ("prefill", expected, 16, 1)]
+    assert f"on {expected} (one of 8 tensor-parallel ranks)" in caplog.text
+    assert "fi-backend attention is active (vLLM backend CUSTOM) on " + expected in caplog.text

@@ -282,3 +282,104 @@ def test_cli_build_model_refuses_an_mla_config_file(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V2_LITE))
     proc = _cli("build", "--model", str(tmp_path), "--arch", "90a")
     assert proc.returncode == 2 and "MLA" in proc.stderr
+
+
+# ----------------------------------------------------------------------------- tensor parallelism
+
+@pytest.mark.parametrize("name, tp, heads", [
+    ("Llama-3.1-70B", 8, (8, 1)), ("Llama-3.1-70B", 2, (32, 4)), ("Qwen2.5-32B", 4, (10, 2)),
+    ("Llama-3.1-405B", 8, (16, 1)), ("StarCoder2-15B", 8, (6, 1)),     # 4 KV heads, each on 2 of 8 ranks
+    ("Command-R", 8, (8, 8)), ("Gemma-2-27B", 8, (4, 2)), ("Phi-4", 2, (20, 5)),
+])
+def test_tp_slice_heads(name, tp, heads):
+    whole = find(name)
+    rank = models.tp_slice(whole, tp)
+    assert (rank.num_qo_heads, rank.num_kv_heads) == heads
+    assert rank.name == f"{name} TP{tp}" and rank.tp == tp and whole.tp == 1
+    # everything else is the model's: head size, layers, window, soft-cap, scale
+    assert (rank.head_dim, rank.num_layers, rank.sliding_window, rank.window_pattern, rank.attn_logit_softcapping,
+            rank.sm_scale, rank.hf_id) == (whole.head_dim, whole.num_layers, whole.sliding_window,
+                                           whole.window_pattern, whole.attn_logit_softcapping, whole.sm_scale,
+                                           whole.hf_id)
+    assert models.tp_slice(whole, 1) is whole
+
+
+def test_tp_heads_follow_the_engines_rule():
+    """vLLM's and SGLang's split: query heads / tp; KV heads / tp while tp <= KV heads, else one each."""
+    for q, kv in ((64, 8), (40, 8), (128, 8), (48, 4), (32, 32), (32, 16), (40, 10), (4, 1)):
+        for tp in (1, 2, 4, 8, 16):
+            engine_ok = q % tp == 0 and (kv % tp == 0 if kv >= tp else tp % kv == 0)
+            if engine_ok:
+                assert models.tp_heads(q, kv, tp) == (q // tp, max(1, kv // tp))
+            else:
+                with pytest.raises(ValueError, match=f"over {tp} GPUs cannot split {q} query / {kv} KV heads"):
+                    models.tp_heads(q, kv, tp)
+
+
+@pytest.mark.parametrize("name, tp, why, degrees", [
+    ("Phi-3-medium", 4, "10 KV heads do not divide by 4", "1, 2"),
+    ("Qwen2.5-7B", 8, "28 query heads do not divide by 8", "1, 2, 4"),
+    ("Yi-1.5-34B", 16, "56 query heads do not divide by 16", "1, 2, 4, 8"),
+    ("Qwen2.5-0.5B", 4, "14 query heads do not divide by 4", "1, 2"),
+])
+def test_tp_slice_refusals_name_the_model_and_the_degrees_that_work(name, tp, why, degrees):
+    with pytest.raises(ValueError) as e:
+        models.tp_slice(find(name), tp)
+    assert str(e.value).startswith(f"{name}: tensor parallelism over {tp} GPUs")
+    assert why in str(e.value) and f"(degrees that split them: {degrees})" in str(e.value)
+
+
+def test_tp_heads_refuses_bad_degrees():
+    for tp in (0, -2, 2.0, True, "8"):
+        with pytest.raises(ValueError, match="tp must be a positive whole number of GPUs"):
+            models.tp_heads(64, 8, tp)
+    with pytest.raises(ValueError, match="already one rank of TP 2"):
+        models.tp_slice(models.tp_slice(find("Llama-3.1-70B"), 2), 2)
+
+
+def test_tp_slices_cover_the_large_models():
+    ranks = models.tp_slices()
+    names = {m.name for m in ranks}
+    assert {"Llama-3.1-70B TP8", "Qwen2.5-32B TP4", "Llama-3.1-405B TP8", "Qwen2.5-72B TP2"} <= names
+    assert "Phi-4 TP2" in names and "Phi-4 TP4" not in names      # 10 KV heads: TP 2 only
+    assert all(check(m)[0] for m in ranks), [m.name for m in ranks if not check(m)[0]]
+    for name in models.TP_MODELS:   # every large model has at least TP 2
+        assert f"{name} TP2" in names
+    by_name = {m.name: m for m in ranks}
+    assert (by_name["Llama-3.1-70B TP8"].num_qo_heads, by_name["Llama-3.1-70B TP8"].num_kv_heads) == (8, 1)
+    # KV heads replicated past their count change the group, so the modules too
+    assert by_name["StarCoder2-15B TP8"].group == 6 and find("StarCoder2-15B").group == 12
+
+
+def test_modules_of_a_rank(sm90a):
+    """A rank's modules are those of its own head configuration (group 8 for Llama-3.1-70B TP8)."""
+    rank = models.tp_slice(find("Llama-3.1-70B"), 8)
+    specs = modules_of(rank, kv_dtypes=("auto",))
+    assert wrappers.decode_spec(variants.DEFAULT, 128, "bf16", "bf16", 8).memo_key in {s.memo_key for s in specs}
+    assert len(specs) == 1 + wrappers.prefill_family_size(128, "bf16")
+    starcoder = {s.memo_key for s in modules_of(models.tp_slice(find("StarCoder2-15B"), 8))}
+    assert starcoder != {s.memo_key for s in modules_of(find("StarCoder2-15B"))}
+
+
+def test_cli_models_tp():
+    proc = _cli("models", "--tp", "8")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    row = next(l for l in lines if l.startswith("Llama-3.1-70B TP8 "))
+    assert " 8/1 " in row and row.rstrip().endswith("runs")
+    assert " 16/1 " in next(l for l in lines if l.startswith("Llama-3.1-405B TP8 "))
+    assert "refused: tensor parallelism over 8 GPUs cannot split 40 query / 10 KV heads" in next(
+        l for l in lines if l.startswith("Phi-4 TP8 "))
+    assert "heads per rank at tensor parallelism 8" in lines[-1] and "--tp 8" in lines[-1]
+    assert " 10/2 " in next(l for l in _cli("models", "--tp", "4").stdout.splitlines() if l.startswith("Qwen2.5-32B TP4"))
+    md = _cli("models", "--tp", "2", "--markdown")
+    assert md.returncode == 0 and "[Llama-3.1-70B](https://huggingface.co/meta-llama/Llama-3.1-70B) TP2 | 32/4 |" in md.stdout
+    bad = _cli("models", "--tp", "0")
+    assert bad.returncode == 2 and "--tp must be a number of GPUs >= 1, got 0" in bad.stderr
+
+
+def test_cli_build_model_tp_refusals():
+    proc = _cli("build", "--model", "phi-4", "--tp", "4")
+    assert proc.returncode == 2 and "--tp 4: Phi-4: tensor parallelism over 4 GPUs cannot split" in proc.stderr
+    proc = _cli("build", "--tp", "2")
+    assert proc.returncode == 2 and "--tp go with --model" in proc.stderr

@@ -1,7 +1,8 @@
 """Every kernel module the model zoo needs builds with nvcc for sm_90a, on a machine without a GPU.
 
-The union of models.modules_of over every zoo model that models.check accepts (decode and prefill, bf16
-and fp8 e4m3 KV, bf16 queries), deduplicated, is built in parallel (kernels.build_many, as `fi-backend
+The union of models.modules_of over every zoo model that models.check accepts and over the TP-sliced
+ranks of the large ones (models.tp_slices: a rank whose KV heads are replicated has its own group), decode
+and prefill, bf16 and fp8 e4m3 KV, bf16 queries, deduplicated, is built in parallel (kernels.build_many, as `fi-backend
 build --jobs` does) into $FI_BACKEND_CACHE_DIR if set (so CI can keep it between runs), else a temporary
 cache. About 120 modules at 3-10 s of nvcc each: minutes on two cores, seconds when cached."""
 import os
@@ -36,9 +37,9 @@ def sm90a(monkeypatch, zoo_cache):
 
 def zoo_modules():
     """({memo_key: (spec, [names of the models that need it])}, {model name: error naming its modules}) over
-    every zoo model that check() accepts."""
+    every zoo model that check() accepts and every TP-sliced rank of the large ones."""
     needed, errors = {}, {}
-    for model in models.ZOO:
+    for model in list(models.ZOO) + models.tp_slices():
         if not models.check(model)[0]:
             continue
         try:
@@ -59,11 +60,11 @@ def _first_error_line(error: Exception) -> str:
 @needs_nvcc
 def test_every_zoo_module_builds_for_sm90a(sm90a):
     needed, spec_errors = zoo_modules()
-    accepted = [m.name for m in models.ZOO if models.check(m)[0]]
+    accepted = [m.name for m in list(models.ZOO) + models.tp_slices() if models.check(m)[0]]
     assert accepted and needed, "the zoo needs no modules"
     specs = [spec for spec, _ in needed.values()]
     jobs = os.cpu_count() or 1
-    print(f"\nzoo: {len(accepted)} of {len(models.ZOO)} models accepted, {len(specs)} modules, {jobs} jobs, "
+    print(f"\nzoo: {len(accepted)} models and TP ranks accepted, {len(specs)} modules, {jobs} jobs, "
           f"cache {sm90a}", flush=True)
     start = time.perf_counter()
     results = kernels.build_many(specs, archs=ARCHS, jobs=jobs, quiet=True)
@@ -92,3 +93,14 @@ def test_cli_builds_one_model_into_the_zoo_cache(sm90a):
     assert len(lines) == len(specs)
     assert sorted(l.split()[1].rsplit("_", 1)[0] for l in lines) == sorted(
         f"{s.family}_{s.readable_tag()}" for s in specs)
+
+
+def test_zoo_modules_include_the_tp_ranks(monkeypatch):
+    """The TP ranks whose KV heads are replicated need modules no whole model needs (StarCoder2-15B TP8: group 6)."""
+    monkeypatch.setenv(env.CUDA_ARCH_LIST, " ".join(ARCHS))
+    needed, errors = zoo_modules()
+    assert not errors
+    users = {name for _, names in needed.values() for name in names}
+    assert {"Llama-3.1-70B TP8", "Qwen2.5-32B TP4", "StarCoder2-15B TP8"} <= users
+    only_tp = [spec for spec, names in needed.values() if all(" TP" in n for n in names)]
+    assert only_tp and all("_h6" in spec.readable_tag() for spec in only_tp), [s.readable_tag() for s in only_tp]

@@ -15,6 +15,11 @@ Ampere (mma.sync) kernels, JIT-compiled from PTX by the driver on a newer GPU; F
 keeps the zoo cases (and the prebuild) to those models' configurations, e.g.
     FI_BACKEND_CUDA_ARCH_LIST=80+ptx FI_ZOO_MODELS=Llama-3.1-8B,Qwen2.5-7B,Gemma-2-9B,Phi-3-mini \
         python3 -m pytest -m gpu tests/test_zoo_gpu.py -k test_zoo_model
+
+FI_ZOO_TP=1 runs the same cases on what each rank of the large models runs under tensor parallelism
+(models.tp_slices: TP 2, 4 and 8 where the heads split, e.g. Llama-3.1-70B TP8 = 8 / 1 heads) instead of the
+whole models, and only those (FI_ZOO_MODELS still narrows them, by the whole model's name):
+    FI_ZOO_TP=1 python3 -m pytest -m gpu tests/test_zoo_gpu.py -k "test_zoo_model or test_zoo_configs_cover"
 """
 from __future__ import annotations
 
@@ -38,10 +43,10 @@ DIMS = (64, 80, 96, 128, 256)
 ODD_GROUPS = (3, 5, 7)
 
 
-def _zoo_configs():
-    """(label, Hq, Hkv, D, variant, models) for each distinct head configuration and variant of the zoo."""
+def _zoo_configs(zoo):
+    """(label, Hq, Hkv, D, variant, models) for each distinct head configuration and variant of `zoo`."""
     seen = {}
-    for m in models.ZOO:
+    for m in zoo:
         if not models.check(m)[0]:
             continue
         for v in models.variants_of(m):
@@ -51,7 +56,11 @@ def _zoo_configs():
 
 
 ONLY = [n.strip().lower() for n in os.environ.get("FI_ZOO_MODELS", "").split(",") if n.strip()]
-ZOO_CONFIGS = [c for c in _zoo_configs() if not ONLY or any(n.lower() in ONLY for n in c[5])]
+TP = os.environ.get("FI_ZOO_TP", "") == "1"
+# the whole models, or with FI_ZOO_TP=1 the ranks of the large ones ("<name> TP<n>")
+ZOO = models.tp_slices() if TP else models.ZOO
+ZOO_CONFIGS = [c for c in _zoo_configs(ZOO) if not ONLY or any(n.rsplit(" TP", 1)[0].lower() in ONLY for n in c[5])]
+NARROWED = bool(ONLY) or TP   # the group / variant sweeps (and their prebuild) are left out
 
 
 def _plan_kw(variant, Hq):
@@ -77,10 +86,10 @@ def _prebuild():
     specs = []
     for _, q, kv, d, v, _ in ZOO_CONFIGS:
         specs += _specs(v, d, "bf16", "bf16", q // kv) + _specs(v, d, "bf16", "fp8_e4m3", q // kv)
-    for d in () if ONLY else DIMS:
+    for d in () if NARROWED else DIMS:
         for g in GROUPS:
             specs += _specs(V.DEFAULT, d, "bf16", "bf16", g)
-    for g in () if ONLY else ODD_GROUPS:
+    for g in () if NARROWED else ODD_GROUPS:
         for name in _variant_names(128):
             specs += _specs(_variant_case(name, 8 * g)[1], 128, "bf16", "bf16", g)
         for q, kv in (("fp16", "fp16"), ("bf16", "fp8_e4m3"), ("bf16", "fp8_e5m2"), ("fp16", "fp8_e4m3")):
@@ -171,8 +180,16 @@ def test_zoo_configs_cover_the_zoo():
     """Every accepted zoo model's heads appear among the tested configurations (and the odd groups do)."""
     if ONLY:
         pytest.skip("FI_ZOO_MODELS keeps a part of the zoo")
-    tested = {(q, kv, d) for _, q, kv, d, _, _ in ZOO_CONFIGS}
-    for m in models.ZOO:
-        if models.check(m)[0]:
-            assert (m.num_qo_heads, m.num_kv_heads, m.head_dim) in tested, m.name
-    assert {q // kv for _, q, kv, _, _, _ in ZOO_CONFIGS} >= {3, 5, 6, 7}
+    tested = {(q, kv, d, v.name) for _, q, kv, d, v, _ in ZOO_CONFIGS}
+    for m in ZOO:
+        if not models.check(m)[0]:
+            assert not TP, f"{m.name}: {models.check(m)[1]}"   # every TP rank is one the kernels take
+            continue
+        for v in models.variants_of(m):
+            assert (m.num_qo_heads, m.num_kv_heads, m.head_dim, v.name) in tested, m.name
+    if TP:   # the ranks the issue names, and one whose KV heads are replicated (group 6, not the model's 12)
+        names = {n for c in ZOO_CONFIGS for n in c[5]}
+        assert {"Llama-3.1-70B TP8", "Qwen2.5-32B TP4", "Llama-3.1-405B TP8", "StarCoder2-15B TP8"} <= names
+        assert {(8, 1, 128), (10, 2, 128), (16, 1, 128), (6, 1, 128)} <= {t[:3] for t in tested}
+    else:
+        assert {q // kv for _, q, kv, _, _, _ in ZOO_CONFIGS} >= {3, 5, 6, 7}

@@ -75,6 +75,7 @@ from typing import Any, Optional
 import torch
 
 from fi_backend import ops as _ops
+from fi_backend.adapters import rank_device
 from fi_backend.formats import BSR
 from fi_backend.wrappers import HEAD_DIMS
 
@@ -477,6 +478,12 @@ def _make_wrapper(kernel: str, *, device, settings: LayerSettings, variant, q_dt
     return wrapper
 
 
+def _tp_words(model_runner) -> str:
+    """", tensor-parallel rank r of n" when SGLang splits the model over n > 1 GPUs, else ""."""
+    n = int(getattr(model_runner, "tp_size", 1) or 1)
+    return f", tensor-parallel rank {getattr(model_runner, 'tp_rank', '?')} of {n}" if n > 1 else ""
+
+
 def _prefill_rows(model_runner, max_requests: int) -> int:
     """Query rows an extend step may have: a prefill budget (chunked_prefill_size, max_prefill_tokens, the
     largest prefill CUDA-graph size; the context length when chunked prefill is off) plus one decode row
@@ -504,7 +511,7 @@ class _Backend:
         reasons = _refusal_reasons(model_runner, layers)
         if reasons:
             raise ValueError("fi-backend cannot run this model in SGLang: " + "; ".join(reasons))
-        self.device = torch.device(model_runner.device)
+        self.device = rank_device(model_runner.device, getattr(model_runner, "gpu_id", None))
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.page_size = int(getattr(model_runner, "page_size", 1) or 1)
@@ -535,9 +542,9 @@ class _Backend:
                                      max_requests=self._max_requests, debug=os.environ.get(DEBUG_ENV) == "1")
         self._kv_views: dict = {}
         self.forward_metadata: Optional[StepMetadata] = None
-        _log.info("fi-backend attention is active (SGLang backend %s): %d layers in %d group(s) [%s], page %d, KV %s "
-                  "(%s), KV write %s; decode + prefill kernels, one plan per step per group; CUDA graphs for decode",
-                  BACKEND_NAME, len(layers), len(self._groups), "; ".join(s.describe() for s in self._group_keys),
+        _log.info("fi-backend attention is active (SGLang backend %s) on %s%s: %d layers in %d group(s) [%s], page %d, "
+                  "KV %s (%s), KV write %s; decode + prefill kernels, one plan per step per group; CUDA graphs for "
+                  "decode", BACKEND_NAME, self.device, _tp_words(model_runner), len(layers), len(self._groups), "; ".join(s.describe() for s in self._group_keys),
                   self.page_size, str(self.kv_dtype).replace("torch.", ""), self.kv_layout, self.kv_write)
 
     # -------------------------------------------------------------------------------- setup
@@ -557,7 +564,7 @@ class _Backend:
             except Exception as e:  # a build failure or a refused shape: say which, at start-up
                 raise RuntimeError(f"fi-backend cannot run this model's attention ({what}): {e}") from e
             for name in decode.module_names + prefill.module_names:
-                _log.info("fi-backend: kernel module %s ready (%s)", name, what)
+                _log.info("fi-backend: kernel module %s ready (%s) on %s", name, what, self.device)
             groups.append(_Group(s, params, decode, prefill))
         return groups
 

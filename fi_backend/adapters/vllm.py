@@ -48,6 +48,7 @@ import torch
 
 from fi_backend import ops as _ops
 from fi_backend import variants as _variants
+from fi_backend.adapters import rank_device
 from fi_backend.formats import BSR
 from fi_backend.wrappers import HEAD_DIMS
 
@@ -153,13 +154,13 @@ def check_errors() -> None:
     _ops.check_append_errors()
 
 
-def _log_active(settings: "_GroupSettings", page_size: int, num_layers: int) -> None:
+def _log_active(settings: "_GroupSettings", page_size: int, num_layers: int, where: str) -> None:
     global _logged_active
     if not _logged_active:
         _logged_active = True
-        _log.info("fi-backend attention is active (vLLM backend %s): %d layers, %d query / %d KV heads, head_dim %d, "
-                  "page %d, KV %s, variant %s; decode + prefill kernels, one plan per step; CUDA graphs for "
-                  "uniform (decode) batches", BACKEND_NAME, num_layers, settings.num_qo_heads, settings.num_kv_heads,
+        _log.info("fi-backend attention is active (vLLM backend %s) on %s: %d layers, %d query / %d KV heads, head_dim "
+                  "%d, page %d, KV %s, variant %s; decode + prefill kernels, one plan per step; CUDA graphs for "
+                  "uniform (decode) batches", BACKEND_NAME, where, num_layers, settings.num_qo_heads, settings.num_kv_heads,
                   settings.head_dim, page_size, settings.kv_cache_dtype, settings.variant.name)
 
 
@@ -484,6 +485,9 @@ class _MetadataBuilder:
                              f"{kv_cache_spec.head_size}; the layers have {s.num_kv_heads} of size {s.head_dim}")
         sched = vllm_config.scheduler_config
         q_dtype = vllm_config.model_config.dtype
+        device = rank_device(device)   # vLLM passes the rank's cuda:<local rank>; an index-less one: the current
+        tp = int(getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1)
+        where = f"{device}" + (f" (one of {tp} tensor-parallel ranks)" if tp > 1 else "")
         common = dict(device=device, num_qo_heads=s.num_qo_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                       q_dtype=q_dtype, kv_dtype=_kv_torch_dtype(s.kv_cache_dtype, q_dtype),
                       page_size=kv_cache_spec.block_size, variant=s.variant, max_requests=sched.max_num_seqs)
@@ -498,13 +502,13 @@ class _MetadataBuilder:
         except Exception as e:  # a build failure or a refused shape: say which model shape, at start-up
             raise RuntimeError(f"fi-backend cannot run this model's attention ({what}): {e}") from e
         for name in decode.module_names + prefill.module_names:
-            _log.info("fi-backend: kernel module %s ready (%s)", name, what)
+            _log.info("fi-backend: kernel module %s ready (%s) on %s", name, what, where)
         params = dict(s.plan_params)
         if "alibi_slopes" in params:  # a device tensor made once: captured graphs read it by address
             params["alibi_slopes"] = torch.tensor(params["alibi_slopes"], dtype=torch.float32, device=device)
         self._step = _StepPlanner(decode, prefill, page_size=kv_cache_spec.block_size, sm_scale=s.sm_scale,
                                   variant_params=params, debug=os.environ.get("FI_BACKEND_VLLM_DEBUG") == "1")
-        _log_active(s, kv_cache_spec.block_size, len(layers))
+        _log_active(s, kv_cache_spec.block_size, len(layers), where)
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec):

@@ -16,7 +16,19 @@ each, then the comparisons, which reuse the engines' records:
     FI_SGLANG_TEST_REUSE=1 python3 -m pytest -q integration_tests/sglang
 
 With FI_SGLANG_TEST_FP8=1 the comparison with an fp8 e4m3 KV cache runs too (engines llama_*_fp8);
-FI_SGLANG_TEST_VARIANTS=0 skips the Gemma-2 one.
+FI_SGLANG_TEST_VARIANTS=0 skips the Gemma-2 one. IT_MODELS=kind,kind,... (llama, gemma2, llama70b_tp2) keeps
+the tests to those kinds, as in integration_tests/vllm.
+
+Tensor parallelism (test_tensor_parallel_logprobs_match_flashinfer, kind llama70b_tp2; collected where
+torch.cuda.device_count() >= 2, skipped otherwise): Llama-3.1-70B's shapes (64 query / 8 KV heads, head_dim
+128, hidden 8192), FI_SGLANG_TEST_LAYERS layers, tp_size=2 (each rank's attention: 32 / 4 heads), CUDA graphs
+on, engines llama70b_tp2_{flashinfer,triton,fi_backend}_graphs. Every rank's scheduler redraws its own shards
+(the load hook runs in each), seeded by name and rank, row-parallel matrices (o_proj, down_proj) scaled by
+the whole fan-in; every rank answers the dump RPC (rank r > 0 into <path>.rank<r>). NCCL runs with NVLink
+multicast off (TP_ENV in the engines' environment):
+    IT_MODELS=llama70b_tp2 python3 integration_tests/sglang/test_sglang_backend.py --engine llama70b_tp2_flashinfer_graphs
+    ... (the triton and fi_backend engines likewise, one command each), then
+    IT_MODELS=llama70b_tp2 FI_SGLANG_TEST_REUSE=1 python3 -m pytest -q integration_tests/sglang
 
 (`--list` prints the engines.) fi-backend need not be installed: SGLang finds out-of-tree backends through
 the entry-point group `sglang.srt.plugins` in every process it starts (the scheduler runs in its own
@@ -97,6 +109,12 @@ GEMMA2_9B = {
     "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": WINDOW,
     "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 256000,
 }
+# Llama-3.1-70B's config.json: Llama-3.1-8B's but for the widths and heads (64 query / 8 KV heads, head_dim 128).
+LLAMA_31_70B = {**LLAMA_31_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
+                "num_key_value_heads": 8}
+# Every TP engine's environment: NCCL without NVLink multicast (NVLS), as the GPU machines require.
+TP_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+TP2 = {"tp_size": 2}
 ENGINE_ARGS = dict(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", context_length=4096,
                    mem_fraction_static=0.5, chunked_prefill_size=512, enable_mixed_chunk=True,
                    max_running_requests=16, cuda_graph_bs_decode=[1, 2, 4, 8, 16], random_seed=0,
@@ -115,7 +133,13 @@ ENGINES = {
     "llama_flashinfer_fp8": ("flashinfer", True, "llama", ("logprobs",), FP8),
     "llama_triton_fp8": ("triton", True, "llama", ("logprobs",), FP8),
     "llama_fi_backend_fp8": ("fi_backend", True, "llama", ("logprobs",), FP8),
+    # tensor parallelism over 2 GPUs on Llama-3.1-70B's shapes (test_tensor_parallel_logprobs_match_flashinfer)
+    "llama70b_tp2_flashinfer_graphs": ("flashinfer", True, "llama70b", ("logprobs",), TP2),
+    "llama70b_tp2_triton_graphs": ("triton", True, "llama70b", ("logprobs",), TP2),
+    "llama70b_tp2_fi_backend_graphs": ("fi_backend", True, "llama70b", ("logprobs",), TP2),
 }
+KINDS = ("llama", "gemma2", "llama70b_tp2")
+SELECTED = tuple(k.strip() for k in os.environ.get("IT_MODELS", "").split(",") if k.strip()) or KINDS
 
 
 # ------------------------------------------------------------------------------------ the plugin folder
@@ -134,9 +158,15 @@ def register():
 
 def _redraw(model, *args, **kwargs):
     """Unit-variance activations: norm weights to NORM_FILL (1 for Llama's RMSNorm, 0 for Gemma's 1 + w),
-    matrices N(0, gain^2 / fan_in), deterministic per parameter name, in place."""
+    matrices N(0, gain^2 / fan_in), deterministic per parameter name (and tensor-parallel rank: each rank's
+    shards differ; row-parallel shards hold fan_in / tp of their inputs), in place."""
     import torch
     norm_fill = float(os.environ.get("FI_SGLANG_IT_NORM_FILL", "1.0"))
+    tp = int(os.environ.get("FI_SGLANG_IT_TP", "1"))
+    rank = 0
+    if tp > 1:
+        from sglang.srt.distributed import get_tensor_model_parallel_rank
+        rank = get_tensor_model_parallel_rank()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if not torch.is_floating_point(p):
@@ -145,19 +175,27 @@ def _redraw(model, *args, **kwargs):
                 p.fill_(norm_fill)
                 continue
             gen = torch.Generator(device=p.device)
-            gen.manual_seed(zlib.crc32(name.encode()))
+            gen.manual_seed(zlib.crc32((name if tp == 1 else f"{name}@{rank}").encode()))
             gain = 4.0 if "lm_head" in name else 1.0
+            fan_in = p.shape[-1] * (tp if name.endswith((".o_proj.weight", ".down_proj.weight")) else 1)
             p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype)
-                    * (gain / math.sqrt(p.shape[-1])))
+                    * (gain / math.sqrt(fan_in)))
     os.environ["FI_SGLANG_IT_REDRAWN"] = str(sum(p.numel() for p in model.parameters()))
     return model
 
 
 def _dump(self, path):
+    """Every tensor-parallel rank answers: rank 0 into `path`, rank r > 0 into <path>.rank<r>."""
     import torch
     mr = self.tp_worker.model_runner
+    rank, tp = int(getattr(self, "tp_rank", 0)), int(getattr(self, "tp_size", 1))
+    if rank:
+        path = f"{path}.rank{rank}"
+    heads = {(int(m.tp_q_head_num), int(m.tp_k_head_num), int(m.head_dim)) for m in mr.model.modules()
+             if hasattr(m, "tp_q_head_num") and hasattr(m, "tp_k_head_num")}
     rec = {"attn_backend": type(mr.attn_backend).__name__, "redrawn_parameters": int(os.environ.get(
-        "FI_SGLANG_IT_REDRAWN", "0")), "page_size": mr.page_size, "kv_cache_dtype": str(mr.kv_cache_dtype)}
+        "FI_SGLANG_IT_REDRAWN", "0")), "page_size": mr.page_size, "kv_cache_dtype": str(mr.kv_cache_dtype),
+        "tp_rank": rank, "tp_size": tp, "gpu": torch.cuda.current_device(), "heads": sorted(heads)}
     if "fi_backend.adapters.sglang" in sys.modules:
         from fi_backend.adapters import sglang as adapter
         rec["plan_counts"] = adapter.plan_counts()
@@ -207,7 +245,7 @@ def _llama_config() -> dict:
 
 def make_model_dir(kind: str) -> str:
     """A model folder with only config.json (dummy weights, no tokenizer), in /tmp."""
-    config = _llama_config() if kind == "llama" else dict(GEMMA2_9B)
+    config = {"llama": _llama_config, "llama70b": lambda: dict(LLAMA_31_70B), "gemma2": lambda: dict(GEMMA2_9B)}[kind]()
     config["num_hidden_layers"] = LAYERS
     path = Path(tempfile.mkdtemp(prefix=f"fi-sglang-{kind}-"))
     (path / "config.json").write_text(json.dumps(config, indent=1))
@@ -235,6 +273,19 @@ def dump(engine) -> dict:
     engine.collective_rpc("fi_it_dump", path=path)
     rec = json.loads(Path(path).read_text())
     os.unlink(path)
+    if rec.get("tp_size", 1) > 1:   # the other ranks' answers (written before the RPC's barrier returned)
+        rec["ranks"] = [dict(rec)]
+        for r in range(1, rec["tp_size"]):
+            other = Path(f"{path}.rank{r}")
+            for _ in range(300):
+                if other.is_file():
+                    break
+                time.sleep(0.1)
+            else:   # recorded, not raised: the engine's logprobs are still worth keeping
+                rec["ranks"].append({"tp_rank": r, "error": f"rank {r} did not answer the dump RPC in 30 s"})
+                continue
+            rec["ranks"].append(json.loads(other.read_text()))
+            other.unlink()
     return rec
 
 
@@ -336,12 +387,15 @@ def run_engine(backend: str, graphs: bool, kind: str, model: str, workloads: lis
 
 def run_engine_process(label: str) -> dict:
     """One engine of ENGINES in its own process (this file as a script); returns its record."""
-    backend, graphs, kind, workloads, _ = ENGINES[label]
+    backend, graphs, kind, workloads, extra = ENGINES[label]
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"sglang_engine_{label}.json"
     folder = plugin_folder()
-    env = dict(os.environ, FI_SGLANG_IT_NORM_FILL="0.0" if kind == "gemma2" else "1.0",
+    tp = int(extra.get("tp_size", 1))
+    env = dict(os.environ, FI_SGLANG_IT_NORM_FILL="0.0" if kind == "gemma2" else "1.0", FI_SGLANG_IT_TP=str(tp),
                PYTHONPATH=os.pathsep.join(filter(None, [str(folder), str(ROOT), os.environ.get("PYTHONPATH")])))
+    if tp > 1:
+        env.update(TP_ENV)
     cmd = [sys.executable, __file__, "--run", label, "--model", make_model_dir(kind), "--out", str(out)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
@@ -404,6 +458,11 @@ def engines():
     return get
 
 
+def _selected(kind: str) -> None:
+    if kind not in SELECTED:
+        pytest.skip(f"IT_MODELS={','.join(SELECTED)} leaves out {kind}")
+
+
 def _noise(engines, kind: str, suffix: str = "graphs") -> dict:
     """flashinfer vs triton on the same workload: what rounding alone moves."""
     fi, triton = engines(f"{kind}_flashinfer_{suffix}")["logprobs"], engines(f"{kind}_triton_{suffix}")["logprobs"]
@@ -439,6 +498,7 @@ def _against_flashinfer(engines, kind: str, name: str, suffix: str = "graphs", n
 
 @pytest.mark.gpu
 def test_llama_logprobs_match_flashinfer(engines):
+    _selected("llama")
     _against_flashinfer(engines, "llama", "llama_logprobs")
 
 
@@ -450,6 +510,7 @@ def test_gemma2_window_softcap_logprobs_match_flashinfer(engines):
     SGLang's flashinfer and triton backends disagree on these shapes by far more than rounding (4.4 nats at
     most on the H100, 2026-11-25), which makes the flashinfer bound loose; so fi_backend must also agree with
     the triton backend within the Llama kind's bound (twice its flashinfer-vs-triton distance plus the floor)."""
+    _selected("gemma2")
     record = _against_flashinfer(engines, "gemma2", "gemma2_logprobs")
     triton, run = engines("gemma2_triton_graphs"), engines("gemma2_fi_backend_graphs")
     bound = _bound(_noise(engines, "llama")["logprobs"])
@@ -466,6 +527,7 @@ def test_fp8_kv_logprobs_match_flashinfer(engines):
     every token from the fp8 cache (as vLLM's backends do, and as decode does), so its logprobs carry the
     quantization of those tokens as well. The noise is therefore the larger of flashinfer vs triton (fp8) and
     flashinfer's own fp8 vs bf16 distance, and the first differing greedy token need not be a top-5 near-tie."""
+    _selected("llama")
     fp8 = _noise(engines, "llama", "fp8")
     quant = _stats(_logprob_diffs(engines("llama_flashinfer_graphs")["logprobs"],
                                   engines("llama_flashinfer_fp8")["logprobs"]))
@@ -477,6 +539,7 @@ def test_fp8_kv_logprobs_match_flashinfer(engines):
 
 @pytest.mark.gpu
 def test_cuda_graphs_match_eager(engines):
+    _selected("llama")
     eager = engines("llama_fi_backend_eager")
     graphs = engines("llama_fi_backend_graphs")
     _check_fi_backend_ran(eager, graphs=False)
@@ -497,6 +560,7 @@ def test_long_generation_no_errors_no_leak(engines):
     """fi_backend's long run has no kernel error and grows CUDA memory no more than the triton backend does
     on the same workload (SGLang itself allocates between rounds: the radix cache keeps each round's
     sampled continuations)."""
+    _selected("llama")
     run, ref = engines("llama_fi_backend_graphs"), engines("llama_triton_graphs")
 
     def growth(long):
@@ -516,6 +580,27 @@ def test_long_generation_no_errors_no_leak(engines):
         f"CUDA memory allocated grew by {grown} bytes between identical rounds (triton backend: {ref_grown})")
     assert free_drop <= max(ref_free_drop, 0) + (128 << 20), (
         f"free GPU memory dropped by {free_drop} bytes over the rounds (triton backend: {ref_free_drop})")
+
+
+@pytest.mark.gpu
+def test_tensor_parallel_logprobs_match_flashinfer(engines):
+    """Llama-3.1-70B's shapes at tp_size 2 (module docstring), CUDA graphs on: every rank runs fi_backend with 32
+    query / 4 KV heads on its own GPU, planned its steps (decode graphs included) and met no kernel error;
+    fi_backend within 2x the flashinfer vs triton distance (plus the floor) of flashinfer."""
+    _selected("llama70b_tp2")
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"tensor parallelism over 2 GPUs needs 2, this machine has {torch.cuda.device_count()}")
+    run = engines("llama70b_tp2_fi_backend_graphs")
+    ranks = run["stats"].get("ranks", [])
+    assert len(ranks) == 2, f"{len(ranks)} ranks answered the dump RPC"
+    for r in ranks:
+        assert "error" not in r and r["attn_backend"] == "FiAttnBackend" and r["kernel_errors"] is None, r
+        assert r["plan_counts"]["prefill"] > 0 and r["plan_counts"]["decode"] > 0 and r["plan_counts"]["graph_steps"] > 0
+        assert r["heads"] == [[32, 4, 128]], r["heads"]
+    assert sorted(r["gpu"] for r in ranks) == [0, 1], [r["gpu"] for r in ranks]   # one rank per GPU
+    record = _against_flashinfer(engines, "llama70b_tp2", "tensor_parallel_llama70b_tp2")
+    _write("tensor_parallel_llama70b_tp2", {**record, "tp_size": 2, "layers": LAYERS, "ranks": ranks})
 
 
 if __name__ == "__main__":

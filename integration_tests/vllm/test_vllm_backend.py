@@ -36,8 +36,19 @@ as supported). The test also checks what vLLM handed fi-backend's layers (heads,
 windows, soft-cap), so a variant vLLM dropped cannot pass unnoticed.
 
 IT_MODELS=kind,kind,... runs only those kinds (llama: the three Llama tests; window: the sliding-window
-one; the four above), e.g. IT_MODELS=qwen2_7b,phi3_mini, so that one GPU command of at most 10 minutes
-runs a part (a kind is three engines, about 2-3 minutes).
+one; the four above; llama70b_tp2 below), e.g. IT_MODELS=qwen2_7b,phi3_mini, so that one GPU command of at
+most 10 minutes runs a part (a kind is three engines, about 2-3 minutes).
+
+Tensor parallelism (test_tensor_parallel_matches_flash_attn, kind llama70b_tp2; collected where
+torch.cuda.device_count() >= 2, skipped otherwise): Llama-3.1-70B's shapes (64 query / 8 KV heads, head_dim
+128, hidden 8192) with FI_VLLM_TEST_LAYERS layers (default 4) and tensor_parallel_size=2, so each rank's
+attention runs 32 query / 4 KV heads. Three engines, CUDA graphs on in all (FLASH_ATTN, TRITON_ATTN for the
+noise, CUSTOM); the workers are separate processes, so weights are redrawn in each worker through
+LLM.collective_rpc with a function of this file (cloudpickled by value), seeded by parameter name and rank
+(each rank's shards differ; every engine draws the same ones), row-parallel matrices (o_proj, down_proj)
+scaled by the whole fan-in; the per-rank attention settings and fi-backend's plan counts and kernel error
+flags are read the same way. NCCL runs with NVLink multicast off (TP_ENV) as the GPU machines require:
+    IT_MODELS=llama70b_tp2 python3 -m pytest -q integration_tests/vllm
 
 Weights: matrices N(0, gain^2 / fan_in), seeded by the parameter's name (so every engine of a kind draws the
 same ones), gain 4 for a separate lm_head; norm weights 1 (0 for Gemma's (1 + w) norms); biases (Qwen2's
@@ -90,6 +101,14 @@ LLAMA_31_8B = {
     "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
     "vocab_size": 128256,
 }
+# Llama-3.1-70B's config.json: Llama-3.1-8B's but for the widths and heads (64 query / 8 KV heads, head_dim 128).
+LLAMA_31_70B = {**LLAMA_31_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
+                "num_key_value_heads": 8}
+# Tensor-parallel kinds: kind -> (config, tensor_parallel_size).
+TP_KINDS = {"llama70b_tp2": (LLAMA_31_70B, 2)}
+# Every TP engine's environment: NCCL without NVLink multicast (NVLS), as the GPU machines require.
+TP_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+          "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
 WINDOW = 64      # the sliding-window model: layers alternate sliding (64 tokens) and full attention
 CONFIGS = Path(__file__).resolve().parent / "configs"
 # Other models' shapes: kind -> (config file, test sliding window, test attention soft-cap); None keeps the
@@ -101,7 +120,7 @@ SHAPES = {
     "gemma2_9b": ("gemma2_9b.json", 128, 4.0),
 }
 REAL_VARIANTS = os.environ.get("FI_VLLM_TEST_REAL_VARIANTS", "0") == "1"
-KINDS = ("llama", "window") + tuple(SHAPES)
+KINDS = ("llama", "window") + tuple(SHAPES) + tuple(TP_KINDS)
 SELECTED = tuple(k.strip() for k in os.environ.get("IT_MODELS", "").split(",") if k.strip()) or KINDS
 if set(SELECTED) - set(KINDS):
     raise ValueError(f"IT_MODELS names unknown kinds {sorted(set(SELECTED) - set(KINDS))}; known: {', '.join(KINDS)}")
@@ -136,6 +155,8 @@ def model_config(kind: str) -> dict:
                 config["attn_logit_softcapping"] = softcap
         if config["model_type"] == "gemma2":   # Gemma-2: even layers sliding, odd ones full (as transformers derives)
             config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(LAYERS)]
+    elif kind in TP_KINDS:
+        config = dict(TP_KINDS[kind][0])
     else:
         config = _llama_config()
     config["num_hidden_layers"] = LAYERS
@@ -173,26 +194,52 @@ def make_model_dir(kind: str) -> str:
     return str(path)
 
 
-def _redraw_weights(model, norm_fill: float = 1.0) -> int:
-    """Unit-variance activations (see the module docstring); deterministic per parameter name, in place
-    (CUDA graphs and compiled code keep reading the same storage). norm_fill: 1 for RMSNorm's w, 0 for
-    Gemma's 1 + w."""
+ROW_PARALLEL = (".o_proj.weight", ".down_proj.weight")   # split along their input: a rank's shard has fan_in / tp
+
+
+def _redraw_weights(model, norm_fill: float = 1.0, tp: int = 1, rank: int = 0) -> int:
+    """Unit-variance activations (see the module docstring); deterministic per parameter name (and tensor-
+    parallel rank: each rank's shards differ), in place (CUDA graphs and compiled code keep reading the same
+    storage). norm_fill: 1 for RMSNorm's w, 0 for Gemma's 1 + w."""
     import torch
+
+    def seed(name):
+        return zlib.crc32((name if tp == 1 else f"{name}@{rank}").encode())
+
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1 and name.endswith(".bias"):   # Qwen2's q/k/v biases (Llama has none)
                 gen = torch.Generator(device=p.device)
-                gen.manual_seed(zlib.crc32(name.encode()))
+                gen.manual_seed(seed(name))
                 p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype) * BIAS_STD)
                 continue
             if p.dim() == 1:   # otherwise norm weights
                 p.fill_(norm_fill)
                 continue
             gen = torch.Generator(device=p.device)
-            gen.manual_seed(zlib.crc32(name.encode()))
+            gen.manual_seed(seed(name))
             gain = 4.0 if "lm_head" in name else 1.0   # sharper next-token distributions
-            p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype) * (gain / math.sqrt(p.shape[1])))
+            fan_in = p.shape[1] * (tp if name.endswith(ROW_PARALLEL) else 1)
+            p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=p.dtype) * (gain / math.sqrt(fan_in)))
     return sum(p.numel() for p in model.parameters())
+
+
+def _rank_redraw(worker, norm_fill: float, tp: int) -> int:
+    """_redraw_weights in one tensor-parallel worker (LLM.collective_rpc)."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+    return _redraw_weights(worker.get_model(), norm_fill, tp, get_tensor_model_parallel_rank())
+
+
+def _rank_attention_layers(worker) -> dict:
+    return _attention_layers(worker.get_model())
+
+
+def _rank_fi_backend(worker) -> dict:
+    """fi-backend's plan counts in one worker, after raising if one of its kernels met an out-of-range index."""
+    import torch
+    from fi_backend.adapters import vllm as adapter
+    adapter.check_errors()
+    return {"plan_counts": adapter.plan_counts(), "device": str(torch.cuda.current_device())}
 
 
 def _attention_layers(model) -> dict:
@@ -280,24 +327,31 @@ def workload_long(llm, rounds: int = 3, token_hi: int = 120000) -> dict:
             "max_steps_lower_bound": max(out_lens), "memory": memory, "seconds": seconds}
 
 
-def run_engine(backend: str, graphs: bool, model: str, workloads: list, out: str) -> None:
+def run_engine(backend: str, graphs: bool, model: str, workloads: list, out: str, tp: int = 1) -> None:
     import torch
     import vllm
     from vllm import LLM
     config = json.loads(Path(model, "config.json").read_text())
     options = workload_options(config)
     record = {"backend": backend, "graphs": graphs, "model": config, "workload_options": options,
-              "vllm": vllm.__version__, "torch": torch.__version__, "device": torch.cuda.get_device_name()}
+              "vllm": vllm.__version__, "torch": torch.__version__, "tensor_parallel_size": tp}
+    if tp == 1:   # with TP the workers own the GPUs: CUDA stays uninitialised here until they are up
+        record["device"] = torch.cuda.get_device_name()
     if backend == "CUSTOM":
         from importlib.metadata import entry_points
         import fi_backend
         installed = any(ep.value == "fi_backend.adapters.vllm:register"
                         for ep in entry_points(group="vllm.general_plugins"))
         record.update(fi_backend=fi_backend.__version__, entry_point_installed=installed)
+        if not installed and tp > 1:
+            raise RuntimeError("tensor parallelism: vLLM's worker processes find fi-backend through its entry point "
+                               "(vllm.general_plugins); install the wheel first (.ci/gpu vllm-it does)")
         if not installed:   # a source checkout: register by hand (the engine runs in this process)
             from fi_backend.adapters.vllm import register
             register()
     kwargs = dict(ENGINE_ARGS, max_model_len=options["max_model_len"])
+    if tp > 1:
+        kwargs["tensor_parallel_size"] = tp
     if graphs:
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": CAPTURE_SIZES}
     else:
@@ -307,8 +361,15 @@ def run_engine(backend: str, graphs: bool, model: str, workloads: list, out: str
     record["engine_start_s"] = time.perf_counter() - t0
     record["cudagraph_mode"] = str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)
     norm_fill = 0.0 if config["model_type"].startswith("gemma") else 1.0
-    record["parameters"] = llm.apply_model(functools.partial(_redraw_weights, norm_fill=norm_fill))[0]
-    record["attention"] = llm.apply_model(_attention_layers)[0]
+    if tp > 1:   # workers in their own processes: this file's functions travel by value (cloudpickle)
+        record["device"] = torch.cuda.get_device_name(0)
+        record["parameters_per_rank"] = llm.collective_rpc(_rank_redraw, args=(norm_fill, tp))
+        record["parameters"] = sum(record["parameters_per_rank"])
+        record["attention_per_rank"] = llm.collective_rpc(_rank_attention_layers)
+        record["attention"] = record["attention_per_rank"][0]
+    else:
+        record["parameters"] = llm.apply_model(functools.partial(_redraw_weights, norm_fill=norm_fill))[0]
+        record["attention"] = llm.apply_model(_attention_layers)[0]
     for name in workloads:
         t0 = time.perf_counter()
         if name == "logprobs":
@@ -316,7 +377,10 @@ def run_engine(backend: str, graphs: bool, model: str, workloads: list, out: str
         else:
             record[name] = workload_long(llm, token_hi=options["token_hi"])
         record[name + "_s"] = time.perf_counter() - t0
-    if backend == "CUSTOM":
+    if backend == "CUSTOM" and tp > 1:
+        record["fi_backend_per_rank"] = llm.collective_rpc(_rank_fi_backend)
+        record["plan_counts"] = record["fi_backend_per_rank"][0]["plan_counts"]
+    elif backend == "CUSTOM":
         from fi_backend.adapters import vllm as adapter
         record["plan_counts"] = adapter.plan_counts()
         adapter.check_errors()   # raises if a kernel met an out-of-range KV index or slot
@@ -359,8 +423,11 @@ def engines():
             out = RESULTS / f"vllm_engine_{label}.json"
             env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+            tp = TP_KINDS[kind][1] if kind in TP_KINDS else 1
+            if tp > 1:
+                env.update(TP_ENV)
             cmd = [sys.executable, __file__, "--backend", backend, "--model", models[kind], "--out", str(out),
-                   "--workloads", ",".join(workloads)] + (["--graphs"] if graphs else [])
+                   "--workloads", ",".join(workloads), "--tp", str(tp)] + (["--graphs"] if graphs else [])
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
             (RESULTS / f"vllm_engine_{label}.log").write_text(proc.stdout + proc.stderr)
@@ -536,6 +603,51 @@ def test_model_shapes_match_flash_attn(engines, kind):
     assert max(gen, default=0.0) <= bound["max"], (gen, bound)
 
 
+@pytest.mark.gpu
+def test_tensor_parallel_matches_flash_attn(engines):
+    """Llama-3.1-70B's shapes at tensor_parallel_size 2 (module docstring), CUDA graphs on: each rank was handed
+    32 query / 4 KV heads, planned its own steps and met no kernel error; CUSTOM within 2x the TRITON_ATTN vs
+    FLASH_ATTN distance (plus the floor) of FLASH_ATTN, all three with graphs."""
+    _selected("llama70b_tp2")
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"tensor parallelism over 2 GPUs needs 2, this machine has {torch.cuda.device_count()}")
+    kind = "llama70b_tp2"
+    config, tp = TP_KINDS[kind]
+    fa = engines("FLASH_ATTN", graphs=True, kind=kind)
+    triton = engines("TRITON_ATTN", graphs=True, kind=kind)
+    custom = engines("CUSTOM", graphs=True, kind=kind)
+    assert "FULL" in custom["cudagraph_mode"], custom["cudagraph_mode"]
+    per_rank = custom["attention_per_rank"]
+    assert len(per_rank) == tp
+    heads = [{(r["num_heads"], r["num_kv_heads"], r["head_size"]) for r in layers.values()} for layers in per_rank]
+    want = {(config["num_attention_heads"] // tp, config["num_key_value_heads"] // tp, 128)}
+    assert heads == [want] * tp, f"each rank's attention layers: {heads}, expected {want}"
+    assert all(r["impl"].startswith("fi_backend.") for layers in per_rank for r in layers.values())
+    ranks = custom["fi_backend_per_rank"]
+    assert len(ranks) == tp and all(r["plan_counts"]["decode"] > 0 and r["plan_counts"]["prefill"] > 0 for r in ranks)
+    assert sorted(r["device"] for r in ranks) == [str(i) for i in range(tp)], ranks   # one rank per GPU
+    noise = _stats(_logprob_diffs(fa["logprobs"], triton["logprobs"]))
+    bound = _bound(noise)
+    got = _stats(_logprob_diffs(fa["logprobs"], custom["logprobs"]))
+    gen, compared, total = _generation_diffs(fa["logprobs"], custom["logprobs"])
+    values = [x for lp in fa["logprobs"]["prompt_logprobs"] for x in lp]
+    mean = sum(values) / len(values)
+    spread = math.sqrt(sum((x - mean) ** 2 for x in values) / len(values))
+    _write("tensor_parallel_llama70b_tp2", {
+        "kind": kind, "tensor_parallel_size": tp, "layers": LAYERS, "heads_per_rank": sorted(want),
+        "noise_triton_vs_fa": noise, "bound": bound, "custom_vs_fa": got,
+        "generation": {**_stats(gen), "compared": compared, "generated": total}, "fa_prompt_logprob_std": spread,
+        "cached_tokens": custom["logprobs"]["prefix_hit_cached_tokens"], "fi_backend_per_rank": ranks,
+        "engine_start_s": {"FLASH_ATTN": fa["engine_start_s"], "TRITON_ATTN": triton["engine_start_s"],
+                           "CUSTOM": custom["engine_start_s"]},
+        "wall_s": {"FLASH_ATTN": fa["wall_s"], "TRITON_ATTN": triton["wall_s"], "CUSTOM": custom["wall_s"]}})
+    assert min(custom["logprobs"]["prefix_hit_cached_tokens"]) >= 16, "the prefix-cache prompts did not hit the cache"
+    assert spread > 0.5, "degenerate model: prompt logprobs too uniform to tell attention apart"
+    assert got["max"] <= bound["max"] and got["mean"] <= bound["mean"], (got, bound)
+    assert max(gen, default=0.0) <= bound["max"], (gen, bound)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="one vLLM engine run (used by the tests above)")
     parser.add_argument("--backend", required=True)
@@ -543,5 +655,6 @@ if __name__ == "__main__":
     parser.add_argument("--out", required=True)
     parser.add_argument("--workloads", default="logprobs")
     parser.add_argument("--graphs", action="store_true")
+    parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     a = parser.parse_args()
-    run_engine(a.backend, a.graphs, a.model, a.workloads.split(","), a.out)
+    run_engine(a.backend, a.graphs, a.model, a.workloads.split(","), a.out, a.tp)
