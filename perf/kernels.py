@@ -458,7 +458,6 @@ class Anchors:
         self._fi_ragged: dict = {}
         self.fi_paged_state: dict = {}
         self._flex = None
-        self.flex_first_call_s: dict = {}
         self.vllm_func, reason = (None, "skipped (--no-vllm)") if a.no_vllm else _vllm_fa3()
         if reason:
             self.broken["vllm_fa3"] = reason
@@ -535,7 +534,8 @@ def run_decode(cell: dict, ctx: Anchors, rounds: int, rep: int) -> dict:
     from perf import decode as dec
     from perf.common import rotating
     kv_dtype = torch.float8_e4m3fn if cell["kv_dtype"] == "fp8_e4m3" else dec.DTYPE
-    case = dec.Case(cell["kv_lens"], cell["page_size"], kv_dtype=kv_dtype, seed=len(cell["kv_lens"]) * 7919 + cell["kv_len"])
+    case = dec.Case(cell["kv_lens"], cell["page_size"], kv_dtype=kv_dtype,
+                    seed=len(cell["kv_lens"]) * 7919 + cell["kv_len"])
     label = f"decode {cell['cell']}"
 
     def timed(fn, setup):   # next KV set each call
