@@ -588,3 +588,13 @@ def main(argv, engine: Engine, doc: str, child) -> int:
             f"median TTFT {_fmt(x['median_ttft'], '.3f')}")
     ok = any(res.get("runs") for res in results.values())
     return 0 if ok else 1
+
+
+def entry_point(engine: Engine, doc: str, unavailable, serve):
+    """A bench's main(argv=None): the parent's command line, and its --child mode running one backend."""
+    def child(plan_path, backend, out_path):
+        return child_main(plan_path, backend, out_path, engine, unavailable, serve)
+
+    def main_(argv=None) -> int:
+        return main(argv, engine, doc, child)
+    return main_

@@ -156,12 +156,7 @@ async def _serve(plan: dict, backend: str, result: dict, out_path: Path, t_child
         engine.shutdown()
 
 
-def child_main(plan_path: str, backend: str, out_path: str) -> int:
-    return S.child_main(plan_path, backend, out_path, ENGINE, backend_unavailable, _serve)
-
-
-def main(argv=None) -> int:
-    return S.main(argv, ENGINE, __doc__, child_main)
+main = S.entry_point(ENGINE, __doc__, backend_unavailable, _serve)
 
 
 if __name__ == "__main__":
