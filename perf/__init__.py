@@ -1,1 +1,1 @@
-"""Benchmarks: each script prints its figures and, where it says so, writes JSON to perf/results/."""
+"""The benchmark suite: `python -m perf COMMAND` (perf/__main__.py); results and their index in perf/results/."""

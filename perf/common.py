@@ -1,4 +1,5 @@
-"""What every GPU benchmark here shares: timing with CUDA events, the copy-rate ceiling, and results JSON.
+"""What every GPU benchmark here shares: timing with CUDA events (alternating rounds), the copy-rate ceiling,
+output checks and results JSON.
 
 Results carry device, date, commit, our figure, the anchor's figure from the same run and their ratio.
 The commit comes from `git rev-parse HEAD`, or from FI_COMMIT where the tree travels without .git (the
@@ -15,6 +16,11 @@ import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+TIMED_BUDGET_S = 3.0   # timed calls of one figure, seconds at most (long calls get fewer repeats)
+
+
+def log(msg) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
 def commit() -> str:
@@ -33,6 +39,12 @@ def device_info() -> dict:
     p = torch.cuda.get_device_properties(0)
     return {"name": p.name, "sms": p.multi_processor_count, "l2_bytes": getattr(p, "L2_cache_size", None),
             "torch": torch.__version__, "cuda": torch.version.cuda}
+
+
+def stamp() -> dict:
+    """What every result records about where and when it ran."""
+    return {"device": device_info(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": commit()}
 
 
 _SLEEP_US_PER_MCYCLE = None
@@ -107,6 +119,57 @@ def time_us(fn, *, warmup: int = 10, rep: int = 100, setup=None, max_queue_us: f
             "rep": rep}
 
 
+def timed_reps(estimate_us: float, rep: int, budget_s: float = TIMED_BUDGET_S, minimum: int = 10) -> int:
+    """Repeats for time_us: `rep`, fewer when one call is long, so that a figure takes about budget_s."""
+    if estimate_us <= 0:
+        return rep
+    return max(min(minimum, rep), min(rep, int(budget_s * 1e6 / estimate_us)))
+
+
+def measure(fn, rep: int) -> dict:
+    """time_us with repeats scaled to the call's length (one untimed call, then one timed, for the estimate)."""
+    import time
+
+    import torch
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time_us(fn, rep=timed_reps((time.perf_counter() - t0) * 1e6, rep))
+
+
+def time_rounds(fns: dict, rounds: int, rep: int, on_round=None) -> dict:
+    """{label: [median us, one a round]}: each fn timed once a round, in order, the rounds one after another,
+    so the figures compared within a round were taken seconds apart (a shape's time moves by up to 8% within
+    minutes on an H100). on_round(i, times) after each round (progress)."""
+    times = {k: [] for k in fns}
+    for i in range(rounds):
+        for k, f in fns.items():
+            times[k].append(measure(f, rep)["median_us"])
+        if on_round:
+            on_round(i, times)
+    return times
+
+
+def rotating(run, sets):
+    """fn() that calls run(i) with the next input set each call (host-side bookkeeping only: time_us times the
+    device with the host running ahead), so that time_rounds / measure rotate sets past the L2 cache."""
+    state = {"i": 0}
+
+    def fn():
+        state["i"] = (state["i"] + 1) % sets
+        run(state["i"])
+    return fn
+
+
+def diff_stats(ours, other) -> dict:
+    """max |ours - other| and ||ours - other|| / ||other||, in float32."""
+    a, b = ours.float(), other.float()
+    d = a - b
+    return {"max_abs_diff": d.abs().max().item(), "rel_diff": (d.norm() / b.norm().clamp_min(1e-30)).item()}
+
+
 def host_us(fn, n: int = 20000) -> float:
     """Host wall time per call of fn() in microseconds, launches queued without synchronising (the median of
     five batches of n / 5 calls, after 200 warm-up calls): the host cost of a launcher where the GPU keeps up."""
@@ -147,3 +210,43 @@ def write_result(name: str, payload: dict) -> Path:
         Path(out, f"{name}.json").write_text(text)
     print(f"wrote {path}", file=sys.stderr)
     return path
+
+
+def prebuild_specs(wanted, jobs=None) -> dict:
+    """Build (or find cached) our kernel modules in parallel (kernels.build_many), so that timed runs do not build
+    them one at a time. wanted: (kernel "decode" | "prefill", variant, head_dim, kv dtype, group) tuples, bf16
+    queries; a prefill entry means every member of its tile family."""
+    import time
+
+    from fi_backend import kernels
+    from fi_backend.wrappers import decode_spec, prefill_family_size, prefill_spec
+    specs, seen = [], set()
+
+    def add(spec):
+        if spec.memo_key not in seen:
+            seen.add(spec.memo_key)
+            specs.append(spec)
+    for kernel, variant, d, kv, group in wanted:
+        if kernel == "decode":
+            add(decode_spec(variant, d, "bf16", kv, group))
+        else:
+            for m in range(prefill_family_size(d, kv)):
+                add(prefill_spec(variant, d, "bf16", kv, group, member=m))
+    if not specs:
+        return {"modules": 0, "seconds": 0.0, "errors": []}
+    jobs = jobs or min(16, os.cpu_count() or 1)
+    log(f"prebuild: {len(specs)} kernel modules, {jobs} at a time (cached ones load at once)")
+    t0 = time.perf_counter()
+    errors = []
+
+    def done(spec, res):
+        if isinstance(res, Exception):
+            errors.append(f"{spec.readable_tag()}: {type(res).__name__}: {res}")
+            log(f"  prebuild failed {spec.family} {spec.readable_tag()}: {res}")
+        else:
+            log(f"  {spec.family} {spec.readable_tag()}: "
+                + (f"built in {res.seconds:.1f} s" if getattr(res, "built", False) else "cached"))
+    kernels.build_many(specs, jobs=jobs, on_done=done)
+    secs = time.perf_counter() - t0
+    log(f"prebuild: {len(specs)} modules in {secs:.1f} s" + (f", {len(errors)} failed" if errors else ""))
+    return {"modules": len(specs), "seconds": secs, "errors": errors}

@@ -1,6 +1,6 @@
 """The model zoo's head configurations: fi-backend against FlashInfer 0.6.14, same inputs, same process.
 
-    python -m perf.zoo [--quick] [--sections decode,prefill] [--name zoo_h100] [--no-flashinfer]
+    python -m perf zoo [--quick] [--sections decode,prefill] [--name zoo_h100] [--no-flashinfer]
                        [--configs 32/8/128,28/4/128] [--merge]
 
 Sections:
@@ -21,7 +21,7 @@ Sections:
            unmasked_pairs). Bars: at head_dim 128 each group's TFLOP/s >= 0.95 of group 4's (32/8 heads) and
            >= 1.1x FlashInfer FA2's; at head_dim 96 ours >= 0.9 of vLLM FA3's TFLOP/s.
 
-Timing: perf.prefill.time_rounds (alternating rounds, ours then the anchors, each figure the median of CUDA-event
+Timing: perf.common.time_rounds (alternating rounds, ours then the anchors, each figure the median of CUDA-event
 timings, perf.common.time_us); figures are the medians of the rounds, ratios the medians of the rounds' ratios.
 Correctness: ours against the anchor on the whole batch and against a float32 reference on two requests
 (decode) or SDPA on request 0 (prefill); a relative L2 difference above 2e-2 fails the run (exit 1) after the
@@ -48,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from perf.common import RESULTS, commit, device_info, write_result
+from perf.common import RESULTS, commit, device_info, rotating, write_result
 from perf.decode import Case
 
 DTYPE = torch.bfloat16
@@ -210,6 +210,36 @@ def add_group_ratios(rows):
     return rows
 
 
+def estimate(a) -> dict:
+    """Seconds the run should take on an H100 (perf.kernels' per-cell model): {"timing_s", "jit_s" (FlashInfer's
+    JIT builds when its cache is cold), "total_s"}."""
+    from perf import kernels as K
+    total, jit = 0.0, 0.0
+    if "decode" in a.section_list:
+        configs, _ = decode_configs(parse_configs(a.configs), a.quick, a.fi_head_dims)
+        cells = parse_shapes(a.cells) if a.cells else list(QUICK_CELLS if a.quick else DECODE_CELLS)
+        pages = parse_ints(a.pages) if a.pages else list(PAGE_SIZES)
+        for c in configs:
+            anchored = c["anchor"] == "flashinfer" and not a.no_flashinfer
+            jit += K.EST_JIT_S["flashinfer_decode"] / 2 if anchored else 0.0   # one wrapper kind a config
+            for page in pages:
+                for b, L in cells:
+                    cell = {"section": "decode", "kv_dtype": "bf16", "kv_lens": [L] * b, "page_size": page,
+                            "num_qo_heads": c["num_qo_heads"], "num_kv_heads": c["num_kv_heads"],
+                            "head_dim": c["head_dim"]}
+                    total += K.estimate_cell_s(cell, a.rounds, a.rep, 1 + anchored, flex=False)
+    if "prefill" in a.section_list:
+        shapes = parse_shapes(a.prefill_shapes) if a.prefill_shapes else list(PREFILL_SHAPES)
+        for c in prefill_configs(parse_configs(a.configs), parse_configs(a.prefill_configs)):
+            impls = 1 + (not a.no_flashinfer and fi_supports(c["head_dim"], a.fi_head_dims)) + (not a.no_vllm)
+            for b, s in shapes:
+                cell = {"section": "prefill", "variant": "causal", "batch": b, "seq_len": s,
+                        "num_qo_heads": c["num_qo_heads"], "num_kv_heads": c["num_kv_heads"], "head_dim": c["head_dim"]}
+                total += K.estimate_cell_s(cell, a.rounds, a.rep, impls, flex=False)
+        jit += 0.0 if a.no_flashinfer else K.EST_JIT_S["flashinfer_fa2"]
+    return {"timing_s": total, "jit_s": jit, "total_s": total + jit}
+
+
 def decode_row_key(r):
     return (r["num_qo_heads"], r["num_kv_heads"], r["head_dim"], r["page_size"], r["batch"], r["kv_len"])
 
@@ -284,17 +314,6 @@ class DecodeCase(Case):
         super().__init__(kv_lens, page_size, sets, seed, hq=hq, hkv=hkv, d=d, device=device or DEVICE)
         self.blocks = (self.kv_lens + page_size - 1) // page_size
         self.table_cpu = self.block_table.cpu()
-
-
-def rotating(run, sets):
-    """fn() that calls run(i) with the next KV set each call (host-side bookkeeping only: time_us times the
-    device with the host running ahead), so perf.prefill.time_rounds / measure rotate sets without a setup."""
-    state = {"i": 0}
-
-    def fn():
-        state["i"] = (state["i"] + 1) % sets
-        run(state["i"])
-    return fn
 
 
 def ours_decode(case: DecodeCase):
@@ -376,7 +395,7 @@ def _check(label, stats):
 def decode_cell(a, cfg, page, b, L, fi, info):
     """(row, anchored): one decode cell, ours and (fi not None) FlashInfer in alternating rounds; anchored False
     when FlashInfer failed here (info records why; the caller drops the anchor for the config's other cells)."""
-    from perf.prefill import diff_stats, time_rounds
+    from perf.common import diff_stats, time_rounds
     hq, hkv, d, key = cfg["num_qo_heads"], cfg["num_kv_heads"], cfg["head_dim"], cfg["config"]
     case = DecodeCase(hq, hkv, d, [L] * b, page, seed=b * 7919 + L)
     fn, out, run = ours_decode(case)
@@ -494,7 +513,7 @@ def decode_section(a, with_fi, fi_reason) -> dict:
 
 def sdpa_reference_check(case, out, label) -> dict:
     """ours' request 0 against torch SDPA (causal, bf16) on the same q / k / v."""
-    from perf.prefill import diff_stats
+    from perf.common import diff_stats
     s, g = case.seq_len, case.hq // case.hkv
     q = case.q[:s].transpose(0, 1).unsqueeze(0)
     k = case.k[:s].repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)
@@ -507,7 +526,8 @@ def prefill_cell(a, cfg, b, s, fa2, vfunc, fa2_broken: dict) -> dict:
     """One prefill row: ours, FlashInfer FA2 (fa2 not None, head_dim in --fi-head-dims and not broken) and vLLM
     FA3 (vfunc not None) in alternating rounds on the same q / k / v. fa2_broken: head_dim -> why FA2 failed there
     (filled here; a failed JIT build is not retried)."""
-    from perf.prefill import Case, attention_flops, diff_stats, ours_fn, tflops, time_rounds, unmasked_pairs, vllm_fn
+    from perf.common import diff_stats, time_rounds
+    from perf.prefill import Case, attention_flops, ours_fn, tflops, unmasked_pairs, vllm_fn
     hq, hkv, d, key = cfg["num_qo_heads"], cfg["num_kv_heads"], cfg["head_dim"], cfg["config"]
     label = f"prefill {key} {b}x{s}"
     case = Case(b, s, hq, hkv, d, seed=s + 31 * hq + hkv + d)
@@ -623,39 +643,12 @@ def prefill_section(a, with_fi, fi_reason) -> dict:
 # ------------------------------------------------------------------------------------------------ prebuild
 
 def prebuild(decode_cfgs, prefill_cfgs, jobs=None) -> dict:
-    """Build (or find cached) our decode and prefill modules for the configs, in parallel (kernels.build_many),
-    so the timed sections do not build them one at a time."""
-    from fi_backend import kernels, variants
-    from fi_backend.wrappers import decode_spec, prefill_family_size, prefill_spec
-    specs, seen = [], set()
-
-    def add(spec):
-        if spec.memo_key not in seen:
-            seen.add(spec.memo_key)
-            specs.append(spec)
-    for c in decode_cfgs:
-        add(decode_spec(variants.DEFAULT, c["head_dim"], "bf16", "bf16", c["group"]))
-    for c in prefill_cfgs:
-        for m in range(prefill_family_size(c["head_dim"], "bf16")):
-            add(prefill_spec(variants.DEFAULT, c["head_dim"], "bf16", "bf16", c["group"], member=m))
-    if not specs:
-        return {"modules": 0, "seconds": 0.0, "errors": []}
-    jobs = jobs or min(16, os.cpu_count() or 1)
-    log(f"prebuild: {len(specs)} kernel modules, {jobs} at a time (cached ones load at once)")
-    t0 = time.perf_counter()
-    errors = []
-
-    def done(spec, res):
-        if isinstance(res, Exception):
-            errors.append(f"{spec.readable_tag()}: {type(res).__name__}: {res}")
-            log(f"  prebuild failed {spec.family} {spec.readable_tag()}: {res}")
-        else:
-            log(f"  {spec.family} {spec.readable_tag()}: "
-                + (f"built in {res.seconds:.1f} s" if getattr(res, "built", False) else "cached"))
-    kernels.build_many(specs, jobs=jobs, on_done=done)
-    secs = time.perf_counter() - t0
-    log(f"prebuild: {len(specs)} modules in {secs:.1f} s" + (f", {len(errors)} failed" if errors else ""))
-    return {"modules": len(specs), "seconds": secs, "errors": errors}
+    """Our decode and prefill modules for the configs, built (or found cached) in parallel first."""
+    from fi_backend import variants
+    from perf.common import prebuild_specs
+    return prebuild_specs([("decode", variants.DEFAULT, c["head_dim"], "bf16", c["group"]) for c in decode_cfgs]
+                          + [("prefill", variants.DEFAULT, c["head_dim"], "bf16", c["group"]) for c in prefill_cfgs],
+                          jobs)
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -730,7 +723,7 @@ def write_report(json_path) -> Path:
 # ------------------------------------------------------------------------------------------------ main
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m perf.zoo", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m perf zoo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
                     help=f"decode: the configs of {', '.join(QUICK_MODELS)} at 64x2047 only; 3 rounds, 50 repeats")
@@ -789,6 +782,9 @@ def main(argv=None):
     if a.report:
         write_report(a.report)
         return 0
+    est = estimate(a)
+    log(f"estimate: about {est['timing_s']:.0f} s of timing on an H100, plus up to {est['jit_s']:.0f} s of FlashInfer "
+        f"JIT builds when its cache is cold ({est['total_s'] / 60:.1f} min in all)")
     t0 = time.perf_counter()
     with_fi, fi_reason = not a.no_flashinfer, "--no-flashinfer" if a.no_flashinfer else None
     if with_fi:

@@ -1,5 +1,6 @@
-"""perf/e2e without a GPU or vLLM: serving metrics against straightforward numpy, workload sampling, the
-report/merge path, and the parent/child plumbing on a backend that is unavailable here.
+"""perf/e2e without a GPU, vLLM or SGLang: serving metrics against straightforward numpy, workload sampling, the
+report/merge path, and the parent/child plumbing of both benches on a backend that is unavailable here and on
+fake vllm / sglang packages whose engines stream tokens on a timer.
 
 The metric reference below restates vLLM 0.26.0's definitions (vllm/benchmarks/lib/endpoint_request_func.py
 and vllm/benchmarks/serve.py calculate_metrics) loop by loop, independently of perf/e2e/metrics.py.
@@ -17,6 +18,8 @@ import pytest
 
 from perf import sharegpt as sg
 from perf.e2e import metrics as M
+from perf.e2e import serving as S
+from perf.e2e import sglang_bench as SG
 from perf.e2e import vllm_bench as B
 from perf.e2e import workload as W
 
@@ -224,9 +227,9 @@ def test_parsers():
     for bad in ("x", "sharegpt=0", "nope=3"):
         with pytest.raises(ValueError):
             W.parse_num_prompts(bad, ds)
-    assert B.parse_backends("custom,FLASH_ATTN,custom") == ["CUSTOM", "FLASH_ATTN"]
+    assert S.parse_backends("custom,FLASH_ATTN,custom", B.ENGINE) == ["CUSTOM", "FLASH_ATTN"]
     with pytest.raises(ValueError, match="accepted: CUSTOM, FLASH_ATTN"):
-        B.parse_backends("FA3")
+        S.parse_backends("FA3", B.ENGINE)
     assert W.rate_label(math.inf) == "inf" and W.rate_label(4.0) == "4" and W.rate_label(0.5) == "0.5"
 
 
@@ -260,7 +263,7 @@ def fake_result(rates, backends, itl, ttft, date="2026-01-01T00:00:00+00:00"):
                 "enforce_eager": False, "sampling": "greedy"}
     model = {"config_source": "x", "num_hidden_layers": 2, "architectures": ["LlamaForCausalLM"]}
     res = {b: {"status": "ok", "startup_s": 50.0, "runs": [r for r in runs if r["backend"] == b]} for b in backends}
-    out = B.assemble(settings, model, {"name": "H100"}, res, "0.26.0")
+    out = S.assemble(B.ENGINE, settings, model, {"name": "H100"}, res, "0.26.0")
     out["date"] = date
     return out
 
@@ -279,9 +282,9 @@ def test_ratios_bar_markdown_and_merge(tmp_path, monkeypatch):
     assert not checks["median ITL <= 0.85 x TRITON_ATTN (sharegpt @ inf)"]     # 10 / 11.5 = 0.87
     assert checks["median TTFT <= 1.05 x FLASH_ATTN (sharegpt @ 8)"]
     assert not r["bar"]["all_pass"]
-    md = B.markdown(r)
+    md = S.markdown(r, B.ENGINE)
     assert "| 8 | CUSTOM |" in md and "NOT met" in md and "0.909" in md
-    p = B.write_outputs(r, "t1")
+    p = S.write_outputs(r, "t1", B.ENGINE)
     assert p == tmp_path / "t1.json" and (tmp_path / "t1.md").exists()
     assert json.loads(p.read_text())["ratios"] == json.loads(json.dumps(r["ratios"]))
 
@@ -290,7 +293,7 @@ def test_ratios_bar_markdown_and_merge(tmp_path, monkeypatch):
     r2 = fake_result(["inf", "16"], ["CUSTOM", "TRITON_ATTN"], itl2, ttft, date="2026-01-02T00:00:00+00:00")
     p2 = tmp_path / "t2.json"
     p2.write_text(json.dumps(r2))
-    out = json.loads(B.merge([str(p), str(p2)], "merged").read_text())
+    out = json.loads(S.merge([str(p), str(p2)], "merged", B.ENGINE).read_text())
     assert out["settings"]["rates"] == ["8", "16", "inf"]
     keys = {(x["rate"], x["backend"]) for x in out["runs"]}
     assert len(keys) == len(out["runs"]) == 3 * 2 + 2
@@ -402,7 +405,8 @@ def test_parent_and_child_with_a_fake_engine(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(out))
     monkeypatch.setenv("PYTHONPATH", f"{fake}:{B.REPO}")
     monkeypatch.setenv("FAKE_VLLM_ARGS", str(tmp_path / "args.json"))
-    rc = B.main(["--smoke", "--backends", "FLASH_ATTN", "--rates", "inf", "--warmup", "2", "--name", "fake"])
+    rc = B.main(["--smoke", "--backends", "FLASH_ATTN", "--rates", "inf", "--warmup", "2", "--name", "fake",
+                 "--tp", "2"])
     assert rc == 0
     r = json.loads((out / "fake.json").read_text())
     b = r["backends"]["FLASH_ATTN"]
@@ -420,6 +424,7 @@ def test_parent_and_child_with_a_fake_engine(tmp_path, monkeypatch):
     args = json.loads((tmp_path / "args.json").read_text())
     assert args["load_format"] == "dummy" and args["skip_tokenizer_init"] == "True"
     assert args["attention_backend"] == "FLASH_ATTN" and args["max_model_len"] == "18432"
+    assert args["tensor_parallel_size"] == "2" and r["settings"]["tensor_parallel_size"] == 2
     cfg = json.loads(Path(args["model"], "config.json").read_text()) if Path(args["model"]).exists() else None
     assert cfg is None            # the temporary model folder is removed after the run
     assert (out / "fake.md").exists() and "| inf | FLASH_ATTN | 16 |" in (out / "fake.md").read_text()
@@ -458,3 +463,129 @@ def test_run_requests_times_out_and_keeps_finished_requests(monkeypatch):
     assert sorted(cancelled) == ["t-1", "t-3"]     # t-5 was due at 30 s: never sent
     m = M.compute_metrics(recs, dur)
     assert m["completed"] == 3 and m["total_output"] == 9
+
+
+# ------------------------------------------------------------------------------------------------ SGLang
+
+FAKE_SGLANG = {
+    "__init__.py": """
+import asyncio, json, os
+from types import SimpleNamespace as NS
+
+class _TokenizerManager:
+    def __init__(self):
+        self.flushes = 0
+
+    async def flush_cache(self):
+        self.flushes += 1
+
+
+class Engine:
+    # cumulative output_ids and completion_tokens per chunk (SGLang's default streaming); every 5th step two tokens
+    def __init__(self, **kw):
+        log = os.environ.get("FAKE_SGLANG_ARGS")
+        if log:
+            with open(log, "w") as f:
+                json.dump(kw, f)
+        self.server_args = NS(**{**kw, "chunked_prefill_size": 8192, "page_size": 1})
+        self.tokenizer_manager = _TokenizerManager()
+        self.loop = asyncio.new_event_loop()
+
+    async def async_generate(self, input_ids=None, sampling_params=None, stream=False):
+        assert stream and sampling_params["ignore_eos"] and sampling_params["temperature"] == 0.0
+        n = sampling_params["max_new_tokens"]
+
+        async def gen():
+            await asyncio.sleep(0.005 + 1e-6 * len(input_ids))
+            done, step = 0, 0
+            while done < n:
+                k = 2 if step % 5 == 4 and n - done >= 2 else 1
+                done += k
+                step += 1
+                await asyncio.sleep(0.001 * k)
+                yield {"output_ids": [7] * done, "meta_info": {"completion_tokens": done}}
+        return gen()
+
+    def shutdown(self):
+        with open(os.environ["FAKE_SGLANG_ARGS"] + ".flushes", "w") as f:
+            f.write(str(self.tokenizer_manager.flushes))
+""",
+}
+
+
+def test_sglang_engine_kwargs_and_backends():
+    plan = {"model_dir": "/m", "settings": {"tensor_parallel_size": 4, "max_model_len": 18432, "seed": 3,
+                                            "gpu_memory_utilization": 0.8, "enforce_eager": True, "max_num_seqs": 64,
+                                            "max_num_batched_tokens": None}}
+    kw = SG.engine_kwargs(plan, "fi_backend")
+    assert kw["tp_size"] == 4 and kw["attention_backend"] == "fi_backend" and kw["load_format"] == "dummy"
+    assert kw["skip_tokenizer_init"] and kw["context_length"] == 18432 and kw["mem_fraction_static"] == 0.8
+    assert kw["disable_cuda_graph"] and kw["max_running_requests"] == 64 and "chunked_prefill_size" not in kw
+    assert S.parse_backends("FI_BACKEND,triton", SG.ENGINE) == ["fi_backend", "triton"]
+    with pytest.raises(ValueError, match="accepted: fi_backend, triton, flashinfer"):
+        S.parse_backends("CUSTOM", SG.ENGINE)
+
+
+def test_sglang_dry_run_and_tp_check(capsys):
+    assert SG.main(["--dry-run", "--smoke", "--dataset", "sharegpt,u512-2048"]) == 0
+    err = capsys.readouterr().err
+    assert "backend fi_backend" in err and "backend flashinfer: est" in err and "estimated total" in err
+    with pytest.raises(SystemExit):
+        SG.main(["--dry-run", "--tp", "0"])
+    assert "--tp must be >= 1" in capsys.readouterr().err
+
+
+def test_sglang_parent_and_child_with_a_fake_engine(tmp_path, monkeypatch):
+    """The SGLang child's request loop (cumulative streaming counted as increments), cache flushes between runs,
+    metrics and JSON, end to end through the parent, against a fake sglang package; plus ratios of fi_backend
+    against the anchors in the report of a merged pair of runs."""
+    fake = tmp_path / "fake"
+    (fake / "sglang").mkdir(parents=True)
+    (fake / "sglang" / "__init__.py").write_text(FAKE_SGLANG["__init__.py"])
+    (fake / "sglang-0.5.15.dist-info").mkdir()
+    (fake / "sglang-0.5.15.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.15\n")
+    out = tmp_path / "out"
+    monkeypatch.setenv("OUT", str(out))
+    monkeypatch.setenv("PYTHONPATH", f"{fake}:{B.REPO}")
+    monkeypatch.setenv("FAKE_SGLANG_ARGS", str(tmp_path / "args.json"))
+    rc = SG.main(["--smoke", "--backends", "triton", "--rates", "4,inf", "--warmup", "2", "--name", "sg", "--tp", "2"])
+    assert rc == 0
+    r = json.loads((out / "sg.json").read_text())
+    assert r["benchmark"] == "e2e_sglang" and r["settings"]["tensor_parallel_size"] == 2
+    b = r["backends"]["triton"]
+    assert b["status"] == "ok" and b["sglang"] == "0.5.15" and b["engine"]["tp_size"] == 2 and b["warmup_s"] > 0
+    (run,) = r["runs"]          # --smoke keeps the first rate
+    m = run["metrics"]
+    pairs = sg.load_trace(16)
+    assert (run["dataset"], run["rate"], m["completed"], m["failed"]) == ("sharegpt", "4", 16, 0)
+    assert m["total_output"] == sum(o for _, o in pairs) and m["output_len_mismatch"] == 0
+    assert 0.1 < m["multi_token_chunk_frac"] < 0.3               # one merged chunk in 4 or 5
+    args = json.loads((tmp_path / "args.json").read_text())
+    assert args["attention_backend"] == "triton" and args["tp_size"] == 2 and args["skip_tokenizer_init"]
+    assert (tmp_path / "args.json.flushes").read_text() == "1"   # one run, one flush before it
+    assert "| 4 | triton | 16 |" in (out / "sg.md").read_text() and "SGLang 0.5.15" in (out / "sg.md").read_text()
+
+    # fi_backend without its entry point is unavailable (checked before an engine starts)
+    monkeypatch.setattr(SG.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(SG.importlib.metadata, "entry_points", lambda group: [])
+    assert SG.backend_unavailable("fi_backend").startswith("fi-backend's sglang.srt.plugins entry point")
+    assert SG.backend_unavailable("triton") is None
+    monkeypatch.undo()
+
+    # ratios: fi_backend against triton, from figures made up here
+    itl = {"fi_backend": 0.010, "triton": 0.0125}
+    runs = []
+    for bk, x in itl.items():
+        mm = M.compute_metrics([M.RequestRecord(10, 3, 0.0, [0.05, 0.05 + x, 0.05 + 2 * x], [1, 1, 1])], 1.0)
+        runs.append({"dataset": "sharegpt", "rate": "8", "backend": bk, "metrics": mm})
+    res = {bk: {"status": "ok", "runs": [x for x in runs if x["backend"] == bk]} for bk in itl}
+    merged = S.assemble(SG.ENGINE, r["settings"], r["model"], {"name": "H100"}, res, "0.5.15")
+    (row,) = merged["ratios"]
+    assert row["vs"] == "triton" and row["median_itl"] == pytest.approx(0.8) and merged["bar"]["checks"] == []
+    assert "## fi_backend / anchor" in S.markdown(merged, SG.ENGINE)
+
+
+def test_sglang_bench_imports_without_sglang():
+    code = ("import sys; sys.modules['sglang'] = None; import perf.e2e.sglang_bench as b; "
+            "assert b.backend_unavailable('triton').startswith('the sglang package'); b.main(['--dry-run'])")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=B.REPO, capture_output=True)

@@ -1,6 +1,6 @@
-"""perf/prefill.py's pure helpers on the CPU: FLOP counting for masked variants (against a brute-force mask with
-the reference's semantics), repeat and batch sizing, result merging and the markdown report of a synthetic
-results JSON. The GPU sections themselves run on the GPU machine (python -m perf.prefill)."""
+"""perf/prefill.py's and perf/common.py's pure helpers on the CPU: FLOP counting for masked variants (against a
+brute-force mask with the reference's semantics), repeat and batch sizing, the paged and append pools, alternating
+rounds. The GPU runs themselves are `python -m perf kernels` on the GPU machine."""
 from __future__ import annotations
 
 import json
@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from perf import common
 from perf import prefill as pf
 
 RNG = random.Random(random.SystemRandom().randrange(2**32))
@@ -37,7 +38,7 @@ def test_unmasked_pairs_matches_brute_force(causal):
 
 
 def test_unmasked_pairs_closed_forms_at_benchmark_sizes():
-    for s in pf.FLEX_LENGTHS:
+    for s in (512, 1024, 2048, 4096, 8192, 16384):
         assert pf.unmasked_pairs(s, s) == s * (s + 1) // 2
         w = pf.WINDOW
         expect = s * (s + 1) // 2 if s <= w + 1 else (w + 1) * (w + 2) // 2 + (s - w - 1) * (w + 1)
@@ -57,11 +58,11 @@ def test_flop_conventions():
 
 
 def test_timed_reps_and_fit_batch():
-    assert pf.timed_reps(100.0, 100) == 100                # 10 ms of timed calls: all of them
-    assert pf.timed_reps(100_000.0, 100) == 30             # 100 ms calls: about 3 s
-    assert pf.timed_reps(10_000_000.0, 100) == 10          # never below the minimum
-    assert pf.timed_reps(10_000_000.0, 5) == 5             # nor above what was asked
-    assert pf.timed_reps(0.0, 40) == 40
+    assert common.timed_reps(100.0, 100) == 100                # 10 ms of timed calls: all of them
+    assert common.timed_reps(100_000.0, 100) == 30             # 100 ms calls: about 3 s
+    assert common.timed_reps(10_000_000.0, 100) == 10          # never below the minimum
+    assert common.timed_reps(10_000_000.0, 5) == 5             # nor above what was asked
+    assert common.timed_reps(0.0, 40) == 40
     assert pf.fit_batch(16, 16384, 16, 128) == 16          # 8 GiB of inputs fit the 24 GiB budget
     assert pf.fit_batch(16, 16384, 16, 128, budget_bytes=2 << 30) == 4
     assert pf.fit_batch(16, 1 << 20, 16, 128, budget_bytes=1) == 1
@@ -70,98 +71,25 @@ def test_timed_reps_and_fit_batch():
 def test_diff_stats():
     a = torch.zeros(4, 3)
     b = torch.ones(4, 3)
-    st = pf.diff_stats(a, b)
+    st = common.diff_stats(a, b)
     assert st["max_abs_diff"] == 1.0 and st["rel_diff"] == pytest.approx(1.0)
     c = b.clone().to(torch.bfloat16)
-    assert pf.diff_stats(c, b) == {"max_abs_diff": 0.0, "rel_diff": 0.0}
+    assert common.diff_stats(c, b) == {"max_abs_diff": 0.0, "rel_diff": 0.0}
 
 
 def test_user_variant_is_a_valid_variant():
     from fi_backend.variants import Variant
-    v = Variant(**pf.USER_VARIANT)
+    from perf.tools import variant_compile
+    v = Variant(**variant_compile.USER_VARIANT)
     assert not v.use_softmax and "params.scale" in v.render()["VARIANT_BODY"]
 
 
-def _flex_row(variant, s):
-    return {"variant": variant, "batch": 16, "seq_len": s, "ours_us": 100.0, "ours_tflops": 400.0, "flex_us": 130.0,
-            "flex_tflops": 300.0, "ratio_flex_over_ours": 1.3, "flex_first_call_s": 12.0,
-            "check_vs_flex": {"max_abs_diff": 1e-2, "rel_diff": 1e-3, "ok": True}}
-
-
-def _stamp():
-    return {"device": {"name": "NVIDIA H100 80GB HBM3"}, "date": "2026-11-23T00:00:00+00:00", "commit": "abc" * 14}
-
-
-def synthetic_results():
-    fa2_row = {"batch": 16, "seq_len": 1024, "num_qo_heads": 32, "num_kv_heads": 8, "ours_us": 450.0,
-               "ours_tflops": 305.0, "fi_fa2_tflops": 300.0, "ratio_fi_fa2_over_ours": 1.02,
-               "check_vs_fi_fa2": {"max_abs_diff": 7.8e-3, "rel_diff": 2e-3, "ok": True}}
-    paged_row = {"batch": 4, "seq_len": 4096, "ragged_us": 1000.0, "page16_us": 1050.0, "page16_over_ragged": 1.05,
-                 "page1_us": 1080.0, "page1_over_ragged": 1.08}
-    return {"benchmark": "prefill_test", **_stamp(),
-            "fa2": {**_stamp(), "flashinfer": "0.6.14", "vllm_fa3": "not importable", "flops": "f",
-                    "first_call_s": {"fi_fa2": 110.0, "fi_fa3": None}, "bar": "b", "rows": [fa2_row]},
-            "paged": {**_stamp(), "num_qo_heads": 32, "num_kv_heads": 32, "layout": "l", "bar": "b",
-                      "rows": [paged_row]},
-            "flex": {**_stamp(), "heads": 16, "head_dim": 128, "batch": 16, "soft_cap": 30.0, "window_left": 1024,
-                     "flops": "f", "flex": "x", "bar": "b", "rows": [_flex_row("causal", 1024)]},
-            "family": {**_stamp(), "num_qo_heads": 32, "num_kv_heads": 8, "head_dim": 128, "tiles_per_cta": 3,
-                       "members": [{"warps": 8, "mfrags": 2}, {"warps": 8, "mfrags": 1}],
-                       "rows": [{"batch": 1, "seq_len": 512, "picked_rows_per_tile": 32, "pick_us": 40.0,
-                                 "member0_us": 50.0, "member1_us": 38.0, "pick_over_fastest": 40.0 / 38.0}]},
-            "variant_compile": {**_stamp(), "variant": pf.USER_VARIANT, "build_s": 21.5, "first_run_s": 0.2,
-                                "total_s": 21.7, "bar_met": True, "bar": "b", "nvcc": "13.0", "cpus": 16,
-                                "check_vs_reference": {"max_abs_diff": 0.1, "rel_diff": 3e-3, "ok": True},
-                                "modules": [{"name": "prefill_x", "build_seconds": 21.0, "bytes": 1}]}}
-
-
-def test_report_of_a_synthetic_results_json(tmp_path):
-    path = tmp_path / "prefill_test.json"
-    path.write_text(json.dumps(synthetic_results()))
-    md = pf.write_report(path).read_text()
-    assert md.count("\n## ") == 5
-    assert "| 1x512 | 32 | 40.0 | 50.0 | 38.0 | 1.053 |" in md
-    assert "| 32/8 | 16x1024 | 450.0 | 305 | 300 | 1.020 | - | - | - | - | 7.80e-03 |" in md
-    assert "| 4x4096 | 1000.0 | 1050.0 | 1.050 | 1080.0 | 1.080 |" in md
-    assert "| causal | 16x1024 | 100.0 | 400 | 130.0 | 300 | 1.300 | 12.0 | 1.00e-02 |" in md
-    assert "| 21.5 | 0.20 | 21.7 | True |" in md
-    # a run of one section reports that section alone
-    only = {k: v for k, v in synthetic_results().items() if k not in ("fa2", "paged", "family", "variant_compile")}
-    path.write_text(json.dumps(only))
-    md = pf.write_report(path).read_text()
-    assert md.count("\n## ") == 1 and "FlexAttention" in md
-
-
-def test_merge_keeps_old_sections_and_merges_flex_rows():
-    old = synthetic_results()
-    old["flex"]["rows"] = [_flex_row("causal", 512), _flex_row("alibi", 512), _flex_row("causal", 1024)]
-    new_row = {**_flex_row("causal", 1024), "ours_us": 90.0}
-    new = {"device": {"name": "H100"}, "flex": {**_stamp(), "date": "2026-11-24", "rows": [new_row,
-                                                                                           _flex_row("alibi", 2048)]}}
-    merged = pf._merge(old, new)
-    assert merged["fa2"] is old["fa2"] and merged["variant_compile"] is old["variant_compile"]
-    assert merged["device"] == {"name": "H100"} and merged["flex"]["date"] == "2026-11-24"
-    keys = [(x["variant"], x["seq_len"]) for x in merged["flex"]["rows"]]
-    assert keys == [("causal", 512), ("causal", 1024), ("alibi", 512), ("alibi", 2048)]
-    assert [x["ours_us"] for x in merged["flex"]["rows"] if x["seq_len"] == 1024] == [90.0]
-
-
-def test_cli_rejects_unknown_sections(capsys):
-    with pytest.raises(SystemExit) as e:
-        pf.main(["--sections", "fa2,nope"])
-    assert e.value.code == 2 and "nope" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("page_size,group", [(1, 0), (16, 0), (1, 8)])
-def test_paged_pool_holds_the_ragged_kv(page_size, group):
-    """The paged section's pool, read through its BSR and through FlashInfer's CSR, gives back the ragged K/V
-    (group: pages shuffled only within groups, perf/page1_gather.py)."""
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_paged_pool_holds_the_ragged_kv(page_size):
+    """The paged pool, read through its BSR and through FlashInfer's CSR, gives back the ragged K/V."""
     from fi_backend import formats
     case = pf.Case(3, RNG.randint(1, 70), 4, 2, head_dim=16, seed=RNG.randrange(1000), device="cpu")
-    paged = pf.Paged(case, page_size, seed=RNG.randrange(1000), group=group)
-    if group:  # every page stays within its group of `group` consecutive pages
-        table = paged.table.reshape(-1)
-        assert torch.equal(table // group, torch.arange(len(table)) // group)
+    paged = pf.Paged(case, page_size, seed=RNG.randrange(1000))
     # our BSR: request i's blocks, expanded to slots of the flattened pool, are its tokens in order
     bsr = paged.bsr
     slots = []
@@ -180,36 +108,59 @@ def test_paged_pool_holds_the_ragged_kv(page_size, group):
     assert isinstance(bsr, formats.BSR) and bsr.block_width == page_size
 
 
-def test_flex_medians_per_cell(tmp_path):
-    """perf/flex_medians.py: each cell's median, min and max over runs, and the bar judged on the median."""
-    from perf import flex_medians as fm
-    cells = [("causal", 4096), ("alibi", 8192)]
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_append_case_pool(page_size):
+    """AppendCase: q rows per request, a pool that is a permutation of pages, our BSR and FlashInfer's CSR naming the
+    same pages, a last page holding the remainder; a chunk longer than the cache is refused."""
+    b, q_len = RNG.randint(1, 4), RNG.randint(1, 40)
+    kv_len = q_len + RNG.randint(0, 90)
+    case = pf.AppendCase(b, q_len, kv_len, 4, 2, head_dim=16, page_size=page_size, seed=RNG.randrange(1000),
+                         device="cpu")
+    pool = case.pool
+    blocks = -(-kv_len // page_size)
+    assert case.q.shape == (b * q_len, 4, 16) and case.indptr.tolist() == [i * q_len for i in range(b + 1)]
+    assert pool.k.shape == (b * blocks, page_size, 2, 16)
+    assert sorted(pool.table.reshape(-1).tolist()) == list(range(b * blocks))
+    assert pool.csr_indptr.tolist() == [i * blocks for i in range(b + 1)]
+    assert torch.equal(pool.csr_indices, pool.table.reshape(-1))
+    assert pool.last_page_len.tolist() == [kv_len - (blocks - 1) * page_size] * b
+    assert pool.bsr.kv_indices[:blocks].tolist() == pool.table[0].tolist()
+    assert case.shape()["kv_bytes"] == 2 * b * kv_len * 2 * 16 * 2
+    with pytest.raises(ValueError, match="q_len"):
+        pf.AppendCase(1, 9, 8, 4, 2, head_dim=16, device="cpu")
+
+
+def test_kernels_medians_per_cell(tmp_path):
+    """perf/tools/medians.py: each (cell, anchor)'s median, min and max ratio over runs."""
+    from perf.tools import medians as md
+    cells = ["32/8 4x4096", "soft_cap_30 16x1024"]
     ratios = {c: [RNG.uniform(1.1, 1.3) for _ in range(5)] for c in cells}
     paths = []
     for i in range(5):
-        rows = [{"variant": v, "batch": 16, "seq_len": s, "ratio_flex_over_ours": ratios[(v, s)][i],
-                 "ours_us": 100.0 + i, "flex_us": 100.0 * ratios[(v, s)][i]} for v, s in cells]
+        rows = [{"cell": c, "us": {"ours": 100.0 + i, "flex": 100.0 * ratios[c][i]}, "ratios": {"flex": ratios[c][i]}}
+                for c in cells]
         run = {"commit": "abc1234", "date": f"2026-11-23T0{i}:00:00", "device": {"name": "H100"},
-               "bars": {"flex_ratio_min": 1.2}, "flex": {"rows": rows}}
+               "sections": {"prefill": {"rows": rows}}}
         paths.append(tmp_path / f"r{i}.json")
         paths[-1].write_text(json.dumps(run))
-    res = fm.medians(paths)
-    assert [(x["variant"], x["seq_len"]) for x in res["rows"]] == [("causal", 4096), ("alibi", 8192)]
+    res = md.medians(paths)
+    assert [(x["cell"], x["anchor"]) for x in res["rows"]] == [(c, "flex") for c in cells]
     for x in res["rows"]:
-        r = sorted(ratios[(x["variant"], x["seq_len"])])
+        r = sorted(ratios[x["cell"]])
         assert x["ratio_median"] == r[2] and x["ratio_min"] == r[0] and x["ratio_max"] == r[4] and x["runs"] == 5
-        assert x["bar_met_by_median"] == (r[2] >= 1.2) and x["ours_us_median"] == 102.0
-    assert "| causal | 16x4096 |" in fm.markdown(res)
+        assert x["ours_us_median"] == 102.0
+    assert "| prefill | 32/8 4x4096 | flex |" in md.markdown(res)
+    assert md.medians(paths, section="decode")["rows"] == []
 
 
 def test_time_rounds_interleaves(monkeypatch):
-    """Every fn once a round, in the given order, round after round (the paged and flex sections' method)."""
+    """Every fn once a round, in the given order, round after round (perf kernels' and perf zoo's method)."""
     calls = []
-    monkeypatch.setattr(pf, "measure", lambda f, rep: {"median_us": float(f())})
+    monkeypatch.setattr(common, "measure", lambda f, rep: {"median_us": float(f())})
     labels = [f"f{i}" for i in range(RNG.randint(2, 4))]
     fns = {k: (lambda k=k: calls.append(k) or len(calls)) for k in labels}
     rounds = RNG.randint(2, 5)
     seen = []
-    times = pf.time_rounds(fns, rounds, 10, on_round=lambda i, t: seen.append(i))
+    times = common.time_rounds(fns, rounds, 10, on_round=lambda i, t: seen.append(i))
     assert calls == labels * rounds and seen == list(range(rounds))
     assert times == {k: [float(r * len(labels) + j + 1) for r in range(rounds)] for j, k in enumerate(labels)}

@@ -264,7 +264,7 @@ def test_main_flow_with_fakes(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(zoo, "ours_decode", fake_ours_decode)
     monkeypatch.setattr(zoo, "FlashInferDecode", FakeFI)
-    monkeypatch.setattr(pf, "time_rounds", fake_rounds)
+    monkeypatch.setattr(common, "time_rounds", fake_rounds)
     monkeypatch.setattr(pf, "Case", lambda *a, **k: real_case(*a, **k, device="cpu"))
     monkeypatch.setattr(pf, "ours_fn", fake_ours_fn)
     monkeypatch.setattr(pf, "FlashInferRagged", FakeRagged)
@@ -326,3 +326,20 @@ def test_prebuild_specs(monkeypatch):
     prefill_n = sum(prefill_family_size(d, "bf16") for d, g in {(c["head_dim"], c["group"]) for c in pcfg})
     assert res["modules"] == len(seen) == len(decode_keys) + prefill_n and not res["errors"]
     assert len({s.memo_key for s in seen}) == len(seen)
+
+
+def test_estimate_grows_with_the_grid():
+    def est(args):
+        e = zoo.estimate(zoo.resolve_args(args))
+        assert e["total_s"] == pytest.approx(e["timing_s"] + e["jit_s"])
+        return e
+    quick, full = est(["--quick"]), est([])
+    assert 30 < quick["total_s"] < full["total_s"]
+    one = est(["--sections", "decode", "--configs", "32/8/128", "--cells", "64x2047", "--pages", "16",
+               "--no-flashinfer"])
+    assert 0 < one["timing_s"] < quick["timing_s"] and one["jit_s"] == 0
+    more = est(["--sections", "decode", "--configs", "32/8/128", "--cells", "64x2047", "--pages", "16",
+                "--no-flashinfer", "--rounds", "10"])
+    assert more["timing_s"] > one["timing_s"]
+    # the committed zoo run (160 decode cells, 3 rounds) took 330 s with a warm FlashInfer cache
+    assert 150 < est(["--cells", "7x1001,64x2047", "--rounds", "3"])["timing_s"] < 660

@@ -1,4 +1,5 @@
-"""End-to-end serving benchmarks: vLLM with fi-backend (CUSTOM) against vLLM's own attention backends.
+"""End-to-end serving benchmarks: vLLM and SGLang with fi-backend against their own attention backends.
 
-vllm_bench runs on the GPU machine; metrics, workload and plot import without vLLM (CPU tests, reports).
+vllm_bench and sglang_bench run on the GPU machine; serving, metrics, workload and plot import without either
+engine (CPU tests, reports).
 """

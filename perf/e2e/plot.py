@@ -1,6 +1,7 @@
-"""Plot a vllm_bench result JSON: median ITL and median TTFT against request rate, one line per backend.
+"""Plot a serving result JSON (perf.e2e.vllm_bench or sglang_bench): median ITL and median TTFT against request
+rate, one line per backend.
 
-    python3 -m perf.e2e.plot perf/results/e2e_vllm.json [-o out.png]      (pip install matplotlib)
+    python -m perf plot perf/results/e2e_vllm_sharegpt_11a97a8.json [-o out.png]      (pip install matplotlib)
 
 One column per dataset; rows are median ITL, p99 ITL and median TTFT. Rates are evenly spaced labels
 ("inf" last), since an infinite rate has no place on a numeric axis.
@@ -12,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+OURS = ("CUSTOM", "fi_backend")   # fi-backend's backend in vLLM and in SGLang
 ROWS = (("median_itl_ms", "median ITL (ms)"), ("p99_itl_ms", "p99 ITL (ms)"), ("median_ttft_ms", "median TTFT (ms)"))
 
 
@@ -36,7 +38,7 @@ def plot(r: dict, path: Path | str) -> Path:
                 pts = [(k, by[(d, rate, b)][key]) for k, rate in enumerate(rates) if (d, rate, b) in by]
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=b,
-                            linewidth=2.5 if b == "CUSTOM" else 1.5)
+                            linewidth=2.5 if b in OURS else 1.5)
             ax.set_xticks(range(len(rates)), rates)
             ax.set_ylim(bottom=0)
             ax.grid(alpha=0.3)
@@ -47,7 +49,9 @@ def plot(r: dict, path: Path | str) -> Path:
             if j == 0:
                 ax.set_ylabel(label)
     axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"vLLM {r.get('vllm')} on {r['device'].get('name')}, {r['model']['num_hidden_layers']} layers, "
+    engine = str(r.get("benchmark", "e2e_vllm")).removeprefix("e2e_")
+    label = {"vllm": "vLLM", "sglang": "SGLang"}.get(engine, engine)
+    fig.suptitle(f"{label} {r.get(engine)} on {r['device'].get('name')}, {r['model']['num_hidden_layers']} layers, "
                  f"commit {str(r['commit'])[:12]}", fontsize=10)
     fig.tight_layout()
     path = Path(path)
@@ -58,7 +62,7 @@ def plot(r: dict, path: Path | str) -> Path:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("json", help="a perf.e2e.vllm_bench result JSON")
+    ap.add_argument("json", help="a perf.e2e.vllm_bench or sglang_bench result JSON")
     ap.add_argument("-o", "--output", help="PNG path (default: beside the JSON, same name)")
     a = ap.parse_args(argv)
     src = Path(a.json)

@@ -134,7 +134,7 @@ def parse_num_prompts(text: str, datasets: list[str]) -> dict[str, int]:
 # Rough H100 figures for Llama-3.1-8B (32 layers) in bf16, from ENGINES.md's runs; only for the
 # "this will take about N minutes" line printed before a run, never reported as results.
 EST_STARTUP_S = 60.0
-EST_EXTRA_STARTUP_S = {"FLASHINFER": 40.0}   # its kernels JIT-compile on first use
+EST_EXTRA_STARTUP_S = {"FLASHINFER": 40.0}   # its kernels JIT-compile on first use (either engine's spelling)
 EST_DECODE_TOK_S = 5000.0      # output tokens per second with a full batch
 EST_PREFILL_TOK_S = 15000.0    # prompt tokens per second
 EST_STEP_S = 0.012             # one decode step at moderate batch
@@ -151,4 +151,4 @@ def estimate_run_s(pairs: list[tuple[int, int]], rate: float, num_layers: int = 
 
 
 def estimate_backend_s(backend: str, runs_s: list[float], warmup_s: float = 5.0) -> float:
-    return EST_STARTUP_S + EST_EXTRA_STARTUP_S.get(backend, 0.0) + warmup_s + sum(runs_s)
+    return EST_STARTUP_S + EST_EXTRA_STARTUP_S.get(backend.upper(), 0.0) + warmup_s + sum(runs_s)

@@ -1,0 +1,1 @@
+"""One-off investigation tools kept because they still answer questions (perf/tools/README.md)."""

@@ -1,0 +1,42 @@
+"""One profiled launch (after 3 warm-ups) of ours / FlashInfer FA3 / FA2 on perf.prefill's Case, for ncu:
+
+    ncu --profile-from-start off --set full -o ours python3 -m perf.tools.ncu_prefill ours 1x16384 32 [TUNING_JSON]
+
+argv: impl (ours, fa2, fa3), BxS, KV heads (32 query heads), optionally our kernel shape as JSON."""
+import json
+import sys
+
+import torch
+
+from perf.prefill import Case, FlashInferRagged, ours_fn
+
+IMPLS = ("ours", "fa2", "fa3")
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) < 3 or argv[0] not in IMPLS:
+        print(f"usage: python3 -m perf.tools.ncu_prefill {{{','.join(IMPLS)}}} BxS KV_HEADS [TUNING_JSON]",
+              file=sys.stderr)
+        return 2
+    impl, bs, hkv = argv[0], argv[1], int(argv[2])
+    b, s = (int(x) for x in bs.split("x"))
+    case = Case(b, s, 32, hkv)
+    if impl == "ours":
+        fn, out, info = ours_fn(case, tuning=json.loads(argv[3]) if len(argv) > 3 else None)
+        print(info, flush=True)
+    else:
+        fn, out = FlashInferRagged(impl).fn(case)
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    print("done", impl, bs, hkv, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
