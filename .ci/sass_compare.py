@@ -8,7 +8,7 @@ FI_BACKEND_CACHE_DIR (the module hash covers csrc/, so the builds never share a 
 default shapes (no tuning) of decode and every prefill family member over the code paths that specs choose
 between: head sizes 64/80/96/128/256, bf16/fp16/fp8 KV, GQA groups 1..8, the built-in variants. A module is
 named by its spec's tag, which the default shapes keep across a refactor; SASS is compared after the function
-names (mangled template arguments) are masked.
+names (mangled template arguments) and the source file name (it carries the module hash) are masked.
 """
 import argparse
 import os
@@ -55,10 +55,16 @@ def _name(spec) -> str:
 
 
 _FUNCTION = re.compile(r"(Function : |\.text\.)\S+")
+_IDENTIFIER = re.compile(r"identifier = \S+")  # the rendered source's file name, which carries the module hash
+
+
+def _normalise(text: str) -> str:
+    return _IDENTIFIER.sub("identifier = <src>", _FUNCTION.sub(r"\1<fn>", text))
 
 
 def _cuobjdump() -> str:
-    """cuobjdump on PATH, beside nvcc, or from the nvidia-cuda-cuobjdump wheel (pip install nvidia-cuda-cuobjdump)."""
+    """cuobjdump on PATH, beside nvcc, or from the wheels (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm:
+    it runs nvdisasm, which it looks for beside itself through NVDISASM_PATH)."""
     found = shutil.which("cuobjdump")
     nvcc = kernels.find_nvcc()
     beside = Path(nvcc).resolve().parent / "cuobjdump" if nvcc else None
@@ -69,13 +75,14 @@ def _cuobjdump() -> str:
         wheel = None
     for path in (found, beside, wheel):
         if path and Path(path).is_file():
+            os.environ.setdefault("NVDISASM_PATH", str(Path(path).parent))
             return str(path)
-    raise SystemExit("cuobjdump not found: put it on PATH or pip install nvidia-cuda-cuobjdump")
+    raise SystemExit("cuobjdump not found: put it on PATH or pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
 
 
 def _sass(so: Path) -> str:
     text = subprocess.run([_cuobjdump(), "-sass", str(so)], check=True, capture_output=True, text=True).stdout
-    return _FUNCTION.sub(r"\1<fn>", text)
+    return _normalise(text)
 
 
 def dump(out_dir: Path, jobs: int) -> int:
@@ -96,7 +103,8 @@ def dump(out_dir: Path, jobs: int) -> int:
 def compare(old: Path, new: Path) -> int:
     names = sorted(p.name for p in old.glob("*.sass"))
     missing = [n for n in names if not (new / n).is_file()]
-    differ = [n for n in names if n not in missing and (old / n).read_text() != (new / n).read_text()]
+    differ = [n for n in names
+              if n not in missing and _normalise((old / n).read_text()) != _normalise((new / n).read_text())]
     for n in missing:
         print(f"missing in {new}: {n}")
     for n in differ:

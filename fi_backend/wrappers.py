@@ -112,26 +112,23 @@ def _blocks_by_smem(head_dim: int, kv_bytes: int, shape: dict) -> int:
     return max(1, min(4, SMEM_PER_SM // (_smem_bytes(head_dim, kv_bytes, shape) + 1024)))
 
 
+DECODE_TUNING_KEYS = frozenset({"warps", "sub", "stages"})
+PREFILL_TUNING_KEYS = frozenset({"warps", "mfrags", "tile", "stages", "step", "wgmma", "producer", "q_buffers",
+                                 "min_blocks"})
+
+
 def decode_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, group: int, *,
                 tuning: Optional[dict] = None) -> kernels.ModuleSpec:
     """The JIT module of the decode kernel for one (variant, head_dim, dtypes, GQA group).
 
-    tuning (benchmarks): overrides of warps / sub / stages, and l2_prefetch (0, 64, 128, 256 bytes)
-    / index_ahead (tiles) compiled in as FI_DECODE_L2_PREFETCH / FI_DECODE_INDEX_AHEAD."""
+    tuning (benchmarks): overrides of warps / sub / stages."""
     _check_head_dim(head_dim, variant)
     kv_bytes = 1 if kv_dtype.startswith("fp8") else 2
     shape = _kernel_shape(head_dim, kv_bytes, group, key_transform=bool(variant.key_transform))
     tuning = dict(tuning or {})
-    flags, suffix = [], ""
-    if "l2_prefetch" in tuning:
-        flags.append(f"-DFI_DECODE_L2_PREFETCH={int(tuning['l2_prefetch'])}")
-        suffix += f"_l2{int(tuning.pop('l2_prefetch'))}"
-    if "index_ahead" in tuning:
-        flags.append(f"-DFI_DECODE_INDEX_AHEAD={int(tuning['index_ahead'])}")
-        suffix += f"_ia{int(tuning.pop('index_ahead'))}"
-    unknown = set(tuning) - {"warps", "sub", "stages"}
+    unknown = set(tuning) - DECODE_TUNING_KEYS
     if unknown:
-        raise ValueError(f"unknown decode tuning keys {sorted(unknown)}")
+        raise ValueError(f"unknown decode tuning keys {sorted(unknown)}; accepted: {sorted(DECODE_TUNING_KEYS)}")
     shape.update(tuning)
     smem = _smem_bytes(head_dim, kv_bytes, shape)
     if smem > SMEM_PER_CTA:
@@ -140,9 +137,9 @@ def decode_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, gr
     config = ", ".join([str(head_dim), str(shape["rows"]), str(shape["hpc"]), _C_TYPE[q_dtype], _C_TYPE[kv_dtype],
                         str(shape["warps"]), str(shape["stages"]), str(shape["sub"])])
     tag = f"{variant.name}_{q_dtype}_{kv_dtype}_d{head_dim}_r{shape['rows']}_h{shape['hpc']}"
-    if tuning or flags:
-        tag += "_w{warps}s{stages}k{sub}".format(**shape) + suffix
-    return _attention_spec("decode", variant, config, _blocks_by_smem(head_dim, kv_bytes, shape), tag, flags)
+    if tuning:
+        tag += "_w{warps}s{stages}k{sub}".format(**shape)
+    return _attention_spec("decode", variant, config, _blocks_by_smem(head_dim, kv_bytes, shape), tag)
 
 
 # Prefill (csrc/attention/prefill.cuh): warps, m fragments (16 packed query rows) per warp, KV tokens
@@ -271,6 +268,10 @@ _PREFILL_SHAPES_WGMMA_WINDOW = {
 _PREFILL_WS_MEMBER0 = {
     128: {"plain": (8, 2, 64, 3, 64), "hooks": (12, 1, 64, 3, 64), "window": (12, 1, 64, 4, 64)},
 }
+# Forced warp-specialised shapes (tests): member 0's 12 x 1 and 8 x 2 compute warps, the rest of the shape
+# from member 0.
+PREFILL_WS_TUNINGS = {"w12": {"warps": 12, "mfrags": 1, "producer": 1},
+                      "w8m2": {"warps": 8, "mfrags": 2, "stages": 3, "producer": 1}}
 # Query buffers of a warp-specialised kernel: the sub-item running and the next one, whose query tile the
 # producer copies ahead; each released through a barrier when its sub-item ends, so the stages are free
 # to be more (8 x 2: three 32 KB stages beside two 64 KB query buffers).
@@ -336,7 +337,7 @@ def _prefill_family(head_dim: int, kv_bytes: int, wgmma: Optional[bool] = None,
     keys = ("warps", "mfrags", "tile", "stages", "step")
     family = []
     for s in table[(head_dim, kv_bytes)]:
-        shape = {**dict(zip(keys, s)), "wgmma": int(wgmma), "producer": 0, "pingpong": 0, "rowsum": int(wgmma)}
+        shape = {**dict(zip(keys, s)), "wgmma": int(wgmma), "producer": 0, "rowsum": int(wgmma)}
         family.append({**shape, "bias": int(_bias_mma_possible(variant, shape, hpc))})
     ws = _PREFILL_WS_MEMBER0.get(head_dim) if wgmma else None
     if ws:
@@ -348,8 +349,7 @@ def _prefill_family(head_dim: int, kv_bytes: int, wgmma: Optional[bool] = None,
             window = variant.mask_is_kv_range and not variant.logits_transform and "window" in ws
             names = ["window", "hooks"] if window else ["hooks"]
         for name in names:
-            shape = {**dict(zip(keys, ws[name])), "wgmma": 1, "producer": 1, "pingpong": 0, "rowsum": 1,
-                     "bias": bias}  # no ping-pong: measured above
+            shape = {**dict(zip(keys, ws[name])), "wgmma": 1, "producer": 1, "rowsum": 1, "bias": bias}
             if not _producer_blockers(variant, head_dim, kv_bytes, {**shape, "hpc": hpc}):
                 family[0] = shape
                 break
@@ -375,8 +375,10 @@ def prefill_family_shapes(head_dim: int, kv_dtype: str, wgmma: Optional[bool] = 
                           variant: Optional[Variant] = None) -> list:
     """The prefill tile family's shapes as tuning dicts, largest query tile first: Hopper's warpgroup-MMA
     family when the modules are built for sm_90a only (wgmma None: decide so), else the mma.sync one; a
-    sliding-window variant's own where it has one (_PREFILL_SHAPES_WGMMA_WINDOW)."""
-    return _prefill_family(head_dim, 1 if kv_dtype.startswith("fp8") else 2, wgmma, variant)
+    sliding-window variant's own where it has one (_PREFILL_SHAPES_WGMMA_WINDOW). Without rowsum and bias,
+    which prefill_spec derives from the shape."""
+    family = _prefill_family(head_dim, 1 if kv_dtype.startswith("fp8") else 2, wgmma, variant)
+    return [{k: v for k, v in shape.items() if k not in ("rowsum", "bias")} for shape in family]
 
 
 def prefill_family_size(head_dim: int, kv_dtype: str, tuning: Optional[dict] = None) -> int:
@@ -431,16 +433,13 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
                  tuning: Optional[dict] = None, member: int = 0) -> kernels.ModuleSpec:
     """The JIT module of the prefill kernel for one (variant, head_dim, dtypes, GQA group), tile family
     member `member` (0: the largest query tile; see _PREFILL_SHAPES_SYNC / _WGMMA).
-    tuning (benchmarks): overrides of warps / mfrags / tile / stages / step (default: min(step, tile)) / wgmma
-    (1: Hopper warpgroup MMAs, sm_90a only) / producer (1: warp-specialised, a producer warpgroup loads the
-    tiles for `warps` compute warps; wgmma, the query copy, 16-bit KV, no KeyTransform), pingpong (1: with a
-    producer and 8, 12 or 16 compute warps, the warpgroups issue their S MMAs in turn; default 0, measured
-    slower, see _PREFILL_WS_MEMBER0), rowsum (1: the softmax's row sums by warpgroup
-    MMAs, prefill::Config::kRowSumMma; wgmma only), bias (1: a variant's ALiBi by warpgroup MMAs,
-    prefill::Config::kBiasMma; default wherever _bias_mma_possible), q_buffers (1, or
-    the stages: the loader's query copy; with a producer, 2 or more; default _prefill_q_buffers's choice),
-    min_blocks (CTAs per SM the register budget is cut for; default 1: the kernel's own need), and defines
-    ({"FI_PREFILL_...": int}: csrc macros for A/B runs, e.g. FI_PREFILL_KV_VOTE, FI_PREFILL_VOTE_EVERY_TILE)."""
+    tuning (benchmarks and the tests of forced shapes): overrides of warps / mfrags / tile / stages / step
+    (default: min(step, tile)) / wgmma (1: Hopper warpgroup MMAs, sm_90a only) / producer (1: warp-specialised,
+    a producer warpgroup loads the tiles for `warps` compute warps; wgmma, the query copy, 16-bit KV, no
+    KeyTransform), q_buffers (1, or the stages: the loader's query copy; with a producer, 2 or more; default
+    _prefill_q_buffers's choice) and min_blocks (CTAs per SM the register budget is cut for; default 1: the
+    kernel's own need). The softmax's row sums go by MMA wherever there are warpgroup MMAs
+    (prefill::Config::kRowSumMma) and a variant's ALiBi wherever _bias_mma_possible (kBiasMma)."""
     _check_head_dim(head_dim, variant)
     kv_bytes = 1 if kv_dtype.startswith("fp8") else 2
     size = prefill_family_size(head_dim, kv_dtype, tuning)
@@ -449,13 +448,11 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     shape = _prefill_shape(head_dim, kv_bytes, group, member, variant)
     default_shape = dict(shape) if member == 0 else _prefill_shape(head_dim, kv_bytes, group, 0, variant)
     tuning = dict(tuning or {})
+    unknown = set(tuning) - PREFILL_TUNING_KEYS
+    if unknown:
+        raise ValueError(f"unknown prefill tuning keys {sorted(unknown)}; accepted: {sorted(PREFILL_TUNING_KEYS)}")
     min_blocks = int(tuning.pop("min_blocks", 1))
     q_buffers = tuning.pop("q_buffers", None)
-    defines = dict(tuning.pop("defines", {}))
-    unknown = set(tuning) - {"warps", "mfrags", "tile", "stages", "step", "wgmma", "producer", "pingpong", "rowsum",
-                             "bias"}
-    if unknown:
-        raise ValueError(f"unknown prefill tuning keys {sorted(unknown)}")
     shape.update(tuning)
     if shape["wgmma"] and not prefill_uses_wgmma():
         raise ValueError("tuning wgmma=1 needs modules built for sm_90a only: set FI_BACKEND_CUDA_ARCH_LIST=90a, or "
@@ -466,22 +463,8 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     why = _producer_blockers(variant, head_dim, kv_bytes, shape) if shape["producer"] else []
     if why:
         raise ValueError(f"tuning producer=1 (warp-specialised prefill) needs {', '.join(why)}; shape {shape}")
-    shape["pingpong"] = int(shape.get("pingpong", 0))
-    if shape["pingpong"] not in (0, 1):
-        raise ValueError(f"tuning pingpong must be 0 or 1, got {shape['pingpong']}")
-    if shape["pingpong"] and not (shape["producer"] and shape["warps"] in (8, 12, 16)):
-        raise ValueError(f"tuning pingpong=1 needs producer=1 and warps 8, 12 or 16 (two to four compute "
-                         f"warpgroups taking turns); shape {shape}")
-    shape["rowsum"] = int(tuning.get("rowsum", shape["wgmma"]))  # by default wherever there are warpgroup MMAs
-    if shape["rowsum"] not in (0, 1) or (shape["rowsum"] and not shape["wgmma"]):
-        raise ValueError(f"tuning rowsum must be 0 or 1, and 1 only with wgmma=1 (the softmax's row sums by warpgroup "
-                         f"MMAs); got rowsum={shape['rowsum']} with wgmma={shape['wgmma']}")
-    possible = _bias_mma_possible(variant, shape, shape["hpc"])
-    shape["bias"] = int(tuning.get("bias", possible))
-    if shape["bias"] not in (0, 1) or (shape["bias"] and not possible):
-        raise ValueError(f"tuning bias must be 0 or 1, and 1 only with wgmma=1, at most 12 warps, heads per chunk "
-                         f"dividing 8 and a variant with an alibi_slope, softmax and no logits_transform (the ALiBi "
-                         f"bias by warpgroup MMAs); got bias={shape['bias']} with shape {shape}, variant {variant.name}")
+    shape["rowsum"] = int(shape["wgmma"])  # the row sums by MMA wherever there are warpgroup MMAs
+    shape["bias"] = int(_bias_mma_possible(variant, shape, shape["hpc"]))
     smem = _prefill_smem_bytes(head_dim, kv_bytes, shape)
     if smem > SMEM_PER_CTA:
         raise ValueError(f"prefill kernel shape {shape} for head_dim {head_dim} needs {smem} bytes of shared "
@@ -504,32 +487,24 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     config = ", ".join([str(head_dim), str(shape["hpc"]), _C_TYPE[q_dtype], _C_TYPE[kv_dtype], str(shape["warps"]),
                         str(shape["mfrags"]), str(shape["tile"]), str(shape["stages"]), str(shape["step"]),
                         "true" if shape["wgmma"] else "false", str(q_buffers),
-                        "true" if shape["producer"] else "false", "true" if shape["pingpong"] else "false",
+                        "true" if shape["producer"] else "false",
                         "true" if shape["rowsum"] else "false", "true" if shape["bias"] else "false"])
     tag = f"{variant.name}_{q_dtype}_{kv_dtype}_d{head_dim}_h{shape['hpc']}"
     if shape != default_shape:  # a tuning equal to the largest member is that member's module
         tag += ("_w{warps}m{mfrags}t{tile}s{stages}k{step}".format(**shape) + ("_wg" if shape["wgmma"] else "")
-                + ("_p" if shape["producer"] else "") + ("_pp" if shape["pingpong"] else "")
-                + ("_rs" if shape["rowsum"] else "") + ("_ab" if shape["bias"] else ""))
+                + ("_p" if shape["producer"] else "") + ("_rs" if shape["rowsum"] else "")
+                + ("_ab" if shape["bias"] else ""))
     if q_buffers != chosen:
         tag += f"_q{q_buffers}"
     if min_blocks != 1:
         tag += f"_b{min_blocks}"
-    flags = []
-    for name, value in sorted(defines.items()):  # A/B runs of a csrc macro (perf/page1_gather.py)
-        if not (name.startswith("FI_PREFILL_") and name.replace("_", "").isalnum() and isinstance(value, int)):
-            raise ValueError(f"tuning defines: names FI_PREFILL_* with int values, got {name}={value!r}")
-        flags.append(f"-D{name}={value}")
-        tag += f"_{name[len('FI_PREFILL_'):].lower()}{value}"
-    return _attention_spec("prefill", variant, config, min_blocks, tag, flags)
+    return _attention_spec("prefill", variant, config, min_blocks, tag)
 
 
-def _attention_spec(kernel: str, variant: Variant, config: str, min_blocks: int, tag: str,
-                    flags: list) -> kernels.ModuleSpec:
+def _attention_spec(kernel: str, variant: Variant, config: str, min_blocks: int, tag: str) -> kernels.ModuleSpec:
     params = {"KERNEL": kernel, "CONFIG": config, "MIN_BLOCKS": str(min_blocks)}
     params.update(variant.render())
-    return kernels.ModuleSpec(family=kernel, template="attention/attention_module.cu", params=params, tag=tag,
-                              nvcc_flags=tuple(flags))
+    return kernels.ModuleSpec(family=kernel, template="attention/attention_module.cu", params=params, tag=tag)
 
 
 _SPECS = {"decode": decode_spec, "prefill": prefill_spec}

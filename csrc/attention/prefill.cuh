@@ -112,7 +112,7 @@ using namespace attn;  // Params, Work, TileRecord, Loader, Epilogue (shared.cuh
 
 template <int kHeadDim_, int kHeadsPerChunk_, class DQ_, class DKV_, int kWarps_, int kMFrags_, int kTileKv_,
           int kStages_, int kStepKv_, bool kWgmma_ = false, int kQBuffers_ = 1, bool kProducer_ = false,
-          bool kPingPong_ = false, bool kRowSumMma_ = false, bool kBiasMma_ = false>
+          bool kRowSumMma_ = false, bool kBiasMma_ = false>
 struct Config {
   using DQ = DQ_;
   using DKV = DKV_;
@@ -129,13 +129,6 @@ struct Config {
   // warps never wait for each other per tile. setmaxnreg moves registers from the producer to them.
   static constexpr bool kProducer = kProducer_;
   static constexpr int kLaunchThreads = kThreads + (kProducer ? 128 : 0);
-  // Ping-pong (FA3's inter-warpgroup schedule): the compute warpgroups issue their S = Q K^T MMAs in
-  // turn, one compute step each, through named barriers (kPingPongBar + warpgroup), so one warpgroup's
-  // softmax runs while the next one's MMAs occupy the tensor cores instead of all of them meeting in
-  // the softmax with the tensor cores idle. Every warpgroup takes its turn at every step of every
-  // tile, skipped steps included (a named barrier needs equal counts).
-  static constexpr bool kPingPong = kPingPong_;
-  static constexpr int kPingPongBar = 10;  // 10 .. 10 + warpgroups - 1 (8: compute side, 9: the producer)
   // The softmax's row sums by the tensor cores (wgmma): P . ones [kStep x 8] beside each P.V, one m64n8
   // MMA a 16-token k step, instead of an FADD a probability in the compute warps (64 of their 576
   // instructions a 64-token step at 8 x 2, perf/results/prefill_ncu_45.md). The sum is then of the P the
@@ -229,7 +222,8 @@ struct Config {
   static constexpr int kBarriersAt = kRowOffsetsAt + 2 * kTile * 8 + (kProducer ? 32 : 0);
   // full[kStages], empty[kStages], qempty[kQBuffers] mbarriers
   static constexpr int kSmemBytes = kBarriersAt + (kProducer ? 16 * kStages + 8 * kQBuffers : 0);
-  static constexpr int kBiasBar = kPingPongBar + kWarps / 4;  // + warpgroup: bias_setup's (after ping-pong's)
+  // Named barriers: 8 the compute side's, 9 the producer's; bias_setup's kBiasBar + warpgroup.
+  static constexpr int kBiasBar = 10 + kWarps / 4;
   static_assert(sizeof(TileRecord) % 8 == 0 && kRecordsAt % 16 == 0, "tile records, row offsets: 8-byte aligned");
 
   static_assert(kHeadDim == 64 || kHeadDim == 80 || kHeadDim == 96 || kHeadDim == 128 || kHeadDim == 256,
@@ -247,8 +241,6 @@ struct Config {
   static_assert(!kProducer || (kWgmma && kQBuffers >= 2 && !kFp8),
                 "warp-specialised: wgmma, the loader's query copy, 16-bit KV (no conversion pass)");
   static_assert(kChunksPerRow >= 4, "rows of at least 64 bytes");
-  static_assert(!kPingPong || (kProducer && kWarps >= 8 && kWarps <= 16),
-                "ping-pong: warp-specialised, two to four compute warpgroups");
   static_assert(!kWgmma || (kWarps % 4 == 0 && (kStep == 32 || kStep == 64 || kStep == 128 || kStep == 256)),
                 "wgmma: whole warpgroups, a compute step of 32, 64, 128 or 256 tokens (the MMA's n)");
 
@@ -783,13 +775,11 @@ struct Kernel {
     float s[kMF][kNTiles][4];
     if constexpr (kWgmma) {
       wgmma::fence();
-      if constexpr (Cfg::kPingPong) pingpong_wait();
 #pragma unroll
       for (int mf = 0; mf < kMF; ++mf) {
         qk_wgmma(qs, ks, os, t0, mf, s[mf]);
         wgmma::commit();
       }
-      if constexpr (Cfg::kPingPong) pingpong_pass();
 #pragma unroll
       for (int mf = 0; mf < kMF; ++mf) {
         wgmma::wait<kMF - 1>();
@@ -810,16 +800,6 @@ struct Kernel {
   }
 
   // ------------------------------------------------------------------ the kernel
-
-  // Ping-pong turns (Cfg::kPingPong): warpgroup u waits for its turn at barrier kPingPongBar + u (the
-  // previous warpgroup's pass, 128 + 128 threads), issues, and passes the turn to u + 1 (mod the count).
-  static constexpr int kComputeWGs = Cfg::kWarps / 4;
-  static __device__ __forceinline__ void pingpong_wait() {
-    ptx::bar_sync(Cfg::kPingPongBar + (threadIdx.x >> 7), 256);
-  }
-  static __device__ __forceinline__ void pingpong_pass() {
-    ptx::bar_arrive(Cfg::kPingPongBar + ((threadIdx.x >> 7) + 1) % kComputeWGs, 256);
-  }
 
   // The compute warps' own barrier (finish): with a producer warpgroup, __syncthreads would wait for it.
   static __device__ __forceinline__ void sync_compute() {
@@ -892,11 +872,6 @@ struct Kernel {
     float bias_slope = 0.f;  // kBias: this lane's rows' ALiBi slope, log2 units
     constexpr int kUnitRows = Cfg::kUnitRows;
     const int unit = warp / kUnitWarps;  // a warp, or a warpgroup with wgmma: they skip steps together
-    // The first turn is warpgroup 0's: the last one passes it a turn ahead (and warpgroup 0 takes the
-    // last warpgroup's final pass after the loop, so the barrier ends with no arrival pending).
-    if constexpr (Cfg::kPingPong) {
-      if (unit == kComputeWGs - 1) pingpong_pass();
-    }
 
     for (int j = 0;; ++j) {
       uint8_t* stage = smem + (j % kStages) * Cfg::kStageBytes;
@@ -913,12 +888,7 @@ struct Kernel {
 
       const TileRecord* rec = Cfg::record(smem, j % kStages);
       const int flags = rec->flags;
-      if (flags & kEnd) {
-        if constexpr (Cfg::kPingPong) {
-          if (unit == 0) pingpong_wait();
-        }
-        break;
-      }
+      if (flags & kEnd) break;
       const Work& w = rec->w;
       const int kv_head = kv_head_of(p, w.unit);  // for the hooks' contexts (unused ones cost nothing)
       // The unit's real rows: packed rows [first_pr, first_pr + kUnitRows) clipped to the sub-item.
@@ -983,11 +953,6 @@ struct Kernel {
           skip = stop || w.pos_off + step_begin + min(n_valid, kStep) <= seen_lo;
         }
         if (skip) {
-          if constexpr (Cfg::kPingPong) {  // the turn is taken and passed all the same
-            pingpong_wait();
-            pingpong_pass();
-            continue;
-          }
           if (stop) break;
           continue;
         }

@@ -45,22 +45,9 @@ enum ErrorBits : int32_t {
   kErrIndexOutOfRange = 2,  // kv_block_start + block beyond kv_indices
 };
 
-// L2 prefetch size of the KV copies and how many tiles ahead kv_indices lines are prefetched into
-// L2 (the page ids of the next tile are then L2 hits). Overridable with -D for tuning runs.
-#ifndef FI_DECODE_L2_PREFETCH
-#define FI_DECODE_L2_PREFETCH 128
-#endif
-#ifndef FI_DECODE_INDEX_AHEAD
-#define FI_DECODE_INDEX_AHEAD 4
-#endif
-// 0: the producer never votes for TMA boxes (every tile gathered, maps or not; A/B runs).
-#ifndef FI_PREFILL_KV_VOTE
-#define FI_PREFILL_KV_VOTE 1
-#endif
-// 1: the producer votes on every tile, not only until a sub-item's first gathered tile (A/B runs).
-#ifndef FI_PREFILL_VOTE_EVERY_TILE
-#define FI_PREFILL_VOTE_EVERY_TILE 0
-#endif
+// kv_indices lines are prefetched into L2 this many tiles ahead (the page ids of the next tile are then
+// L2 hits).
+constexpr int kIndexAheadTiles = 4;
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -340,10 +327,10 @@ struct Loader {
         page[r] = (idx >= 0 && idx < p.num_kv_indices) ? __ldg(p.kv_indices + idx) : INT32_MIN;
       }
     }
-    // kv_indices of a tile FI_DECODE_INDEX_AHEAD tiles on: into L2 now, so that its page-id loads
+    // kv_indices of a tile kIndexAheadTiles tiles on: into L2 now, so that its page-id loads
     // (one tile ahead of its copies) do not wait on DRAM. 32 ids per 128-byte line.
-    if constexpr (FI_DECODE_INDEX_AHEAD > 0) {
-      const int ahead_begin = tile_begin + FI_DECODE_INDEX_AHEAD * kTile;
+    {
+      const int ahead_begin = tile_begin + kIndexAheadTiles * kTile;
       const int t = tid();
       if (!cur.done && t < 8 && ahead_begin < cur.w.kv_hi) {
         int b0, b1, s0;
@@ -483,8 +470,8 @@ struct Loader {
       const bool ok = row_off >= 0 && chunk < kLoadChunks;
       const int64_t off = ok ? row_off + chunk * 16 : 0;
       const uint32_t dst = Cfg::tile_offset(row, chunk);
-      ptx::cp_async_16<FI_DECODE_L2_PREFETCH>(ks + dst, kbase + off, ok);
-      ptx::cp_async_16<FI_DECODE_L2_PREFETCH>(vs + dst, vbase + off, ok);
+      ptx::cp_async_16(ks + dst, kbase + off, ok);
+      ptx::cp_async_16(vs + dst, vbase + off, ok);
     }
   }
 
@@ -582,7 +569,7 @@ struct Loader {
     constexpr int kBarrierId = 9;  // the producer's own named barrier (the compute side's is 8)
     Cursor cur;
     int page[kLookups], slot[kLookups];
-    const bool maps = FI_PREFILL_KV_VOTE && tma.use != 0;
+    const bool maps = tma.use != 0;
     seek_queue(p, vp, cur);  // an empty queue: the first tile is the kEnd record
     prefetch_pages(p, cur, page, slot);
     int nsub = 0;  // sub-items issued: the next one's query buffer is nsub % kQBuffers
@@ -597,7 +584,7 @@ struct Loader {
       }
       // Row offsets are double-buffered by tile parity: the barrier below also orders this tile's
       // publish after every loading thread's copies of tile j - 2 (issued before the last barrier).
-      if (cur.tile == 0 || FI_PREFILL_VOTE_EVERY_TILE) vote = maps;
+      if (cur.tile == 0) vote = maps;
       publish(p, smem, j, cur, page, slot);
       if (vote) tma_vote(p, smem, j, cur, page, slot);
       ptx::bar_sync(kBarrierId, kThreads);
