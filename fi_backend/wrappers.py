@@ -32,7 +32,6 @@ import torch
 from . import env, kernels
 from .formats import BSR
 from .kv_cache import parse_cached
-from .kernels.sets import module_set
 from .variants import DEFAULT, PARAM_TYPES, Variant, VariantError
 from .workspace import Workspace
 
@@ -511,6 +510,17 @@ _SPECS = {"decode": decode_spec, "prefill": prefill_spec}
 KERNELS = tuple(_SPECS)
 
 
+def attention_specs(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, group: int,
+                    tuning: Optional[dict] = None, kernel: str = "decode") -> list:
+    """The modules a BatchAttention of `kernel` loads: the prefill tile family (largest query tile first), else
+    the one module."""
+    if kernel not in _SPECS:
+        raise ValueError(f"kernel must be one of {KERNELS} (got {kernel!r})")
+    size = prefill_family_size(head_dim, kv_dtype, tuning) if kernel == "prefill" else 1
+    return [_SPECS[kernel](variant, head_dim, q_dtype, kv_dtype, group, tuning=tuning, **({"member": m} if m else {}))
+            for m in range(size)]
+
+
 class _FastDiv(ctypes.Structure):
     _fields_ = [("d", ctypes.c_uint32), ("m", ctypes.c_uint32), ("s", ctypes.c_uint32)]
 
@@ -584,7 +594,10 @@ _launchers: dict = {}
 def _launcher(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, group: int,
               tuning: Optional[dict] = None, kernel: str = "decode", member: int = 0) -> _Launcher:
     kw = {"member": member} if member else {}
-    spec = _SPECS[kernel](variant, head_dim, q_dtype, kv_dtype, group, tuning=tuning, **kw)
+    return _launcher_of(_SPECS[kernel](variant, head_dim, q_dtype, kv_dtype, group, tuning=tuning, **kw), variant)
+
+
+def _launcher_of(spec: kernels.ModuleSpec, variant: Variant) -> _Launcher:
     entry = _launchers.get(spec.memo_key)
     if entry is None:
         entry = _Launcher(spec, variant)
@@ -595,8 +608,8 @@ def _launcher(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, grou
 def _family(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, group: int, tuning: Optional[dict],
             kernel: str) -> list:
     """The kernel's launchers: the prefill tile family (largest query tile first), else the one module."""
-    size = prefill_family_size(head_dim, kv_dtype, tuning) if kernel == "prefill" else 1
-    return [_launcher(variant, head_dim, q_dtype, kv_dtype, group, tuning, kernel, m) for m in range(size)]
+    return [_launcher_of(spec, variant) for spec in attention_specs(variant, head_dim, q_dtype, kv_dtype, group,
+                                                                     tuning, kernel)]
 
 
 class _Bad(Exception):
@@ -1100,22 +1113,3 @@ class BatchAttention:
             reasons = [msg for bit, msg in _ERROR_BITS.items() if flags & bit]
             raise RuntimeError("BatchAttention: " + "; ".join(reasons) + " (check the BSR passed to plan(); "
                                "plan(..., debug=True) validates it on the host)")
-
-
-@module_set("prefill", "prefill attention, default variant: head_dim 64/128/256 x bf16/fp16 x (same, fp8 e4m3) "
-                       "KV x GQA group 1/4/8")
-def _prefill_set():
-    return [prefill_spec(DEFAULT, d, q, kv, g, member=m) for d in HEAD_DIMS for q in ("bf16", "fp16")
-            for kv in (q, "fp8_e4m3") for g in (1, 4, 8) for m in range(prefill_family_size(d, kv))]
-
-
-@module_set("decode", "decode attention, default variant: head_dim 64/128/256 x bf16/fp16 x (same, fp8 e4m3) KV "
-                      "x GQA group 1/4/8")
-def _decode_set():
-    specs = []
-    for head_dim in HEAD_DIMS:
-        for q in ("bf16", "fp16"):
-            for kv in (q, "fp8_e4m3"):
-                for group in (1, 4, 8):
-                    specs.append(decode_spec(DEFAULT, head_dim, q, kv, group))
-    return specs
