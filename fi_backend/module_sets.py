@@ -16,8 +16,8 @@ from typing import List, Optional
 from . import variants as V
 from .kernels import ModuleSpec
 from .kernels.sets import module_set, specs_of
-from .wrappers import (HEAD_DIMS, PREFILL_WS_TUNINGS, attention_specs, decode_spec, prefill_family_shapes,
-                       prefill_family_size, prefill_spec, prefill_uses_wgmma)
+from .shapes import HEAD_DIMS, PREFILL_WS_TUNINGS, prefill_family_shapes, prefill_family_size, prefill_uses_wgmma
+from .specs import attention_specs, decode_spec, prefill_spec
 
 _BOTH = ("decode", "prefill")
 

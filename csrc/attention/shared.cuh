@@ -259,7 +259,7 @@ struct Loader {
     Pos w;
   };
   // The loader copies query tiles where the kernel has query buffers (prefill on Hopper, for some
-  // variants: fi_backend/wrappers.py, _prefill_q_buffers). Sub-item n uses buffer n % kQBuffers
+  // variants: fi_backend/shapes.py, _prefill_q_buffers). Sub-item n uses buffer n % kQBuffers
   // (TileRecord::qslot). With a buffer per stage, sub-item n - kStages ended at least kStages - 1 tiles
   // before sub-item n's first tile, so it was consumed before that tile (and its query copy) is issued.
   // A producer warpgroup (produce()) instead waits for the buffer's release (its "qempty" barrier), so
@@ -523,7 +523,7 @@ struct Loader {
   // rows are kTile consecutive tokens of the cache's token-major view (ragged KV, whose BSR is the
   // identity at page size 1, or pages that happen to be in order). Decided from the page lookups already
   // made, when publish() consumes them anyway (consuming them earlier exposed their global-memory latency
-  // in every producer step: gathered tiles 12-25% slower): a warp's rows agree on token - row (one vote),
+  // in every producer step): a warp's rows agree on token - row (one vote),
   // its lane 0 leaves that base (INT_MIN: no) in shared memory, and after the barrier every loading thread
   // reads the same bases and so reaches the same answer (tma_decide).
   static __device__ __forceinline__ void tma_vote(const Params& p, uint8_t* smem, int tile_no, const Cursor& cur,
@@ -554,14 +554,10 @@ struct Loader {
   // With TMA maps (tma.use), a tile of consecutive tokens (tma_vote / tma_decide) is copied by thread 0 as
   // kHeadDimPad / 64 boxes each of K and V, its bytes added to the full barrier before its own arrivals (so
   // the phase cannot complete without them); the other threads issue nothing. Any other tile (partial,
-  // scattered pages) is gathered as before. (One-page boxes for scattered pages of 16 tokens were tried:
-  // 17-23% slower than the gather, perf/results/ab44q.md.)
+  // scattered pages) is gathered as before (one-page boxes were slower than the gather: docs/prefill.md).
   // A sub-item stops voting at its first gathered tile: its later tiles are gathered without a vote (an
-  // engine's scattered pages stay scattered; ragged KV fails only on its partial last tile). A failed vote
-  // on every tile cost page 1 at 16x1k 8% (427-430 against 403-408 us, ragged 383-389; page 16 2-3%;
-  // perf/results/ab49_once_*.json, same process); never voting is 3% faster again at page 1 (389-396) but
-  // gives up the boxes of pages in order. An L2 prefetch of each looked-up row before the wait for a free
-  // stage changed nothing (ab49_vote_*).
+  // engine's scattered pages stay scattered; ragged KV fails only on its partial last tile), so a failed
+  // vote is not paid on every tile.
   static __device__ __forceinline__ void produce(const Params& p, const VariantParams& vp, uint8_t* smem,
                                                  uint32_t full, uint32_t empty, uint32_t qempty, const KvTma& tma) {
     static_assert(kThreads == 128 && Cfg::kLoaderThread0 > 0, "a producer warpgroup after the compute warps");
