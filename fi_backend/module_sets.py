@@ -57,28 +57,29 @@ def gpu_test_specs() -> List[ModuleSpec]:
     # the matrices: head_dim 64/128/256 x group 1/4/8, bf16 and fp16 alternating over the cells
     for d, g, q in itertools.product((64, 128, 256), (1, 4, 8), ("bf16", "fp16")):
         out += _family(V.DEFAULT, d, q, q, g)
-    # fp8 KV, head_dim 64/128/256; fp16 queries; RoPE and the window over fp8
+    # fp8 KV, head_dim 64/128/256; fp16 queries (decode); RoPE over fp8
     for d, kv in itertools.product((64, 128, 256), ("fp8_e4m3", "fp8_e5m2")):
         out += _family(V.DEFAULT, d, "bf16", kv, 4)
-    out += _family(V.DEFAULT, 128, "fp16", "fp8_e4m3", 4) + _family(V.ROPE, 128, "bf16", "fp8_e4m3", 4)
-    out += _family(V.SLIDING_WINDOW, 128, "bf16", "fp8_e4m3", 4)
-    # every variant at 16 / 4 heads, both query types; 1 and 2 heads a chunk
+    out += _family(V.DEFAULT, 128, "fp16", "fp8_e4m3", 4, kernels=("decode",))
+    out += _family(V.ROPE, 128, "bf16", "fp8_e4m3", 4)
+    # every variant at 16 / 4 heads, both query types; one head a chunk
     for name, q in itertools.product(_TEST_VARIANTS, ("bf16", "fp16")):
         out += _family(V.BUILTIN_VARIANTS[name], 128, q, q, 4)
-    for name in ("default", "window", "soft_cap", "alibi"):
-        out += _family(V.BUILTIN_VARIANTS[name], 128, "bf16", "bf16", 1)
-    out += _family(V.DEFAULT, 64, "bf16", "bf16", 1)
-    # prefill, forced shapes: the window family's members, the warp-specialised member 0 shapes with any
-    # variant and group, ALiBi by MMA at 1, 2, 4, 8 heads a chunk, the mma.sync family
+    out += _family(V.DEFAULT, 128, "bf16", "bf16", 1) + _family(V.DEFAULT, 64, "bf16", "bf16", 1)
+    for name in ("window", "soft_cap", "alibi"):
+        out += _family(V.BUILTIN_VARIANTS[name], 128, "bf16", "bf16", 1, kernels=("prefill",))
+    # prefill, forced shapes: the window family's members (bf16, fp8 KV), the warp-specialised member 0
+    # shapes over groups (12 x 1 with every variant), ALiBi by MMA at 1, 2, 4, 8 heads a chunk, the mma.sync
+    # family
     for kv in ("bf16", "fp8_e4m3"):
         for shape in prefill_family_shapes(128, kv, variant=V.SLIDING_WINDOW):
             out += _family(V.SLIDING_WINDOW, 128, "bf16", kv, 4, shape, ("prefill",))
     for tuning in PREFILL_WS_TUNINGS.values() if prefill_uses_wgmma() else ():  # the tests run on an H100
         for g, q in itertools.product((1, 4, 8), ("bf16", "fp16")):
             out += _family(V.DEFAULT, 128, q, q, g, tuning, ("prefill",))
-        for name in _TEST_VARIANTS:
-            if not name.startswith("rope"):
-                out += _family(V.BUILTIN_VARIANTS[name], 128, "bf16", "bf16", 4, tuning, ("prefill",))
+    for name in _TEST_VARIANTS if prefill_uses_wgmma() else ():
+        if not name.startswith("rope"):
+            out += _family(V.BUILTIN_VARIANTS[name], 128, "bf16", "bf16", 4, PREFILL_WS_TUNINGS["w12"], ("prefill",))
     for g, q in itertools.product((1, 2, 4, 8), ("bf16", "fp16")):
         out += _family(V.ALIBI, 128, q, q, g, kernels=("prefill",))
     for d in (64, 128, 256):

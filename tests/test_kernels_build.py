@@ -80,8 +80,8 @@ _GPU_TESTS = ("tests/test_decode_gpu.py", "tests/test_prefill_gpu.py")
 
 
 def test_tests_set_covers_the_gpu_tests(tmp_path, monkeypatch):
-    """Every module that the decode and prefill GPU tests load with a built-in variant is in the "tests" set
-    (what .ci/prebuild.py builds for the GPU machine): the GPU tests run here with stand-in wrappers that
+    """The "tests" set's attention modules (what .ci/prebuild.py builds for the GPU machine) are exactly those the
+    decode and prefill GPU tests load with a built-in variant: the GPU tests run here with stand-in wrappers that
     record their specs (tests/spec_recorder.py)."""
     record = tmp_path / "specs.jsonl"
     env = {**os.environ, "FI_SPEC_RECORD": str(record), "FI_BACKEND_CUDA_ARCH_LIST": "90a",
@@ -95,9 +95,12 @@ def test_tests_set_covers_the_gpu_tests(tmp_path, monkeypatch):
     assert len(tags) > 100 and any(t.startswith("decode_") for t in tags) and any(t.startswith("prefill_") for t in tags)
     from fi_backend.kernels.sets import specs_of
     monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", "90a")  # the GPU machine's: the Hopper prefill family
-    prebuilt = {repr(s.memo_key) for s in specs_of(["tests"])}
+    prebuilt = {repr(s.memo_key): s for s in specs_of(["tests"]) if s.family in ("decode", "prefill")}
     missing = sorted({r["tag"] for r in rows if r["builtin"] and r["key"] not in prebuilt})
     assert not missing, f"{len(missing)} modules the GPU tests load are not in the tests set: {missing[:20]}"
+    loaded = {r["key"] for r in rows}
+    unused = sorted(f"{s.family}_{s.tag}" for key, s in prebuilt.items() if key not in loaded)
+    assert not unused, f"{len(unused)} modules of the tests set that no GPU test loads: {unused[:20]}"
 
 
 def test_module_sets_registered():
