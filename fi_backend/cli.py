@@ -108,8 +108,9 @@ def cmd_build(args) -> int:
         archs, _ = _archs_or_error(args.arch)
         with _arch_list(archs) if archs else contextlib.nullcontext():
             for name, s in sets.items():
-                print(f"{name}: {s.description}")
-                for spec in s.specs():
+                specs = s.specs()
+                print(f"{name} ({len(specs)} modules): {s.description}")
+                for spec in specs:
                     print(f"  {spec.family} {spec.readable_tag()}  ({spec.template})")
         if archs:
             print(f"(archs sm_{' sm_'.join(archs)}, cache {kernels.cache_dir(archs)})")

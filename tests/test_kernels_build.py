@@ -74,6 +74,65 @@ def _spec_code(spec: ModuleSpec) -> str:
             f"nvcc_flags={spec.nvcc_flags!r}, tag={spec.tag!r})")
 
 
+# ----------------------------------------------------------------------------- module sets
+
+_GPU_TESTS = ("tests/test_decode_gpu.py", "tests/test_prefill_gpu.py")
+
+
+def test_tests_set_covers_the_gpu_tests(tmp_path, monkeypatch):
+    """The "tests" set's attention modules (what .ci/prebuild.py builds for the GPU machine) are exactly those the
+    decode and prefill GPU tests load with a built-in variant: the GPU tests run here with stand-in wrappers that
+    record their specs (tests/spec_recorder.py)."""
+    record = tmp_path / "specs.jsonl"
+    env = {**os.environ, "FI_SPEC_RECORD": str(record), "FI_BACKEND_CUDA_ARCH_LIST": "90a",
+           "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)])}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "spec_recorder",
+                           "-m", "gpu", "-o", "addopts=", *_GPU_TESTS], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert record.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in record.read_text().splitlines()]
+    tags = {r["tag"] for r in rows}
+    assert len(tags) > 100 and any(t.startswith("decode_") for t in tags) and any(t.startswith("prefill_") for t in tags)
+    from fi_backend.kernels.sets import specs_of
+    monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", "90a")  # the GPU machine's: the Hopper prefill family
+    prebuilt = {repr(s.memo_key): s for s in specs_of(["tests"]) if s.family in ("decode", "prefill")}
+    missing = sorted({r["tag"] for r in rows if r["builtin"] and r["key"] not in prebuilt})
+    assert not missing, f"{len(missing)} modules the GPU tests load are not in the tests set: {missing[:20]}"
+    loaded = {r["key"] for r in rows}
+    unused = sorted(f"{s.family}_{s.tag}" for key, s in prebuilt.items() if key not in loaded)
+    assert not unused, f"{len(unused)} modules of the tests set that no GPU test loads: {unused[:20]}"
+
+
+def test_module_sets_registered():
+    """The sets .ci/prebuild.py builds by default are registered, each with modules."""
+    from fi_backend.kernels.sets import module_sets
+    sets = module_sets()
+    for name in ("tests", "zoo", "bench", "decode", "prefill", "merge", "append"):
+        assert name in sets and sets[name].specs(), name
+    with pytest.raises(KeyError, match="unknown module set 'nope'; known sets: .*tests"):
+        kernels.specs_of(["nope"])
+
+
+def test_prebuild_takes_the_package_sets():
+    """.ci/prebuild.py --list names one module directory per spec of the sets asked for (default: tests, bench,
+    zoo), and refuses an unknown set by name."""
+    from fi_backend.kernels.sets import specs_of
+    env = {**os.environ, "FI_BACKEND_CUDA_ARCH_LIST": "90a", "PYTHONPATH": str(REPO)}
+    def listed(*names):
+        proc = subprocess.run([sys.executable, ".ci/prebuild.py", "--list", *names], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=300)
+        return proc, proc.stdout.split()
+    proc, default = listed()
+    assert proc.returncode == 0, proc.stderr
+    _, tests = listed("tests")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FI_BACKEND_CUDA_ARCH_LIST", "90a")
+        assert len(default) == len(set(default)) == len(specs_of(["tests", "bench", "zoo"]))
+        assert len(tests) == len(specs_of(["tests"])) and set(tests) <= set(default)
+    proc, _ = listed("nope")
+    assert proc.returncode != 0 and "unknown module set 'nope'" in proc.stderr
+
+
 # ----------------------------------------------------------------------------- rendering
 
 def test_render_substitutes_every_placeholder():
@@ -277,7 +336,7 @@ def test_cli_build_and_info(merge_cache):
     for dtype in ("bf16", "fp16", "fp32"):
         assert re.search(rf"merge_state_{dtype}_[0-9a-f]{{16}} +\d", info.stdout), info.stdout
     listing = _cli(cache, "build", "--list")
-    assert "merge:" in listing.stdout and "merge_state fp16" in listing.stdout
+    assert "merge (3 modules):" in listing.stdout and "merge_state fp16" in listing.stdout
     bad = _cli(cache, "build", "no_such_set")
     assert bad.returncode == 2 and "no_such_set" in bad.stderr and "merge" in bad.stderr
 

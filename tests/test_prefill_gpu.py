@@ -19,6 +19,7 @@ import torch
 from fi_backend import env
 from fi_backend import variants as V
 from fi_backend.formats import from_ragged
+from fi_backend.wrappers import PREFILL_WS_TUNINGS
 
 from attention_cases import (_VARIANT_NAMES, DEV, TOL, PersistentBatch, _variant_case, check, make_bsr, make_wrapper, random_kv,
                              reference, run_case, run_variant_case)
@@ -193,24 +194,13 @@ def test_ragged_plus_paged_prefix_merged():
 
 
 # The warp-specialised prefill (prefill::Config::kProducer): a producer warpgroup loads, the compute
-# warpgroups consume tiles through mbarriers at their own pace. Forced by tuning, head_dim 256 at one
-# compute warpgroup (two of its query buffers and stages fit).
-_WS = {64: {"warps": 12, "mfrags": 1, "producer": 1}, 128: {"warps": 12, "mfrags": 1, "producer": 1}, 256: {"warps": 4, "mfrags": 1, "producer": 1}}
+# warpgroups consume tiles through mbarriers at their own pace. Forced by tuning (PREFILL_WS_TUNINGS):
+# member 0's 12 x 1 shape with any variant, its 8 x 2 shape whatever the heads per chunk.
+_WS = {128: PREFILL_WS_TUNINGS["w12"]}
+_WS8 = {"w8m2": PREFILL_WS_TUNINGS["w8m2"]}
 
 
-# Two compute warpgroups (384 threads: registers move from the producer), one or two fragments each.
-_WS8 = {"w8": {"warps": 8, "mfrags": 1, "stages": 3, "producer": 1},
-        "w8m2": {"warps": 8, "mfrags": 2, "stages": 3, "producer": 1, "pingpong": 0}}  # (member 0 at one head a chunk)
-# Ping-pong (prefill::Config::kPingPong): the compute warpgroups take turns at every step, skipped ones too.
-_PP = {"w8m2pp": {"warps": 8, "mfrags": 2, "stages": 3, "producer": 1, "pingpong": 1},
-       "w8t128pp": {"warps": 8, "mfrags": 1, "tile": 128, "stages": 2, "step": 128, "producer": 1, "pingpong": 1},
-       "w12pp": {"warps": 12, "mfrags": 1, "producer": 1, "pingpong": 1}}
-_WS8.update(_PP)
-
-
-@pytest.mark.parametrize("D,group,shape", [(64, 1, None), (128, 1, None), (128, 4, None), (128, 8, None), (256, 4, None),
-                                           (128, 4, "w8"), (128, 1, "w8m2"), (128, 4, "w8m2pp"), (128, 1, "w8t128pp"),
-                                           (128, 8, "w12pp")])
+@pytest.mark.parametrize("D,group,shape", [(128, 1, None), (128, 4, None), (128, 8, None), (128, 1, "w8m2")])
 def test_warp_specialised(D, group, shape):
     """Every query length and KV kind of the matrix (long KV: split chunks, merged by the compute warps'
     own barrier), paged and page 1, and a non-causal batch."""
@@ -229,44 +219,41 @@ def test_warp_specialised(D, group, shape):
 _WS_VARIANTS = [n for n in _VARIANT_NAMES if not n.startswith("rope")]
 
 
-@pytest.mark.parametrize("pingpong", [0, 1])
 @pytest.mark.parametrize("name", _WS_VARIANTS)
-def test_warp_specialised_variants(name, pingpong):
+def test_warp_specialised_variants(name):
     Hq, Hkv, D = 16, 4, 128
-    tuning = {**_WS[D], "pingpong": pingpong}
+    tuning = _WS[D]
     attn = prefill(Hq, Hkv, D, page_size=16, variant=_variant_case(name, Hq)[1], tuning=tuning)
     run_variant_case(attn, name, [1500, 3, 1017, 4000, 300], [1, 3, 17, 128, 300], torch.bfloat16)
 
 
-# The softmax's row sums: by warpgroup MMAs (tuning rowsum=1, the default with wgmma; prefill::Config::kRowSumMma:
-# P . ones beside each P.V) or by FADDs (rowsum=0). Shapes at their own defaults and forced, with masks (a fully
-# masked custom-mask row comes out as no row), GQA, the split chunks of long KV (the sums leave as partial LSEs),
-# a variant without a softmax, and both 16-bit types.
-@pytest.mark.parametrize("rowsum", [0, 1])
-@pytest.mark.parametrize("name,group,shape", [("default", 1, None), ("default", 4, None), ("default", 4, "w8"),
-                                              ("default", 8, "w12pp"), ("window", 4, None), ("alibi", 4, None),
-                                              ("soft_cap", 1, None), ("custom_mask", 4, None), ("sigmoid", 4, None)])
+# The softmax's row sums by warpgroup MMAs (prefill::Config::kRowSumMma: P . ones beside each P.V), with masks
+# (a fully masked custom-mask row comes out as no row), GQA, the split chunks of long KV (the sums leave as
+# partial LSEs), a variant without a softmax, and both 16-bit types.
+@pytest.mark.parametrize("rowsum", [1])
+@pytest.mark.parametrize("name,group,shape", [("default", 1, None), ("default", 4, None), ("window", 4, None),
+                                              ("alibi", 4, None), ("soft_cap", 1, None), ("custom_mask", 4, None),
+                                              ("sigmoid", 4, None)])
 def test_row_sums(name, group, shape, rowsum):
     Hkv = 4
     variant = _variant_case(name, Hkv * group)[1]
-    tuning = {**(_WS8[shape] if shape else {}), "rowsum": rowsum}
+    tuning = _WS8[shape] if shape else None
     for dtype in (torch.bfloat16, torch.float16) if name == "default" and group == 4 and not shape else (torch.bfloat16,):
         for page in (1, 16):
             attn = prefill(Hkv * group, Hkv, 128, q_dtype=dtype, page_size=page, variant=variant, tuning=tuning)
             run_variant_case(attn, name, [1500, 3, 1017, 4000, 300, 16000], [1, 3, 17, 128, 300, 1000], dtype)
 
 
-# ALiBi by the tensor cores (tuning bias=1, the default where it can run; prefill::Config::kBiasMma: slope / scale
-# against column indices as one more k step of Q.K^T, the rest a per-row offset) or per element (bias=0):
-# heads per chunk 1, 2, 4, 8 (a row block's heads), the plain shape and forced ones (8 x 1, 12 warps, 128-token
-# steps), causal and not (positive distances), the reference's slopes and random ones of both signs, another
+# ALiBi by the tensor cores (the default where it can run; prefill::Config::kBiasMma: slope / scale against
+# column indices as one more k step of Q.K^T, the rest a per-row offset): heads per chunk 1, 2, 4, 8 (a row block's
+# heads), causal and not (positive distances), the reference's slopes and random ones of both signs, another
 # sm_scale, long KV (a row's bias spans thousands), both 16-bit types.
-@pytest.mark.parametrize("bias", [0, 1])
-@pytest.mark.parametrize("group,shape", [(1, None), (2, None), (4, "w12pp"), (8, "w8"), (1, "w8t128pp")])
+@pytest.mark.parametrize("bias", [1])
+@pytest.mark.parametrize("group,shape", [(1, None), (2, None), (4, None), (8, None)])
 def test_alibi_bias_mma(group, shape, bias):
     Hkv = 2
     Hq = Hkv * group
-    tuning = {**(_WS8[shape] if shape else {}), "bias": bias}
+    tuning = _WS8[shape] if shape else None
     from fi_backend import reference as ref
     from fi_backend import wrappers as W
     assert W.prefill_spec(V.ALIBI, 128, "bf16", "bf16", group, tuning=tuning).params["CONFIG"].endswith(
@@ -319,13 +306,9 @@ def test_plan_order(monkeypatch, name, kv_lens, env_off, grouped):
 # (which tiles go by TMA is decided on the GPU); the cases with pages in random order check the gather
 # beside them, and those with runs of pages in order ("runs") a request whose tiles go both ways (a sub-item
 # stops voting for boxes at its first gathered tile).
-_TMA_CASES = [(64, 1, 1, "NHD", False, None, True), (128, 4, 1, "NHD", False, "w8", True),
-              (128, 1, 1, "SGL", False, "w8m2pp", True), (128, 1, 16, "NHD", True, "w8t128pp", True),
-              (128, 8, 16, "NHD", False, "w12pp", True), (256, 4, 16, "NHD", True, None, True),
-              (128, 4, 16, "NHD", True, "w8m2pp", False), (64, 1, 32, "NHD", False, None, False),
-              (128, 1, 16, "NHD", False, "w8t128pp", False), (256, 4, 8, "NHD", False, None, False),
-              (128, 1, 1, "NHD", False, "w8m2pp", "runs"), (128, 4, 16, "NHD", True, None, "runs"),
-              (128, 1, 1, "SGL", False, "w8t128pp", "runs")]
+_TMA_CASES = [(128, 4, 1, "NHD", False, "w8m2", True), (128, 1, 1, "SGL", False, "w8m2", True),
+              (128, 8, 16, "NHD", False, None, True), (128, 4, 16, "NHD", True, "w8m2", False),
+              (128, 1, 1, "NHD", False, "w8m2", "runs"), (128, 4, 16, "NHD", True, None, "runs")]
 
 
 @pytest.mark.parametrize("D,group,page,layout,packed,shape,consecutive", _TMA_CASES)
@@ -362,9 +345,8 @@ def test_kv_tma_not_for_hnd():
     assert not attn._kv_maps()
 
 
-@pytest.mark.parametrize("tuning,consecutive", [(None, False), (_WS[128], False), (_PP["w8m2pp"], False),
-                                                (_PP["w8m2pp"], True)],
-                         ids=["default", "warp_specialised", "ping_pong", "tma"])
+@pytest.mark.parametrize("tuning,consecutive", [(None, False), (_WS[128], False), (_WS8["w8m2"], True)],
+                         ids=["default", "warp_specialised", "tma"])
 def test_cuda_graph_replay_after_replan(tuning, consecutive):
     """Capture once, re-plan with other lengths and a smaller batch in the same BSR tensors, replay. tma:
     pages in order (from a random start each step), so the replayed kernel copies most tiles by TMA."""
@@ -445,7 +427,7 @@ def test_tile_family_picks_per_step():
     attn.release_graph()
 
 
-@pytest.mark.parametrize("tuning", [None, "w8", "w8m2pp", "mma_sync"])
+@pytest.mark.parametrize("tuning", [None, "w8m2", "mma_sync"])
 def test_growing_logits(tuning):
     """Keys whose scale grows along each request (x1 at its first token to x8 at its last): row maxima jump
     by more than the softmax's rescale threshold (2^8, prefill.cuh kRescaleLog2) at some steps and stay

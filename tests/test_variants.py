@@ -213,16 +213,14 @@ def test_prefill_tile_family_specs():
         W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={"warps": 4}, member=1)
 
 
-def test_prefill_tuning_defines():
-    """A tuning's csrc macros (A/B runs) reach nvcc and name the module; anything but FI_PREFILL_* names with
-    int values is refused, naming the key."""
-    base = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 1)
-    spec = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 1, tuning={"defines": {"FI_PREFILL_VOTE_EVERY_TILE": 1}})
-    assert "-DFI_PREFILL_VOTE_EVERY_TILE=1" in spec.nvcc_flags and spec.memo_key != base.memo_key
-    assert spec.params["CONFIG"] == base.params["CONFIG"] and "vote_every_tile1" in spec.tag
-    for bad in ({"FI_DECODE_L2_PREFETCH": 0}, {"FI_PREFILL_KV_VOTE": "0"}, {"FI_PREFILL_X;rm": 1}):
-        with pytest.raises(ValueError, match="defines"):
-            W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 1, tuning={"defines": bad})
+def test_prefill_tuning_keys():
+    """Only the shape overrides are tuning keys; the row sums and ALiBi by MMA follow from the shape, and an
+    unknown key is refused with the accepted ones."""
+    for bad in ({"pingpong": 1}, {"rowsum": 0}, {"bias": 0}, {"defines": {"FI_PREFILL_KV_VOTE": 0}}):
+        with pytest.raises(ValueError, match=f"unknown prefill tuning keys.*{next(iter(bad))}.*accepted"):
+            W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 1, tuning=bad)
+    with pytest.raises(ValueError, match="unknown decode tuning keys.*l2_prefetch"):
+        W.decode_spec(V.DEFAULT, 128, "bf16", "bf16", 1, tuning={"l2_prefetch": 64})
 
 
 @pytest.mark.parametrize("llama31", [None, ref.Llama31Scaling()])
@@ -276,7 +274,7 @@ def _config(spec) -> list:
 
 
 def _producer(spec) -> str:
-    return _config(spec)[-3]  # prefill::Config's kProducer (then kPingPong, kRowSumMma)
+    return _config(spec)[-2]  # prefill::Config's kProducer (then kRowSumMma)
 
 
 def test_alibi_bias_mma_specs(monkeypatch):
@@ -291,17 +289,12 @@ def test_alibi_bias_mma_specs(monkeypatch):
     assert bias(W.prefill_spec(V.ALIBI, 128, "bf16", "bf16", 8)) == "true"
     assert bias(W.prefill_spec(V.BUILTIN_VARIANTS["alibi_window"], 128, "bf16", "bf16", 4)) == "true"
     assert bias(W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 1)) == "false"
-    off = W.prefill_spec(V.ALIBI, 128, "bf16", "bf16", 1, tuning={"bias": 0})
-    assert bias(off) == "false" and "_ab" not in off.tag and off.memo_key != alibi.memo_key
     # per element: 16 heads a chunk, a logits_transform (soft-cap, which ALiBi follows), fp8 KV's 16 warps
     assert bias(W.prefill_spec(V.ALIBI, 128, "bf16", "bf16", 16)) == "false"
     capped = W.prefill_spec(V.combine(V.SOFT_CAP, V.ALIBI), 128, "bf16", "bf16", 1)
     assert bias(capped) == "false" and _config(capped)[4:6] == ["12", "1"]
     assert bias(W.prefill_spec(V.ALIBI, 128, "bf16", "fp8_e4m3", 1)) == "false"
-    with pytest.raises(ValueError, match="tuning bias must be 0 or 1, and 1 only with wgmma=1"):
-        W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 1, tuning={"bias": 1})
-    with pytest.raises(ValueError, match="at most 12 warps"):
-        W.prefill_spec(V.ALIBI, 128, "bf16", "bf16", 1, tuning={"warps": 16, "mfrags": 1, "producer": 0, "bias": 1})
+    assert bias(W.prefill_spec(V.ALIBI, 128, "bf16", "bf16", 1, tuning={"warps": 16, "mfrags": 1, "producer": 0})) == "false"
 
 
 def test_warp_specialised_prefill_specs(monkeypatch):
@@ -312,26 +305,15 @@ def test_warp_specialised_prefill_specs(monkeypatch):
     ws = {"warps": 12, "mfrags": 1, "producer": 1}
     spec = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning=ws)
     config = _config(spec)
-    # ..., q_buffers, producer, pingpong, rowsum
-    assert config[-3] == "true" and config[-4] == str(W.PREFILL_PRODUCER_Q_BUFFERS) and config[-2:] == ["false", "true"], config
+    # ..., q_buffers, producer, rowsum
+    assert config[-2] == "true" and config[-3] == str(W.PREFILL_PRODUCER_Q_BUFFERS) and config[-1] == "true", config
     three = _config(W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "stages": 3}))
-    assert three[7] == "3" and three[-4] == "2", three  # more stages than query buffers
-    assert _config(W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "stages": 2, "q_buffers": 3}))[-4] == "3"
+    assert three[7] == "3" and three[-3] == "2", three  # more stages than query buffers
+    assert _config(W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "stages": 2, "q_buffers": 3}))[-3] == "3"
     no_producer = {"warps": 12, "mfrags": 1, "producer": 0}
-    pp = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "pingpong": 1})
-    assert _config(pp)[-3:-1] == ["true", "true"] and pp.memo_key != spec.memo_key
-    # rowsum: on by default with wgmma, off its own module; wgmma only
-    rs = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "rowsum": 0})
-    assert _config(rs)[-1] == "false" and rs.memo_key != spec.memo_key and "_rs" in spec.tag
-    assert _config(W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={"wgmma": 0, "producer": 0}))[-1] == "false"  # mma.sync: FADD sums
-    with pytest.raises(ValueError, match="rowsum must be 0 or 1, and 1 only with wgmma=1"):
-        W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={"wgmma": 0, "producer": 0, "rowsum": 1})
-    with pytest.raises(ValueError, match="pingpong=1 needs producer=1"):
-        W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**no_producer, "pingpong": 1})
-    with pytest.raises(ValueError, match="pingpong=1 needs .*warps 8, 12 or 16"):
-        W.prefill_spec(V.DEFAULT, 64, "bf16", "bf16", 4, tuning={"warps": 4, "mfrags": 1, "producer": 1, "pingpong": 1})
-    with pytest.raises(ValueError, match="pingpong must be 0 or 1"):
-        W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**ws, "pingpong": 2})
+    # row sums by MMA wherever there are warpgroup MMAs; mma.sync: FADD sums
+    assert "_rs" in spec.tag
+    assert _config(W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={"wgmma": 0, "producer": 0}))[-1] == "false"
     assert spec.memo_key != W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning=no_producer).memo_key
     # member 0 by default where it can (_PREFILL_WS_MEMBER0), any heads per chunk; not with fp8 KV or RoPE
     assert _producer(W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4)) == "true"
@@ -341,14 +323,6 @@ def test_warp_specialised_prefill_specs(monkeypatch):
     for group in (3, 5, 6, 7, 16, 64):  # the query copy derives each packed row's (row, head)
         assert _producer(W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", group)) == "true", group
         assert _producer(W.prefill_spec(V.DEFAULT, 96, "bf16", "bf16", group)) == "true", group
-    # no ping-pong by default (measured slower since ab47q: _PREFILL_WS_MEMBER0); the tuning turns it on
-    def pingpong(variant, group, tuning=None):
-        return _config(W.prefill_spec(variant, 128, "bf16", "bf16", group, tuning=tuning))[-2]
-    for variant in (V.DEFAULT, V.SLIDING_WINDOW, V.SOFT_CAP, V.ALIBI):
-        assert pingpong(variant, 1) == "false" and pingpong(variant, 4) == "false", variant.name
-    assert pingpong(V.DEFAULT, 1, {"warps": 8, "mfrags": 2, "producer": 1}) == "false"  # member 0's own shape
-    assert pingpong(V.DEFAULT, 1, ws) == "false" and pingpong(V.DEFAULT, 1, {"producer": 0}) == "false"
-    assert pingpong(V.DEFAULT, 1, {**ws, "pingpong": 1}) == "true"
     with pytest.raises(ValueError, match="producer=1.*16-bit KV"):
         W.prefill_spec(V.DEFAULT, 128, "bf16", "fp8_e4m3", 4, tuning=ws)
     with pytest.raises(ValueError, match="producer=1.*RoPE"):

@@ -1,4 +1,4 @@
-// Attention module template (rendered by fi_backend/wrappers.py + variants.py + kernels): one kernel
+// Attention module template (rendered by fi_backend/specs.py + variants.py + kernels): one kernel
 // (KERNEL: decode, csrc/attention/decode.cuh, or prefill, csrc/attention/prefill.cuh) for one shape
 // (CONFIG: head_dim, heads per chunk, dtypes, warps, tiles, stages) and one variant.
 //
@@ -68,9 +68,7 @@ typedef CUresult (*EncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, v
 
 EncodeTiled encoder() {
   static EncodeTiled fn = [] {
-    // On unless FI_BACKEND_KV_TMA is false. Same binary, maps on against off (perf/results/ab45f.md, ab45.md):
-    // every flex variant 0-13% faster (ALiBi 1k 1.04 -> 1.18 of FlexAttention), ragged KV about 3%; gathered
-    // tiles (an engine's scattered pages) mostly within run noise, 1x16k page 16 3-9% slower.
+    // On unless FI_BACKEND_KV_TMA is false (a switch for comparisons; docs/prefill.md has the figures).
     const char* env = getenv("FI_BACKEND_KV_TMA");
     if (env != nullptr && (!strcasecmp(env, "0") || !strcasecmp(env, "false") || !strcasecmp(env, "no") ||
                            !strcasecmp(env, "off")))  // fi_backend/env.py's false values
@@ -116,8 +114,8 @@ void encode_kv_maps(const fi::attn::Params& p, fi::attn::KvTma& tma) {
 }
 
 // encode_kv_maps, remembered per thread by everything the maps are encoded from: an engine hands run() the
-// same caches every step (vLLM: one a layer), and the two encodes took run()'s host time from 11.2 to 13.0 us
-// (perf/results/run_host_kv_maps_e18c9e9.json). Direct-mapped by the K pointer; a collision re-encodes.
+// same caches every step (vLLM: one a layer), and encoding two maps a run() costs host time. Direct-mapped by
+// the K pointer; a collision re-encodes.
 void kv_maps(const fi::attn::Params& p, fi::attn::KvTma& tma) {
   if constexpr (!Impl::kTmaKv) {
     tma.use = 0;

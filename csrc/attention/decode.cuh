@@ -24,14 +24,11 @@
 // CTA, so the kernel leaves them zeroed for the next launch and CUDA-graph replay) merges the row's
 // partial states into the output. No second launch.
 //
-// Performance (H100, 32/8 heads, D 128, bf16, page 16; the shape table is _SHAPES in
-// fi_backend/wrappers.py). Decode is bound by bytes in flight: what mattered in the measurements
-// was ~8 warps per SM (the per-warp latency of a 16-token step is what overlaps the loads) and two
-// ~64 KiB tiles in flight per SM. 8 warps x 3 stages (one CTA per SM) reads at 98-102% of a device
-// copy's rate for batch >= 16 with KV >= 16k; 2-warp CTAs, or one 4-warp CTA per SM, fall to 35-75%.
-// The L2 prefetch size of the copies made no measurable difference; prefetching kv_indices lines into
-// L2 four tiles ahead is worth ~10 points of copy rate for fp8 KV (short tiles: without it the next
-// tile's page-id loads miss to DRAM on the issue path) and is neutral for bf16.
+// Shapes (_SHAPES in fi_backend/shapes.py). Decode is bound by bytes in flight: ~8 warps per SM (the
+// per-warp latency of a 16-token step is what overlaps the loads) and two ~64 KiB tiles in flight per SM
+// read KV at about a device copy's rate. kv_indices lines are prefetched into L2 a few tiles ahead, for
+// fp8 KV's short tiles (without it the next tile's page-id loads miss to DRAM on the issue path).
+// Measurements: docs/decode.md.
 #pragma once
 
 #include <math.h>

@@ -15,9 +15,7 @@
 // Every warp reads the whole K and V tile from shared memory; two m fragments per warp (each K/V
 // fragment feeds two MMAs) halve those reads. That fits in 255 registers at head_dim 128 once the
 // loader keeps little state (one page lookup per KV row, published through shared memory; the cursor
-// holds only what the loader needs). ncu on 4x4k: 4.8 instructions per MMA, top stalls fixed-latency
-// dependencies, the per-tile barrier and short scoreboard; the shared-memory reads of the fragments
-// bound it at about 0.65-0.85x FlashInfer's FA2 on the H100.
+// holds only what the loader needs). The shared-memory reads of the fragments bound this path.
 //
 // Hopper (Cfg::kWgmma, sm_90a): the same loop with warpgroup MMAs (wgmma.cuh). A warpgroup's 4 warps
 // step through the tile together; its fragment mf is one m64 MMA (warp w holds rows 16 (w % 4) of it,
@@ -26,65 +24,29 @@
 // the tensor cores read the operands themselves, without the per-warp ldmatrix traffic. For variants
 // without a QueryTransform or logits hooks, the loader copies each sub-item's query tile with its first
 // KV tile into a query buffer (Cfg::kQBuffers), so the queries' global-memory latency no longer
-// stalls every warp at each sub-item's start (2-12% on the fa2 benchmark shapes). The loader and
+// stalls every warp at each sub-item's start. The loader and
 // the fp8 / RoPE pass write 16-bit tiles in wgmma's 128-byte-swizzled column blocks (Cfg::tile_offset);
 // shared memory written by ordinary stores or cp.async is fenced into the async proxy before the
 // barrier that publishes it. With two fragments a warpgroup overlaps one fragment's softmax with the
 // other's MMAs (compute_tile). Without a producer warpgroup (below) the H100 family runs 16 warps x 1
 // fragment instead (four warpgroups hide each other's MMA -> softmax -> MMA latency better, even where
 // variants spill); with one, 8 x 2 (no logits hooks, or a mask that is the KV range) and 12 x 1 (other
-// logits hooks; fi_backend/wrappers.py).
-// Tried and slower: fragments pairing an early and a late 64-row block with MMAs skipped for fragments
-// past the causal diagonal (more registers, 3-5% slower at every length).
-// Warp-specialised (Cfg::kProducer, the default for 16-bit KV without Q/K transforms: wrappers.py,
+// logits hooks; fi_backend/shapes.py).
+// Warp-specialised (Cfg::kProducer, the default for 16-bit KV without Q/K transforms: fi_backend/shapes.py,
 // _PREFILL_WS_MEMBER0): a producer warpgroup runs the loader (Loader::produce) and hands stages over
 // through full / empty mbarriers, so there is no CTA barrier per tile: a warpgroup with less to do in a
 // tile (causal diagonal, window edges) runs up to kStages tiles ahead, and the compute warps never issue
 // copies or page lookups. setmaxnreg gives the compute warps the registers the producer does not need
 // (8 x 2 fragments at 232, 12 x 1 at 152). Its two query buffers are released through barriers, not
 // tied to the stages, so 8 x 2 runs three 32 KB stages.
-// Tried and slower (4d16d09, perf/results/prefill_ab28.md, prefill_flex28.md): FA3's intra-warpgroup overlap
-// at one fragment a warp (a step's S MMAs, then the previous step's P.V, the softmax under that P.V, P
-// in registers across the step, the stage its V is in held until it is done; a zero P.V at a sub-item's
-// first step, since a wgmma under a branch serialises them all, C7520): 8 x 1 with 128-token tiles and
-// steps 637 / 2057 / 7478 us at 16x1k / 4x4k / 1x16k against 469 / 1431 / 5063 without it, 12 x 1
-// 498 / 1481 / 5077 against 452 / 1372 / 5072 (prefill_ab26.md), every flex variant slower too. ptxas
-// hoists a lone wgmma wait to the start of its basic block: the wait for that P.V went before the
-// softmax until it was put in both arms of the rescale branch (which did not make it faster).
-// Tried and slower (6b1ced4, perf/results/prefill_defer_ab.md): FA3's overlap across steps at 8 x 2, the
-// last fragment's P.V issued with the next step's S MMAs, P kept in registers: 8-15% slower (16x1k 499
-// vs 454 us), at 240 registers (232 made ptxas serialise the wgmmas) with spills in the loop and the
-// producer at 24. ptxas serialises every wgmma of the kernel when one is in flight across the loop
-// (C7513, C7514, C7518) or issued under a branch (C7520); perf/ptxas.py reports it.
-// Tried and slower again (6abd3df, perf/results/ab43_fa2.md, ab43_flex.md, prefill_ncu_43.md), after the
-// descriptor fix and ping-pong: FlashInfer's FA3 loop at 8 x 1 with 128-token tiles and steps (a step's S
-// and the previous step's P.V issued in one ping-pong turn, the softmax under that P.V, V with its own
-// full / empty barriers so only V is held the extra step): 532-565 / 1615-1646 / 5800-6057 us at 32/32
-// 16x1k / 4x4k / 1x16k against 411-424 / 1136-1173 / 4033-4549 for the default and 445 / 1341 / 4795 for
-// the same shape without it. ncu (1x16k): its compute warps waited on the K tile's full barrier for 13%
-// of all samples (L2 hit rate 60%, DRAM 19%): two 64 KB stages leave about one step to land a tile,
-// which FlashInfer's FA3 (TMA, L2 hit rate 96%) can afford and our cp.async gather cannot. Writing each
-// CTA's queue by unit first (so the CTAs walk the heads together) did not change that (ab43p_*).
-// The loader step (2b5e484; shared.cuh, Loader::produce; on by default since ab45, FI_BACKEND_KV_TMA=0 turns
-// it off): whole tiles of consecutive tokens by TMA, every flex variant 0-13% faster, ragged KV about 3%,
-// gathered tiles mostly within run noise (perf/results/ab45.md); one-page boxes for scattered pages were
-// slower than the gather (ab44q.md).
-// Tried and slower a third time (perf/results/ab45d.md: 6abd3df on top of the TMA loader, V's TMA box on
-// its own full barrier): the deferred P.V at 8 x 1 with 128-token tiles, 6-16% slower than the same shape
-// without it in every fa2 quick cell of two runs (e.g. 32/32 4x4k 1310-1324 us against 1236), and slower
-// than the default pick in every flex quick case but ALiBi 1k. Unlike FA3, which releases K as soon as S
-// is done, K's stage is held to the end of the step (the compute side reads the tile record in it).
-// ncu with TMA (perf/results/prefill_ncu_45.md): the producer waits for free stages; the compute warps
-// issue 576 instructions per 64-token step and stall on the softmax's dependencies (tensor pipe 54%).
-// Tried and slower (610c3b7, perf/results/ab49_page1.md): the compute warps reading the stage's record after
-// the full barrier to skip fence.proxy.async for TMA-boxed tiles; 1-2% slower at every flex and ragged shape.
+// Whole tiles of consecutive tokens go by TMA (shared.cuh, Loader::produce; FI_BACKEND_KV_TMA=0 turns it
+// off); scattered pages are gathered with cp.async.
 // Row sums by MMA (Cfg::kRowSumMma, the default with wgmma): the softmax's denominators come from one
-// m64n8k16 MMA of P against ones per 16 tokens, issued beside P.V, instead of an FADD a probability
-// (perf/results/ab46r_*.md against FADDs, same process: fa2 1x16k 4-7% faster in 4 of 4 pairs, 4x4k 0-3%,
-// 16x1k and flex within noise).
-// Tried, no faster (perf/results/ab46_*.md at 1de1d33): a share of the softmax's exponentials on the FMA
-// pipe (FlashAttention-4's cubic for 2^x, exact 0 at -inf): 2 or 4 of every 16 within run noise, 8 of 16
-// 3-10% slower; the MUFU's 8 cycles an ex2 are not what bounds a step.
+// m64n8k16 MMA of P against ones per 16 tokens, issued beside P.V, instead of an FADD a probability.
+// ptxas serialises every wgmma of the kernel when one is in flight across the loop (C7513, C7514, C7518)
+// or issued under a branch (C7520): keep each step's wgmmas inside it and unconditional.
+// What was tried against these shapes and lost (FA3's intra- and inter-warpgroup overlaps, ping-pong, a
+// deferred P.V, exponentials on the FMA pipe, ...): docs/prefill.md.
 // MMAs run in the query's type. fp8 KV and key transforms (RoPE) go through one pass over the landed
 // tile: fp8 is converted exactly into a 16-bit copy (e4m3 and e5m2 are exact in bf16 and fp16), a
 // KeyTransform rotates K in fp32 in that pass; the per-tensor scales fold into the logits scale and
@@ -112,7 +74,7 @@ using namespace attn;  // Params, Work, TileRecord, Loader, Epilogue (shared.cuh
 
 template <int kHeadDim_, int kHeadsPerChunk_, class DQ_, class DKV_, int kWarps_, int kMFrags_, int kTileKv_,
           int kStages_, int kStepKv_, bool kWgmma_ = false, int kQBuffers_ = 1, bool kProducer_ = false,
-          bool kPingPong_ = false, bool kRowSumMma_ = false, bool kBiasMma_ = false>
+          bool kRowSumMma_ = false, bool kBiasMma_ = false>
 struct Config {
   using DQ = DQ_;
   using DKV = DKV_;
@@ -129,16 +91,9 @@ struct Config {
   // warps never wait for each other per tile. setmaxnreg moves registers from the producer to them.
   static constexpr bool kProducer = kProducer_;
   static constexpr int kLaunchThreads = kThreads + (kProducer ? 128 : 0);
-  // Ping-pong (FA3's inter-warpgroup schedule): the compute warpgroups issue their S = Q K^T MMAs in
-  // turn, one compute step each, through named barriers (kPingPongBar + warpgroup), so one warpgroup's
-  // softmax runs while the next one's MMAs occupy the tensor cores instead of all of them meeting in
-  // the softmax with the tensor cores idle. Every warpgroup takes its turn at every step of every
-  // tile, skipped steps included (a named barrier needs equal counts).
-  static constexpr bool kPingPong = kPingPong_;
-  static constexpr int kPingPongBar = 10;  // 10 .. 10 + warpgroups - 1 (8: compute side, 9: the producer)
   // The softmax's row sums by the tensor cores (wgmma): P . ones [kStep x 8] beside each P.V, one m64n8
-  // MMA a 16-token k step, instead of an FADD a probability in the compute warps (64 of their 576
-  // instructions a 64-token step at 8 x 2, perf/results/prefill_ncu_45.md). The sum is then of the P the
+  // MMA a 16-token k step, instead of an FADD a probability in the compute warps (about a ninth of their
+  // instructions). The sum is then of the P the
   // P.V sees (rounded to 16 bits), and every lane of a row's quad holds the whole row's sum.
   static constexpr bool kRowSumMma = kRowSumMma_;
   // A variant's ALiBi bias (alibi_slope) by the tensor cores (wgmma): S += A . B with A the rows' slope /
@@ -209,7 +164,7 @@ struct Config {
   // KV tile (kQBuffers > 1; shared.cuh): its global-memory latency then overlaps the current sub-item
   // instead of stalling every warp at each sub-item's start. Without a producer, one buffer per stage;
   // with one, two or more, each released by the compute warps through a barrier when its sub-item ends.
-  // Else (1) the warps load Q themselves (load_q). fi_backend/wrappers.py (_prefill_q_buffers) decides.
+  // Else (1) the warps load Q themselves (load_q). fi_backend/shapes.py (_prefill_q_buffers) decides.
   static constexpr int kQBuffers = kQBuffers_;
   // The extra MMAs' constant operands, no swizzle (wgmma::desc_plain), after the query buffers. The bias MMA's
   // (kBiasMma): each compute warpgroup's A block (8 rows of 16 bytes, Kernel::bias_setup); 128 zero bytes,
@@ -229,7 +184,8 @@ struct Config {
   static constexpr int kBarriersAt = kRowOffsetsAt + 2 * kTile * 8 + (kProducer ? 32 : 0);
   // full[kStages], empty[kStages], qempty[kQBuffers] mbarriers
   static constexpr int kSmemBytes = kBarriersAt + (kProducer ? 16 * kStages + 8 * kQBuffers : 0);
-  static constexpr int kBiasBar = kPingPongBar + kWarps / 4;  // + warpgroup: bias_setup's (after ping-pong's)
+  // Named barriers: 8 the compute side's, 9 the producer's; bias_setup's kBiasBar + warpgroup.
+  static constexpr int kBiasBar = 10 + kWarps / 4;
   static_assert(sizeof(TileRecord) % 8 == 0 && kRecordsAt % 16 == 0, "tile records, row offsets: 8-byte aligned");
 
   static_assert(kHeadDim == 64 || kHeadDim == 80 || kHeadDim == 96 || kHeadDim == 128 || kHeadDim == 256,
@@ -247,8 +203,6 @@ struct Config {
   static_assert(!kProducer || (kWgmma && kQBuffers >= 2 && !kFp8),
                 "warp-specialised: wgmma, the loader's query copy, 16-bit KV (no conversion pass)");
   static_assert(kChunksPerRow >= 4, "rows of at least 64 bytes");
-  static_assert(!kPingPong || (kProducer && kWarps >= 8 && kWarps <= 16),
-                "ping-pong: warp-specialised, two to four compute warpgroups");
   static_assert(!kWgmma || (kWarps % 4 == 0 && (kStep == 32 || kStep == 64 || kStep == 128 || kStep == 256)),
                 "wgmma: whole warpgroups, a compute step of 32, 64, 128 or 256 tokens (the MMA's n)");
 
@@ -452,9 +406,7 @@ struct Kernel {
   // prefill kernel).
   static __device__ __forceinline__ float row_max(const float (&s)[kNTiles][4], int hf) {
     // Four running maxima over one flat loop: the tree it replaced (`for (w = kNTiles / 2; w >= 1; w /= 2)`)
-    // stayed a rolled loop at 16 n tiles (128-token steps), its array in local memory: 8 x 1 with 128-token
-    // tiles and steps took 653 / 2380 / 9604 us at 16x1k / 4x4k / 1x16k, 469 / 1431 / 5063 after
-    // (perf/results/prefill_ab26.md, prefill_ab28.md). 64-token steps: the same registers and spills.
+    // stayed a rolled loop at 16 n tiles (128-token steps), its array in local memory.
     constexpr int kParts = kNTiles < 4 ? kNTiles : 4;
     float m[kParts];
 #pragma unroll
@@ -783,13 +735,11 @@ struct Kernel {
     float s[kMF][kNTiles][4];
     if constexpr (kWgmma) {
       wgmma::fence();
-      if constexpr (Cfg::kPingPong) pingpong_wait();
 #pragma unroll
       for (int mf = 0; mf < kMF; ++mf) {
         qk_wgmma(qs, ks, os, t0, mf, s[mf]);
         wgmma::commit();
       }
-      if constexpr (Cfg::kPingPong) pingpong_pass();
 #pragma unroll
       for (int mf = 0; mf < kMF; ++mf) {
         wgmma::wait<kMF - 1>();
@@ -810,16 +760,6 @@ struct Kernel {
   }
 
   // ------------------------------------------------------------------ the kernel
-
-  // Ping-pong turns (Cfg::kPingPong): warpgroup u waits for its turn at barrier kPingPongBar + u (the
-  // previous warpgroup's pass, 128 + 128 threads), issues, and passes the turn to u + 1 (mod the count).
-  static constexpr int kComputeWGs = Cfg::kWarps / 4;
-  static __device__ __forceinline__ void pingpong_wait() {
-    ptx::bar_sync(Cfg::kPingPongBar + (threadIdx.x >> 7), 256);
-  }
-  static __device__ __forceinline__ void pingpong_pass() {
-    ptx::bar_arrive(Cfg::kPingPongBar + ((threadIdx.x >> 7) + 1) % kComputeWGs, 256);
-  }
 
   // The compute warps' own barrier (finish): with a producer warpgroup, __syncthreads would wait for it.
   static __device__ __forceinline__ void sync_compute() {
@@ -892,11 +832,6 @@ struct Kernel {
     float bias_slope = 0.f;  // kBias: this lane's rows' ALiBi slope, log2 units
     constexpr int kUnitRows = Cfg::kUnitRows;
     const int unit = warp / kUnitWarps;  // a warp, or a warpgroup with wgmma: they skip steps together
-    // The first turn is warpgroup 0's: the last one passes it a turn ahead (and warpgroup 0 takes the
-    // last warpgroup's final pass after the loop, so the barrier ends with no arrival pending).
-    if constexpr (Cfg::kPingPong) {
-      if (unit == kComputeWGs - 1) pingpong_pass();
-    }
 
     for (int j = 0;; ++j) {
       uint8_t* stage = smem + (j % kStages) * Cfg::kStageBytes;
@@ -913,12 +848,7 @@ struct Kernel {
 
       const TileRecord* rec = Cfg::record(smem, j % kStages);
       const int flags = rec->flags;
-      if (flags & kEnd) {
-        if constexpr (Cfg::kPingPong) {
-          if (unit == 0) pingpong_wait();
-        }
-        break;
-      }
+      if (flags & kEnd) break;
       const Work& w = rec->w;
       const int kv_head = kv_head_of(p, w.unit);  // for the hooks' contexts (unused ones cost nothing)
       // The unit's real rows: packed rows [first_pr, first_pr + kUnitRows) clipped to the sub-item.
@@ -983,11 +913,6 @@ struct Kernel {
           skip = stop || w.pos_off + step_begin + min(n_valid, kStep) <= seen_lo;
         }
         if (skip) {
-          if constexpr (Cfg::kPingPong) {  // the turn is taken and passed all the same
-            pingpong_wait();
-            pingpong_pass();
-            continue;
-          }
           if (stop) break;
           continue;
         }

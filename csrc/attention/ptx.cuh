@@ -26,22 +26,11 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 
 // 16-byte global -> shared copy that bypasses L1 (KV is streamed once). valid = false writes 16 zero
 // bytes and reads nothing, so padding rows of a tile never hold stale data (0 * NaN would poison P.V).
-// kL2Prefetch: bytes the L2 fetches around the access (0, 64, 128 or 256).
-template <int kL2Prefetch = 128>
+// The L2 fetches the 128 bytes around the access.
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
   const int bytes = valid ? 16 : 0;
-  if constexpr (kL2Prefetch == 256) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes)
-                 : "memory");
-  } else if constexpr (kL2Prefetch == 128) {
-    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes)
-                 : "memory");
-  } else if constexpr (kL2Prefetch == 64) {
-    asm volatile("cp.async.cg.shared.global.L2::64B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes)
-                 : "memory");
-  } else {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-  }
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes)
+               : "memory");
 }
 
 // Fetch the line holding `p` into L2 (no register result, nothing waits on it).

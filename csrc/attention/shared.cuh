@@ -45,22 +45,9 @@ enum ErrorBits : int32_t {
   kErrIndexOutOfRange = 2,  // kv_block_start + block beyond kv_indices
 };
 
-// L2 prefetch size of the KV copies and how many tiles ahead kv_indices lines are prefetched into
-// L2 (the page ids of the next tile are then L2 hits). Overridable with -D for tuning runs.
-#ifndef FI_DECODE_L2_PREFETCH
-#define FI_DECODE_L2_PREFETCH 128
-#endif
-#ifndef FI_DECODE_INDEX_AHEAD
-#define FI_DECODE_INDEX_AHEAD 4
-#endif
-// 0: the producer never votes for TMA boxes (every tile gathered, maps or not; A/B runs).
-#ifndef FI_PREFILL_KV_VOTE
-#define FI_PREFILL_KV_VOTE 1
-#endif
-// 1: the producer votes on every tile, not only until a sub-item's first gathered tile (A/B runs).
-#ifndef FI_PREFILL_VOTE_EVERY_TILE
-#define FI_PREFILL_VOTE_EVERY_TILE 0
-#endif
+// kv_indices lines are prefetched into L2 this many tiles ahead (the page ids of the next tile are then
+// L2 hits).
+constexpr int kIndexAheadTiles = 4;
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -272,7 +259,7 @@ struct Loader {
     Pos w;
   };
   // The loader copies query tiles where the kernel has query buffers (prefill on Hopper, for some
-  // variants: fi_backend/wrappers.py, _prefill_q_buffers). Sub-item n uses buffer n % kQBuffers
+  // variants: fi_backend/shapes.py, _prefill_q_buffers). Sub-item n uses buffer n % kQBuffers
   // (TileRecord::qslot). With a buffer per stage, sub-item n - kStages ended at least kStages - 1 tiles
   // before sub-item n's first tile, so it was consumed before that tile (and its query copy) is issued.
   // A producer warpgroup (produce()) instead waits for the buffer's release (its "qempty" barrier), so
@@ -340,10 +327,10 @@ struct Loader {
         page[r] = (idx >= 0 && idx < p.num_kv_indices) ? __ldg(p.kv_indices + idx) : INT32_MIN;
       }
     }
-    // kv_indices of a tile FI_DECODE_INDEX_AHEAD tiles on: into L2 now, so that its page-id loads
+    // kv_indices of a tile kIndexAheadTiles tiles on: into L2 now, so that its page-id loads
     // (one tile ahead of its copies) do not wait on DRAM. 32 ids per 128-byte line.
-    if constexpr (FI_DECODE_INDEX_AHEAD > 0) {
-      const int ahead_begin = tile_begin + FI_DECODE_INDEX_AHEAD * kTile;
+    {
+      const int ahead_begin = tile_begin + kIndexAheadTiles * kTile;
       const int t = tid();
       if (!cur.done && t < 8 && ahead_begin < cur.w.kv_hi) {
         int b0, b1, s0;
@@ -483,8 +470,8 @@ struct Loader {
       const bool ok = row_off >= 0 && chunk < kLoadChunks;
       const int64_t off = ok ? row_off + chunk * 16 : 0;
       const uint32_t dst = Cfg::tile_offset(row, chunk);
-      ptx::cp_async_16<FI_DECODE_L2_PREFETCH>(ks + dst, kbase + off, ok);
-      ptx::cp_async_16<FI_DECODE_L2_PREFETCH>(vs + dst, vbase + off, ok);
+      ptx::cp_async_16(ks + dst, kbase + off, ok);
+      ptx::cp_async_16(vs + dst, vbase + off, ok);
     }
   }
 
@@ -536,7 +523,7 @@ struct Loader {
   // rows are kTile consecutive tokens of the cache's token-major view (ragged KV, whose BSR is the
   // identity at page size 1, or pages that happen to be in order). Decided from the page lookups already
   // made, when publish() consumes them anyway (consuming them earlier exposed their global-memory latency
-  // in every producer step: gathered tiles 12-25% slower): a warp's rows agree on token - row (one vote),
+  // in every producer step): a warp's rows agree on token - row (one vote),
   // its lane 0 leaves that base (INT_MIN: no) in shared memory, and after the barrier every loading thread
   // reads the same bases and so reaches the same answer (tma_decide).
   static __device__ __forceinline__ void tma_vote(const Params& p, uint8_t* smem, int tile_no, const Cursor& cur,
@@ -567,14 +554,10 @@ struct Loader {
   // With TMA maps (tma.use), a tile of consecutive tokens (tma_vote / tma_decide) is copied by thread 0 as
   // kHeadDimPad / 64 boxes each of K and V, its bytes added to the full barrier before its own arrivals (so
   // the phase cannot complete without them); the other threads issue nothing. Any other tile (partial,
-  // scattered pages) is gathered as before. (One-page boxes for scattered pages of 16 tokens were tried:
-  // 17-23% slower than the gather, perf/results/ab44q.md.)
+  // scattered pages) is gathered as before (one-page boxes were slower than the gather: docs/prefill.md).
   // A sub-item stops voting at its first gathered tile: its later tiles are gathered without a vote (an
-  // engine's scattered pages stay scattered; ragged KV fails only on its partial last tile). A failed vote
-  // on every tile cost page 1 at 16x1k 8% (427-430 against 403-408 us, ragged 383-389; page 16 2-3%;
-  // perf/results/ab49_once_*.json, same process); never voting is 3% faster again at page 1 (389-396) but
-  // gives up the boxes of pages in order. An L2 prefetch of each looked-up row before the wait for a free
-  // stage changed nothing (ab49_vote_*).
+  // engine's scattered pages stay scattered; ragged KV fails only on its partial last tile), so a failed
+  // vote is not paid on every tile.
   static __device__ __forceinline__ void produce(const Params& p, const VariantParams& vp, uint8_t* smem,
                                                  uint32_t full, uint32_t empty, uint32_t qempty, const KvTma& tma) {
     static_assert(kThreads == 128 && Cfg::kLoaderThread0 > 0, "a producer warpgroup after the compute warps");
@@ -582,7 +565,7 @@ struct Loader {
     constexpr int kBarrierId = 9;  // the producer's own named barrier (the compute side's is 8)
     Cursor cur;
     int page[kLookups], slot[kLookups];
-    const bool maps = FI_PREFILL_KV_VOTE && tma.use != 0;
+    const bool maps = tma.use != 0;
     seek_queue(p, vp, cur);  // an empty queue: the first tile is the kEnd record
     prefetch_pages(p, cur, page, slot);
     int nsub = 0;  // sub-items issued: the next one's query buffer is nsub % kQBuffers
@@ -597,7 +580,7 @@ struct Loader {
       }
       // Row offsets are double-buffered by tile parity: the barrier below also orders this tile's
       // publish after every loading thread's copies of tile j - 2 (issued before the last barrier).
-      if (cur.tile == 0 || FI_PREFILL_VOTE_EVERY_TILE) vote = maps;
+      if (cur.tile == 0) vote = maps;
       publish(p, smem, j, cur, page, slot);
       if (vote) tma_vote(p, smem, j, cur, page, slot);
       ptx::bar_sync(kBarrierId, kThreads);

@@ -39,8 +39,7 @@ struct LogitsCtx {
   int kv_len;   // KV tokens of the request
   // kv_pos - q_pos as a float (exact below 2^24): the kernels add the element's constant column offset
   // to a row's value, where (float)(kv_pos - q_pos) would be an int-to-float conversion per element on
-  // the pipe the softmax's exponentials use (ALiBi took 1.25x causal's time with it at 16x4k,
-  // perf/results/prefill_flex34.md).
+  // the pipe the softmax's exponentials use.
   float rel_pos;
   // rel_pos = rel_row + rel_col: rel_row the same for a row's elements in this call site, rel_col a
   // compile-time constant in the prefill kernel (the element's column in its step). A hook linear in

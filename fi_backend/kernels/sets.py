@@ -29,7 +29,7 @@ class ModuleSet:
 
 MODULE_SETS: Dict[str, ModuleSet] = {}
 # Modules (besides this one) that register sets; imported on first use of the registry.
-_PROVIDERS: List[str] = ["fi_backend.wrappers"]  # modules that register sets on import
+_PROVIDERS: List[str] = ["fi_backend.module_sets"]  # modules that register sets on import
 _providers_loaded = False
 
 

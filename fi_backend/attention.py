@@ -1,0 +1,638 @@
+"""BatchAttention, the public attention API (the FlashInfer paper's plan/run shape): plan() once per generation step,
+run() per layer.
+
+    ws = Workspace(device, max_requests=..., max_tokens=..., num_ctas=BatchAttention.recommended_num_ctas(...),
+                   max_tile_q=16, num_qo_heads=32, num_kv_heads=8, head_dim=128)
+    attn = BatchAttention(ws, 32, 8, 128, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, page_size=16)
+    attn.plan(qo_indptr_cpu, kv_lens_cpu, bsr)             # once per step (bsr: fi_backend.formats.BSR)
+    out = attn.run(q, kv_cache)                            # once per layer; CUDA-graph capturable
+
+The kernel (csrc/attention/decode.cuh) is persistent with a fixed grid (workspace.num_ctas CTAs, all
+the GPU's: each work item names its unit, a KV head and a chunk of its query heads, so every CTA serves
+every head) and reads everything that depends on the step from device memory: the
+plan section of the workspace and the BSR arrays. So a run() captured in a CUDA graph replays
+correctly after plan() is called again with other lengths or a smaller batch, provided the BSR arrays
+keep their storage (write the new step's indices into the same tensors, as engines do) and plan()
+keeps the same scalar settings (causal, sm_scale, variant scalars): both are checked.
+
+KV cache layouts, addressed by strides (no copies):
+  * one tensor with K and V packed in the last dim, 2 * head_dim: vLLM-style
+    [num_blocks, page_size, num_kv_heads, 2 D] ("NHD") or [num_blocks, num_kv_heads, page_size, 2 D] ("HND");
+  * a (k, v) pair of [num_blocks, page_size, num_kv_heads, D] ("NHD") / [num_blocks, num_kv_heads,
+    page_size, D] ("HND") views (e.g. kv[:, 0], kv[:, 1] of FlashInfer's 5-D layout), or of
+    [num_slots, num_kv_heads, D] (SGLang's k_buffer / v_buffer, page_size 1).
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import Optional
+
+import torch
+
+from . import env, kernels
+from .formats import BSR
+from .kv_cache import parse_cached
+from .shapes import FAMILY_TILES_PER_CTA, FAMILY_WAVE_SLACK, HEAD_DIMS
+from .specs import _SPECS, KERNELS, attention_specs
+from .variants import DEFAULT, PARAM_TYPES, Variant, VariantError
+from .workspace import Workspace
+
+Q_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+KV_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8_e4m3",
+                    torch.float8_e5m2: "fp8_e5m2"}
+MAX_PAGE_SIZE = 256
+
+# Error bits of the kernel's error word (csrc/attention/decode.cuh, ErrorBits).
+_ERROR_BITS = {
+    1: "a KV block index (kv_indices entry) outside [0, num_kv_blocks) was met; those tokens were read as zeros",
+    2: "kv_block_start + block offset pointed past the end of kv_indices; those tokens were read as zeros",
+}
+
+# Prefill steps of two requests or more with this many KV tokens or more plan request by request (see
+# BatchAttention._use_member).
+PLAN_GROUPED_MIN_KV = 4096
+
+
+class _FastDiv(ctypes.Structure):
+    _fields_ = [("d", ctypes.c_uint32), ("m", ctypes.c_uint32), ("s", ctypes.c_uint32)]
+
+
+# ctypes mirror of fi::attn::Params (csrc/attention/shared.cuh); checked against the module's
+# fi_attention_layout offsets when a module is loaded.
+class _Params(ctypes.Structure):
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("q_stride_row", ctypes.c_int64), ("q_stride_head", ctypes.c_int64),
+        ("out", ctypes.c_void_p), ("out_stride_row", ctypes.c_int64), ("out_stride_head", ctypes.c_int64),
+        ("lse", ctypes.c_void_p), ("lse_stride_row", ctypes.c_int64),
+        ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("kv_stride_block", ctypes.c_int64),
+        ("kv_stride_token", ctypes.c_int64), ("kv_stride_head", ctypes.c_int64),
+        ("num_kv_blocks", ctypes.c_int32), ("page_size", ctypes.c_int32), ("page_div", _FastDiv),
+        ("kv_block_start_int64", ctypes.c_int32),
+        ("kv_indices", ctypes.c_void_p), ("num_kv_indices", ctypes.c_int64), ("kv_block_start", ctypes.c_void_p),
+        ("kv_lens", ctypes.c_void_p), ("qo_indptr", ctypes.c_void_p), ("kv_pos_start", ctypes.c_void_p),
+        ("plan", ctypes.c_void_p), ("items_offset", ctypes.c_int32), ("merge_indptr_offset", ctypes.c_int32),
+        ("partial_o", ctypes.c_void_p), ("partial_lse", ctypes.c_void_p), ("merge_counters", ctypes.c_void_p),
+        ("error_flags", ctypes.c_void_p), ("num_qo_heads", ctypes.c_int32), ("num_head_chunks", ctypes.c_int32),
+        ("logits_scale", ctypes.c_float), ("v_scale", ctypes.c_float), ("causal", ctypes.c_int32),
+    ]
+
+
+_LAYOUT_FIELDS = ("q", "out", "lse", "k", "num_kv_blocks", "page_div", "kv_block_start_int64", "kv_indices",
+                  "kv_pos_start", "plan", "items_offset", "partial_o", "error_flags", "num_qo_heads",
+                  "logits_scale", "causal")
+
+
+def _fastdiv(d: int) -> _FastDiv:
+    s = 0
+    while (1 << s) < d:
+        s += 1
+    m = ((1 << 32) * ((1 << s) - d)) // d + 1
+    return _FastDiv(d, m & 0xFFFFFFFF, s)
+
+
+class _Launcher:
+    """A loaded attention module: its launcher, its ctypes VariantParams type and its kernel shape."""
+
+    def __init__(self, spec: kernels.ModuleSpec, variant: Variant):
+        self.module = kernels.load(spec)
+        self.run = self.module.function(
+            "fi_attention_run", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p])
+        layout_fn = self.module.function("fi_attention_layout", [ctypes.POINTER(ctypes.c_int64), ctypes.c_int])
+        buf = (ctypes.c_int64 * 64)()
+        n = layout_fn(buf, 64)
+        vals = list(buf[:n])
+        self.threads, self.smem_bytes, self.tile, self.rows, self.heads_per_chunk, self.rows_per_tile = vals[:6]
+        self.vparams_type = type(f"VariantParams_{variant.name}", (ctypes.Structure,),
+                                 {"_fields_": variant.ctypes_fields()})
+        expected = [ctypes.sizeof(_Params), ctypes.sizeof(self.vparams_type)]
+        expected += [getattr(_Params, f).offset for f in _LAYOUT_FIELDS]
+        expected += [getattr(self.vparams_type, f).offset for f in variant.params]
+        if vals[6:] != expected:
+            raise RuntimeError(f"attention module {self.module.name}: the C parameter layout {vals[6:]} does not match "
+                               f"fi_backend.attention's ctypes mirror {expected}; the two must change together")
+        self._occupancy = self.module.function("fi_attention_occupancy", [ctypes.POINTER(ctypes.c_int)])
+
+    def blocks_per_sm(self) -> int:
+        out = ctypes.c_int(0)
+        rc = self._occupancy(ctypes.byref(out))
+        if rc:
+            self.module.check(rc, "fi_attention_occupancy")
+        return max(1, out.value)
+
+
+_launchers: dict = {}
+
+
+def _launcher(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, group: int,
+              tuning: Optional[dict] = None, kernel: str = "decode", member: int = 0) -> _Launcher:
+    kw = {"member": member} if member else {}
+    return _launcher_of(_SPECS[kernel](variant, head_dim, q_dtype, kv_dtype, group, tuning=tuning, **kw), variant)
+
+
+def _launcher_of(spec: kernels.ModuleSpec, variant: Variant) -> _Launcher:
+    entry = _launchers.get(spec.memo_key)
+    if entry is None:
+        entry = _Launcher(spec, variant)
+        _launchers[spec.memo_key] = entry
+    return entry
+
+
+def _family(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, group: int, tuning: Optional[dict],
+            kernel: str) -> list:
+    """The kernel's launchers: the prefill tile family (largest query tile first), else the one module."""
+    return [_launcher_of(spec, variant) for spec in attention_specs(variant, head_dim, q_dtype, kv_dtype, group,
+                                                                     tuning, kernel)]
+
+
+class _Bad(Exception):
+    """run()'s fast path met an argument it does not accept; _explain() says which."""
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_CAPTURED = -1  # fi_attention_run's return code for a launch into a capturing stream
+
+
+def _stream(device_index: int) -> int:
+    if _raw_stream is not None:
+        return _raw_stream(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+def _check_index_tensor(name: str, t, device, dtypes=(torch.int32,)) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (got {type(t).__name__})")
+    if t.device != device:
+        raise ValueError(f"{name} must be on the workspace's device {device} (got {t.device})")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {' or '.join(str(d) for d in dtypes)} (got {t.dtype})")
+    if t.dim() != 1 or (t.numel() > 1 and t.stride(0) != 1):
+        raise ValueError(f"{name} must be a contiguous 1-D tensor (got shape {tuple(t.shape)}, strides {t.stride()})")
+
+
+class BatchAttention:
+    """Batch attention over the BSR KV format with a plan/run split (see the module docstring).
+
+    workspace      a fi_backend.workspace.Workspace on the GPU (num_ctas: see recommended_num_ctas;
+                   max_tile_q: see query_tile_rows; num_qo_heads, num_kv_heads and head_dim as here)
+    num_qo_heads, num_kv_heads, head_dim   head_dim in HEAD_DIMS, num_qo_heads % num_kv_heads == 0
+    q_dtype        torch.bfloat16 or torch.float16 (the output has the same dtype)
+    kv_dtype       q_dtype, or torch.float8_e4m3fn / torch.float8_e5m2 (per-tensor k_scale/v_scale in run)
+    page_size      KV block width Bc, 1..256 (1 for token-level tables such as SGLang's)
+    kv_layout      "NHD" ([blocks, page, heads, D]) or "HND" ([blocks, heads, page, D]) for 4-D caches
+    variant        a fi_backend.variants.Variant (default: plain softmax attention)
+    kernel         "decode": split-KV kernel for steps where queries are a row or a few per request (it
+                   runs any batch correctly, but re-reads KV for every 16 packed rows); "prefill":
+                   FlashAttention-2-style kernel with 128-row query tiles for prefill, append, chunked
+                   prefill and mixed prefill + decode batches
+    tuning         benchmarks only: kernel-shape overrides, see decode_spec() / prefill_spec()
+
+    After construction: rows_per_tile (query rows per tile, the planner's tile_q), kv_tile (KV tokens
+    per pipeline stage, the chunk alignment), grid (the fixed launch grid). The prefill kernel is a family
+    of query-tile sizes: each plan() picks one (rows_per_tile and kv_tile are then the picked member's);
+    once run() has been captured in a CUDA graph, plans keep the captured member.
+    """
+
+    def __init__(self, workspace: Workspace, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
+                 q_dtype: torch.dtype = torch.bfloat16, kv_dtype: Optional[torch.dtype] = None, page_size: int = 16,
+                 kv_layout: str = "NHD", variant: Variant = DEFAULT, kernel: str = "decode",
+                 tuning: Optional[dict] = None):
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS} (got {kernel!r})")
+        if not isinstance(workspace, Workspace):
+            raise TypeError(f"workspace must be a fi_backend.workspace.Workspace (got {type(workspace).__name__})")
+        if workspace.device.type != "cuda":
+            raise ValueError(f"BatchAttention needs a workspace on a CUDA device (got {workspace.device})")
+        for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1 (got {value!r})")
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim {head_dim} is not supported; supported: {HEAD_DIMS}")
+        if q_dtype not in Q_DTYPES:
+            raise TypeError(f"q_dtype must be torch.bfloat16 or torch.float16 (got {q_dtype})")
+        kv_dtype = q_dtype if kv_dtype is None else kv_dtype
+        if kv_dtype not in KV_DTYPES or (kv_dtype in Q_DTYPES and kv_dtype != q_dtype):
+            raise TypeError(f"kv_dtype must be q_dtype ({q_dtype}), torch.float8_e4m3fn or torch.float8_e5m2 "
+                            f"(got {kv_dtype})")
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or not 1 <= page_size <= MAX_PAGE_SIZE:
+            raise ValueError(f"page_size must be an int in [1, {MAX_PAGE_SIZE}] (got {page_size!r})")
+        if kv_layout not in ("NHD", "HND"):
+            raise ValueError(f"kv_layout must be 'NHD' or 'HND' (got {kv_layout!r})")
+        if not isinstance(variant, Variant):
+            raise TypeError(f"variant must be a fi_backend.variants.Variant (got {type(variant).__name__})")
+        if (workspace.num_qo_heads, workspace.num_kv_heads, workspace.head_dim) != (num_qo_heads, num_kv_heads, head_dim):
+            # partial_o rows are laid out [row, num_qo_heads, head_dim] by the kernel; its item capacity and
+            # partial rows are sized for units between num_kv_heads and num_qo_heads
+            raise ValueError(f"the workspace's num_qo_heads/num_kv_heads/head_dim ({workspace.num_qo_heads}, "
+                             f"{workspace.num_kv_heads}, {workspace.head_dim}) must equal the wrapper's "
+                             f"({num_qo_heads}, {num_kv_heads}, {head_dim})")
+        self.workspace = workspace
+        self.device = workspace.buffer.device  # with its index: torch.device("cuda") != "cuda:0"
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.group = num_qo_heads // num_kv_heads
+        self.q_dtype, self.kv_dtype = q_dtype, kv_dtype
+        self.page_size, self.kv_layout, self.variant = page_size, kv_layout, variant
+        self._fp8 = kv_dtype not in Q_DTYPES
+
+        self.kernel = kernel
+        # The tile family (prefill: query tiles of several sizes, largest first; plan() picks one per step).
+        self._family = _family(variant, head_dim, Q_DTYPES[q_dtype], KV_DTYPES[kv_dtype], self.group, tuning, kernel)
+        tile_q = max(int(f.rows_per_tile) for f in self._family)
+        if tile_q > workspace.max_tile_q:
+            raise ValueError(f"the workspace's max_tile_q={workspace.max_tile_q} is below the kernel's query tile "
+                             f"({tile_q} rows); construct the Workspace with max_tile_q >= {tile_q} "
+                             f"(BatchAttention.query_tile_rows gives it)")
+        if len({f.blocks_per_sm() for f in self._family}) > 1:  # one fixed grid serves every member
+            raise RuntimeError(f"prefill tile family of head_dim {head_dim}: members differ in CTAs per SM")
+        self._use_member(0)
+        self.num_head_chunks = self.group // int(self._launcher.heads_per_chunk)
+        # Units: the query-head groups a work item runs for (KV head unit // num_head_chunks). The plan
+        # spreads (item, unit) pairs over the whole grid, so no SM idles for want of a head's queue.
+        self.num_units = num_kv_heads * self.num_head_chunks
+        self.grid = (workspace.num_ctas, 1)
+
+        dev = self.device
+        self._error_flags = torch.zeros(4, dtype=torch.int32, device=dev)
+        self._merge_counters = torch.zeros(workspace.max_tokens * self.num_units, dtype=torch.int32, device=dev)
+        p = _Params()
+        p.plan = workspace.plan_ptr
+        p.items_offset = workspace.layout.items_offset
+        p.merge_indptr_offset = workspace.layout.merge_indptr_offset
+        p.partial_o = workspace.partial_o_ptr
+        p.partial_lse = workspace.partial_lse_ptr
+        p.merge_counters = self._merge_counters.data_ptr()
+        p.error_flags = self._error_flags.data_ptr()
+        p.num_qo_heads = num_qo_heads
+        p.num_head_chunks = self.num_head_chunks
+        p.page_size = page_size
+        p.page_div = _fastdiv(page_size)
+        p.v_scale = 1.0
+        self._params = p
+        self._params_ref = ctypes.byref(p)
+        self._vparams = self._launcher.vparams_type()
+        self._vparams_ref = ctypes.byref(self._vparams)
+        self._variant_keep = {}   # tensors the variant params point to, kept alive
+        self._planned = False
+        self._num_rows = 0
+        self._sm_scale = 1.0 / math.sqrt(head_dim)
+        self._bsr_ptrs = None
+        self._frozen = None       # (BSR pointers, scalar settings) baked into a captured graph
+        self._kv_obj = None       # the KV cache whose parse is in _params (identity + pointer checked)
+        self._kv_is_tensor, self._kv0, self._kv1, self._kv_ptr = True, None, None, 0
+        self._lse_on = False
+        self._k_scale = self._v_scale = 1.0
+        self._q_shape = torch.Size((0, num_qo_heads, head_dim))
+        self._dev_index = dev.index
+
+    @property
+    def module_names(self) -> list:
+        """The kernel modules this wrapper loaded (its tile family), by cache name."""
+        return [f.module.name for f in self._family]
+
+    def _use_member(self, member: int) -> None:
+        """Make family member `member` the kernel that plan() plans for and run() launches."""
+        self._launcher = self._family[member]
+        self._launch = self._launcher.run
+        self.rows_per_tile = int(self._launcher.rows_per_tile)  # query rows per tile (the planner's tile_q)
+        self.kv_tile = int(self._launcher.tile)                  # KV tokens per pipeline stage (chunk alignment)
+        # Planner cost of a query row, in KV tokens: decode items cost a tile of KV per row tile; a prefill
+        # item's fixed work (its Q tile, its epilogue) is about two KV tiles for a whole 128-row tile.
+        self._cost_q = float(self.kv_tile) if self.kernel == "decode" else 2.0 * self.kv_tile / self.rows_per_tile
+        # Prefill plans go request by request (scheduler.plan_into's group_requests) for steps of two requests
+        # or more with one of PLAN_GROUPED_MIN_KV KV tokens or more, so CTAs running at the same time read the
+        # same request and head's KV; not for a mask that is the KV range, where it did not pay
+        # (docs/planner.md). FI_BACKEND_PLAN_GROUPED=0 turns it off.
+        # A sliding window's tiles cost their window, not their prefix (scheduler.plan_into's kv_window), so
+        # LPT balances their real cost. FI_BACKEND_PLAN_WINDOW=0: the prefix.
+        self._window_cost = (self.kernel == "prefill" and self.variant.mask_is_kv_range
+                             and "window_left" in self.variant.params and env.flag(env.PLAN_WINDOW, True))
+        self._group_requests = (self.kernel == "prefill" and not self.variant.mask_is_kv_range
+                                and env.flag(env.PLAN_GROUPED, True))
+
+    def _pick_member(self, q_lens: torch.Tensor) -> int:
+        """The largest query tile that gives each CTA FAMILY_TILES_PER_CTA tiles on this step, or that fills
+        whole waves of CTAs (tiles / CTAs at least 1 and within FAMILY_WAVE_SLACK of a whole number from
+        below): fewer, larger tiles otherwise leave CTAs idle on short prefills. Else the smallest.
+        q_lens: CPU int32 [B]."""
+        last = len(self._family) - 1
+        for m, launcher in enumerate(self._family[:-1]):
+            rows = int(launcher.rows_per_tile)
+            tiles = int(torch.div(q_lens + (rows - 1), rows, rounding_mode="floor").sum()) * self.num_units
+            waves = tiles / self.grid[0]
+            if waves >= FAMILY_TILES_PER_CTA or (waves >= 1 and math.ceil(waves) <= FAMILY_WAVE_SLACK * waves):
+                return m
+        return last
+
+    # -------------------------------------------------------------------------------- sizing
+
+    @staticmethod
+    def recommended_num_ctas(device, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
+                             q_dtype: torch.dtype = torch.bfloat16, kv_dtype: Optional[torch.dtype] = None,
+                             variant: Variant = DEFAULT, kernel: str = "decode", tuning: Optional[dict] = None) -> int:
+        """CTAs that fill the GPU once (SMs x resident CTAs per SM): the num_ctas to construct the Workspace
+        with. Builds (or loads) the kernel module to read its occupancy.
+
+        The decode kernel takes the largest multiple of its units (query-head groups) within that: it is
+        memory-bound, and 128 CTAs already read KV at the copy rate, so 4 more SMs add no bandwidth, while
+        a grid that divides by the units splits a uniform batch evenly without cutting KV into chunks to
+        merge, and plans as unit blocks (csrc/scheduler/planner.h). Prefill is compute-bound and takes every
+        SM (docs/decode.md, docs/prefill.md)."""
+        device = torch.device(device)
+        kv_dtype = q_dtype if kv_dtype is None else kv_dtype
+        group = num_qo_heads // num_kv_heads
+        launcher = _launcher(variant, head_dim, Q_DTYPES[q_dtype], KV_DTYPES[kv_dtype], group, tuning, kernel)
+        with torch.cuda.device(device):
+            per_sm = launcher.blocks_per_sm()
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+        total = max(1, sms * per_sm)
+        units = num_kv_heads * (group // int(launcher.heads_per_chunk))
+        if kernel == "decode" and total >= units:
+            total -= total % units
+        return total
+
+    @staticmethod
+    def query_tile_rows(num_qo_heads: int, num_kv_heads: int, head_dim: int, *, q_dtype: torch.dtype = torch.bfloat16,
+                        kv_dtype: Optional[torch.dtype] = None, variant: Variant = DEFAULT, kernel: str = "decode",
+                        tuning: Optional[dict] = None) -> int:
+        """Query rows of the kernel's tile (the planner's tile_q): the max_tile_q to construct the
+        Workspace with. Builds (or loads) the kernel module to read its layout."""
+        kv_dtype = q_dtype if kv_dtype is None else kv_dtype
+        return max(int(f.rows_per_tile) for f in _family(variant, head_dim, Q_DTYPES[q_dtype], KV_DTYPES[kv_dtype],
+                                                          num_qo_heads // num_kv_heads, tuning, kernel))
+
+    # -------------------------------------------------------------------------------- plan
+
+    def plan(self, qo_indptr, kv_lens, bsr: BSR, *, causal: bool = False, sm_scale: Optional[float] = None,
+             debug: bool = False, **variant_params):
+        """Plan a step: qo_indptr int32 [B + 1] and kv_lens int32 [B] on the CPU (this step's query rows
+        and KV lengths per request), bsr the step's KV as a device BSR with the same rows and lengths
+        (block_width == page_size). Variant parameters by name (see fi_backend.variants). debug=True
+        also checks the BSR on the host (indices in range, lengths agree) and synchronises."""
+        ws = self.workspace
+        if not isinstance(bsr, BSR):
+            raise TypeError(f"bsr must be a fi_backend.formats.BSR (got {type(bsr).__name__})")
+        if bsr.block_width != self.page_size:
+            raise ValueError(f"bsr.block_width ({bsr.block_width}) must equal the wrapper's page_size ({self.page_size})")
+        if bsr.qo_rows is not None:
+            raise ValueError("bsr.qo_rows is not supported by the attention kernels yet: row blocks must be the "
+                             "contiguous query rows qo_indptr[i]:qo_indptr[i+1]")
+        dev = self.device
+        _check_index_tensor("bsr.qo_indptr", bsr.qo_indptr, dev)
+        _check_index_tensor("bsr.kv_lens", bsr.kv_lens, dev)
+        _check_index_tensor("bsr.kv_indices", bsr.kv_indices, dev)
+        _check_index_tensor("bsr.kv_block_start", bsr.kv_block_start, dev, (torch.int32, torch.int64))
+        if bsr.kv_pos_start is not None:
+            _check_index_tensor("bsr.kv_pos_start", bsr.kv_pos_start, dev)
+        B = bsr.kv_lens.numel()
+        if bsr.qo_indptr.numel() != B + 1 or bsr.kv_block_start.numel() < B:
+            raise ValueError(f"bsr has {B} row blocks but qo_indptr has {bsr.qo_indptr.numel()} entries "
+                             f"and kv_block_start {bsr.kv_block_start.numel()}")
+        qo_cpu = torch.as_tensor(qo_indptr)
+        kv_cpu = torch.as_tensor(kv_lens)
+        if qo_cpu.device.type != "cpu" or kv_cpu.device.type != "cpu":
+            raise ValueError("qo_indptr and kv_lens passed to plan() must be CPU tensors (the planner runs on "
+                             "the host); the BSR carries their device copies")
+        if qo_cpu.numel() != B + 1 or kv_cpu.numel() != B:
+            raise ValueError(f"qo_indptr ({qo_cpu.numel()} entries) and kv_lens ({kv_cpu.numel()}) must describe "
+                             f"the BSR's {B} row blocks")
+        scale = 1.0 / math.sqrt(self.head_dim) if sm_scale is None else float(sm_scale)
+        if self.variant.alibi_slope and not (math.isfinite(scale) and scale != 0.0):
+            raise ValueError(f"sm_scale must be finite and nonzero with ALiBi (variant {self.variant.name}: the prefill "
+                             f"kernel adds slope / sm_scale to the raw logits), got {sm_scale}")
+        values = self.variant.resolve(variant_params, head_dim=self.head_dim, device=dev)
+        if debug:
+            self._debug_check(qo_cpu, kv_cpu, bsr)
+
+        bsr_ptrs = (bsr.qo_indptr.data_ptr(), bsr.kv_lens.data_ptr(), bsr.kv_indices.data_ptr(),
+                    bsr.kv_block_start.data_ptr(), 0 if bsr.kv_pos_start is None else bsr.kv_pos_start.data_ptr())
+        settings = (bool(causal), scale, self._scalar_values(values))
+        if self._frozen is not None and (self._frozen[0] != bsr_ptrs or self._frozen[1] != settings):
+            raise ValueError(
+                "run() was captured in a CUDA graph with other BSR tensors or settings; the graph keeps reading the "
+                "BSR arrays it was captured with and its scalar settings (causal, sm_scale, variant scalars). Write "
+                "the new step's indices and lengths into the same BSR tensors and keep the settings, or capture again "
+                "after calling release_graph()")
+
+        qo32 = qo_cpu.to(torch.int32)
+        if len(self._family) > 1 and self._frozen is None:  # a captured graph keeps its kernel
+            self._use_member(self._pick_member(qo32[1:] - qo32[:-1]))
+        kv32 = kv_cpu.to(torch.int32)
+        group = self._group_requests and len(kv32) > 1 and int(kv32.numpy().max()) >= PLAN_GROUPED_MIN_KV
+        # A causal sliding window (a KV-range mask with a window_left): a row sees window_left + 1 positions.
+        window = values.get("window_left") if self._window_cost and causal else None
+        kv_window = int(window) + 1 if window is not None and int(window) >= 0 else 0
+        ws.plan(qo32, kv32, tile_q=self.rows_per_tile, num_units=self.num_units, causal=bool(causal),
+                kv_chunk_align=self.kv_tile, cost_q=self._cost_q, group_requests=group, kv_window=kv_window)
+
+        p = self._params
+        p.kv_indices, p.kv_lens, p.qo_indptr = bsr_ptrs[2], bsr_ptrs[1], bsr_ptrs[0]
+        p.num_kv_indices = bsr.kv_indices.numel()
+        p.kv_block_start = bsr_ptrs[3]
+        p.kv_block_start_int64 = int(bsr.kv_block_start.dtype == torch.int64)
+        p.kv_pos_start = bsr_ptrs[4]
+        p.causal = int(bool(causal))
+        self._sm_scale = scale
+        p.logits_scale = scale * (float(self._k_scale) if self._fp8 else 1.0)
+        self._set_variant_params(values)
+        self._bsr_ptrs = bsr_ptrs
+        self._bsr = bsr  # run() reads these tensors by address: keep them alive until the next plan
+        self._settings = settings
+        self._num_rows = int(qo_cpu[-1]) if qo_cpu.numel() else 0
+        self._q_shape = torch.Size((self._num_rows, self.num_qo_heads, self.head_dim))
+        self._num_kv_blocks_hint = bsr.num_kv_blocks
+        self._planned = True
+
+    def release_graph(self) -> None:
+        """Forget a captured graph's BSR tensors and settings (after the graph is destroyed)."""
+        self._frozen = None
+
+    @staticmethod
+    def _scalar_values(values: dict) -> tuple:
+        return tuple((k, v if not isinstance(v, torch.Tensor) else v.data_ptr()) for k, v in values.items())
+
+    def _set_variant_params(self, values: dict) -> None:
+        keep = {}
+        for name, ptype in self.variant.params.items():
+            value = values[name]
+            _, _, tdtype = PARAM_TYPES[ptype]
+            if tdtype is None:
+                if isinstance(value, torch.Tensor):
+                    value = value.item()
+                setattr(self._vparams, name, float(value) if ptype == "float" else int(value))
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise VariantError(f"variant parameter {name} must be a torch.Tensor of {tdtype} (got {type(value).__name__})")
+            if value.device != self.device:
+                raise VariantError(f"variant parameter {name} must be on {self.device} (got {value.device})")
+            if value.dtype != getattr(torch, tdtype):
+                raise VariantError(f"variant parameter {name} must have dtype torch.{tdtype} (got {value.dtype})")
+            if not value.is_contiguous():
+                raise VariantError(f"variant parameter {name} must be contiguous")
+            setattr(self._vparams, name, value.data_ptr())
+            keep[name] = value
+        self._variant_keep = keep
+
+    def _debug_check(self, qo_cpu, kv_cpu, bsr: BSR) -> None:
+        torch.cuda.synchronize(self.device)
+        if not torch.equal(bsr.qo_indptr.cpu(), qo_cpu.to(torch.int32)):
+            raise ValueError("debug: bsr.qo_indptr differs from the qo_indptr given to plan()")
+        if not torch.equal(bsr.kv_lens.cpu(), kv_cpu.to(torch.int32)):
+            raise ValueError("debug: bsr.kv_lens differs from the kv_lens given to plan()")
+        starts = bsr.kv_block_start.cpu().to(torch.int64)
+        lens = kv_cpu.to(torch.int64)
+        if (lens < 0).any():
+            raise ValueError(f"debug: negative kv_lens at requests {torch.nonzero(lens < 0).flatten().tolist()[:8]}")
+        nblocks = (lens + self.page_size - 1) // self.page_size
+        n_idx = bsr.kv_indices.numel()
+        bad = torch.nonzero((starts < 0) | (starts + nblocks > n_idx)).flatten().tolist()
+        if bad:
+            raise ValueError(f"debug: row blocks {bad[:8]} need kv_indices entries beyond its {n_idx} entries")
+        if bsr.num_kv_blocks is not None and n_idx:
+            idx = bsr.kv_indices.cpu().to(torch.int64)
+            for i in range(lens.numel()):  # debug path only: per-request loop is fine here
+                used = idx[int(starts[i]):int(starts[i] + nblocks[i])]
+                if used.numel() and (int(used.min()) < 0 or int(used.max()) >= bsr.num_kv_blocks):
+                    raise ValueError(f"debug: row block {i} names KV blocks outside [0, {bsr.num_kv_blocks})")
+
+    # -------------------------------------------------------------------------------- run
+
+    def _kv_views(self, kv_cache):
+        """(k_ptr, v_ptr, num_blocks, (stride_block, stride_token, stride_head)) of the accepted layouts."""
+        # remembered per cache object: an engine's layers call run() with their own caches in turn
+        kv = parse_cached(kv_cache, self.kv_layout, head_dim=self.head_dim, page_size=self.page_size)
+        if kv.num_heads != self.num_kv_heads:
+            raise ValueError(f"the KV cache has {kv.num_heads} KV heads, expected {self.num_kv_heads}")
+        if kv.dtype != self.kv_dtype:
+            raise TypeError(f"the KV cache has dtype {kv.dtype}, the wrapper was built for {self.kv_dtype}")
+        if kv.device != self.device:
+            raise ValueError(f"the KV cache is on {kv.device}, the workspace on {self.device}")
+        if kv.num_blocks >= 2 ** 31:
+            raise ValueError(f"the KV cache has {kv.num_blocks} blocks; at most 2^31 - 1 are addressable")
+        return kv.k_ptr, kv.v_ptr, kv.num_blocks, kv.strides
+
+    def run(self, q: torch.Tensor, kv_cache, *, out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
+            return_lse: bool = False, k_scale: float = 1.0, v_scale: float = 1.0):
+        """Attention of q [rows, num_qo_heads, head_dim] (rows as planned) against kv_cache.
+
+        out: [rows, num_qo_heads, head_dim] of q's dtype (written in place; allocated when None).
+        lse: float32 [rows, num_qo_heads] to receive the natural-log LSE (or return_lse=True to allocate
+        one). k_scale / v_scale: per-tensor dequantisation scales of fp8 KV. Returns out, or (out, lse).
+        No synchronisation and no allocation when out (and lse) are given; the checks are O(1)."""
+        p = self._params
+        # Fast path: a few attribute reads; anything unexpected goes to _explain(), which names it.
+        try:
+            shape, qs, qptr = q.shape, q.stride(), q.data_ptr()
+            if (shape != self._q_shape or q.dtype is not self.q_dtype or qs[2] != 1 or (qs[0] | qs[1]) & 7
+                    or qptr & 15 or q.device != self.device):
+                raise _Bad
+            if out is None:
+                out = torch.empty(shape, dtype=self.q_dtype, device=self.device)
+                os_, optr = out.stride(), out.data_ptr()
+            else:
+                os_, optr = out.stride(), out.data_ptr()
+                if (out.shape != shape or out.dtype is not self.q_dtype or os_[2] != 1 or (os_[0] | os_[1]) & 7
+                        or optr & 15 or out.device != self.device):
+                    raise _Bad
+        except (_Bad, AttributeError, IndexError, TypeError):
+            self._explain(q, out)
+            raise
+        if lse is None and not return_lse:
+            if self._lse_on:
+                p.lse = None
+                self._lse_on = False
+        else:
+            lse = self._lse_arg(lse, shape[0])
+        if kv_cache is not self._kv_obj or (
+                self._kv_is_tensor and kv_cache.data_ptr() != self._kv_ptr) or (
+                not self._kv_is_tensor and (kv_cache[0] is not self._kv0 or kv_cache[1] is not self._kv1
+                                            or kv_cache[0].data_ptr() != self._kv_ptr)):
+            self._set_kv(kv_cache)
+        p.q = qptr
+        p.q_stride_row = qs[0]
+        p.q_stride_head = qs[1]
+        p.out = optr
+        p.out_stride_row = os_[0]
+        p.out_stride_head = os_[1]
+        if self._fp8 and (k_scale != self._k_scale or v_scale != self._v_scale):
+            self._k_scale, self._v_scale = k_scale, v_scale
+            p.logits_scale = self._sm_scale * float(k_scale)
+            p.v_scale = float(v_scale)
+        rc = self._launch(self._params_ref, self._vparams_ref, self.grid[0], self.grid[1], _stream(self._dev_index))
+        if rc:
+            if rc == _CAPTURED:  # captured into a CUDA graph: pin what the graph reads (see plan())
+                self._frozen = (self._bsr_ptrs, self._settings)
+            else:
+                self._launcher.module.check(rc, "fi_attention_run")
+        return (out, lse) if lse is not None else out
+
+    def _kv_maps(self) -> bool:
+        """Whether run() with the KV cache it was last given gives the kernel KV TMA maps (the prefill
+        kernel's producer then copies whole tiles of consecutive tokens by TMA; else every tile is gathered
+        with cp.async). For tests; host only."""
+        fn = self._launcher.module.function("fi_attention_kv_maps", [ctypes.c_void_p])
+        return bool(fn(self._params_ref))
+
+    def _lse_arg(self, lse, rows):
+        if not self.variant.use_softmax:
+            raise ValueError(f"variant {self.variant.name} does not use softmax: its LSE is undefined")
+        if lse is None:
+            lse = torch.empty((rows, self.num_qo_heads), dtype=torch.float32, device=self.device)
+        elif (not isinstance(lse, torch.Tensor) or lse.shape != (rows, self.num_qo_heads) or lse.dtype != torch.float32
+              or lse.device != self.device or lse.stride(1) != 1):
+            raise ValueError(f"lse must be a float32 [{rows}, {self.num_qo_heads}] tensor on {self.device} with "
+                             f"contiguous heads (got {getattr(lse, 'dtype', type(lse).__name__)} "
+                             f"{tuple(getattr(lse, 'shape', ()))})")
+        self._params.lse = lse.data_ptr()
+        self._params.lse_stride_row = lse.stride(0)
+        self._lse_on = True
+        return lse
+
+    def _set_kv(self, kv_cache) -> None:
+        kp, vp, nb, strides = self._kv_views(kv_cache)
+        p = self._params
+        p.k, p.v = kp, vp
+        p.kv_stride_block, p.kv_stride_token, p.kv_stride_head = strides
+        p.num_kv_blocks = nb
+        self._kv_obj = kv_cache
+        self._kv_is_tensor = isinstance(kv_cache, torch.Tensor)
+        if not self._kv_is_tensor:
+            self._kv0, self._kv1 = kv_cache[0], kv_cache[1]
+        self._kv_ptr = kp if self._kv_is_tensor else kv_cache[0].data_ptr()
+
+    def _explain(self, q, out) -> None:
+        """Raise the error that describes why q / out were rejected by run()'s fast path."""
+        if not self._planned:
+            raise RuntimeError("BatchAttention.run() called before plan()")
+        for name, t in (("q", q), ("out", out)):
+            if t is None:
+                continue
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor (got {type(t).__name__})")
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device}, the workspace on {self.device}")
+            if t.dtype != self.q_dtype:
+                raise TypeError(f"{name} has dtype {t.dtype}, the wrapper was built for {self.q_dtype}")
+            shape = tuple(t.shape)
+            if len(shape) != 3 or shape[1] != self.num_qo_heads or shape[2] != self.head_dim:
+                raise ValueError(f"{name} must be [rows, {self.num_qo_heads}, {self.head_dim}] (got {shape})")
+            if shape[0] != self._num_rows:
+                raise ValueError(f"{name} has {shape[0]} rows but the plan was made for {self._num_rows} query rows "
+                                 f"(qo_indptr[-1]); call plan() for this step")
+            st = t.stride()
+            if st[2] != 1 or st[0] % 8 or st[1] % 8 or t.data_ptr() % 16:
+                raise ValueError(f"{name} must have a contiguous head_dim and 16-byte aligned rows and heads "
+                                 f"(strides {st}, pointer % 16 = {t.data_ptr() % 16})")
+
+    # -------------------------------------------------------------------------------- errors
+
+    def check_errors(self, *, clear: bool = True) -> None:
+        """Raise RuntimeError if a kernel met an out-of-range KV index since the last check (synchronises)."""
+        flags = int(self._error_flags[0].item())
+        if clear and flags:
+            self._error_flags.zero_()
+        if flags:
+            reasons = [msg for bit, msg in _ERROR_BITS.items() if flags & bit]
+            raise RuntimeError("BatchAttention: " + "; ".join(reasons) + " (check the BSR passed to plan(); "
+                               "plan(..., debug=True) validates it on the host)")
