@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fi_backend import scheduler as S
-from fi_backend import wrappers as W
+from fi_backend import shapes
 
 from attention_cases import make_wrapper, run_case
 
@@ -41,9 +41,9 @@ def _grid(hq, hkv, d, kv_bytes, sms=132):
     """plan_into's grid arguments as the decode wrapper makes them (recommended_num_ctas, _use_member), with
     the CTAs per SM that shared memory allows (registers allow at least as many for these shapes)."""
     group = hq // hkv
-    shape = W._kernel_shape(d, kv_bytes, group)
+    shape = shapes._kernel_shape(d, kv_bytes, group)
     units = hkv * (group // shape["hpc"])
-    total = sms * W._blocks_by_smem(d, kv_bytes, shape)
+    total = sms * shapes._blocks_by_smem(d, kv_bytes, shape)
     tile = 16 * shape["sub"] * shape["warps"]
     return dict(num_ctas=total - total % units, num_units=units, tile_q=shape["rows"] // shape["hpc"],
                 kv_chunk_align=tile, cost_q=float(tile), min_kv_chunk=S.DEFAULT_MIN_KV_CHUNK)
