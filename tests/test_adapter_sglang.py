@@ -635,17 +635,11 @@ def test_deterministic_steps_keep_extend_rows_on_the_prefill_kernel(ref_wrappers
     backend = adapter._Backend(runner)
     assert [w.kw["deterministic"] for w in ref_wrappers] == [True, True]
     eng = Engine(runner, gen)
-    fb = eng.extend([(1, 6), (2, 3)])
-    backend.init_forward_metadata(fb)
-    run_layers(backend, eng, fb, layers, [1, 2], [6, 3])
-    fb = eng.extend([(1, 1), (2, 1)])
-    backend.init_forward_metadata(fb)
-    assert backend.forward_metadata.kernel == "prefill"
-    run_layers(backend, eng, fb, layers, [1, 2], [1, 1])
-    fb = eng.decode([1, 2])
-    backend.init_forward_metadata(fb)
-    assert backend.forward_metadata.kernel == "decode"
-    run_layers(backend, eng, fb, layers, [1, 2], [1, 1], forward="decode")
+    for q_rows, kernel in (([6, 3], "prefill"), ([1, 1], "prefill"), (None, "decode")):
+        fb = eng.extend([(1, q_rows[0]), (2, q_rows[1])]) if q_rows else eng.decode([1, 2])
+        backend.init_forward_metadata(fb)
+        assert backend.forward_metadata.kernel == kernel
+        run_layers(backend, eng, fb, layers, [1, 2], q_rows or [1, 1], forward="extend" if q_rows else "decode")
 
 
 @pytest.mark.parametrize("page", [1, 4])
