@@ -9,6 +9,8 @@ query-head group it runs for: a KV head, or a chunk of its query heads, so num_k
 num_qo_heads). max_partial_rows = 2 * ceil(num_ctas / num_kv_heads) * max_tile_q, the paper's bound
 (appendix D) for the CTAs of one unit's share: the planner never makes more than 2 * ceil(num_ctas /
 units) split items, each of <= tile_q rows, whose replicas for all units share their partial rows.
+With deterministic_pieces = P (deterministic plans, docs/deterministic.md: every row may be split into up to
+P pieces, whatever the batch), also max_tokens * P partial rows and P items per query row and unit.
 
 max_items = scheduler.max_items_for(max_tokens, num_ctas, num_qo_heads), which holds for every tile_q >= 1
 and every unit count: per unit one item per (request, query tile) pair (pairs <= query rows <=
