@@ -551,6 +551,21 @@ def test_batch_invariant_mixed_step_runs_decodes_on_the_decode_kernel(monkeypatc
         assert dec.runs == (1 if det else 0) and pre.runs == 1
 
 
+def test_batch_invariant_warns_when_decodes_are_not_first(monkeypatch, caplog):
+    """A mixed step whose one-token requests are not all first: the leading ones go to the decode wrapper, the
+    rest stay with the prefill wrapper, and a warning says so (once)."""
+    monkeypatch.setattr(adapter, "_warned_unordered", False)
+    eng = Engine(4, 2, 64, torch.Generator().manual_seed(4))
+    dec, pre = RefWrapper("decode"), RefWrapper("prefill")
+    planner = adapter._StepPlanner(dec, pre, page_size=Engine.P, sm_scale=0.3, variant_params={}, deterministic=True)
+    cm, *_ = eng.step([([3, 17], 7, 1), ([8, 30], 0, 5), ([5, 2, 9, 11], 14, 1)])
+    with caplog.at_level("WARNING", logger="vllm.fi_backend"):
+        md = planner.plan(cm)
+        planner.plan(cm)
+    assert md.num_decode_rows == 1 and pre.plans[-1]["qo"].tolist() == [0, 5, 6]
+    assert sum("did not put decodes first" in r.message for r in caplog.records) == 1
+
+
 def test_plan_uses_upper_bounds_and_never_the_device():
     """seq_lens_cpu_upper_bound feeds the plan (an upper bound; the device holds the truth); without it the
     step's max_seq_len bounds every request. The device tensors go to the BSR as they are (no copies)."""

@@ -77,6 +77,7 @@ _VLLM_CLASSES = ("FiAttentionBackend", "FiAttentionMetadataBuilder", "FiAttentio
 # A child of vLLM's "vllm" logger, so messages go through vLLM's handler and level.
 _log = logging.getLogger("vllm.fi_backend")
 _logged_active = False
+_warned_unordered = False
 _PLAN_COUNTS = {"decode": 0, "prefill": 0}
 _wrappers = weakref.WeakSet()   # every BatchAttention this process made, for check_errors()
 _define_lock = threading.Lock()  # the vLLM classes are made once: vLLM compares them by identity
@@ -256,8 +257,10 @@ class _StepPlanner:
         if self._table_key != (table.data_ptr(), table.stride(0)):
             self._bind_block_table(table)
         if self.deterministic and kernel == "prefill":
-            q_lens = qo_cpu[1:] - qo_cpu[:-1]
-            nd = int(torch.cumprod(q_lens == 1, 0).sum())  # the leading decodes (vLLM orders them first)
+            one = (qo_cpu[1:] - qo_cpu[:-1]) == 1
+            nd = int(torch.cumprod(one, 0).sum())  # the leading decodes (vLLM orders them first)
+            if int(one.sum()) != nd:
+                _warn_unordered()
             if nd:
                 return self._plan_mixed(cm, qo_cpu, kv_cpu, nd)
         bsr = BSR(qo_indptr=cm.query_start_loc, kv_indices=self._kv_indices, kv_block_start=self._kv_block_start[:n],
@@ -304,6 +307,17 @@ class _StepPlanner:
         self._kv_indices = table.as_strided((span,), (1,))
         self._kv_block_start = starts.to(torch.int32) if rows * row_stride < 2 ** 31 else starts
         self._table_key = (table.data_ptr(), row_stride)
+
+
+def _warn_unordered() -> None:
+    """Once per process: a batch-invariant mixed step whose decodes were not all first (vLLM orders them first
+    for reorder_batch_threshold = 1); those after a prefill run on the prefill kernel in that step."""
+    global _warned_unordered
+    if not _warned_unordered:
+        _warned_unordered = True
+        _log.warning("fi-backend: VLLM_BATCH_INVARIANT: a mixed step has one-token requests after longer ones; "
+                     "they run on the prefill kernel in such steps, so their outputs may differ in the last bits "
+                     "from the same tokens in other steps (the model runner did not put decodes first)")
 
 
 def batch_invariant() -> bool:
