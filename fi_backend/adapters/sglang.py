@@ -300,8 +300,8 @@ def _refusal_reasons(model_runner, layers: list) -> list:
         if getattr(sa, "enable_mixed_chunk", False):
             reasons.append("--enable-mixed-chunk with deterministic inference is not supported: a mixed step's decodes "
                            "would run on the prefill kernel, so their results would follow their companions")
-        if not getattr(sa, "disable_radix_cache", False) and any(layer_settings(l)[0].window_left is not None
-                                                                 for l in layers):
+        if not getattr(sa, "disable_radix_cache", False) and any(layer_settings(layer)[0].window_left is not None
+                                                                 for layer in layers):
             reasons.append("deterministic inference with the radix cache and sliding-window layers is not supported: "
                            "a cached prefix moves a window's first KV tile (pass --disable-radix-cache)")
     if getattr(sa, "enable_two_batch_overlap", False):
