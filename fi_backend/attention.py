@@ -33,6 +33,7 @@ import torch
 from . import env, kernels
 from .formats import BSR
 from .kv_cache import parse_cached
+from .scheduler import DETERMINISTIC_MIN_CHUNK, DETERMINISTIC_PIECES
 from .shapes import FAMILY_TILES_PER_CTA, FAMILY_WAVE_SLACK, HEAD_DIMS
 from .specs import _SPECS, KERNELS, attention_specs
 from .variants import DEFAULT, PARAM_TYPES, Variant, VariantError
@@ -186,6 +187,9 @@ class BatchAttention:
                    FlashAttention-2-style kernel with 128-row query tiles for prefill, append, chunked
                    prefill and mixed prefill + decode batches
     tuning         benchmarks only: kernel-shape overrides, see decode_spec() / prefill_spec()
+    deterministic  batch-invariant plans (None: FI_BACKEND_DETERMINISTIC, default off): a request's KV
+                   splits and merge order depend on that request alone (docs/deterministic.md); the
+                   decode kernel needs a Workspace made with deterministic_pieces >= DETERMINISTIC_PIECES
 
     After construction: rows_per_tile (query rows per tile, the planner's tile_q), kv_tile (KV tokens
     per pipeline stage, the chunk alignment), grid (the fixed launch grid). The prefill kernel is a family
@@ -196,7 +200,7 @@ class BatchAttention:
     def __init__(self, workspace: Workspace, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
                  q_dtype: torch.dtype = torch.bfloat16, kv_dtype: Optional[torch.dtype] = None, page_size: int = 16,
                  kv_layout: str = "NHD", variant: Variant = DEFAULT, kernel: str = "decode",
-                 tuning: Optional[dict] = None):
+                 tuning: Optional[dict] = None, deterministic: Optional[bool] = None):
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS} (got {kernel!r})")
         if not isinstance(workspace, Workspace):
@@ -247,6 +251,16 @@ class BatchAttention:
         if len({f.blocks_per_sm() for f in self._family}) > 1:  # one fixed grid serves every member
             raise RuntimeError(f"prefill tile family of head_dim {head_dim}: members differ in CTAs per SM")
         self._use_member(0)
+        # Deterministic mode: decode splits each request at its own chunk (scheduler.DETERMINISTIC_*); prefill
+        # splits nothing and keeps tile member 0, since the member would otherwise follow the batch.
+        self.deterministic = env.flag(env.DETERMINISTIC, False) if deterministic is None else bool(deterministic)
+        self._det_pieces = 0
+        if self.deterministic:
+            self._det_pieces = DETERMINISTIC_PIECES if kernel == "decode" else 1
+            if workspace.deterministic_pieces < self._det_pieces:
+                raise ValueError(f"deterministic=True with the decode kernel needs a Workspace made with "
+                                 f"deterministic_pieces >= {self._det_pieces} (got {workspace.deterministic_pieces}): "
+                                 f"every request may be split, whatever the batch")
         self.num_head_chunks = self.group // int(self._launcher.heads_per_chunk)
         # Units: the query-head groups a work item runs for (KV head unit // num_head_chunks). The plan
         # spreads (item, unit) pairs over the whole grid, so no SM idles for want of a head's queue.
@@ -416,7 +430,7 @@ class BatchAttention:
                 "after calling release_graph()")
 
         qo32 = qo_cpu.to(torch.int32)
-        if len(self._family) > 1 and self._frozen is None:  # a captured graph keeps its kernel
+        if len(self._family) > 1 and self._frozen is None and not self.deterministic:  # a captured graph keeps its kernel
             self._use_member(self._pick_member(qo32[1:] - qo32[:-1]))
         kv32 = kv_cpu.to(torch.int32)
         group = self._group_requests and len(kv32) > 1 and int(kv32.numpy().max()) >= PLAN_GROUPED_MIN_KV
@@ -424,7 +438,9 @@ class BatchAttention:
         window = values.get("window_left") if self._window_cost and causal else None
         kv_window = int(window) + 1 if window is not None and int(window) >= 0 else 0
         ws.plan(qo32, kv32, tile_q=self.rows_per_tile, num_units=self.num_units, causal=bool(causal),
-                kv_chunk_align=self.kv_tile, cost_q=self._cost_q, group_requests=group, kv_window=kv_window)
+                kv_chunk_align=self.kv_tile, cost_q=self._cost_q, group_requests=group, kv_window=kv_window,
+                **({"deterministic_pieces": self._det_pieces, "min_kv_chunk": DETERMINISTIC_MIN_CHUNK}
+                   if self.deterministic else {}))
 
         p = self._params
         p.kv_indices, p.kv_lens, p.qo_indptr = bsr_ptrs[2], bsr_ptrs[1], bsr_ptrs[0]

@@ -21,6 +21,10 @@ lower bound num_units * total cost / num_ctas it is taken without a search. Spli
 states, which the merge combines per row. Where one LPT pass serves every unit and that plan is still over
 BALANCED_SLACK above the bound, a partition (the pairs filling CTA after CTA up to a cap, cut where it
 falls) replaces it when its makespan is strictly lower (plan_into's partition, PlanInfo.kind).
+
+A deterministic plan (plan_into's deterministic_pieces, docs/deterministic.md) replaces the search and the
+partition: each request's KV is cut at the multiples of a chunk taken from its own length, so a query row's
+pieces and their merge order never depend on the rest of the step; LPT only spreads those pieces.
 """
 from __future__ import annotations
 
@@ -59,22 +63,33 @@ PARTITION_PRECISION = _planner.PARTITION_PRECISION
 # Smallest KV chunk a split produces: below ~128 tokens the fixed cost of an item (loading the query
 # tile, filling the pipeline, writing and later merging a partial state) outweighs the extra parallelism.
 DEFAULT_MIN_KV_CHUNK = 128
+# Deterministic plans (plan_into's deterministic_pieces): at most this many pieces per request, none
+# shorter than DETERMINISTIC_MIN_CHUNK tokens (FlashInfer's fixed split size in SGLang's deterministic
+# mode is 2048 for decode): a shorter floor balances small batches better and costs every large batch
+# the fixed work of more pieces, and only the request's own length may decide.
+DETERMINISTIC_PIECES = 16
+DETERMINISTIC_MIN_CHUNK = 2048
 
 
-def max_items_for(max_rows: int, num_ctas: int, max_units: int = 1) -> int:
+def max_items_for(max_rows: int, num_ctas: int, max_units: int = 1, deterministic_pieces: int = 0) -> int:
     """Work items a plan section needs so that no candidate of the chunk search is ever skipped for room,
     for plans of up to max_units units: per unit, one per (request, query tile) pair (<= query rows) plus
     the extra chunks of split pairs (<= MAX_SPLIT_ITEMS_PER_CTA * ceil(num_ctas / units) of them, so
     <= MAX_SPLIT_ITEMS_PER_CTA * (num_ctas + units) over all units). With fewer, the search keeps to
-    what fits and may balance worse; the unsplit plan only needs one item per pair and unit."""
-    return max_units * max_rows + MAX_SPLIT_ITEMS_PER_CTA * (num_ctas + max_units)
+    what fits and may balance worse; the unsplit plan only needs one item per pair and unit. Deterministic
+    plans of up to deterministic_pieces pieces a pair need up to that many items per pair and unit."""
+    return max_units * max_rows * max(1, deterministic_pieces) + MAX_SPLIT_ITEMS_PER_CTA * (num_ctas + max_units)
 
 
-def max_partial_rows_for(num_ctas: int, min_units: int, max_tile_q: int) -> int:
+def max_partial_rows_for(num_ctas: int, min_units: int, max_tile_q: int, max_rows: int = 0,
+                         deterministic_pieces: int = 0) -> int:
     """Partial rows (attention states of split chunks, each [num_qo_heads, head_dim]) a workspace needs for
     plans of at least min_units units and tiles of up to max_tile_q rows: the split-item budget
-    MAX_SPLIT_ITEMS_PER_CTA * ceil(num_ctas / units) times the tile's rows (appendix D)."""
-    return MAX_SPLIT_ITEMS_PER_CTA * (-(-num_ctas // min_units)) * max_tile_q
+    MAX_SPLIT_ITEMS_PER_CTA * ceil(num_ctas / units) times the tile's rows (appendix D); with
+    deterministic plans of up to deterministic_pieces pieces a row, also max_rows * deterministic_pieces
+    (every row may be split, whatever the batch)."""
+    budget = MAX_SPLIT_ITEMS_PER_CTA * (-(-num_ctas // min_units)) * max_tile_q
+    return max(budget, max_rows * deterministic_pieces)
 
 
 def _align4(n: int) -> int:
@@ -151,7 +166,8 @@ class PlanInfo(NamedTuple):
     num_split_rows: int
     makespan: float      # largest accumulated cost of a CTA
     num_split_pairs: int  # (request, query tile) pairs whose KV was split
-    kind: str            # "lpt" (LPT over the chosen split) or "partition" (the capped fill, plan_into's partition)
+    kind: str            # "lpt" (LPT over the chosen split), "partition" (the capped fill, plan_into's partition)
+                         # or "deterministic" (LPT over plan_into's deterministic_pieces cuts)
 
 
 def _host_int32(x, name: str):
@@ -173,7 +189,8 @@ def plan_into(views: PlanViews, qo_indptr, kv_lens, *, tile_q: int, num_ctas: in
               min_kv_chunk: int = DEFAULT_MIN_KV_CHUNK, kv_chunk_align: int = 1,
               cost_q: float = DEFAULT_COST_Q, cost_kv: float = DEFAULT_COST_KV,
               force_kv_chunk: Optional[int] = None, force_split_pairs: Optional[int] = None,
-              group_requests: bool = False, kv_window: int = 0, partition: Optional[bool] = None) -> PlanInfo:
+              group_requests: bool = False, kv_window: int = 0, partition: Optional[bool] = None,
+              deterministic_pieces: int = 0) -> PlanInfo:
     """Plan one step into `views` in place.
 
     qo_indptr: int32 [B + 1] (numpy array or CPU tensor), query rows of each request, qo_indptr[0] = 0.
@@ -197,6 +214,11 @@ def plan_into(views: PlanViews, qo_indptr, kv_lens, *, tile_q: int, num_ctas: in
     or num_ctas divisible by num_units), without group_requests, kv_window or a forced candidate, when LPT's
     makespan is over BALANCED_SLACK above the bound, and kept only when strictly lower (PlanInfo.kind says
     which plan it is; csrc/scheduler/planner.cc, ChoosePartition).
+    deterministic_pieces (0: off): a deterministic plan. Each pair's KV is cut at the multiples of its request's
+    chunk C, the smallest kv_chunk_align * 2^k >= ceil(kv_len / deterministic_pieces) and >= min_kv_chunk,
+    from that request's kv_len alone; LPT spreads the pieces; no search, no partition, forced candidates
+    refused; 1 splits nothing. A row's pieces and merge order then depend on its request only
+    (docs/deterministic.md).
     """
     if partition is None:
         partition = env.flag(env.PLAN_PARTITION, True)
@@ -206,7 +228,7 @@ def plan_into(views: PlanViews, qo_indptr, kv_lens, *, tile_q: int, num_ctas: in
                         tile_q, num_ctas, num_units, causal, min_kv_chunk, kv_chunk_align, cost_q, cost_kv,
                         -1 if force_kv_chunk is None else force_kv_chunk,
                         -1 if force_split_pairs is None else force_split_pairs, bool(group_requests),
-                        int(kv_window), bool(partition))
+                        int(kv_window), bool(partition), int(deterministic_pieces))
     return PlanInfo._make(out)
 
 

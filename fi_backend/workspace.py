@@ -9,6 +9,8 @@ query-head group it runs for: a KV head, or a chunk of its query heads, so num_k
 num_qo_heads). max_partial_rows = 2 * ceil(num_ctas / num_kv_heads) * max_tile_q, the paper's bound
 (appendix D) for the CTAs of one unit's share: the planner never makes more than 2 * ceil(num_ctas /
 units) split items, each of <= tile_q rows, whose replicas for all units share their partial rows.
+With deterministic_pieces = P (deterministic plans, docs/deterministic.md: every row may be split into up to
+P pieces, whatever the batch), also max_tokens * P partial rows and P items per query row and unit.
 
 max_items = scheduler.max_items_for(max_tokens, num_ctas, num_qo_heads), which holds for every tile_q >= 1
 and every unit count: per unit one item per (request, query tile) pair (pairs <= query rows <=
@@ -47,7 +49,8 @@ def _positive_int(name: str, value) -> int:
 
 class Workspace:
     def __init__(self, device, *, max_requests: int, max_tokens: int, num_ctas: int, max_tile_q: int,
-                 num_qo_heads: int, num_kv_heads: int, head_dim: int, pin_memory: Optional[bool] = None):
+                 num_qo_heads: int, num_kv_heads: int, head_dim: int, pin_memory: Optional[bool] = None,
+                 deterministic_pieces: int = 0):
         self.device = torch.device(device)
         self.max_requests = _positive_int("max_requests", max_requests)
         self.max_tokens = _positive_int("max_tokens", max_tokens)
@@ -58,8 +61,14 @@ class Workspace:
         if num_qo_heads % num_kv_heads:
             raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.head_dim = _positive_int("head_dim", head_dim)
-        self.max_items = max_items_for(max_tokens, num_ctas, num_qo_heads)
-        self.max_partial_rows = max_partial_rows_for(num_ctas, num_kv_heads, max_tile_q)
+        # deterministic plans of up to this many pieces a row (scheduler.plan_into's deterministic_pieces) may
+        # split every row, whatever the batch: items and partial rows for all of them
+        if isinstance(deterministic_pieces, bool) or not isinstance(deterministic_pieces, int) or deterministic_pieces < 0:
+            raise ValueError(f"deterministic_pieces must be an int >= 0 (0: no deterministic plans), got "
+                             f"{deterministic_pieces!r}")
+        self.deterministic_pieces = deterministic_pieces
+        self.max_items = max_items_for(max_tokens, num_ctas, num_qo_heads, deterministic_pieces)
+        self.max_partial_rows = max_partial_rows_for(num_ctas, num_kv_heads, max_tile_q, max_tokens, deterministic_pieces)
         self.layout = PlanLayout(num_ctas, self.max_items, max_tokens)
 
         # Section offsets in bytes.
@@ -95,7 +104,7 @@ class Workspace:
     def plan(self, qo_indptr, kv_lens, *, tile_q: int, num_units: Optional[int] = None, causal: bool = False,
              min_kv_chunk: int = DEFAULT_MIN_KV_CHUNK, kv_chunk_align: int = 1,
              cost_q: float = DEFAULT_COST_Q, cost_kv: float = DEFAULT_COST_KV,
-             group_requests: bool = False, kv_window: int = 0) -> PlanInfo:
+             group_requests: bool = False, kv_window: int = 0, deterministic_pieces: int = 0) -> PlanInfo:
         """Plan a step (see fi_backend.scheduler.plan_into) and copy it into the plan section.
 
         qo_indptr: int32 [B + 1], kv_lens: int32 [B] (numpy arrays or CPU tensors). num_units: the
@@ -122,7 +131,8 @@ class Workspace:
             self._copy_pending = False
         info = plan_into(self._views, qo, kv, tile_q=tile_q, num_ctas=self.num_ctas, num_units=num_units,
                          causal=causal, min_kv_chunk=min_kv_chunk, kv_chunk_align=kv_chunk_align, cost_q=cost_q,
-                         cost_kv=cost_kv, group_requests=group_requests, kv_window=kv_window)
+                         cost_kv=cost_kv, group_requests=group_requests, kv_window=kv_window,
+                         deterministic_pieces=deterministic_pieces)
         used = self.layout.used_ints(info.num_items)
         if self._copy_done is None:
             self.plan_section[:used].copy_(self._staging_i32[:used])

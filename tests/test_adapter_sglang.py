@@ -195,6 +195,21 @@ def test_register_is_idempotent(stub_sglang):
     assert stub_sglang.registry.ATTENTION_BACKENDS["triton"]("r") == "triton"
 
 
+def test_register_lists_fi_backend_as_deterministic(stub_sglang):
+    """--enable-deterministic-inference accepts fi_backend, with the radix cache: register() adds it to both of
+    SGLang's lists (once), and a SGLang without them is left as it is."""
+    sa = stub_sglang.server_args
+    adapter.register()   # the stub has no deterministic lists yet: nothing to add to
+    sa.DETERMINISTIC_ATTENTION_BACKEND_CHOICES = ["fa3", "flashinfer", "triton"]
+    sa.add_deterministic_attention_backend_choices = sa.DETERMINISTIC_ATTENTION_BACKEND_CHOICES.extend
+    sa.RADIX_SUPPORTED_DETERMINISTIC_ATTENTION_BACKEND = ["fa3", "triton"]
+    sa.add_radix_supported_deterministic_attention_backend_choices = sa.RADIX_SUPPORTED_DETERMINISTIC_ATTENTION_BACKEND.extend
+    adapter.register()
+    adapter.register()
+    assert sa.DETERMINISTIC_ATTENTION_BACKEND_CHOICES.count("fi_backend") == 1
+    assert sa.RADIX_SUPPORTED_DETERMINISTIC_ATTENTION_BACKEND.count("fi_backend") == 1
+
+
 def test_register_leaves_another_plugins_backend(stub_sglang, caplog):
     other = lambda runner: "other"  # noqa: E731
     stub_sglang.registry.ATTENTION_BACKENDS["fi_backend"] = other
@@ -369,7 +384,7 @@ def gemma2_layers(hq=4, hkv=2, d=64, scale=0.3, window=5, cap=3.0):
     ({"use_mla_backend": True}, "MLA"),
     ({"model_config": SimpleNamespace(is_encoder_decoder=True, context_len=48)}, "encoder-decoder"),
     ({"spec_algorithm": SimpleNamespace(is_none=lambda: False)}, "speculative decoding"),
-    ({"server_args": {"enable_deterministic_inference": True}}, "deterministic"),
+    ({"server_args": {"enable_deterministic_inference": True, "enable_mixed_chunk": True}}, "--enable-mixed-chunk"),
     ({"server_args": {"enable_two_batch_overlap": True}}, "two-batch-overlap"),
     ({"server_args": {"enable_pdmux": True}}, "pdmux"),
     ({"server_args": {"dllm_algorithm": "LowConfidence"}}, "diffusion"),
@@ -402,6 +417,20 @@ def test_refusals_of_the_pool_layers_and_sinks():
         adapter._Backend(runner)
     empty = model_runner([])
     assert adapter._refusal_reasons(empty, []) == ["the model has no RadixAttention layers"]
+
+
+def test_deterministic_inference_is_accepted_where_it_holds():
+    """--enable-deterministic-inference: accepted; with mixed chunks refused; with sliding-window layers only
+    without the radix cache (a cached prefix moves a window's first KV tile)."""
+    def reasons(layers, **sa):
+        runner = model_runner(layers, server_args={"enable_deterministic_inference": True, **sa})
+        return adapter._refusal_reasons(runner, adapter._attention_layers(runner.model))
+    assert reasons(llama_layers()) == []
+    assert reasons(gemma2_layers(), disable_radix_cache=True) == []
+    got = reasons(gemma2_layers())
+    assert len(got) == 1 and "--disable-radix-cache" in got[0]
+    got = reasons(llama_layers(), enable_mixed_chunk=True)
+    assert len(got) == 1 and "--enable-mixed-chunk" in got[0]
 
 
 @pytest.mark.parametrize("over, rows", [
@@ -594,6 +623,23 @@ def run_layers(backend, eng, fb, layers, rows, q_rows, *, graph_fb=None, forward
             assert slot == 0 and torch.equal(pk[0], k[tokens - 1])
             want = pv[slot].double().repeat_interleave(hq // hkv, 0)
             torch.testing.assert_close(out[pad].double(), want.expand(tokens - start, hq, d), rtol=1e-5, atol=1e-5)
+
+
+def test_deterministic_steps_keep_extend_rows_on_the_prefill_kernel(ref_wrappers):
+    """Deterministic inference: both wrappers are made deterministic, an extend step of single tokens runs the
+    prefill kernel (its rows' kernel must not follow its companions' lengths), decode steps the decode kernel;
+    outputs are still causal attention over each request's tokens."""
+    gen = torch.Generator().manual_seed(5)
+    layers = llama_layers()
+    runner = model_runner(layers, gen=gen, server_args={"enable_deterministic_inference": True})
+    backend = adapter._Backend(runner)
+    assert [w.kw["deterministic"] for w in ref_wrappers] == [True, True]
+    eng = Engine(runner, gen)
+    for q_rows, kernel in (([6, 3], "prefill"), ([1, 1], "prefill"), (None, "decode")):
+        fb = eng.extend([(1, q_rows[0]), (2, q_rows[1])]) if q_rows else eng.decode([1, 2])
+        backend.init_forward_metadata(fb)
+        assert backend.forward_metadata.kernel == kernel
+        run_layers(backend, eng, fb, layers, [1, 2], q_rows or [1, 1], forward="extend" if q_rows else "decode")
 
 
 @pytest.mark.parametrize("page", [1, 4])

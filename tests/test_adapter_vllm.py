@@ -289,7 +289,6 @@ def test_supported_configurations(change):
     ({"use_per_head_quant_scales": True}, "per-head"),
     ({"device_capability": SimpleNamespace(major=7, minor=5)}, "compute capability 7.5"),
     ({"device_capability": SimpleNamespace(major=10, minor=0)}, "Hopper"),
-    ({"use_batch_invariant": True}, "VLLM_BATCH_INVARIANT"),
     ({"use_kv_connector": True}, "KV connectors"),
     ({"use_pcp": True}, "context parallelism"),
     ({"use_future_feature": True}, "use_future_feature=True"),
@@ -511,6 +510,60 @@ def test_step_data_path_matches_vllm_attention(settings, monkeypatch):
         assert out[md.num_rows:].isnan().all(), "padding rows are not the plan's: left as they are"
     assert adapter.plan_counts() == {"decode": counts["decode"] + 1, "prefill": counts["prefill"] + 1}
     assert dec.runs == pre.runs == 1
+
+
+def test_batch_invariant_mixed_step_runs_decodes_on_the_decode_kernel(monkeypatch):
+    """VLLM_BATCH_INVARIANT=1: validate_configuration accepts it, and a mixed step (decodes first, as vLLM
+    orders them with reorder_batch_threshold = 1) is planned in two parts, the decodes on the decode wrapper
+    and the rest on the prefill wrapper with its qo_indptr rebased to 0; the outputs are still attention over
+    each request's tokens. Without the switch the whole step goes to the prefill wrapper."""
+    monkeypatch.setattr(fi_backend.ops, "append_paged_kv_cache", ref_append, raising=False)
+    assert adapter._Backend.validate_configuration(**{**LLAMA, "use_batch_invariant": True}) == []
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    assert adapter.batch_invariant()
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    assert not adapter.batch_invariant()
+    hq, hkv, d = 4, 2, 64
+    eng = Engine(hq, hkv, d, torch.Generator().manual_seed(3))
+    layer_impl = adapter._Impl(hq, d, 0.3, hkv, kv_cache_dtype="auto")
+    layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0, _k_scale=torch.tensor(1.0), _v_scale=torch.tensor(1.0))
+    reqs = [([3, 17], 7, 1), ([5, 2, 9, 11], 14, 1), ([5, 20, 21, 22], 6, 9), ([8, 30], 0, 5)]
+    for det in (True, False):
+        dec, pre = RefWrapper("decode"), RefWrapper("prefill")
+        planner = adapter._StepPlanner(dec, pre, page_size=Engine.P, sm_scale=0.3, variant_params={}, deterministic=det)
+        cm, q, k, v = eng.step(reqs)
+        md = planner.plan(cm)
+        assert md.num_decode_rows == (2 if det else 0) and len(dec.plans) == (1 if det else 0) and len(pre.plans) == 1
+        if det:
+            assert md.decode_wrapper is dec and dec.plans[-1]["qo"].tolist() == [0, 1, 2]
+            assert dec.plans[-1]["kv"].tolist() == [8, 15]
+            assert pre.plans[-1]["qo"].tolist() == [0, 9, 14] and pre.plans[-1]["kv"].tolist() == [15, 5]
+            assert pre.plans[-1]["bsr"].qo_indptr.tolist() == [0, 9, 14]
+        layer_impl.do_kv_cache_update(layer, k, v, eng.kv, cm.slot_mapping)
+        out = torch.full((cm.num_actual_tokens, hq, d), math.nan)
+        layer_impl.forward(layer, q, k, v, eng.kv, md, out)
+        qsl = cm.query_start_loc_cpu
+        for i, (blk, cached, new) in enumerate(reqs):
+            hk, hv = eng.history(blk, cached + new)
+            rows = slice(int(qsl[i]), int(qsl[i + 1]))
+            want = truth(q[rows], hk, hv, torch.arange(cached, cached + new), scale=0.3)
+            torch.testing.assert_close(out[rows].double(), want, rtol=1e-5, atol=1e-6)
+        assert dec.runs == (1 if det else 0) and pre.runs == 1
+
+
+def test_batch_invariant_warns_when_decodes_are_not_first(monkeypatch, caplog):
+    """A mixed step whose one-token requests are not all first: the leading ones go to the decode wrapper, the
+    rest stay with the prefill wrapper, and a warning says so (once)."""
+    monkeypatch.setattr(adapter, "_warned_unordered", False)
+    eng = Engine(4, 2, 64, torch.Generator().manual_seed(4))
+    dec, pre = RefWrapper("decode"), RefWrapper("prefill")
+    planner = adapter._StepPlanner(dec, pre, page_size=Engine.P, sm_scale=0.3, variant_params={}, deterministic=True)
+    cm, *_ = eng.step([([3, 17], 7, 1), ([8, 30], 0, 5), ([5, 2, 9, 11], 14, 1)])
+    with caplog.at_level("WARNING", logger="vllm.fi_backend"):
+        md = planner.plan(cm)
+        planner.plan(cm)
+    assert md.num_decode_rows == 1 and pre.plans[-1]["qo"].tolist() == [0, 5, 6]
+    assert sum("did not put decodes first" in r.message for r in caplog.records) == 1
 
 
 def test_plan_uses_upper_bounds_and_never_the_device():

@@ -255,8 +255,17 @@ def chunk_index(d, items=None):
     return np.where(it["partial_base"] >= 0, it["partial_base"] - d.merge_indptr[it["q_begin"]], 0)
 
 
+def deterministic_chunk(kv_len, pieces, min_kv_chunk, align):
+    """The deterministic plan's chunk of a request (planner.cc, DeterministicChunk): the smallest align * 2^k
+    that is >= ceil(kv_len / pieces) and >= min_kv_chunk rounded up to align."""
+    chunk = align
+    while chunk < cdiv(max(kv_len, 1), pieces):
+        chunk *= 2
+    return max(chunk, round_up(min_kv_chunk, align))
+
+
 def check_plan(d, info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align, cost_q, cost_kv, num_units=1,
-               grouped=False, kv_window=0):
+               grouped=False, kv_window=0, deterministic_pieces=0):
     qo = np.asarray(qo, dtype=np.int64)
     kv = np.asarray(kv, dtype=np.int64)
     B, num_rows = len(kv), int(qo[-1])
@@ -317,14 +326,27 @@ def check_plan(d, info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align
     # The partition instead: any pairs, cut at aligned boundaries into pieces of at least min_kv_chunk rounded
     # up to the alignment (a pair's last KV tile may be a piece of its own), contiguous in chunk order;
     # kv_chunk is the longest split piece.
-    assert info.kind in ("lpt", "partition")
+    assert info.kind == "deterministic" if deterministic_pieces else info.kind in ("lpt", "partition")
     partition = info.kind == "partition"
     split_pairs = set(np.flatnonzero(n_of_pair > 1).tolist())
     assert len(split_pairs) == info.num_split_pairs
-    if not partition:
+    if deterministic_pieces:  # cut at the multiples of the request's own chunk, in KV order
+        req_chunk = [deterministic_chunk(int(kv[r]), deterministic_pieces, min_kv_chunk, align) for r in range(B)]
+        for k in range(n_unit):
+            j = item_pair[k]
+            c_len, length = req_chunk[pairs[j][0]], pairs[j][3]
+            assert n_of_pair[j] == (cdiv(length, c_len) if length > c_len else 1)
+            c = int(it["kv_begin"][k]) // c_len
+            assert (it["kv_begin"][k], it["kv_end"][k]) == (c * c_len, min(length, (c + 1) * c_len))
+            assert it["partial_stride"][k] == n_of_pair[j]
+        assert chunk == max([req_chunk[pairs[j][0]] for j in split_pairs], default=0)
+        assert d.num_partial_rows <= num_rows * deterministic_pieces
+        assert d.num_partial_rows <= S.max_partial_rows_for(num_ctas, num_units, tile_q, num_rows, deterministic_pieces)
+        assert d.num_items <= S.max_items_for(num_rows, num_ctas, num_units, deterministic_pieces)
+    elif not partition:
         assert split_pairs == set(length_order(pairs)[:len(split_pairs)])
     it_chunk = chunk_index(d, it)
-    for k in range(n_unit):
+    for k in range(n_unit if not deterministic_pieces else 0):
         j = item_pair[k]
         n, b, e, c = n_of_pair[j], it["kv_begin"][k], it["kv_end"][k], it_chunk[k]
         assert it["partial_stride"][k] == n and 0 <= c < n
@@ -349,9 +371,10 @@ def check_plan(d, info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align
     # rows <= that * tile_q (a split item's replicas share its partial rows).
     share = share_of(num_ctas, num_units)
     split_items = int(n_of_pair[n_of_pair > 1].sum())
-    assert split_items <= S.MAX_SPLIT_ITEMS_PER_CTA * share == 2 * share
-    assert d.num_partial_rows <= 2 * share * tile_q
-    assert d.num_partial_rows <= S.max_partial_rows_for(num_ctas, num_units, tile_q)
+    if not deterministic_pieces:  # (deterministic: bounded by the rows and the pieces, above)
+        assert split_items <= S.MAX_SPLIT_ITEMS_PER_CTA * share == 2 * share
+        assert d.num_partial_rows <= 2 * share * tile_q
+        assert d.num_partial_rows <= S.max_partial_rows_for(num_ctas, num_units, tile_q)
     assert n_unit == n_pairs + split_items - len(split_pairs)
 
     # Merge map: row r owns partial rows [merge_indptr[r], merge_indptr[r + 1]), n of them when split.
@@ -549,6 +572,28 @@ def test_plan_invariants_group_requests(step, tile_q, num_ctas, num_units, causa
     check_plan(S.decode_plan(views), info, qo, kv, grouped=True, **kw)
     lpt = run_plan(qo, kv, **kw)[1]
     assert (info.num_items, info.kv_chunk, info.num_split_pairs) == (lpt.num_items, lpt.kv_chunk, lpt.num_split_pairs)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(step=steps(), pieces=st.sampled_from([1, 2, 3, 16]), grouped=st.booleans(), window=st.sampled_from([0, 0, 64]),
+       **plan_params)
+def test_plan_invariants_deterministic(step, pieces, grouped, window, tile_q, num_ctas, num_units, causal,
+                                       min_kv_chunk, align, cost_q, cost_kv):
+    """deterministic_pieces: every invariant of check_plan, each pair cut at the multiples of its request's
+    own chunk, LPT (or group_requests) over those pieces, never the partition, on a section sized by
+    max_items_for / max_partial_rows_for with the pieces."""
+    qo, kv = step
+    rows = int(qo[-1])
+    kw = dict(tile_q=tile_q, num_ctas=num_ctas, causal=causal, min_kv_chunk=min_kv_chunk, cost_q=cost_q,
+              cost_kv=cost_kv, num_units=num_units)
+    views = S.PlanViews.allocate(num_ctas, S.max_items_for(rows, num_ctas, num_units, pieces), max(rows, 1),
+                                 S.max_partial_rows_for(num_ctas, num_units, tile_q, rows, pieces))
+    info = S.plan_into(views, qo, kv, kv_chunk_align=align, group_requests=grouped, kv_window=window, partition=True,
+                       deterministic_pieces=pieces, **kw)
+    check_plan(S.decode_plan(views), info, qo, kv, align=align, grouped=grouped, kv_window=window,
+               deterministic_pieces=pieces, **kw)
+    if pieces == 1:
+        assert info.num_split_pairs == 0
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -1144,6 +1189,8 @@ def test_capacities(step, tile_q, num_ctas, num_units, causal, min_kv_chunk, ali
     ([0, 1], [500], {"force_split_pairs": 1}, "force_split_pairs"),
     ([0, 1], [500], {"force_kv_chunk": 0, "force_split_pairs": 1}, "with force_kv_chunk > 0"),
     ([0, 1], [500], {"force_kv_chunk": 64, "force_split_pairs": -3}, "force_split_pairs must be"),
+    ([0, 1], [500], {"deterministic_pieces": -1}, "deterministic_pieces must be >= 0"),
+    ([0, 1], [500], {"deterministic_pieces": 4, "force_kv_chunk": 0}, "force_kv_chunk=0 with deterministic_pieces=4"),
 ])
 def test_bad_inputs(qo, kv, kw, match):
     views = sentinel_views(8, 16, 16, 64)

@@ -46,6 +46,16 @@ struct ChunkShape {
   }
 };
 
+// The deterministic plan's chunk of a request of kv_len tokens (PlanInputs::deterministic_pieces): a
+// power of two times align, so that a request's split points move seldom as it grows (decode), and a
+// function of kv_len alone, so that they never move with the batch.
+int64_t DeterministicChunk(int64_t kv_len, int64_t pieces, int64_t min_chunk, int64_t align) {
+  const int64_t target = CeilDiv(std::max<int64_t>(kv_len, 1), pieces);
+  int64_t chunk = align;
+  while (chunk < target) chunk *= 2;
+  return std::max(chunk, RoundUp(min_chunk, align));
+}
+
 // Below this many keys a comparison sort beats the radix sort's 256-entry histograms (measured).
 constexpr int64_t kRadixMin = 64;
 
@@ -618,6 +628,53 @@ bool Planner::ChoosePartition(const PlanInputs& in, const PlanSection& section, 
   return true;
 }
 
+// The deterministic plan's items, in creation order (request, tile, piece) into items_: each pair cut at
+// the multiples of its request's DeterministicChunk, so a query row's pieces are [0, C), [C, 2C), ... up
+// to its tile's KV end whatever else is in the step (pieces past the row's own causal end are masked for
+// it: their states are empty and the merge gives them no weight). Returns the shape (chunk: the largest C
+// that split a pair).
+Planner::Split Planner::DeterministicItems(const PlanInputs& in) {
+  Split s;
+  items_.clear();
+  const int64_t align = in.kv_chunk_align;
+  for (const Pair& p : pairs_) {
+    const int64_t rows = p.q_end - p.q_begin;
+    const int64_t chunk = DeterministicChunk(in.kv_lens[p.request], in.deterministic_pieces, in.min_kv_chunk, align);
+    if (p.kv_len <= chunk) {
+      items_.push_back(Item{FiWorkItem{p.request, p.q_begin, p.q_end, 0, p.kv_len, -1, 1, 0}, p.cost});
+      continue;
+    }
+    const int64_t n = CeilDiv(p.kv_len, chunk);
+    for (int64_t c = 0; c < n; ++c) {
+      const int64_t kv_begin = c * chunk, kv_end = std::min<int64_t>(p.kv_len, kv_begin + chunk);
+      items_.push_back(Item{FiWorkItem{p.request, p.q_begin, p.q_end, (int32_t)kv_begin, (int32_t)kv_end, -1, 1, 0},
+                            ItemCost(in.cost_q, in.cost_kv, rows, kv_end - kv_begin)});
+    }
+    s.chunk = std::max(s.chunk, chunk);
+    s.num_split_pairs += 1;
+    s.split_items += n;
+    s.partial_rows += rows * n;
+    s.extra_rows += rows * (n - 1);
+  }
+  s.num_items = (int64_t)items_.size();
+  return s;
+}
+
+// items_[0, n_items) by cost, descending, ties in creation order, then LPT (or request by request with
+// group_requests); cost_order_ then holds the item order (the pairs' is no longer needed).
+double Planner::AssignItems(const PlanInputs& in, int64_t n_items, int32_t m, int32_t lpt_units) {
+  keys_.resize(2 * n_items);
+  for (int64_t k = 0; k < n_items; ++k) {
+    keys_[2 * k] = ~CostBits(items_[k].cost);
+    keys_[2 * k + 1] = (uint64_t)k;
+  }
+  if (in.group_requests) {
+    entry_request_.resize(n_items);
+    for (int64_t k = 0; k < n_items; ++k) entry_request_[k] = items_[k].work.request;
+  }
+  return SortAndAssign(n_items, m, lpt_units, in.group_requests ? entry_request_.data() : nullptr);
+}
+
 // Partial rows and merge map of items_[0, n_items) (creation order, a pair's items consecutive in chunk
 // order): a pair of n > 1 items is split, and row r of it owns partial rows [partial + (r - q_begin) * n,
 // + n), item c writing the c-th of each row's; whole pairs write through. Returns the split rows.
@@ -668,6 +725,14 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
                 (long long)in.kv_chunk_align, (long long)in.min_kv_chunk, (long long)in.force_kv_chunk);
   if (in.kv_window < 0)
     return Fail(S::kInvalidArgument, "kv_window must be >= 0 (0: no window), got %lld", (long long)in.kv_window);
+  if (in.deterministic_pieces < 0)
+    return Fail(S::kInvalidArgument, "deterministic_pieces must be >= 0 (0: off, 1: no split), got %lld",
+                (long long)in.deterministic_pieces);
+  if (in.deterministic_pieces > 0 && in.force_kv_chunk >= 0)
+    return Fail(S::kInvalidArgument,
+                "force_kv_chunk=%lld with deterministic_pieces=%lld: a deterministic plan's cuts come from each "
+                "request alone, not from a forced candidate (use force_kv_chunk=-1)",
+                (long long)in.force_kv_chunk, (long long)in.deterministic_pieces);
   if (in.force_kv_chunk < -1)
     return Fail(S::kInvalidArgument, "force_kv_chunk must be -1 (search), 0 (no split) or a chunk > 0, got %lld",
                 (long long)in.force_kv_chunk);
@@ -772,8 +837,12 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
   split.num_items = num_pairs;
   double lpt_makespan = unsplit_makespan;  // of the split chosen (when searched)
   const double good_enough = (1.0 + kBalancedSlack) * ((double)lpt_units * total_cost / (double)m);
-  if (num_pairs > 0 && in.force_kv_chunk != 0 &&
-      (in.force_kv_chunk > 0 || (unsplit_makespan > good_enough && in.kv_window == 0))) {
+  const bool det = in.deterministic_pieces > 0;
+  if (det) {
+    split = DeterministicItems(in);
+    if (split.num_split_pairs == 0) split = Split{0, 0, 0, num_pairs, 0, 0};
+  } else if (num_pairs > 0 && in.force_kv_chunk != 0 &&
+             (in.force_kv_chunk > 0 || (unsplit_makespan > good_enough && in.kv_window == 0))) {
     // Pairs by KV length, descending, ties in creation order: the order splits are handed out.
     keys_.resize(2 * num_pairs);
     for (int64_t j = 0; j < num_pairs; ++j) {
@@ -796,7 +865,7 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
   }
   // ---- the partition, where one LPT pass serves every unit and LPT's plan is not balanced ----------
   double cap = 0.0, partition_makespan = 0.0;
-  const bool partition = in.allow_partition && lpt_units == 1 && !in.group_requests && in.kv_window == 0 &&
+  const bool partition = in.allow_partition && !det && lpt_units == 1 && !in.group_requests && in.kv_window == 0 &&
                          in.force_kv_chunk < 0 && num_pairs > 0 && lpt_makespan > good_enough &&
                          ChoosePartition(lin, section, units, total_cost, lpt_makespan, &cap, &partition_makespan);
   if (partition) split = FillWalk(lin, cap, true, &partition_makespan);
@@ -840,6 +909,10 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
     order = cost_order_.data();
   } else if (split.num_split_pairs == 0) {
     for (int64_t r = 0; r < num_rows; ++r) merge_indptr[r + 1] = 0;
+  } else if (det) {
+    num_split_rows = WriteMergeMap(n_items, merge_indptr, split_rows);
+    makespan = AssignItems(in, n_items, m, lpt_units);
+    order = cost_order_.data();
   } else {
     for (int64_t i = 0; i < split.num_split_pairs; ++i) {
       const int32_t j = len_order_[i];
@@ -869,18 +942,7 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
     for (int64_t i = 0; i < split.num_split_pairs; ++i) chunks_of_[len_order_[i]] = 0;
     num_split_rows = WriteMergeMap(n_items, merge_indptr, split_rows);
 
-    // Items by cost, descending, ties in creation order; then LPT.
-    keys_.resize(2 * n_items);
-    for (int64_t k = 0; k < n_items; ++k) {
-      keys_[2 * k] = ~CostBits(items_[k].cost);
-      keys_[2 * k + 1] = (uint64_t)k;
-    }
-    if (in.group_requests) {
-      entry_request_.resize(n_items);
-      for (int64_t k = 0; k < n_items; ++k) entry_request_[k] = items_[k].work.request;
-    }
-    // cost_order_ now holds the item order (pairs' no longer needed)
-    makespan = SortAndAssign(n_items, m, lpt_units, in.group_requests ? entry_request_.data() : nullptr);
+    makespan = AssignItems(in, n_items, m, lpt_units);
     order = cost_order_.data();
   }
 
@@ -962,6 +1024,7 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
   summary->makespan = makespan;
   summary->num_split_pairs = split.num_split_pairs;
   summary->partition = partition;
+  summary->deterministic = det;
   return S::kOk;
 }
 

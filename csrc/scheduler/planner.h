@@ -79,6 +79,12 @@ struct PlanInputs {
   // blocks), without group_requests, kv_window or a forced candidate, and when the LPT plan's makespan is
   // over kBalancedSlack above the lower bound; taken only when its makespan is strictly lower.
   bool allow_partition = true;
+  // Deterministic plan (0: off): a pair's KV is cut at the multiples of its request's chunk C, taken from
+  // the request's own kv_len only: the smallest kv_chunk_align * 2^k that is >= ceil(kv_len /
+  // deterministic_pieces) and >= min_kv_chunk (rounded up to the alignment); pieces go to CTAs by LPT.
+  // A row's pieces and their merge order then depend on its request alone, never on the batch or the
+  // grid. 1: nothing is split. No search, no partition; a forced candidate is refused.
+  int64_t deterministic_pieces = 0;
 };
 
 // A caller-owned int32 buffer holding one plan section, laid out by csrc/plan.h for
@@ -103,6 +109,7 @@ struct PlanSummary {
   double makespan = 0.0;  // the largest accumulated cost of a CTA
   int64_t num_split_pairs = 0;  // (request, query tile) pairs whose KV was split
   bool partition = false;       // the plan is the partition (PlanInputs::allow_partition), not LPT's
+  bool deterministic = false;   // the plan is PlanInputs::deterministic_pieces' fixed cuts
 };
 
 enum class PlanStatus { kOk = 0, kInvalidArgument = 1, kCapacityExceeded = 2 };
@@ -158,6 +165,8 @@ class Planner {
   // the pairs do not fit the CTAs). With `record`, its items in items_ (creation order, write-through
   // fields) and each one's CTA in item_cta_.
   Split FillWalk(const PlanInputs& in, double cap, bool record, double* makespan);
+  Split DeterministicItems(const PlanInputs& in);
+  double AssignItems(const PlanInputs& in, int64_t n_items, int32_t m, int32_t lpt_units);
   int64_t WriteMergeMap(int64_t n_items, int32_t* merge_indptr, int32_t* split_rows);
   bool ChoosePartition(const PlanInputs& in, const PlanSection& section, int64_t replicas, double total_cost,
                        double lpt_makespan, double* cap, double* makespan);

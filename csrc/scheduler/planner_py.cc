@@ -22,9 +22,10 @@ namespace {
 // One planner per thread keeps its scratch arrays between calls: a plan in steady state allocates
 // nothing.
 thread_local fi::Planner g_planner;
-// PlanInfo.kind's two values, made once (module init) so a plan returns them without allocating.
+// PlanInfo.kind's three values, made once (module init) so a plan returns them without allocating.
 PyObject* g_kind_lpt = nullptr;
 PyObject* g_kind_partition = nullptr;
+PyObject* g_kind_deterministic = nullptr;
 
 bool IsInt32Format(const char* format) {
   if (format == nullptr) return false;  // PyBUF_FORMAT was asked for, so this is unexpected
@@ -62,13 +63,13 @@ PyObject* Plan(PyObject*, PyObject* args) {
   PyObject *section_obj, *qo_obj, *kv_obj;
   Py_ssize_t layout_ctas, max_items, max_rows, max_partial_rows, tile_q, num_ctas, num_units, min_kv_chunk,
       kv_chunk_align;
-  Py_ssize_t force_kv_chunk = -1, force_split_pairs = -1, kv_window = 0;
+  Py_ssize_t force_kv_chunk = -1, force_split_pairs = -1, kv_window = 0, deterministic_pieces = 0;
   int causal, group_requests = 0, allow_partition = 1;
   double cost_q, cost_kv;
-  if (!PyArg_ParseTuple(args, "OnnnnOOnnnpnndd|nnpnp:plan", &section_obj, &layout_ctas, &max_items, &max_rows,
+  if (!PyArg_ParseTuple(args, "OnnnnOOnnnpnndd|nnpnpn:plan", &section_obj, &layout_ctas, &max_items, &max_rows,
                         &max_partial_rows, &qo_obj, &kv_obj, &tile_q, &num_ctas, &num_units, &causal, &min_kv_chunk,
                         &kv_chunk_align, &cost_q, &cost_kv, &force_kv_chunk, &force_split_pairs, &group_requests,
-                        &kv_window, &allow_partition))
+                        &kv_window, &allow_partition, &deterministic_pieces))
     return nullptr;
 
   Py_buffer section, qo, kv;
@@ -103,6 +104,7 @@ PyObject* Plan(PyObject*, PyObject* args) {
   in.group_requests = group_requests != 0;
   in.kv_window = kv_window;
   in.allow_partition = allow_partition != 0;
+  in.deterministic_pieces = deterministic_pieces;
   fi::PlanSection out;
   out.data = static_cast<int32_t*>(section.buf);
   out.num_ints = section.len / 4;
@@ -119,7 +121,8 @@ PyObject* Plan(PyObject*, PyObject* args) {
   return Py_BuildValue("(nnnnndnO)", (Py_ssize_t)summary.num_items, (Py_ssize_t)summary.num_rows,
                        (Py_ssize_t)summary.num_partial_rows, (Py_ssize_t)summary.kv_chunk,
                        (Py_ssize_t)summary.num_split_rows, summary.makespan, (Py_ssize_t)summary.num_split_pairs,
-                       summary.partition ? g_kind_partition : g_kind_lpt);
+                       summary.deterministic ? g_kind_deterministic
+                                             : summary.partition ? g_kind_partition : g_kind_lpt);
 }
 
 // The plan.h offsets (int32 units) for a layout, so Python can check its own copy of the formulas.
@@ -193,7 +196,8 @@ PyMODINIT_FUNC PyInit__planner(void) {
   }
   g_kind_lpt = PyUnicode_InternFromString("lpt");
   g_kind_partition = PyUnicode_InternFromString("partition");
-  if (g_kind_lpt == nullptr || g_kind_partition == nullptr) {
+  g_kind_deterministic = PyUnicode_InternFromString("deterministic");
+  if (g_kind_lpt == nullptr || g_kind_partition == nullptr || g_kind_deterministic == nullptr) {
     Py_DECREF(m);
     return nullptr;
   }

@@ -52,9 +52,15 @@ step; a model with several kinds (Gemma-2: sliding-window and full layers, both 
 plan per kind per step, each with its own decode and prefill wrappers. SGLang's sliding_window_size is
 already the number of earlier tokens a query sees (q_pos - kv_pos <= it), i.e. fi-backend's window_left.
 
+Deterministic inference (--enable-deterministic-inference, or FI_BACKEND_DETERMINISTIC=1): both wrappers plan
+deterministically (docs/deterministic.md) and every EXTEND step runs the prefill kernel (a one-token extend too),
+so a row's kernel follows the step's kind, never its companions; register() lists fi_backend among SGLang's
+deterministic backends, radix cache included (a cached prefix changes no split point and no KV tile of a row),
+except for sliding-window layers (refused with the radix cache: their first KV tile follows the query tile).
+Mixed chunks (--enable-mixed-chunk) are refused in this mode: their decodes would run on the prefill kernel.
+
 Refused when the backend is made (ValueError naming every reason; see _refusal_reasons): MLA, encoder /
-encoder-decoder / cross / bidirectional attention, attention sinks, speculative decoding, deterministic
-inference, two-batch overlap, PD multiplexing, decode / attention context parallelism, the hybrid SWA and
+encoder-decoder / cross / bidirectional attention, attention sinks, speculative decoding, two-batch overlap, PD multiplexing, decode / attention context parallelism, the hybrid SWA and
 unified memory pools, KV layouts other than NHD / HND, fp8 e5m2 KV, head sizes the kernels lack, and the
 experimental "full" prefill CUDA graph (breakable, tc_piecewise and disabled work).
 
@@ -74,6 +80,7 @@ from typing import Any, Optional
 
 import torch
 
+from fi_backend import env as _env
 from fi_backend import ops as _ops
 from fi_backend.adapters import rank_device
 from fi_backend.formats import BSR
@@ -131,6 +138,12 @@ def register() -> None:
         return
     if BACKEND_NAME not in getattr(sa, "ATTENTION_BACKEND_CHOICES", ()):
         sa.add_attention_backend_choices([BACKEND_NAME])
+    # --enable-deterministic-inference accepts the backends on these lists (docs/deterministic.md)
+    for choices, add in (("DETERMINISTIC_ATTENTION_BACKEND_CHOICES", "add_deterministic_attention_backend_choices"),
+                         ("RADIX_SUPPORTED_DETERMINISTIC_ATTENTION_BACKEND",
+                          "add_radix_supported_deterministic_attention_backend_choices")):
+        if hasattr(sa, add) and BACKEND_NAME not in getattr(sa, choices, ()):
+            getattr(sa, add)([BACKEND_NAME])
     if not _logged_registered:
         _logged_registered = True
         _log.info("fi-backend registered as SGLang attention backend %r (--attention-backend %s)", BACKEND_NAME,
@@ -264,6 +277,11 @@ def _attention_layers(model) -> list:
 
 # ------------------------------------------------------------------------------------ refusals
 
+def deterministic(server_args) -> bool:
+    """Deterministic (batch-invariant) attention: --enable-deterministic-inference or FI_BACKEND_DETERMINISTIC."""
+    return bool(getattr(server_args, "enable_deterministic_inference", False)) or _env.flag(_env.DETERMINISTIC, False)
+
+
 def _refusal_reasons(model_runner, layers: list) -> list:
     """Why fi-backend must not run this SGLang ModelRunner, one sentence per problem ([] = it can)."""
     reasons = []
@@ -278,8 +296,14 @@ def _refusal_reasons(model_runner, layers: list) -> list:
     if getattr(model_runner, "is_draft_worker", False) or (spec is not None and not spec.is_none()):
         reasons.append(f"speculative decoding (--speculative-algorithm {getattr(sa, 'speculative_algorithm', None)}) "
                        "is not supported yet: its target-verify and draft-extend steps have no fi-backend path")
-    if getattr(sa, "enable_deterministic_inference", False):
-        reasons.append("--enable-deterministic-inference is not supported: the plan splits KV by batch composition")
+    if deterministic(sa):
+        if getattr(sa, "enable_mixed_chunk", False):
+            reasons.append("--enable-mixed-chunk with deterministic inference is not supported: a mixed step's decodes "
+                           "would run on the prefill kernel, so their results would follow their companions")
+        if not getattr(sa, "disable_radix_cache", False) and any(layer_settings(layer)[0].window_left is not None
+                                                                 for layer in layers):
+            reasons.append("deterministic inference with the radix cache and sliding-window layers is not supported: "
+                           "a cached prefix moves a window's first KV tile (pass --disable-radix-cache)")
     if getattr(sa, "enable_two_batch_overlap", False):
         reasons.append("--enable-two-batch-overlap is not supported (not tested with fi-backend)")
     if getattr(sa, "enable_pdmux", False):
@@ -371,7 +395,7 @@ class _StepPlanner:
     are this planner's persistent buffers (or req_to_token itself), sliced per step."""
 
     def __init__(self, groups: list, req_to_token: torch.Tensor, *, page_size: int, max_requests: int,
-                 debug: bool = False):
+                 debug: bool = False, deterministic: bool = False):
         if req_to_token.dtype != torch.int32 or req_to_token.dim() != 2:
             raise TypeError(f"SGLang's req_to_token must be a 2-D int32 tensor, got {req_to_token.dtype} "
                             f"{tuple(req_to_token.shape)}")
@@ -381,6 +405,7 @@ class _StepPlanner:
         self.req_to_token = req_to_token
         self.page_size = int(page_size)
         self.debug = debug
+        self.deterministic = deterministic
         self.max_requests = 0
         self.resize(max_requests)
 
@@ -424,7 +449,8 @@ class _StepPlanner:
         elif mode.is_extend() and not (mode.is_target_verify() or mode.is_draft_extend_v2() or mode.is_dllm_extend()
                                        or mode.is_split_prefill()):
             q_lens = _cpu_int32(fb.extend_seq_lens_cpu, bs, "extend_seq_lens_cpu")
-            decode = bool((q_lens == 1).all())
+            # deterministic: an extend row always on the prefill kernel, whatever its companions' lengths
+            decode = not self.deterministic and bool((q_lens == 1).all())
         else:
             raise NotImplementedError(f"fi-backend does not run SGLang forward mode {mode.name}")
         if decode:   # one query row per request: the constant arange (also what captured graphs read)
@@ -461,8 +487,9 @@ class _StepPlanner:
 
 
 def _make_wrapper(kernel: str, *, device, settings: LayerSettings, variant, q_dtype, kv_dtype, page_size: int,
-                  kv_layout: str, max_requests: int, max_rows: int):
+                  kv_layout: str, max_requests: int, max_rows: int, deterministic: bool = False):
     """A BatchAttention of one kernel with its own workspace, sized once for the engine's limits."""
+    from fi_backend.scheduler import DETERMINISTIC_PIECES
     from fi_backend.workspace import Workspace
     from fi_backend.wrappers import BatchAttention
     hq, hkv, d = settings.num_qo_heads, settings.num_kv_heads, settings.head_dim
@@ -471,9 +498,10 @@ def _make_wrapper(kernel: str, *, device, settings: LayerSettings, variant, q_dt
     tile_q = BatchAttention.query_tile_rows(hq, hkv, d, q_dtype=q_dtype, kv_dtype=kv_dtype, variant=variant,
                                             kernel=kernel)
     ws = Workspace(device, max_requests=max_requests, max_tokens=max_rows, num_ctas=num_ctas, max_tile_q=tile_q,
-                   num_qo_heads=hq, num_kv_heads=hkv, head_dim=d)
+                   num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
+                   deterministic_pieces=DETERMINISTIC_PIECES if deterministic and kernel == "decode" else 0)
     wrapper = BatchAttention(ws, hq, hkv, d, q_dtype=q_dtype, kv_dtype=kv_dtype, page_size=page_size,
-                             kv_layout=kv_layout, variant=variant, kernel=kernel)
+                             kv_layout=kv_layout, variant=variant, kernel=kernel, deterministic=deterministic)
     _wrappers.add(wrapper)
     return wrapper
 
@@ -539,7 +567,8 @@ class _Backend:
         self._max_requests = int(self.req_to_token.shape[0])
         self._groups = self._make_groups(self._max_requests)
         self._planner = _StepPlanner(self._groups, self.req_to_token, page_size=self.page_size,
-                                     max_requests=self._max_requests, debug=os.environ.get(DEBUG_ENV) == "1")
+                                     max_requests=self._max_requests, debug=os.environ.get(DEBUG_ENV) == "1",
+                                     deterministic=deterministic(model_runner.server_args))
         self._kv_views: dict = {}
         self.forward_metadata: Optional[StepMetadata] = None
         _log.info("fi-backend attention is active (SGLang backend %s) on %s%s: %d layers in %d group(s) [%s], page %d, "
@@ -557,7 +586,8 @@ class _Backend:
             variant, params = s.variant()
             what = f"{s.describe()}, KV {str(self.kv_dtype).replace('torch.', '')}, variant {variant.name}"
             common = dict(device=self.device, settings=s, variant=variant, q_dtype=self.q_dtype, kv_dtype=self.kv_dtype,
-                          page_size=self.page_size, kv_layout=self.kv_layout, max_requests=max_requests)
+                          page_size=self.page_size, kv_layout=self.kv_layout, max_requests=max_requests,
+                          deterministic=deterministic(mr.server_args))
             try:
                 decode = _make_wrapper("decode", max_rows=max_requests, **common)
                 prefill = _make_wrapper("prefill", max_rows=rows, **common)

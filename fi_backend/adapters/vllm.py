@@ -30,6 +30,11 @@ block tables) plus kv_block_start, which is allocated here once and sliced. Padd
 captured batch have no query rows and a KV length of 0, so they read nothing and write nothing; the
 output rows of padding tokens are left as they are (vLLM discards them).
 
+Batch invariance (VLLM_BATCH_INVARIANT=1, or FI_BACKEND_DETERMINISTIC=1): both wrappers plan deterministically
+(docs/deterministic.md) and a mixed step runs in two launches, its decodes (vLLM puts them first:
+reorder_batch_threshold = 1) on the decode kernel and the rest on the prefill kernel, so a request's kernel
+depends on its own query length only, never on its companions.
+
 No GPU-to-CPU synchronisation per step: the plan is made from query_start_loc_cpu and
 seq_lens_cpu_upper_bound (an upper bound is enough: the kernels read the true lengths from seq_lens on
 the device and clip to them; the schedule is at worst slightly pessimistic).
@@ -46,6 +51,7 @@ from typing import Any, Optional
 
 import torch
 
+from fi_backend import env as _env
 from fi_backend import ops as _ops
 from fi_backend import variants as _variants
 from fi_backend.adapters import rank_device
@@ -71,6 +77,7 @@ _VLLM_CLASSES = ("FiAttentionBackend", "FiAttentionMetadataBuilder", "FiAttentio
 # A child of vLLM's "vllm" logger, so messages go through vLLM's handler and level.
 _log = logging.getLogger("vllm.fi_backend")
 _logged_active = False
+_warned_unordered = False
 _PLAN_COUNTS = {"decode": 0, "prefill": 0}
 _wrappers = weakref.WeakSet()   # every BatchAttention this process made, for check_errors()
 _define_lock = threading.Lock()  # the vLLM classes are made once: vLLM compares them by identity
@@ -204,6 +211,10 @@ class FiAttentionMetadata:
     seq_lens: torch.Tensor
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
+    # Batch invariance, mixed step: rows [0, num_decode_rows) are the step's decodes, planned on this
+    # decode wrapper; `wrapper` (prefill) covers rows [num_decode_rows, num_rows).
+    decode_wrapper: Any = None
+    num_decode_rows: int = 0
 
 
 class _StepPlanner:
@@ -216,8 +227,10 @@ class _StepPlanner:
     captured run() needs (the wrapper refuses a plan with other addresses after a capture)."""
 
     def __init__(self, decode, prefill, *, page_size: int, sm_scale: float, variant_params: dict,
-                 debug: bool = False):
+                 debug: bool = False, deterministic: bool = False):
         self.decode, self.prefill = decode, prefill
+        self.deterministic = deterministic
+        self._qo_rest = None        # deterministic mixed steps: the prefill part's qo_indptr, rebased to 0
         self.page_size = page_size
         self.sm_scale = sm_scale
         self.variant_params = variant_params
@@ -243,6 +256,13 @@ class _StepPlanner:
         table = cm.block_table_tensor
         if self._table_key != (table.data_ptr(), table.stride(0)):
             self._bind_block_table(table)
+        if self.deterministic and kernel == "prefill":
+            one = (qo_cpu[1:] - qo_cpu[:-1]) == 1
+            nd = int(torch.cumprod(one, 0).sum())  # the leading decodes (vLLM orders them first)
+            if int(one.sum()) != nd:
+                _warn_unordered()
+            if nd:
+                return self._plan_mixed(cm, qo_cpu, kv_cpu, nd)
         bsr = BSR(qo_indptr=cm.query_start_loc, kv_indices=self._kv_indices, kv_block_start=self._kv_block_start[:n],
                   kv_lens=cm.seq_lens, block_width=self.page_size)
         wrapper.plan(qo_cpu, kv_cpu, bsr, causal=True, sm_scale=self.sm_scale, debug=self.debug, **self.variant_params)
@@ -250,6 +270,29 @@ class _StepPlanner:
         return FiAttentionMetadata(wrapper=wrapper, num_rows=int(qo_cpu[n]), num_actual_tokens=cm.num_actual_tokens,
                                    max_query_len=cm.max_query_len, query_start_loc=cm.query_start_loc,
                                    seq_lens=cm.seq_lens, block_table=table, slot_mapping=cm.slot_mapping)
+
+    def _plan_mixed(self, cm, qo_cpu, kv_cpu, nd: int) -> FiAttentionMetadata:
+        """Batch invariance: a mixed step's nd leading decodes on the decode wrapper, the rest on the prefill
+        wrapper (each request's kernel then follows its own query length, not its companions')."""
+        n = cm.num_reqs
+        dec = BSR(qo_indptr=cm.query_start_loc[: nd + 1], kv_indices=self._kv_indices,
+                  kv_block_start=self._kv_block_start[:nd], kv_lens=cm.seq_lens[:nd], block_width=self.page_size)
+        self.decode.plan(qo_cpu[: nd + 1], kv_cpu[:nd], dec, causal=True, sm_scale=self.sm_scale, debug=self.debug,
+                         **self.variant_params)
+        if self._qo_rest is None or self._qo_rest.numel() < n - nd + 1:
+            self._qo_rest = torch.empty(n + 1, dtype=torch.int32, device=cm.query_start_loc.device)
+        qo_rest = self._qo_rest[: n - nd + 1]
+        torch.sub(cm.query_start_loc[nd: n + 1], nd, out=qo_rest)  # one row per decode before them
+        rest = BSR(qo_indptr=qo_rest, kv_indices=self._kv_indices, kv_block_start=self._kv_block_start[nd:n],
+                   kv_lens=cm.seq_lens[nd:n], block_width=self.page_size)
+        self.prefill.plan(qo_cpu[nd:] - nd, kv_cpu[nd:n], rest, causal=True, sm_scale=self.sm_scale,
+                          debug=self.debug, **self.variant_params)
+        _PLAN_COUNTS["decode"] += 1
+        _PLAN_COUNTS["prefill"] += 1
+        return FiAttentionMetadata(wrapper=self.prefill, num_rows=int(qo_cpu[n]), num_actual_tokens=cm.num_actual_tokens,
+                                   max_query_len=cm.max_query_len, query_start_loc=cm.query_start_loc,
+                                   seq_lens=cm.seq_lens, block_table=cm.block_table_tensor,
+                                   slot_mapping=cm.slot_mapping, decode_wrapper=self.decode, num_decode_rows=nd)
 
     def _bind_block_table(self, table: torch.Tensor) -> None:
         """Flat kv_indices over the table's buffer from its first row on, and its row starts (once)."""
@@ -266,9 +309,31 @@ class _StepPlanner:
         self._table_key = (table.data_ptr(), row_stride)
 
 
+def _warn_unordered() -> None:
+    """Once per process: a batch-invariant mixed step whose decodes were not all first (vLLM orders them first
+    for reorder_batch_threshold = 1); those after a prefill run on the prefill kernel in that step."""
+    global _warned_unordered
+    if not _warned_unordered:
+        _warned_unordered = True
+        _log.warning("fi-backend: VLLM_BATCH_INVARIANT: a mixed step has one-token requests after longer ones; "
+                     "they run on the prefill kernel in such steps, so their outputs may differ in the last bits "
+                     "from the same tokens in other steps (the model runner did not put decodes first)")
+
+
+def batch_invariant() -> bool:
+    """Whether the engine asks for batch-invariant attention: VLLM_BATCH_INVARIANT read as vLLM reads it (an
+    int, nonzero: on), or fi-backend's own FI_BACKEND_DETERMINISTIC."""
+    try:
+        vllm_on = int(os.environ.get("VLLM_BATCH_INVARIANT", "0")) != 0
+    except ValueError:
+        vllm_on = False
+    return vllm_on or _env.flag(_env.DETERMINISTIC, False)
+
+
 def _make_wrapper(kernel: str, *, device, num_qo_heads: int, num_kv_heads: int, head_dim: int, q_dtype, kv_dtype,
-                  page_size: int, variant, max_requests: int, max_rows: int):
+                  page_size: int, variant, max_requests: int, max_rows: int, deterministic: bool = False):
     """A BatchAttention of one kernel with its own workspace, sized once for the engine's limits."""
+    from fi_backend.scheduler import DETERMINISTIC_PIECES
     from fi_backend.workspace import Workspace
     from fi_backend.wrappers import BatchAttention
     num_ctas = BatchAttention.recommended_num_ctas(device, num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype,
@@ -279,9 +344,11 @@ def _make_wrapper(kernel: str, *, device, num_qo_heads: int, num_kv_heads: int, 
                                             variant=variant, kernel=kernel)
     ws = Workspace(device, max_requests=max_requests, max_tokens=max_rows, num_ctas=num_ctas,
                    max_tile_q=tile_q, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                   head_dim=head_dim)
+                   head_dim=head_dim,
+                   deterministic_pieces=DETERMINISTIC_PIECES if deterministic and kernel == "decode" else 0)
     wrapper = BatchAttention(ws, num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype,
-                             page_size=page_size, kv_layout="NHD", variant=variant, kernel=kernel)
+                             page_size=page_size, kv_layout="NHD", variant=variant, kernel=kernel,
+                             deterministic=deterministic)
     _wrappers.add(wrapper)
     return wrapper
 
@@ -455,8 +522,6 @@ class _Backend:
             cap = f"{device_capability.major}.{device_capability.minor}"
             reasons.append(f"compute capability {cap} is not supported: fi-backend's kernels are built for "
                            f"{', '.join(f'{a}.{b}' for a, b in COMPUTE_CAPABILITIES)} (Ampere, Ada, Hopper)")
-        if use_batch_invariant:
-            reasons.append("VLLM_BATCH_INVARIANT is not supported: the plan splits KV by batch composition")
         if use_kv_connector:
             reasons.append("KV connectors (disaggregated prefill, KV offloading) are not supported yet")
         if use_pcp:
@@ -495,6 +560,10 @@ class _MetadataBuilder:
         # kernels' modules are built (or found in the cache) here, at the engine's start, never mid-serving.
         what = (f"{s.num_qo_heads} query heads, {s.num_kv_heads} KV heads, head size {s.head_dim}, KV "
                 f"{s.kv_cache_dtype}, variant {s.variant.name}")
+        deterministic = batch_invariant()
+        if deterministic:  # mixed steps in two launches need their decodes first (_StepPlanner._plan_mixed)
+            self.reorder_batch_threshold = 1
+        common["deterministic"] = deterministic
         try:
             decode = _make_wrapper("decode", max_rows=sched.max_num_seqs, **common)
             prefill = _make_wrapper("prefill", max_rows=max(sched.max_num_batched_tokens, sched.max_num_seqs),
@@ -507,7 +576,8 @@ class _MetadataBuilder:
         if "alibi_slopes" in params:  # a device tensor made once: captured graphs read it by address
             params["alibi_slopes"] = torch.tensor(params["alibi_slopes"], dtype=torch.float32, device=device)
         self._step = _StepPlanner(decode, prefill, page_size=kv_cache_spec.block_size, sm_scale=s.sm_scale,
-                                  variant_params=params, debug=os.environ.get("FI_BACKEND_VLLM_DEBUG") == "1")
+                                  variant_params=params, debug=os.environ.get("FI_BACKEND_VLLM_DEBUG") == "1",
+                                  deterministic=deterministic)
         _log_active(s, kv_cache_spec.block_size, len(layers), where)
 
     @classmethod
@@ -601,6 +671,14 @@ class _Impl:
         else:
             out = output
         # k/v scales as floats: vLLM's per-tensor fp8 dequantisation (ignored for 16-bit caches).
+        nd = getattr(attn_metadata, "num_decode_rows", 0)
+        if nd:  # batch invariance, mixed step: the decodes on the decode kernel, the rest on the prefill kernel
+            kv = self._kv(kv_cache)
+            attn_metadata.decode_wrapper.run(query[:nd], kv, out=out[:nd], k_scale=layer._k_scale_float,
+                                             v_scale=layer._v_scale_float)
+            attn_metadata.wrapper.run(query[nd:n], kv, out=out[nd:n], k_scale=layer._k_scale_float,
+                                      v_scale=layer._v_scale_float)
+            return output
         attn_metadata.wrapper.run(query, self._kv(kv_cache), out=out, k_scale=layer._k_scale_float,
                                   v_scale=layer._v_scale_float)
         return output
