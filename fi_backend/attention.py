@@ -257,7 +257,7 @@ class BatchAttention:
         self._det_pieces = 0
         if self.deterministic:
             self._det_pieces = DETERMINISTIC_PIECES if kernel == "decode" else 1
-            if workspace.deterministic_pieces < self._det_pieces:
+            if self._det_pieces > 1 and workspace.deterministic_pieces < self._det_pieces:  # prefill splits nothing
                 raise ValueError(f"deterministic=True with the decode kernel needs a Workspace made with "
                                  f"deterministic_pieces >= {self._det_pieces} (got {workspace.deterministic_pieces}): "
                                  f"every request may be split, whatever the batch")

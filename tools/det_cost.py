@@ -14,13 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from perf.common import device_info, time_us  # noqa: E402
+from perf.common import commit, device_info, time_us  # noqa: E402
 
 from fi_backend.formats import BSR  # noqa: E402
 from fi_backend.scheduler import DETERMINISTIC_PIECES  # noqa: E402
@@ -78,7 +79,8 @@ def main(argv=None):
     ap.add_argument("--out", help="write the rows as JSON here")
     ap.add_argument("--sections", default="decode,prefill")
     a = ap.parse_args(argv)
-    result = {"device": device_info(), "deterministic_pieces": DETERMINISTIC_PIECES}
+    result = {"device": device_info(), "commit": commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "deterministic_pieces": DETERMINISTIC_PIECES}
     sections = a.sections.split(",")
     if "decode" in sections:
         ws = {"normal": wrapper("decode", 8, False, 256), "det": wrapper("decode", 8, True, 256)}

@@ -157,6 +157,8 @@ def _rank_main(rank: int, args: dict, barrier, results) -> None:
 
 
 def _commit() -> str:
+    if os.environ.get("FI_COMMIT"):  # the GPU machine's tree travels without a current .git
+        return os.environ["FI_COMMIT"]
     try:
         return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10).stdout.strip() or "unknown"

@@ -138,12 +138,12 @@ def register() -> None:
         return
     if BACKEND_NAME not in getattr(sa, "ATTENTION_BACKEND_CHOICES", ()):
         sa.add_attention_backend_choices([BACKEND_NAME])
-    # --enable-deterministic-inference accepts the backends on these lists (docs/deterministic.md)
-    for choices, add in (("DETERMINISTIC_ATTENTION_BACKEND_CHOICES", "add_deterministic_attention_backend_choices"),
-                         ("RADIX_SUPPORTED_DETERMINISTIC_ATTENTION_BACKEND",
-                          "add_radix_supported_deterministic_attention_backend_choices")):
-        if hasattr(sa, add) and BACKEND_NAME not in getattr(sa, choices, ()):
-            getattr(sa, add)([BACKEND_NAME])
+    # --enable-deterministic-inference accepts the backends on this list (docs/deterministic.md). Not on the
+    # radix-cache list: on the H100 a prefix from the cache changed a prefill row's last bits, so SGLang turns
+    # the radix cache off for us in this mode.
+    if hasattr(sa, "add_deterministic_attention_backend_choices") and \
+            BACKEND_NAME not in getattr(sa, "DETERMINISTIC_ATTENTION_BACKEND_CHOICES", ()):
+        sa.add_deterministic_attention_backend_choices([BACKEND_NAME])
     if not _logged_registered:
         _logged_registered = True
         _log.info("fi-backend registered as SGLang attention backend %r (--attention-backend %s)", BACKEND_NAME,
