@@ -171,6 +171,16 @@ def _check_index_tensor(name: str, t, device, dtypes=(torch.int32,)) -> None:
         raise ValueError(f"{name} must be a contiguous 1-D tensor (got shape {tuple(t.shape)}, strides {t.stride()})")
 
 
+def _deterministic(deterministic: Optional[bool]) -> bool:
+    return env.flag(env.DETERMINISTIC, False) if deterministic is None else bool(deterministic)
+
+
+def _workspace_pieces(kernel: str, deterministic: bool) -> int:
+    """The Workspace's deterministic_pieces a wrapper needs: decode may cut every request into up to
+    DETERMINISTIC_PIECES pieces whatever the batch; prefill cuts nothing in this mode."""
+    return DETERMINISTIC_PIECES if deterministic and kernel == "decode" else 0
+
+
 class BatchAttention:
     """Batch attention over the BSR KV format with a plan/run split (see the module docstring).
 
@@ -253,14 +263,13 @@ class BatchAttention:
         self._use_member(0)
         # Deterministic mode: decode splits each request at its own chunk (scheduler.DETERMINISTIC_*); prefill
         # splits nothing and keeps tile member 0, since the member would otherwise follow the batch.
-        self.deterministic = env.flag(env.DETERMINISTIC, False) if deterministic is None else bool(deterministic)
-        self._det_pieces = 0
-        if self.deterministic:
-            self._det_pieces = DETERMINISTIC_PIECES if kernel == "decode" else 1
-            if self._det_pieces > 1 and workspace.deterministic_pieces < self._det_pieces:  # prefill splits nothing
-                raise ValueError(f"deterministic=True with the decode kernel needs a Workspace made with "
-                                 f"deterministic_pieces >= {self._det_pieces} (got {workspace.deterministic_pieces}): "
-                                 f"every request may be split, whatever the batch")
+        self.deterministic = _deterministic(deterministic)
+        self._det_pieces = DETERMINISTIC_PIECES if kernel == "decode" else 1  # plan_into's: 1 cuts nothing
+        needed = _workspace_pieces(kernel, self.deterministic)
+        if workspace.deterministic_pieces < needed:
+            raise ValueError(f"deterministic=True with the decode kernel needs a Workspace made with "
+                             f"deterministic_pieces >= {needed} (got {workspace.deterministic_pieces}; "
+                             f"BatchAttention.workspace_for sizes it): every request may be split, whatever the batch")
         self.num_head_chunks = self.group // int(self._launcher.heads_per_chunk)
         # Units: the query-head groups a work item runs for (KV head unit // num_head_chunks). The plan
         # spreads (item, unit) pairs over the whole grid, so no SM idles for want of a head's queue.
@@ -365,6 +374,21 @@ class BatchAttention:
         if kernel == "decode" and total >= units:
             total -= total % units
         return total
+
+    @staticmethod
+    def workspace_for(device, num_qo_heads: int, num_kv_heads: int, head_dim: int, *, max_requests: int,
+                      max_tokens: int, q_dtype: torch.dtype = torch.bfloat16, kv_dtype: Optional[torch.dtype] = None,
+                      variant: Variant = DEFAULT, kernel: str = "decode", tuning: Optional[dict] = None,
+                      deterministic: Optional[bool] = None) -> Workspace:
+        """A Workspace sized for one wrapper of these arguments: the kernel's grid (recommended_num_ctas), its
+        query tile (query_tile_rows) and, in deterministic mode, the pieces its plans may cut requests into."""
+        shape = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, variant=variant, kernel=kernel, tuning=tuning)
+        return Workspace(device, max_requests=max_requests, max_tokens=max_tokens,
+                         num_ctas=BatchAttention.recommended_num_ctas(device, num_qo_heads, num_kv_heads, head_dim,
+                                                                      **shape),
+                         max_tile_q=BatchAttention.query_tile_rows(num_qo_heads, num_kv_heads, head_dim, **shape),
+                         num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                         deterministic_pieces=_workspace_pieces(kernel, _deterministic(deterministic)))
 
     @staticmethod
     def query_tile_rows(num_qo_heads: int, num_kv_heads: int, head_dim: int, *, q_dtype: torch.dtype = torch.bfloat16,

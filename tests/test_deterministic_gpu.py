@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from fi_backend.formats import BSR
-from fi_backend.scheduler import DETERMINISTIC_PIECES
 
 pytestmark = pytest.mark.gpu
 
@@ -26,13 +25,9 @@ BATCHES = 24
 
 
 def make(kernel, deterministic, max_tokens, max_requests=260):
-    from fi_backend.workspace import Workspace
     from fi_backend.wrappers import BatchAttention
-    num_ctas = BatchAttention.recommended_num_ctas(DEV, HQ, HKV, D, kernel=kernel)
-    tile_q = BatchAttention.query_tile_rows(HQ, HKV, D, kernel=kernel)
-    ws = Workspace(DEV, max_requests=max_requests, max_tokens=max_tokens, num_ctas=num_ctas, max_tile_q=tile_q,
-                   num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D,
-                   deterministic_pieces=DETERMINISTIC_PIECES if deterministic and kernel == "decode" else 0)
+    ws = BatchAttention.workspace_for(DEV, HQ, HKV, D, max_requests=max_requests, max_tokens=max_tokens,
+                                      kernel=kernel, deterministic=deterministic)
     return BatchAttention(ws, HQ, HKV, D, page_size=PAGE, kernel=kernel, deterministic=deterministic)
 
 

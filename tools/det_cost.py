@@ -25,7 +25,6 @@ from perf.common import commit, device_info, time_us  # noqa: E402
 
 from fi_backend.formats import BSR  # noqa: E402
 from fi_backend.scheduler import DETERMINISTIC_PIECES  # noqa: E402
-from fi_backend.workspace import Workspace  # noqa: E402
 from fi_backend.wrappers import BatchAttention  # noqa: E402
 
 DEV, PAGE, HQ, D = "cuda", 16, 32, 128
@@ -35,11 +34,8 @@ FAMILY_GRID = [(1, 256), (1, 512), (16, 128), (64, 64), (8, 300), (1, 1291), (1,
 
 
 def wrapper(kernel, hkv, deterministic, max_tokens, max_requests=256):
-    num_ctas = BatchAttention.recommended_num_ctas(DEV, HQ, hkv, D, kernel=kernel)
-    tile_q = BatchAttention.query_tile_rows(HQ, hkv, D, kernel=kernel)
-    ws = Workspace(DEV, max_requests=max_requests, max_tokens=max_tokens, num_ctas=num_ctas, max_tile_q=tile_q,
-                   num_qo_heads=HQ, num_kv_heads=hkv, head_dim=D,
-                   deterministic_pieces=DETERMINISTIC_PIECES if deterministic and kernel == "decode" else 0)
+    ws = BatchAttention.workspace_for(DEV, HQ, hkv, D, max_requests=max_requests, max_tokens=max_tokens,
+                                      kernel=kernel, deterministic=deterministic)
     return BatchAttention(ws, HQ, hkv, D, page_size=PAGE, kernel=kernel, deterministic=deterministic)
 
 

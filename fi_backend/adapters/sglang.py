@@ -489,17 +489,11 @@ class _StepPlanner:
 def _make_wrapper(kernel: str, *, device, settings: LayerSettings, variant, q_dtype, kv_dtype, page_size: int,
                   kv_layout: str, max_requests: int, max_rows: int, deterministic: bool = False):
     """A BatchAttention of one kernel with its own workspace, sized once for the engine's limits."""
-    from fi_backend.scheduler import DETERMINISTIC_PIECES
-    from fi_backend.workspace import Workspace
     from fi_backend.wrappers import BatchAttention
     hq, hkv, d = settings.num_qo_heads, settings.num_kv_heads, settings.head_dim
-    num_ctas = BatchAttention.recommended_num_ctas(device, hq, hkv, d, q_dtype=q_dtype, kv_dtype=kv_dtype,
-                                                   variant=variant, kernel=kernel)
-    tile_q = BatchAttention.query_tile_rows(hq, hkv, d, q_dtype=q_dtype, kv_dtype=kv_dtype, variant=variant,
-                                            kernel=kernel)
-    ws = Workspace(device, max_requests=max_requests, max_tokens=max_rows, num_ctas=num_ctas, max_tile_q=tile_q,
-                   num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
-                   deterministic_pieces=DETERMINISTIC_PIECES if deterministic and kernel == "decode" else 0)
+    ws = BatchAttention.workspace_for(device, hq, hkv, d, max_requests=max_requests, max_tokens=max_rows,
+                                      q_dtype=q_dtype, kv_dtype=kv_dtype, variant=variant, kernel=kernel,
+                                      deterministic=deterministic)
     wrapper = BatchAttention(ws, hq, hkv, d, q_dtype=q_dtype, kv_dtype=kv_dtype, page_size=page_size,
                              kv_layout=kv_layout, variant=variant, kernel=kernel, deterministic=deterministic)
     _wrappers.add(wrapper)

@@ -333,19 +333,10 @@ def batch_invariant() -> bool:
 def _make_wrapper(kernel: str, *, device, num_qo_heads: int, num_kv_heads: int, head_dim: int, q_dtype, kv_dtype,
                   page_size: int, variant, max_requests: int, max_rows: int, deterministic: bool = False):
     """A BatchAttention of one kernel with its own workspace, sized once for the engine's limits."""
-    from fi_backend.scheduler import DETERMINISTIC_PIECES
-    from fi_backend.workspace import Workspace
     from fi_backend.wrappers import BatchAttention
-    num_ctas = BatchAttention.recommended_num_ctas(device, num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype,
-                                                   kv_dtype=kv_dtype, variant=variant, kernel=kernel)
-    # (a workspace holds 2 * ceil(num_ctas / num_kv_heads) * max_tile_q partial rows: sized by the kernel's
-    # own query tile; num_ctas is the whole grid, shared by every head)
-    tile_q = BatchAttention.query_tile_rows(num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype,
-                                            variant=variant, kernel=kernel)
-    ws = Workspace(device, max_requests=max_requests, max_tokens=max_rows, num_ctas=num_ctas,
-                   max_tile_q=tile_q, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                   head_dim=head_dim,
-                   deterministic_pieces=DETERMINISTIC_PIECES if deterministic and kernel == "decode" else 0)
+    ws = BatchAttention.workspace_for(device, num_qo_heads, num_kv_heads, head_dim, max_requests=max_requests,
+                                      max_tokens=max_rows, q_dtype=q_dtype, kv_dtype=kv_dtype, variant=variant,
+                                      kernel=kernel, deterministic=deterministic)
     wrapper = BatchAttention(ws, num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype,
                              page_size=page_size, kv_layout="NHD", variant=variant, kernel=kernel,
                              deterministic=deterministic)
