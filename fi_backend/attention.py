@@ -333,6 +333,7 @@ class BatchAttention:
                              and "window_left" in self.variant.params and env.flag(env.PLAN_WINDOW, True))
         self._group_requests = (self.kernel == "prefill" and not self.variant.mask_is_kv_range
                                 and env.flag(env.PLAN_GROUPED, True))
+        self._partition = env.flag(env.PLAN_PARTITION, True)  # read once, not per plan (docs/planner.md)
 
     def _pick_member(self, q_lens: torch.Tensor) -> int:
         """The largest query tile that gives each CTA FAMILY_TILES_PER_CTA tiles on this step, or that fills
@@ -463,6 +464,7 @@ class BatchAttention:
         kv_window = int(window) + 1 if window is not None and int(window) >= 0 else 0
         ws.plan(qo32, kv32, tile_q=self.rows_per_tile, num_units=self.num_units, causal=bool(causal),
                 kv_chunk_align=self.kv_tile, cost_q=self._cost_q, group_requests=group, kv_window=kv_window,
+                partition=self._partition,
                 **({"deterministic_pieces": self._det_pieces, "min_kv_chunk": DETERMINISTIC_MIN_CHUNK}
                    if self.deterministic else {}))
 

@@ -84,7 +84,7 @@ def test_partition_decode_matches_reference(case, monkeypatch):
     infos = _spy_plans(attn, monkeypatch)
     scales = dict(k_scale=0.37, v_scale=1.9) if kvd == "fp8" else {}
     for switch in ("1", "0"):
-        monkeypatch.setenv("FI_BACKEND_PLAN_PARTITION", switch)
+        monkeypatch.setattr(attn, "_partition", switch == "1")  # FI_BACKEND_PLAN_PARTITION, read when made
         run_case(attn, kv, [q] * len(kv), dtype=torch.bfloat16, kv_dtype=kv_dtype, causal=q > 1, poison=True,
                  what=f"{_IDS[CASES.index(case)]} partition={switch}", **scales)
         info = infos[-1]
