@@ -264,7 +264,9 @@ class BatchAttention:
         # Deterministic mode: decode splits each request at its own chunk (scheduler.DETERMINISTIC_*); prefill
         # splits nothing and keeps tile member 0, since the member would otherwise follow the batch.
         self.deterministic = _deterministic(deterministic)
-        self._det_pieces = DETERMINISTIC_PIECES if kernel == "decode" else 1  # plan_into's: 1 cuts nothing
+        # plan_into's arguments in this mode, made once (deterministic_pieces 1: prefill cuts nothing)
+        self._det_plan_args = ({"deterministic_pieces": DETERMINISTIC_PIECES if kernel == "decode" else 1,
+                                "min_kv_chunk": DETERMINISTIC_MIN_CHUNK} if self.deterministic else {})
         needed = _workspace_pieces(kernel, self.deterministic)
         if workspace.deterministic_pieces < needed:
             raise ValueError(f"deterministic=True with the decode kernel needs a Workspace made with "
@@ -465,8 +467,7 @@ class BatchAttention:
         ws.plan(qo32, kv32, tile_q=self.rows_per_tile, num_units=self.num_units, causal=bool(causal),
                 kv_chunk_align=self.kv_tile, cost_q=self._cost_q, group_requests=group, kv_window=kv_window,
                 partition=self._partition,
-                **({"deterministic_pieces": self._det_pieces, "min_kv_chunk": DETERMINISTIC_MIN_CHUNK}
-                   if self.deterministic else {}))
+                **self._det_plan_args)
 
         p = self._params
         p.kv_indices, p.kv_lens, p.qo_indptr = bsr_ptrs[2], bsr_ptrs[1], bsr_ptrs[0]
