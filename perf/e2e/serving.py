@@ -48,6 +48,7 @@ class Engine:
 
 
 REPO = Path(__file__).resolve().parents[2]
+CONFIGS = Path(__file__).resolve().parent / "configs"   # --model-config NAME: configs/NAME.json
 MODEL_CONFIG_CANDIDATES = (
     Path("/work/shared/models/llama-3.1-8b/config.json"),
     REPO.parent / "shared" / "models" / "llama-3.1-8b" / "config.json",
@@ -55,6 +56,8 @@ MODEL_CONFIG_CANDIDATES = (
 )
 # Llama-3.1-8B's shapes (same as ../shared/models/llama-3.1-8b/config.json), used when no config file is
 # found: the GPU machine gets the working tree only, and dummy weights need nothing but these shapes.
+# NCCL without NVLink multicast (NVLS) for tensor-parallel engines, as the GPU machines require.
+TP_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 LLAMA_3_1_8B = {
     "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
     "bos_token_id": 128000, "eos_token_id": 128009, "hidden_act": "silu", "hidden_size": 4096,
@@ -104,6 +107,8 @@ def write_json(path: Path, payload: dict) -> None:
 def resolve_model_config(path: str | None) -> tuple[dict, str]:
     if path:
         p = Path(path)
+        if not p.is_file() and (CONFIGS / f"{path}.json").is_file():
+            p = CONFIGS / f"{path}.json"   # a name of perf/e2e/configs
         if not p.is_file():
             raise SystemExit(f"--model-config: no file at {p}")
         return json.loads(p.read_text()), str(p)
@@ -312,6 +317,9 @@ def run_child(engine: Engine, backend: str, plan_path: Path, logs: Path, timeout
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     for k, v in engine.child_env.items():
         env.setdefault(k, v)
+    if json.loads(plan_path.read_text())["settings"]["tensor_parallel_size"] > 1:
+        for k, v in TP_ENV.items():
+            env.setdefault(k, v)
     t0 = time.perf_counter()
     tail = collections.deque(maxlen=40)
     log(f"{backend}: starting child (log {log_path})")
@@ -508,7 +516,7 @@ def build_parser(engine: Engine, doc: str) -> argparse.ArgumentParser:
     ap.add_argument("--rates", default="8,inf", help="request rates in req/s, comma list; 'inf' sends all at once")
     ap.add_argument("--num-prompts", default="200", help="N, or DATASET=N,... per dataset")
     ap.add_argument("--seed", type=int, default=0, help="lengths, arrivals and token ids (0: ShareGPT trace order)")
-    ap.add_argument("--model-config", help="config.json of the model (default: Llama-3.1-8B's shapes)")
+    ap.add_argument("--model-config", help="config.json of the model, or a name in perf/e2e/configs (llama-3.1-70b); default: Llama-3.1-8B's shapes")
     ap.add_argument("--num-layers", type=int, help="override num_hidden_layers (smaller = faster smoke runs)")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel size (GPUs per engine; default 1)")
     ap.add_argument("--max-model-len", type=int, default=18432)
