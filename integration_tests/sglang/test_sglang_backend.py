@@ -15,7 +15,9 @@ each, then the comparisons, which reuse the engines' records:
     ...                                                                                          # gemma2_* engines
     FI_SGLANG_TEST_REUSE=1 python3 -m pytest -q integration_tests/sglang
 
-With FI_SGLANG_TEST_FP8=1 the comparison with an fp8 e4m3 KV cache runs too (engines llama_*_fp8);
+With FI_SGLANG_TEST_FP8=1 the comparison with an fp8 e4m3 KV cache runs too (engines llama_*_fp8); with
+FI_SGLANG_TEST_PAGES=1 those with --page-size 16 (engines llama_*_page16) and with fi-backend's append op
+writing K/V (llama_fi_backend_append, FI_BACKEND_SGLANG_KV_WRITE=append);
 FI_SGLANG_TEST_VARIANTS=0 skips the Gemma-2 one. IT_MODELS=kind,kind,... (llama, gemma2, llama70b_tp2) keeps
 the tests to those kinds, as in integration_tests/vllm.
 
@@ -121,6 +123,7 @@ ENGINE_ARGS = dict(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat1
                    log_level="info", disable_radix_cache=False)
 # label -> (backend, CUDA graphs, model kind, workloads, further engine arguments)
 FP8 = {"kv_cache_dtype": "fp8_e4m3"}
+PAGE16 = {"page_size": 16}
 ENGINES = {
     "llama_flashinfer_graphs": ("flashinfer", True, "llama", ("logprobs",), {}),
     "llama_triton_graphs": ("triton", True, "llama", ("logprobs", "long"), {}),
@@ -137,7 +140,14 @@ ENGINES = {
     "llama70b_tp2_flashinfer_graphs": ("flashinfer", True, "llama70b", ("logprobs",), TP2),
     "llama70b_tp2_triton_graphs": ("triton", True, "llama70b", ("logprobs",), TP2),
     "llama70b_tp2_fi_backend_graphs": ("fi_backend", True, "llama70b", ("logprobs",), TP2),
+    # pages of 16 tokens (--page-size 16: fi-backend's page table instead of the flat token table)
+    "llama_flashinfer_page16": ("flashinfer", True, "llama", ("logprobs",), PAGE16),
+    "llama_fi_backend_page16": ("fi_backend", True, "llama", ("logprobs",), PAGE16),
+    # K/V written by fi-backend's append op instead of SGLang's set_kv_buffer (ENGINE_ENV)
+    "llama_fi_backend_append": ("fi_backend", True, "llama", ("logprobs",), {}),
 }
+# label -> environment of that engine's process
+ENGINE_ENV = {"llama_fi_backend_append": {"FI_BACKEND_SGLANG_KV_WRITE": "append"}}
 KINDS = ("llama", "gemma2", "llama70b_tp2")
 SELECTED = tuple(k.strip() for k in os.environ.get("IT_MODELS", "").split(",") if k.strip()) or KINDS
 
@@ -199,6 +209,7 @@ def _dump(self, path):
     if "fi_backend.adapters.sglang" in sys.modules:
         from fi_backend.adapters import sglang as adapter
         rec["plan_counts"] = adapter.plan_counts()
+        rec["kv_write"] = getattr(mr.attn_backend, "kv_write", None)
         try:
             adapter.check_errors()
             rec["kernel_errors"] = None
@@ -396,6 +407,7 @@ def run_engine_process(label: str) -> dict:
                PYTHONPATH=os.pathsep.join(filter(None, [str(folder), str(ROOT), os.environ.get("PYTHONPATH")])))
     if tp > 1:
         env.update(TP_ENV)
+    env.update(ENGINE_ENV.get(label, {}))
     cmd = [sys.executable, __file__, "--run", label, "--model", make_model_dir(kind), "--out", str(out)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
@@ -471,10 +483,11 @@ def _noise(engines, kind: str, suffix: str = "graphs") -> dict:
 
 
 def _against_flashinfer(engines, kind: str, name: str, suffix: str = "graphs", noise: Optional[dict] = None,
-                        near_tie: bool = True) -> dict:
-    """fi_backend vs flashinfer within twice `noise` (default: flashinfer vs triton) plus the floor."""
+                        near_tie: bool = True, run_label: Optional[str] = None) -> dict:
+    """fi_backend (engine `run_label`, default {kind}_fi_backend_{suffix}) vs flashinfer within twice `noise`
+    (default: flashinfer vs triton) plus the floor."""
     ref = engines(f"{kind}_flashinfer_{suffix}")
-    run = engines(f"{kind}_fi_backend_{suffix}")
+    run = engines(run_label or f"{kind}_fi_backend_{suffix}")
     _check_fi_backend_ran(run, graphs=True)
     assert ref["stats"]["attn_backend"] == "FlashInferAttnBackend", ref["stats"]["attn_backend"]
     noise = noise or _noise(engines, kind, suffix)
@@ -535,6 +548,28 @@ def test_fp8_kv_logprobs_match_flashinfer(engines):
              "triton_vs_flashinfer_fp8": fp8, "flashinfer_fp8_vs_bf16": quant}
     _against_flashinfer(engines, "llama", "fp8_logprobs", suffix="fp8", noise=noise, near_tie=False)
     assert "float8_e4m3fn" in engines("llama_fi_backend_fp8")["stats"]["kv_cache_dtype"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(os.environ.get("FI_SGLANG_TEST_PAGES", "0") != "1", reason="FI_SGLANG_TEST_PAGES=1 runs it")
+def test_page_size_16_logprobs_match_flashinfer(engines):
+    """--page-size 16 on Llama shapes (radix cache and chunked prefill on, as everywhere): fi-backend reads its
+    page table (req_to_token[req, ::16] // 16) where page 1 reads the token table itself. The noise is the
+    page-1 flashinfer vs triton distance (same workload and weights)."""
+    _selected("llama")
+    noise = _noise(engines, "llama")
+    _against_flashinfer(engines, "llama", "page16_logprobs", suffix="page16", noise=noise)
+    for label in ("llama_flashinfer_page16", "llama_fi_backend_page16"):
+        assert engines(label)["stats"]["page_size"] == 16, label
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(os.environ.get("FI_SGLANG_TEST_PAGES", "0") != "1", reason="FI_SGLANG_TEST_PAGES=1 runs it")
+def test_append_kv_write_logprobs_match_flashinfer(engines):
+    """FI_BACKEND_SGLANG_KV_WRITE=append: fi-backend's append op writes K/V into SGLang's pool; the same bound."""
+    _selected("llama")
+    record = _against_flashinfer(engines, "llama", "append_kv_write_logprobs", run_label="llama_fi_backend_append")
+    assert engines("llama_fi_backend_append")["stats"]["kv_write"] == "append", record
 
 
 @pytest.mark.gpu
