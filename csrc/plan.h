@@ -21,6 +21,11 @@
 // partial_base >= 0: the KV of these rows was split into partial_stride chunks; row r's partial state
 // goes to partial row  partial_base + (r - q_begin) * partial_stride  of the workspace, and the merge
 // combines partial rows [merge_indptr[r], merge_indptr[r + 1]) into output row r.
+// Shared-prefix items (composable formats, docs/composable.md): request = the group's first request |
+// FI_ITEM_SHARED; rows [q_begin, q_end) span consecutive requests of the group, KV [kv_begin, kv_end) is
+// within the prefix they share (the first request's blocks), and every row sees all of it.
+#define FI_ITEM_SHARED (1 << 30)
+
 typedef struct FiWorkItem {
   int32_t request;
   int32_t q_begin;

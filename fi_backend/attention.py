@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 
 from . import env, kernels
-from .formats import BSR
+from .formats import BSR, check_prefix_groups
 from .kv_cache import parse_cached
 from .scheduler import DETERMINISTIC_MIN_CHUNK, DETERMINISTIC_PIECES
 from .shapes import FAMILY_TILES_PER_CTA, FAMILY_WAVE_SLACK, HEAD_DIMS
@@ -53,6 +53,27 @@ _ERROR_BITS = {
 # Prefill steps of two requests or more with this many KV tokens or more plan request by request (see
 # BatchAttention._use_member).
 PLAN_GROUPED_MIN_KV = 4096
+
+# Partial rows a request a workspace holds for shared-prefix groups (workspace_for(shared_prefix=True)):
+# a grouped row takes its prefix's chunks plus its own state; groups that do not fit stay single-format.
+SHARED_ROWS_PER_REQUEST = 9
+
+# LogitsCtx fields a hook may read that are the same for every member of a shared-prefix group (the KV
+# token's own, the heads); any other (positions, lengths, rows) makes the variant's shared items wrong.
+_SHARED_SAFE_CTX = {"kv_idx", "kv_pos", "qo_head", "kv_head"}
+
+
+def shared_prefix_supported(variant: Variant) -> bool:
+    """Whether a variant can run shared-prefix items (composable formats): its hooks must not depend on the
+    query's position or request, since a shared item's rows belong to several requests and run with one
+    KV range (docs/composable.md). Query transforms, masks, KV ranges and ALiBi do; a logits transform that
+    reads only the KV token's context and the heads (soft-cap, sigmoid) does not. Other variants plan
+    their steps single-format, correct and unshared."""
+    import re
+    if variant.query_transform or variant.logits_mask or variant.kv_range or variant.alibi_slope:
+        return False
+    body = "".join(variant.logits_transform) if not isinstance(variant.logits_transform, str) else variant.logits_transform
+    return set(re.findall(r"ctx\.(\w+)", body or "")) <= _SHARED_SAFE_CTX
 
 
 class _FastDiv(ctypes.Structure):
@@ -272,6 +293,9 @@ class BatchAttention:
             raise ValueError(f"deterministic=True with the decode kernel needs a Workspace made with "
                              f"deterministic_pieces >= {needed} (got {workspace.deterministic_pieces}; "
                              f"BatchAttention.workspace_for sizes it): every request may be split, whatever the batch")
+        # shared-prefix groups run where the variant's hooks allow them and plans are not deterministic
+        self._shared_ok = shared_prefix_supported(variant) and not self.deterministic
+        self.plan_info = None     # the last plan's scheduler.PlanInfo
         self.num_head_chunks = self.group // int(self._launcher.heads_per_chunk)
         # Units: the query-head groups a work item runs for (KV head unit // num_head_chunks). The plan
         # spreads (item, unit) pairs over the whole grid, so no SM idles for want of a head's queue.
@@ -382,16 +406,18 @@ class BatchAttention:
     def workspace_for(device, num_qo_heads: int, num_kv_heads: int, head_dim: int, *, max_requests: int,
                       max_tokens: int, q_dtype: torch.dtype = torch.bfloat16, kv_dtype: Optional[torch.dtype] = None,
                       variant: Variant = DEFAULT, kernel: str = "decode", tuning: Optional[dict] = None,
-                      deterministic: Optional[bool] = None) -> Workspace:
+                      deterministic: Optional[bool] = None, shared_prefix: bool = False) -> Workspace:
         """A Workspace sized for one wrapper of these arguments: the kernel's grid (recommended_num_ctas), its
-        query tile (query_tile_rows) and, in deterministic mode, the pieces its plans may cut requests into."""
+        query tile (query_tile_rows) and, in deterministic mode, the pieces its plans may cut requests into;
+        shared_prefix: partial rows for shared-prefix groups, SHARED_ROWS_PER_REQUEST a request."""
         shape = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, variant=variant, kernel=kernel, tuning=tuning)
         return Workspace(device, max_requests=max_requests, max_tokens=max_tokens,
                          num_ctas=BatchAttention.recommended_num_ctas(device, num_qo_heads, num_kv_heads, head_dim,
                                                                       **shape),
                          max_tile_q=BatchAttention.query_tile_rows(num_qo_heads, num_kv_heads, head_dim, **shape),
                          num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                         deterministic_pieces=_workspace_pieces(kernel, _deterministic(deterministic)))
+                         deterministic_pieces=_workspace_pieces(kernel, _deterministic(deterministic)),
+                         shared_prefix_rows=SHARED_ROWS_PER_REQUEST * max_requests if shared_prefix else 0)
 
     @staticmethod
     def query_tile_rows(num_qo_heads: int, num_kv_heads: int, head_dim: int, *, q_dtype: torch.dtype = torch.bfloat16,
@@ -406,11 +432,20 @@ class BatchAttention:
     # -------------------------------------------------------------------------------- plan
 
     def plan(self, qo_indptr, kv_lens, bsr: BSR, *, causal: bool = False, sm_scale: Optional[float] = None,
-             debug: bool = False, **variant_params):
+             debug: bool = False, prefix_groups=None, **variant_params):
         """Plan a step: qo_indptr int32 [B + 1] and kv_lens int32 [B] on the CPU (this step's query rows
         and KV lengths per request), bsr the step's KV as a device BSR with the same rows and lengths
         (block_width == page_size). Variant parameters by name (see fi_backend.variants). debug=True
-        also checks the BSR on the host (indices in range, lengths agree) and synchronises."""
+        also checks the BSR on the host (indices in range, lengths agree) and synchronises.
+
+        prefix_groups (composable formats, docs/composable.md): None, or int [G, 3] on the CPU, rows (first
+        request, end request, prefix tokens): requests [first, end), consecutive, share the KV blocks of
+        their first prefix tokens (<= each one's KV before its query). The kernel then reads that prefix
+        once per query tile of the group and merges it with each member's own KV [prefix, kv_len), in the
+        same launch. Groups that do not pay off stay single-format (plan_info.shared_groups counts the kept
+        ones); deterministic wrappers and variants whose hooks see query positions
+        (shared_prefix_supported) plan every group single-format. debug=True checks the groups against the
+        BSR (check_prefix_groups: naming the group and the request)."""
         ws = self.workspace
         if not isinstance(bsr, BSR):
             raise TypeError(f"bsr must be a fi_backend.formats.BSR (got {type(bsr).__name__})")
@@ -445,6 +480,13 @@ class BatchAttention:
         values = self.variant.resolve(variant_params, head_dim=self.head_dim, device=dev)
         if debug:
             self._debug_check(qo_cpu, kv_cpu, bsr)
+            if prefix_groups is not None:
+                check_prefix_groups(bsr, prefix_groups, qo_cpu, kv_cpu)
+        groups = None
+        if prefix_groups is not None and self._shared_ok:
+            groups = prefix_groups.numpy() if isinstance(prefix_groups, torch.Tensor) else prefix_groups
+            if len(groups) == 0:
+                groups = None
 
         bsr_ptrs = (bsr.qo_indptr.data_ptr(), bsr.kv_lens.data_ptr(), bsr.kv_indices.data_ptr(),
                     bsr.kv_block_start.data_ptr(), 0 if bsr.kv_pos_start is None else bsr.kv_pos_start.data_ptr())
@@ -464,10 +506,10 @@ class BatchAttention:
         # A causal sliding window (a KV-range mask with a window_left): a row sees window_left + 1 positions.
         window = values.get("window_left") if self._window_cost and causal else None
         kv_window = int(window) + 1 if window is not None and int(window) >= 0 else 0
-        ws.plan(qo32, kv32, tile_q=self.rows_per_tile, num_units=self.num_units, causal=bool(causal),
-                kv_chunk_align=self.kv_tile, cost_q=self._cost_q, group_requests=group, kv_window=kv_window,
-                partition=self._partition,
-                **self._det_plan_args)
+        self.plan_info = ws.plan(qo32, kv32, tile_q=self.rows_per_tile, num_units=self.num_units, causal=bool(causal),
+                                 kv_chunk_align=self.kv_tile, cost_q=self._cost_q, group_requests=group,
+                                 kv_window=kv_window, partition=self._partition, groups=groups,
+                                 **self._det_plan_args)
 
         p = self._params
         p.kv_indices, p.kv_lens, p.qo_indptr = bsr_ptrs[2], bsr_ptrs[1], bsr_ptrs[0]

@@ -22,6 +22,9 @@ FI_BACKEND_PLAN_PARTITION   "0": plans are always LPT over the chunk search's sp
 FI_BACKEND_DETERMINISTIC    "1": wrappers made without a deterministic= argument plan deterministically (a
                             request's KV splits and merge order depend on that request alone: batch-invariant
                             outputs; read when a wrapper is made; docs/deterministic.md)
+FI_BACKEND_SHARED_PREFIX    "0": the engine adapters plan every step single-format; by default they pass the
+                            step's shared-prefix groups to plan() (composable formats; read when the vLLM
+                            metadata builder is made; docs/composable.md)
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ PLAN_GROUPED = "FI_BACKEND_PLAN_GROUPED"
 PLAN_WINDOW = "FI_BACKEND_PLAN_WINDOW"
 PLAN_PARTITION = "FI_BACKEND_PLAN_PARTITION"
 DETERMINISTIC = "FI_BACKEND_DETERMINISTIC"
+SHARED_PREFIX = "FI_BACKEND_SHARED_PREFIX"
 
 _FALSE = ("0", "false", "no", "off")
 

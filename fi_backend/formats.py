@@ -21,7 +21,11 @@ Builders (each returns a BSR; `check=True` validates it, which may synchronise t
   from_ragged        ragged KV tensors [total, H, D] (Bc = 1)
   from_dense_mask    block-sparse masks (to_dense_mask is its exact inverse at block granularity)
 Composable formats (idea 2): split_shared_prefix turns one per-request BSR into a shared-prefix BSR
-(Br > 1) plus a suffix BSR (Br = 1); their attention states merge into the original's.
+(Br > 1) plus a suffix BSR (Br = 1); their attention states merge into the original's. The kernels take
+the same composition as prefix groups beside the per-request BSR (BatchAttention.plan's prefix_groups,
+docs/composable.md): int32 [G, 3] rows (first request, end request, prefix tokens) over consecutive
+requests; prefix_groups_from_table finds them in a host copy of a block table, check_prefix_groups
+checks them against a BSR.
 
 Everything is vectorised with torch on the tensors' own device: no Python loop over requests.
 """
@@ -44,6 +48,8 @@ __all__ = [
     "query_positions",
     "shared_prefix_groups",
     "split_shared_prefix",
+    "check_prefix_groups",
+    "prefix_groups_from_table",
 ]
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
@@ -189,12 +195,12 @@ class BSR:
             kv_pos_start=move(self.kv_pos_start),
         )
 
-    def validate(self, num_q_rows: Optional[int] = None) -> "BSR":
+    def validate(self, num_q_rows: Optional[int] = None, prefix_groups=None) -> "BSR":
         """Check dtypes, shapes and ranges; raise TypeError/ValueError naming the field. Returns self.
 
         Only the KV entries a row block uses (j < ceil(kv_lens / Bc)) are range-checked, so padding in
-        an engine's table may hold anything. num_q_rows, when given, bounds qo_rows. Syncs the device:
-        not for the hot path.
+        an engine's table may hold anything. num_q_rows, when given, bounds qo_rows. prefix_groups, when
+        given, are checked against this BSR (check_prefix_groups). Syncs the device: not for the hot path.
         """
         _check_tensor("BSR.qo_indptr", self.qo_indptr, (_I32,))
         if self.qo_indptr.numel() < 1:
@@ -261,6 +267,8 @@ class BSR:
                     f"BSR.kv_indices: row block {int(row[bad])} names KV block {int(ids[bad])} (its block "
                     f"{int(j[bad])}), outside [0, num_kv_blocks={self.num_kv_blocks})"
                 )
+        if prefix_groups is not None:
+            check_prefix_groups(self, prefix_groups)
         return self
 
 
@@ -784,3 +792,116 @@ def split_shared_prefix(
         prefix.validate()
         suffix.validate()
     return prefix, suffix
+
+
+# ------------------------------------------------------------------------------ prefix groups (kernels)
+
+
+def _groups_np(groups):
+    """Prefix groups as an int64 numpy [G, 3] array (from a tensor, array or nested list)."""
+    import numpy as np
+
+    if isinstance(groups, torch.Tensor):
+        groups = groups.detach().cpu().numpy()
+    arr = np.asarray(groups, dtype=np.int64)
+    if arr.size == 0:
+        return arr.reshape(0, 3)
+    if arr.ndim != 2 or arr.shape[1] != 3:
+        raise ValueError(f"prefix groups must be [G, 3] (first request, end request, prefix tokens), got shape "
+                         f"{list(arr.shape)}")
+    return arr
+
+
+def check_prefix_groups(bsr: BSR, groups, qo_indptr=None, kv_lens=None) -> None:
+    """Check prefix groups (int [G, 3]: first request, end request, prefix tokens) against a per-request BSR;
+    raise ValueError naming the group and the request. A group is requests [first, end), consecutive, in no
+    other group; every member holds the first member's KV block ids over the prefix's blocks and its
+    kv_pos_start, and has at least the prefix cached before its query (prefix <= kv_len - q_len).
+    qo_indptr / kv_lens: the host copies plan() got (default: the BSR's own). Syncs: not for the hot path."""
+    import numpy as np
+
+    g = _groups_np(groups)
+    R = bsr.num_row_blocks
+    qo = (bsr.qo_indptr if qo_indptr is None else torch.as_tensor(qo_indptr)).cpu().to(_I64).numpy()
+    kv = (bsr.kv_lens if kv_lens is None else torch.as_tensor(kv_lens)).cpu().to(_I64).numpy()
+    if len(g) == 0:
+        return
+    if bsr.qo_rows is not None:
+        raise ValueError("prefix groups need a per-request BSR (qo_rows None): a group's rows are its requests' "
+                         "consecutive query rows")
+    Bc = bsr.block_width
+    starts = bsr.kv_block_start.cpu().to(_I64).numpy()
+    idx = bsr.kv_indices.cpu()
+    pos = None if bsr.kv_pos_start is None else bsr.kv_pos_start.cpu().numpy()
+    prev_end, prev_g = 0, -1
+    for gi, (first, end, plen) in enumerate(g.tolist()):
+        if not 0 <= first < end <= R:
+            raise ValueError(f"prefix group {gi}: requests [{first}, {end}) must be non-empty and within the BSR's "
+                             f"{R} row blocks")
+        if first < prev_end:
+            raise ValueError(f"prefix group {gi}: request {first} is also in group {prev_g} (requests [.., "
+                             f"{prev_end})); groups must be disjoint and in order")
+        if plen < 0:
+            raise ValueError(f"prefix group {gi}: prefix length {plen} must be >= 0")
+        nblk = -(-plen // Bc)
+        lead = idx[int(starts[first]):int(starts[first]) + nblk]
+        for r in range(first, end):  # host check, per member: fine off the hot path
+            q_len = int(qo[r + 1] - qo[r])
+            if plen > kv[r] - q_len:
+                raise ValueError(f"prefix group {gi}: its prefix of {plen} tokens is longer than request {r}'s KV "
+                                 f"before its query (kv_len {int(kv[r])}, q_len {q_len}); a prefix never reaches "
+                                 f"into a member's query")
+            if pos is not None and pos[r] != pos[first]:
+                raise ValueError(f"prefix group {gi}: request {r} has kv_pos_start {int(pos[r])}, request {first} "
+                                 f"{int(pos[first])}; a shared prefix needs one position range")
+            if r == first:
+                continue
+            mine = idx[int(starts[r]):int(starts[r]) + nblk]
+            if mine.numel() != nblk or lead.numel() != nblk:
+                raise ValueError(f"prefix group {gi}: request {r}'s prefix blocks run past kv_indices")
+            diff = torch.nonzero(mine != lead).flatten()
+            if diff.numel():
+                j = int(diff[0])
+                raise ValueError(f"prefix group {gi}: request {r} reads KV block {int(mine[j])} at its block {j}, "
+                                 f"request {first} block {int(lead[j])}; a group's members must share the "
+                                 f"prefix's blocks")
+        prev_end, prev_g = end, gi
+
+
+def prefix_groups_from_table(table, cached_tokens, block_size: int, min_requests: int = 2,
+                             min_prefix_tokens: int = 1):
+    """Prefix groups (int32 numpy [G, 3]: first request, end request, prefix tokens) of a host block table.
+
+    table: int [R, W] (numpy or CPU tensor), request r's KV block ids in row r. cached_tokens: int [R], the
+    KV tokens each request holds before this step's query (kv_len - q_len). Consecutive requests whose
+    leading block ids agree form a group (runs of neighbours sharing >= 1 block); its prefix is the run's
+    shortest common leading run of ids, in whole blocks, capped at every member's cached blocks. Groups
+    with fewer than min_requests members or a prefix under min_prefix_tokens are dropped. Vectorised: only
+    neighbours whose first ids agree are compared further."""
+    import numpy as np
+
+    t = table.numpy() if isinstance(table, torch.Tensor) else np.asarray(table)
+    c = cached_tokens.numpy() if isinstance(cached_tokens, torch.Tensor) else np.asarray(cached_tokens)
+    R = t.shape[0]
+    empty = np.zeros((0, 3), dtype=np.int32)
+    if R < 2 or t.shape[1] == 0:
+        return empty
+    cap = np.minimum(c // block_size, t.shape[1]).astype(np.int64)  # whole cached blocks per request
+    pair_cap = np.minimum(cap[1:], cap[:-1])
+    cand = np.nonzero((t[1:, 0] == t[:-1, 0]) & (pair_cap > 0))[0]
+    if cand.size == 0:
+        return empty
+    width = int(pair_cap[cand].max())
+    eq = t[cand + 1, :width] == t[cand, :width]
+    common = np.zeros(R - 1, dtype=np.int64)
+    run = np.cumprod(eq, axis=1).sum(axis=1)
+    common[cand] = np.minimum(run, pair_cap[cand])
+    link = common > 0
+    # runs of linked neighbours: a group is [first, end) with every neighbour pair inside linked
+    edges = np.diff(np.concatenate(([0], link.astype(np.int8), [0])))
+    firsts, ends = np.nonzero(edges == 1)[0], np.nonzero(edges == -1)[0]  # pair ranges [firsts, ends)
+    # a run's shortest link: reduceat spans [firsts[i], firsts[i + 1]), its unlinked tail made too long to count
+    prefix = np.minimum.reduceat(np.where(link, common, np.iinfo(np.int64).max), firsts)
+    out = np.stack((firsts, ends + 1, prefix * block_size), axis=1)
+    keep = (out[:, 1] - out[:, 0] >= min_requests) & (out[:, 2] >= min_prefix_tokens)
+    return np.ascontiguousarray(out[keep], dtype=np.int32)

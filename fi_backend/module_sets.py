@@ -2,7 +2,7 @@
 what the GPU tests, the benchmarks and the model zoo load, derived here from the same definitions they use.
 
     decode, prefill   the default variant over head sizes, dtypes and GQA groups
-    tests             every module tests/test_decode_gpu.py and tests/test_prefill_gpu.py load (a CPU test,
+    tests             every module tests/test_decode_gpu.py, test_prefill_gpu.py and test_composable_gpu.py load (a CPU test,
                       tests/test_kernels_build.py, runs those tests without a GPU and checks it), with merge
                       and append for tests/test_ops_gpu.py and tests/test_append_gpu.py
     zoo               models.modules_of over every zoo model fi-backend runs, bf16 and fp8 e4m3 KV
@@ -52,7 +52,8 @@ _TEST_VARIANTS = ("default", "soft_cap", "window", "alibi", "sigmoid", "custom_m
 
 
 def gpu_test_specs() -> List[ModuleSpec]:
-    """The modules of tests/test_decode_gpu.py and tests/test_prefill_gpu.py (both kernels unless named)."""
+    """The modules of tests/test_decode_gpu.py, test_prefill_gpu.py and test_composable_gpu.py (both kernels unless
+    named)."""
     out = []
     # the matrices: head_dim 64/128/256 x group 1/4/8, bf16 and fp16 alternating over the cells
     for d, g, q in itertools.product((64, 128, 256), (1, 4, 8), ("bf16", "fp16")):
@@ -88,6 +89,8 @@ def gpu_test_specs() -> List[ModuleSpec]:
     out += _family(V.DEFAULT, 128, "bf16", "fp8_e4m3", 4, prefill_family_shapes(128, "fp8_e4m3", wgmma=False)[0],
                    ("prefill",))
     out += _family(V.ROPE, 128, "bf16", "bf16", 4, prefill_family_shapes(128, "bf16", wgmma=False)[0], ("prefill",))
+    # tests/test_composable_gpu.py: shared-prefix groups at a GQA group of 7
+    out += _family(V.DEFAULT, 128, "bf16", "bf16", 7)
     return _unique(out)
 
 

@@ -60,6 +60,13 @@ BALANCED_SLACK = _planner.BALANCED_SLACK
 # bound) at which its bisection stops (plan_into's partition).
 PARTITION_WALKS = _planner.PARTITION_WALKS
 PARTITION_PRECISION = _planner.PARTITION_PRECISION
+# Shared-prefix groups (plan_into's groups, docs/composable.md): a work item's request field with this bit
+# is a shared-prefix item of the group that starts at that request; a kept group's prefix is cut into at most
+# MAX_SHARED_CHUNKS chunks; a group is kept when the KV cost it saves exceeds SHARED_GAIN times the fixed
+# cost of its rows' extra partial states.
+ITEM_SHARED = _planner.ITEM_SHARED
+MAX_SHARED_CHUNKS = _planner.MAX_SHARED_CHUNKS
+SHARED_GAIN = _planner.SHARED_GAIN
 # Smallest KV chunk a split produces: below ~128 tokens the fixed cost of an item (loading the query
 # tile, filling the pipeline, writing and later merging a partial state) outweighs the extra parallelism.
 DEFAULT_MIN_KV_CHUNK = 128
@@ -168,6 +175,7 @@ class PlanInfo(NamedTuple):
     num_split_pairs: int  # (request, query tile) pairs whose KV was split
     kind: str            # "lpt" (LPT over the chosen split), "partition" (the capped fill, plan_into's partition)
                          # or "deterministic" (LPT over plan_into's deterministic_pieces cuts)
+    shared_groups: int = 0  # shared-prefix groups of plan_into's groups that run as shared items
 
 
 def _host_int32(x, name: str):
@@ -184,13 +192,26 @@ def _host_int32(x, name: str):
     return x
 
 
+def _groups_array(groups) -> np.ndarray:
+    """plan_into's groups as a C-contiguous int32 [G * 3] array (no copy when it already is one)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(groups, torch.Tensor):
+        if groups.device.type != "cpu":
+            raise TypeError(f"groups must be on the CPU, got a tensor on {groups.device}")
+        groups = groups.numpy()
+    arr = np.ascontiguousarray(groups, dtype=np.int32)
+    if arr.size and (arr.ndim != 2 or arr.shape[1] != 3):
+        raise ValueError(f"groups must be [G, 3] (first request, end request, prefix tokens), got shape {arr.shape}")
+    return arr.reshape(-1)
+
+
 def plan_into(views: PlanViews, qo_indptr, kv_lens, *, tile_q: int, num_ctas: int, num_units: int = 1,
               causal: bool = False,
               min_kv_chunk: int = DEFAULT_MIN_KV_CHUNK, kv_chunk_align: int = 1,
               cost_q: float = DEFAULT_COST_Q, cost_kv: float = DEFAULT_COST_KV,
               force_kv_chunk: Optional[int] = None, force_split_pairs: Optional[int] = None,
               group_requests: bool = False, kv_window: int = 0, partition: Optional[bool] = None,
-              deterministic_pieces: int = 0) -> PlanInfo:
+              deterministic_pieces: int = 0, groups=None) -> PlanInfo:
     """Plan one step into `views` in place.
 
     qo_indptr: int32 [B + 1] (numpy array or CPU tensor), query rows of each request, qo_indptr[0] = 0.
@@ -219,6 +240,14 @@ def plan_into(views: PlanViews, qo_indptr, kv_lens, *, tile_q: int, num_ctas: in
     from that request's kv_len alone; LPT spreads the pieces; no search, no partition, forced candidates
     refused; 1 splits nothing. A row's pieces and merge order then depend on its request only
     (docs/deterministic.md).
+    groups (composable formats, docs/composable.md): None, or int32 [G, 3] rows (first request, end request,
+    prefix tokens), ascending and disjoint: requests [first, end) share their first prefix tokens of KV
+    (<= each member's KV before its query). A kept group's rows get shared-prefix items (request field
+    first | ITEM_SHARED) reading the prefix once per query tile, cut into equal aligned chunks; its members'
+    own items read KV [prefix, kv_len) unsplit; both write partial states merged per row. Groups whose saved
+    KV does not pay for those states (SHARED_GAIN), or that do not fit the partial rows, stay single-format
+    (PlanInfo.shared_groups counts the kept ones). Not with deterministic_pieces or kv_window; group_requests
+    and the partition are off for a plan with groups.
     """
     if partition is None:
         partition = env.flag(env.PLAN_PARTITION, True)
@@ -228,7 +257,8 @@ def plan_into(views: PlanViews, qo_indptr, kv_lens, *, tile_q: int, num_ctas: in
                         tile_q, num_ctas, num_units, causal, min_kv_chunk, kv_chunk_align, cost_q, cost_kv,
                         -1 if force_kv_chunk is None else force_kv_chunk,
                         -1 if force_split_pairs is None else force_split_pairs, bool(group_requests),
-                        int(kv_window), bool(partition), int(deterministic_pieces))
+                        int(kv_window), bool(partition), int(deterministic_pieces),
+                        None if groups is None else _groups_array(groups))
     return PlanInfo._make(out)
 
 

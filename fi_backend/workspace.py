@@ -50,7 +50,7 @@ def _positive_int(name: str, value) -> int:
 class Workspace:
     def __init__(self, device, *, max_requests: int, max_tokens: int, num_ctas: int, max_tile_q: int,
                  num_qo_heads: int, num_kv_heads: int, head_dim: int, pin_memory: Optional[bool] = None,
-                 deterministic_pieces: int = 0):
+                 deterministic_pieces: int = 0, shared_prefix_rows: int = 0):
         self.device = torch.device(device)
         self.max_requests = _positive_int("max_requests", max_requests)
         self.max_tokens = _positive_int("max_tokens", max_tokens)
@@ -68,7 +68,13 @@ class Workspace:
                              f"{deterministic_pieces!r}")
         self.deterministic_pieces = deterministic_pieces
         self.max_items = max_items_for(max_tokens, num_ctas, num_qo_heads, deterministic_pieces)
-        self.max_partial_rows = max_partial_rows_for(num_ctas, num_kv_heads, max_tile_q, max_tokens, deterministic_pieces)
+        # shared-prefix groups (composable formats) take their rows' partial states beyond the split budget:
+        # shared_prefix_rows more partial rows (SHARED_ROWS_PER_REQUEST a request: workspace_for)
+        if isinstance(shared_prefix_rows, bool) or not isinstance(shared_prefix_rows, int) or shared_prefix_rows < 0:
+            raise ValueError(f"shared_prefix_rows must be an int >= 0, got {shared_prefix_rows!r}")
+        self.shared_prefix_rows = shared_prefix_rows
+        self.max_partial_rows = max_partial_rows_for(num_ctas, num_kv_heads, max_tile_q, max_tokens,
+                                                     deterministic_pieces) + shared_prefix_rows
         self.layout = PlanLayout(num_ctas, self.max_items, max_tokens)
 
         # Section offsets in bytes.
@@ -105,12 +111,12 @@ class Workspace:
              min_kv_chunk: int = DEFAULT_MIN_KV_CHUNK, kv_chunk_align: int = 1,
              cost_q: float = DEFAULT_COST_Q, cost_kv: float = DEFAULT_COST_KV,
              group_requests: bool = False, kv_window: int = 0, deterministic_pieces: int = 0,
-             partition: Optional[bool] = None) -> PlanInfo:
+             partition: Optional[bool] = None, groups=None) -> PlanInfo:
         """Plan a step (see fi_backend.scheduler.plan_into) and copy it into the plan section.
 
         qo_indptr: int32 [B + 1], kv_lens: int32 [B] (numpy arrays or CPU tensors). num_units: the
         query-head groups of the kernel that runs the plan (num_kv_heads * head chunks; None: num_kv_heads,
-        one unit per KV head). Raises ValueError
+        one unit per KV head). groups: shared-prefix groups (scheduler.plan_into). Raises ValueError
         naming the workspace bound a step exceeds (max_requests, max_tokens, max_tile_q, num_units).
         """
         qo = _host_int32(qo_indptr, "qo_indptr")
@@ -133,7 +139,7 @@ class Workspace:
         info = plan_into(self._views, qo, kv, tile_q=tile_q, num_ctas=self.num_ctas, num_units=num_units,
                          causal=causal, min_kv_chunk=min_kv_chunk, kv_chunk_align=kv_chunk_align, cost_q=cost_q,
                          cost_kv=cost_kv, group_requests=group_requests, kv_window=kv_window,
-                         deterministic_pieces=deterministic_pieces, partition=partition)
+                         deterministic_pieces=deterministic_pieces, partition=partition, groups=groups)
         used = self.layout.used_ints(info.num_items)
         if self._copy_done is None:
             self.plan_section[:used].copy_(self._staging_i32[:used])

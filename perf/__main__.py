@@ -5,6 +5,7 @@
     zoo       the model zoo's head configurations against FlashInfer and vLLM FA3 (perf.zoo)
     e2e       serving benchmark: --engine vllm (perf.e2e.vllm_bench) or --engine sglang (perf.e2e.sglang_bench)
     plan      host time of plan() for decode batches (perf.plan)
+    composable  decode with shared prefixes against FlashInfer's cascade wrapper (perf.composable)
     plot      the plot of a results JSON (kernels or e2e), beside it
     trace     the ShareGPT (prompt, output) length trace (perf.sharegpt)
 """
@@ -14,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-COMMANDS = ("kernels", "compare", "zoo", "e2e", "plan", "plot", "trace")
+COMMANDS = ("kernels", "compare", "zoo", "e2e", "plan", "plot", "trace", "composable")
 ENGINES = ("vllm", "sglang")
 
 
@@ -74,6 +75,8 @@ def main(argv=None) -> int:
         from perf.zoo import main as run
     elif cmd == "plan":
         from perf.plan import main as run
+    elif cmd == "composable":
+        from perf.composable import main as run
     elif cmd == "trace":
         from perf.sharegpt import main as run
     elif cmd == "e2e":

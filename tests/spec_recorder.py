@@ -56,6 +56,11 @@ class _BatchAttention(mock.MagicMock):
         return 128
 
 
+    @staticmethod
+    def workspace_for(*args, **kwargs):
+        return mock.MagicMock()
+
+
 def _lazy():
     return _BatchAttention, mock.MagicMock
 

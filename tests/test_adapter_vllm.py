@@ -9,6 +9,7 @@ in float64 against attention written out here from vLLM's definitions. The real 
 integration_tests/vllm/ on the GPU machine.
 """
 import abc
+import itertools
 import enum
 import importlib
 import importlib.machinery
@@ -360,14 +361,14 @@ class RefWrapper:
     def __init__(self, name):
         self.name, self.plans, self.runs = name, [], 0
 
-    def plan(self, qo_indptr, kv_lens, bsr, *, causal, sm_scale, debug=False, **variant_params):
+    def plan(self, qo_indptr, kv_lens, bsr, *, causal, sm_scale, debug=False, prefix_groups=None, **variant_params):
         assert qo_indptr.device.type == "cpu" and kv_lens.device.type == "cpu"
         assert qo_indptr.dtype == kv_lens.dtype == torch.int32
         assert bsr.kv_lens.numel() == kv_lens.numel() == qo_indptr.numel() - 1
-        bsr.validate()
+        bsr.validate(prefix_groups=prefix_groups)  # the groups the adapter found hold for this BSR
         assert (kv_lens >= bsr.kv_lens).all(), "the plan's KV lengths must bound the device's"
         self.plans.append(dict(qo=qo_indptr.clone(), kv=kv_lens.clone(), bsr=bsr, causal=causal, sm_scale=sm_scale,
-                               vp=variant_params))
+                               vp=variant_params, groups=prefix_groups))
 
     def run(self, q, kv_cache, *, out, k_scale=1.0, v_scale=1.0):
         p = self.plans[-1]
@@ -720,3 +721,49 @@ def test_builder_puts_a_ranks_workspaces_on_its_device(stub_vllm, monkeypatch, c
         ("decode", expected, 16, 1), ("prefill", expected, 16, 1)]
     assert f"on {expected} (one of 8 tensor-parallel ranks)" in caplog.text
     assert "fi-backend attention is active (vLLM backend CUSTOM) on " + expected in caplog.text
+
+
+# ------------------------------------------------------------------------------------ shared prefixes
+
+
+def _shared_cm(tables, seq, q_lens, with_cpu_table):
+    qsl = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32)
+    cm = SimpleNamespace(causal=True, num_reqs=len(seq), query_start_loc=qsl, query_start_loc_cpu=qsl,
+                         seq_lens=torch.tensor(seq, dtype=torch.int32), seq_lens_cpu_upper_bound=torch.tensor(seq, dtype=torch.int32),
+                         max_query_len=max(q_lens), max_seq_len=max(seq), num_actual_tokens=int(qsl[-1]),
+                         block_table_tensor=tables, slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64))
+    if with_cpu_table:
+        cm.block_table_cpu = tables.clone()
+    return cm
+
+
+@pytest.mark.parametrize("source", ["cpu_table", "cascade", "off"])
+def test_shared_prefix_groups_reach_the_plan(source):
+    """Groups from a host copy of the block table (any number, consecutive requests with identical leading ids),
+    else vLLM's cascade prefix common to the batch as one group; FI_BACKEND_SHARED_PREFIX=0 (shared_prefix=False)
+    plans single-format. The groups hold for the step's BSR (RefWrapper validates them) and outputs match."""
+    dec, pre = RefWrapper("decode"), RefWrapper("prefill")
+    step = adapter._StepPlanner(dec, pre, page_size=4, sm_scale=0.3, variant_params={}, shared_prefix=source != "off")
+    tables = torch.arange(6 * 8, dtype=torch.int32).view(6, 8)
+    tables[1:3, :3] = tables[0, :3]          # requests 0-2 share 3 blocks
+    tables[4, :2] = tables[3, :2]            # requests 3-4 share 2
+    tables[:, :1] = tables[0, :1] if source == "cascade" else tables[:, :1]
+    seq = [30, 29, 31, 20, 22, 9]
+    cm = _shared_cm(tables, seq, [1] * 6, source == "cpu_table")
+    step.plan(cm, common_prefix_len=4 if source == "cascade" else 0)
+    groups = dec.plans[-1]["groups"]
+    if source == "cpu_table":
+        assert [list(g) for g in groups] == [[0, 3, 12], [3, 5, 8]]
+    elif source == "cascade":
+        assert [list(g) for g in groups] == [[0, 6, 4]]
+    else:
+        assert groups is None
+
+
+def test_use_cascade_attention_asks_for_the_common_prefix():
+    builder = object.__new__(adapter._MetadataBuilder)
+    builder._step = adapter._StepPlanner(None, None, page_size=16, sm_scale=0.1, variant_params={}, shared_prefix=True)
+    assert builder.use_cascade_attention(64, None, 32, 8, False, False, False, 132, 1)
+    assert not builder.use_cascade_attention(8)
+    builder._step = adapter._StepPlanner(None, None, page_size=16, sm_scale=0.1, variant_params={}, shared_prefix=False)
+    assert not builder.use_cascade_attention(64)

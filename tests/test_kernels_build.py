@@ -76,7 +76,7 @@ def _spec_code(spec: ModuleSpec) -> str:
 
 # ----------------------------------------------------------------------------- module sets
 
-_GPU_TESTS = ("tests/test_decode_gpu.py", "tests/test_prefill_gpu.py")
+_GPU_TESTS = ("tests/test_decode_gpu.py", "tests/test_prefill_gpu.py", "tests/test_composable_gpu.py")
 
 
 def test_tests_set_covers_the_gpu_tests(tmp_path, monkeypatch):

@@ -212,13 +212,17 @@ struct Loader {
     const int4* raw = reinterpret_cast<const int4*>(p.plan + p.items_offset) + 2 * item;
     const int4 a = __ldg(raw), b = __ldg(raw + 1);
     // FiWorkItem: request, q_begin, q_end, kv_begin | kv_end, partial_base, partial_stride, unit
-    const int req = a.x, q_begin = a.y, q_end = a.z, kv_begin = a.w, kv_end = b.x;
+    // A shared-prefix item (FI_ITEM_SHARED, csrc/plan.h): rows of several requests against the prefix of the
+    // group's first request, which every row sees whole. Its rows are placed as one request's query of
+    // q_len 0 starting at q_begin, so the causal limit lies past the prefix for each of them.
+    const bool shared = (a.x & FI_ITEM_SHARED) != 0;
+    const int req = a.x & ~FI_ITEM_SHARED, q_begin = a.y, q_end = a.z, kv_begin = a.w, kv_end = b.x;
     const int nsub = (q_end - q_begin + kRowsPerTile - 1) / kRowsPerTile;
     if (nsub <= 0) return 0;
     w.request = req;
     w.kv_len = __ldg(p.kv_lens + req);
-    const int qs = __ldg(p.qo_indptr + req);
-    w.q_len = __ldg(p.qo_indptr + req + 1) - qs;
+    const int qs = shared ? q_begin : __ldg(p.qo_indptr + req);
+    w.q_len = shared ? 0 : __ldg(p.qo_indptr + req + 1) - qs;
     w.pos_off = p.kv_pos_start != nullptr ? __ldg(p.kv_pos_start + req) : 0;
     w.block_start = p.kv_block_start_int64 ? __ldg(static_cast<const int64_t*>(p.kv_block_start) + req)
                                            : (int64_t)__ldg(static_cast<const int32_t*>(p.kv_block_start) + req);

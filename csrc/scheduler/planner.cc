@@ -130,7 +130,7 @@ PlanStatus Planner::Fail(PlanStatus status, const char* fmt, ...) {
 // one for every other pair, an empty one included.
 int64_t Planner::CountItems(int64_t chunk) const {
   int64_t count = 0;
-  for (const Pair& p : pairs_) count += p.kv_len > chunk ? CeilDiv(p.kv_len, chunk) : 1;
+  for (const Pair& p : pairs_) count += p.block == 0 && p.kv_len > chunk ? CeilDiv(p.kv_len, chunk) : 1;
   return count;
 }
 
@@ -482,7 +482,7 @@ Planner::Split Planner::ChooseSplit(const PlanInputs& in, const PlanSection& sec
     if (chunk > 0) add(chunk);
   }
   int64_t total_kv = 0;
-  for (const Pair& p : pairs_) total_kv += p.kv_len;
+  for (const Pair& p : pairs_) total_kv += p.kv_len - p.kv_begin;
   for (int64_t j = 1; j <= 3; ++j) add(CeilDiv(units * total_kv, j * m));
   if (n < 2 * share) {
     const int64_t chunk = SmallestChunkWithin(2 * share, lo, align);
@@ -701,9 +701,49 @@ int64_t Planner::WriteMergeMap(int64_t n_items, int32_t* merge_indptr, int32_t* 
   return num_split_rows;
 }
 
-PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanSummary* summary) {
+// The merge map of a plan with shared-prefix groups: items_[0, n_items) in creation order, a group's fixed
+// items carrying their rows' partial rows (block = chunks + 1: the prefix's chunks, then the member's own
+// state) and their slot; a split pair's chunks (consecutive unfixed items of one q_begin) get block = their
+// count. Partial rows are laid out row by row (merge_indptr), so a fixed item's rows, which all have the
+// same block, take partial_base = merge_indptr[q_begin] + slot and stride = block. Returns the split rows.
+int64_t Planner::WriteGroupMergeMap(int64_t n_items, int64_t num_rows, int32_t* merge_indptr, int32_t* split_rows) {
+  row_block_.assign(num_rows, 0);
+  for (int64_t k = 0; k < n_items;) {
+    Item& first = items_[k];
+    int64_t k1 = k + 1;
+    if (first.block == 0) {
+      while (k1 < n_items && items_[k1].block == 0 && items_[k1].work.q_begin == first.work.q_begin) ++k1;
+      const int32_t n = (int32_t)(k1 - k);
+      if (n > 1)
+        for (int32_t c = 0; c < n; ++c) items_[k + c].block = n, items_[k + c].slot = c;
+    }
+    const int32_t block = first.block;
+    for (int32_t r = first.work.q_begin; r < first.work.q_end; ++r) row_block_[r] = block;
+    k = k1;
+  }
+  int64_t num_split_rows = 0;
+  merge_indptr[0] = 0;
+  for (int64_t r = 0; r < num_rows; ++r) {
+    merge_indptr[r + 1] = merge_indptr[r] + row_block_[r];
+    if (row_block_[r] > 0) split_rows[num_split_rows++] = (int32_t)r;
+  }
+  for (int64_t k = 0; k < n_items; ++k) {
+    Item& it = items_[k];
+    if (it.block > 0) {
+      it.work.partial_base = merge_indptr[it.work.q_begin] + it.slot;
+      it.work.partial_stride = it.block;
+    }
+  }
+  return num_split_rows;
+}
+
+PlanStatus Planner::Plan(const PlanInputs& in_arg, const PlanSection& section, PlanSummary* summary) {
   using S = PlanStatus;
   error_[0] = '\0';
+  // Shared-prefix groups run neither request by request nor as the partition (their items are fixed).
+  PlanInputs in_copy = in_arg;
+  if (in_arg.num_groups > 0) in_copy.group_requests = false, in_copy.allow_partition = false;
+  const PlanInputs& in = in_copy;
   // ---- arguments -------------------------------------------------------------------------------
   if (in.num_requests < 0)
     return Fail(S::kInvalidArgument, "num_requests must be >= 0, got %lld", (long long)in.num_requests);
@@ -771,10 +811,8 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
   if (num_rows > section.max_rows)
     return Fail(S::kCapacityExceeded, "max_rows=%lld but the step has %lld query rows", (long long)section.max_rows,
                 (long long)num_rows);
-  // One pass validates each request and appends its pairs (no division: this loop is per request).
-  // Rows beyond qo_indptr[B] are refused before their pairs are made, so pairs <= num_rows <= max_rows.
-  pairs_.clear();
-  double total_cost = 0.0;
+  // One pass validates each request (no division: this loop is per request). Rows beyond qo_indptr[B] are
+  // refused before any pair is made, so pairs <= num_rows <= max_rows (plus shared chunks).
   for (int64_t i = 0; i < B; ++i) {
     const int32_t q0 = in.qo_indptr[i];
     const int64_t q_len = (int64_t)in.qo_indptr[i + 1] - q0;
@@ -791,19 +829,134 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
       return Fail(S::kInvalidArgument,
                   "request %lld has q_len=%lld > kv_len=%lld (causal: its query must be a suffix of its KV)",
                   (long long)i, (long long)q_len, (long long)kv_len);
-    for (int64_t tile_begin = 0; tile_begin < q_len; tile_begin += in.tile_q) {
-      const int64_t tile_end = std::min(q_len, tile_begin + in.tile_q);  // relative to the request's first row
-      // Causal, bottom-right aligned: query row j sees keys [0, kv_len - q_len + j], so the tile needs
-      // keys [0, kv_len - q_len + tile_end).
-      const int64_t len = in.causal ? kv_len - q_len + tile_end : kv_len;
-      const int64_t rows = tile_end - tile_begin;
-      const int64_t span = in.kv_window > 0 ? std::min(len, in.kv_window - 1 + rows) : len;  // KV it reads
-      const double cost = ItemCost(in.cost_q, in.cost_kv, rows, span);
-      pairs_.push_back(Pair{(int32_t)i, (int32_t)(q0 + tile_begin), (int32_t)(q0 + tile_end), (int32_t)len, cost});
-      total_cost += cost;
+  }
+  // ---- shared-prefix groups: checked, then kept where they pay off (planner.h, PlanInputs::groups) ----
+  if (in.num_groups < 0 || (in.num_groups > 0 && in.groups == nullptr))
+    return Fail(S::kInvalidArgument, "num_groups must be >= 0 with a groups array, got %lld", (long long)in.num_groups);
+  if (in.num_groups > 0 && (in.deterministic_pieces > 0 || in.kv_window > 0))
+    return Fail(S::kInvalidArgument, "shared-prefix groups cannot be planned with deterministic_pieces=%lld or "
+                "kv_window=%lld", (long long)in.deterministic_pieces, (long long)in.kv_window);
+  const int64_t units_in = in.num_units;
+  const int64_t m_lpt = units_in > 1 && in.num_ctas % units_in == 0 ? in.num_ctas / units_in : in.num_ctas;
+  const int64_t lpt_units_in = units_in > 1 && in.num_ctas % units_in == 0 ? 1 : units_in;
+  int64_t kept_groups = 0, group_partial_rows = 0;
+  if (in.num_groups > 0) {
+    group_of_.assign(B, -1);
+    group_chunks_.assign(in.num_groups, 0);
+    int64_t prev_end = 0;
+    for (int64_t g = 0; g < in.num_groups; ++g) {
+      const int64_t first = in.groups[3 * g], end = in.groups[3 * g + 1], len = in.groups[3 * g + 2];
+      if (first < prev_end || end <= first || end > B)
+        return Fail(S::kInvalidArgument, "group %lld: requests [%lld, %lld) must be non-empty, within the step's %lld "
+                    "requests and after the previous group's (which ends at %lld)", (long long)g, (long long)first,
+                    (long long)end, (long long)B, (long long)prev_end);
+      if (len < 0)
+        return Fail(S::kInvalidArgument, "group %lld: prefix length %lld must be >= 0", (long long)g, (long long)len);
+      prev_end = end;
+      int64_t member_tiles = 0;
+      for (int64_t r = first; r < end; ++r) {
+        const int64_t q_len = (int64_t)in.qo_indptr[r + 1] - in.qo_indptr[r];
+        const int64_t cached = (int64_t)in.kv_lens[r] - (in.causal ? q_len : 0);
+        if (len > cached)
+          return Fail(S::kInvalidArgument, "group %lld: prefix length %lld exceeds request %lld's KV before its query "
+                      "(kv_len=%d, q_len=%lld)", (long long)g, (long long)len, (long long)r, in.kv_lens[r],
+                      (long long)q_len);
+        member_tiles += q_len > 0 ? CeilDiv(q_len, in.tile_q) : 0;
+      }
+      const int64_t rows = (int64_t)in.qo_indptr[end] - in.qo_indptr[first];
+      const int64_t tiles = CeilDiv(rows, in.tile_q);
+      // KV read once per tile instead of once per member tile, against a partial state written and merged
+      // for every row (two row costs).
+      const double saved = in.cost_kv * (double)len * (double)(member_tiles - tiles);
+      if (end - first < 2 || rows == 0 || len == 0 || !(saved > kSharedGain * 2.0 * in.cost_q * (double)rows)) continue;
+      group_chunks_[g] = -1;  // kept; chunks decided once the step's total cost is known
+      for (int64_t r = first; r < end; ++r) group_of_[r] = (int32_t)g;
     }
   }
+  // Pairs: each request's query tiles, and before a kept group's first member its shared tiles (whole, or
+  // cut into group_chunks_ chunks once known); a member's own pairs start past the prefix.
+  double total_cost = 0.0;
+  auto build_pairs = [&]() {
+    pairs_.clear();
+    total_cost = 0.0;
+    for (int64_t i = 0; i < B; ++i) {
+      const int32_t q0 = in.qo_indptr[i];
+      const int64_t q_len = (int64_t)in.qo_indptr[i + 1] - q0;
+      const int64_t kv_len = in.kv_lens[i];
+      const int32_t g = in.num_groups > 0 ? group_of_[i] : -1;
+      int32_t prefix = 0, block = 0;
+      if (g >= 0) {
+        const int64_t len = in.groups[3 * g + 2], n = group_chunks_[g] > 0 ? group_chunks_[g] : 1;
+        prefix = (int32_t)len;
+        block = (int32_t)n + 1;
+        if (i == in.groups[3 * g]) {
+          const int32_t r0 = q0, r1 = in.qo_indptr[in.groups[3 * g + 1]];
+          const ChunkShape shape(len, n, in.kv_chunk_align);
+          for (int32_t t0 = r0; t0 < r1; t0 += (int32_t)in.tile_q) {
+            const int32_t t1 = (int32_t)std::min<int64_t>(r1, t0 + in.tile_q);
+            int64_t kv_begin = 0;
+            for (int64_t c = 0; c < n; ++c) {
+              const int64_t kv_end = kv_begin + shape.Size(c, n, in.kv_chunk_align);
+              const double cost = ItemCost(in.cost_q, in.cost_kv, t1 - t0, kv_end - kv_begin);
+              pairs_.push_back(Pair{(int32_t)(i | FI_ITEM_SHARED), t0, t1, (int32_t)kv_end, cost, (int32_t)kv_begin,
+                                    block, (int32_t)c});
+              total_cost += cost;
+              kv_begin = kv_end;
+            }
+          }
+        }
+      }
+      for (int64_t tile_begin = 0; tile_begin < q_len; tile_begin += in.tile_q) {
+        const int64_t tile_end = std::min(q_len, tile_begin + in.tile_q);  // relative to the request's first row
+        // Causal, bottom-right aligned: query row j sees keys [0, kv_len - q_len + j], so the tile needs
+        // keys [0, kv_len - q_len + tile_end).
+        const int64_t len = in.causal ? kv_len - q_len + tile_end : kv_len;
+        const int64_t rows = tile_end - tile_begin;
+        const int64_t span = in.kv_window > 0 ? std::min(len, in.kv_window - 1 + rows) : len;  // KV it reads
+        const double cost = ItemCost(in.cost_q, in.cost_kv, rows, span - prefix);
+        pairs_.push_back(Pair{(int32_t)i, (int32_t)(q0 + tile_begin), (int32_t)(q0 + tile_end), (int32_t)len, cost,
+                              prefix, block, block - 1});
+        total_cost += cost;
+      }
+    }
+  };
+  build_pairs();
+  if (in.num_groups > 0) {
+    // Chunks of each kept group's prefix: a chunk of a tile costs about a CTA's fair share of the step
+    // (at least min_kv_chunk, aligned), at most kMaxSharedChunks; the groups' partial rows come out of what
+    // the section has beyond the split budget, and a group that does not fit stays single-format.
+    const double fair = total_cost * (double)lpt_units_in / (double)m_lpt;
+    int64_t room = section.max_partial_rows - kMaxSplitItemsPerCta * CeilDiv(in.num_ctas, in.num_units) * in.tile_q;
+    const int64_t align = in.kv_chunk_align, lo = RoundUp(in.min_kv_chunk, align);
+    for (int64_t g = 0; g < in.num_groups; ++g) {
+      if (group_chunks_[g] == 0) continue;
+      const int64_t first = in.groups[3 * g], end = in.groups[3 * g + 1], len = in.groups[3 * g + 2];
+      const int64_t rows = (int64_t)in.qo_indptr[end] - in.qo_indptr[first];
+      const double tile_cost = ItemCost(in.cost_q, in.cost_kv, std::min(rows, in.tile_q), len);
+      int64_t n = fair > 0.0 ? (int64_t)std::ceil(tile_cost / fair) : 1;
+      n = std::max<int64_t>(1, std::min<int64_t>(n, kMaxSharedChunks));
+      const int64_t chunk = std::max(lo, RoundUp(CeilDiv(len, n), align));
+      n = std::max<int64_t>(1, std::min(n, CeilDiv(len, chunk)));
+      n = std::min(n, room / rows - 1);
+      if (n < 1) {
+        group_chunks_[g] = 0;
+        for (int64_t r = first; r < end; ++r) group_of_[r] = -1;
+        continue;
+      }
+      group_chunks_[g] = (int32_t)n;
+      room -= rows * (n + 1);
+      group_partial_rows += rows * (n + 1);
+      ++kept_groups;
+    }
+    build_pairs();
+  }
   const int64_t num_pairs = (int64_t)pairs_.size();
+  int64_t num_splittable = num_pairs;
+  if (kept_groups > 0)
+    for (const Pair& p : pairs_) num_splittable -= p.block > 0 ? 1 : 0;
+  // The search sees the partial rows the groups leave.
+  PlanSection search_section = section;
+  search_section.max_partial_rows -= group_partial_rows;
   const int32_t units = (int32_t)in.num_units;
   // Every plan has at least one item per pair and unit.
   if (num_pairs * units > section.max_items)
@@ -841,17 +994,20 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
   if (det) {
     split = DeterministicItems(in);
     if (split.num_split_pairs == 0) split = Split{0, 0, 0, num_pairs, 0, 0};
-  } else if (num_pairs > 0 && in.force_kv_chunk != 0 &&
+  } else if (num_splittable > 0 && in.force_kv_chunk != 0 &&
              (in.force_kv_chunk > 0 || (unsplit_makespan > good_enough && in.kv_window == 0))) {
-    // Pairs by KV length, descending, ties in creation order: the order splits are handed out.
-    keys_.resize(2 * num_pairs);
-    for (int64_t j = 0; j < num_pairs; ++j) {
-      keys_[2 * j] = ~(uint64_t)pairs_[j].kv_len;
-      keys_[2 * j + 1] = (uint64_t)j;
+    // Pairs by KV length, descending, ties in creation order: the order splits are handed out (a shared
+    // group's fixed pairs are never split).
+    keys_.resize(2 * num_splittable);
+    for (int64_t j = 0, k = 0; j < num_pairs; ++j) {
+      if (pairs_[j].block > 0) continue;
+      keys_[2 * k] = ~(uint64_t)pairs_[j].kv_len;
+      keys_[2 * k + 1] = (uint64_t)j;
+      ++k;
     }
-    RadixSortKeys(num_pairs);
-    len_order_.resize(num_pairs);
-    for (int64_t k = 0; k < num_pairs; ++k) len_order_[k] = (int32_t)keys_[2 * k + 1];
+    RadixSortKeys(num_splittable);
+    len_order_.resize(num_splittable);
+    for (int64_t k = 0; k < num_splittable; ++k) len_order_[k] = (int32_t)keys_[2 * k + 1];
     chunks_of_.assign(num_pairs, 0);
     rank_.resize(num_pairs);
     for (int64_t k = 0; k < num_pairs; ++k) rank_[cost_order_[k]] = (int32_t)k;
@@ -860,7 +1016,7 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
       split = WalkSplit(lin, in.force_kv_chunk, in.force_split_pairs);
       if (split.num_split_pairs == 0) split = Split{0, 0, 0, num_pairs, 0, 0};
     } else {
-      split = ChooseSplit(lin, section, units, total_cost, unsplit_makespan, good_enough, &lpt_makespan);
+      split = ChooseSplit(lin, search_section, units, total_cost, unsplit_makespan, good_enough, &lpt_makespan);
     }
   }
   // ---- the partition, where one LPT pass serves every unit and LPT's plan is not balanced ----------
@@ -873,9 +1029,9 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
   if (split.num_items * units > section.max_items)
     return Fail(S::kCapacityExceeded, "max_items=%lld but the plan needs %lld work items", (long long)section.max_items,
                 (long long)(split.num_items * units));
-  if (split.partial_rows > section.max_partial_rows)
+  if (split.partial_rows + group_partial_rows > section.max_partial_rows)
     return Fail(S::kCapacityExceeded, "max_partial_rows=%lld but the plan needs %lld partial rows",
-                (long long)section.max_partial_rows, (long long)split.partial_rows);
+                (long long)section.max_partial_rows, (long long)(split.partial_rows + group_partial_rows));
 
   // ---- work items (nothing is written before this point) ---------------------------------------
   int32_t* const base = section.data;
@@ -898,7 +1054,8 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
   // The items in LPT order: order[k] indexes items_ (split plan or partition) or pairs_ (unsplit plan);
   // the CTA of its replica for unit u is item_cta_[k * units + u].
   const int32_t* order = cost_order_.data();
-  const bool from_items = partition || split.num_split_pairs > 0;
+  const bool grouped = kept_groups > 0;
+  const bool from_items = partition || split.num_split_pairs > 0 || grouped;
   merge_indptr[0] = 0;
   if (partition) {
     // FillWalk left the items in creation order with their CTAs: LPT order is creation order here.
@@ -907,7 +1064,7 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
     for (int64_t k = 0; k < n_items; ++k) cost_order_[k] = (int32_t)k;
     makespan = partition_makespan;
     order = cost_order_.data();
-  } else if (split.num_split_pairs == 0) {
+  } else if (split.num_split_pairs == 0 && !grouped) {
     for (int64_t r = 0; r < num_rows; ++r) merge_indptr[r + 1] = 0;
   } else if (det) {
     num_split_rows = WriteMergeMap(n_items, merge_indptr, split_rows);
@@ -919,6 +1076,7 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
       chunks_of_[j] = (int32_t)CeilDiv(pairs_[j].kv_len, chunk);
     }
     // Creation order (request, tile, chunk).
+    if ((int64_t)chunks_of_.size() < num_pairs) chunks_of_.resize(num_pairs, 0);  // no search ran (groups)
     items_.resize(n_items);
     Item* item = items_.data();
     const int64_t align = in.kv_chunk_align;
@@ -927,7 +1085,8 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
       const int32_t rows = p.q_end - p.q_begin;
       const int64_t n = chunks_of_[j];
       if (n == 0) {  // whole (no ChunkShape: its divisions per pair cost more than the rest of this loop)
-        *item++ = Item{FiWorkItem{p.request, p.q_begin, p.q_end, 0, p.kv_len, -1, 1, 0}, p.cost};
+        *item++ = Item{FiWorkItem{p.request, p.q_begin, p.q_end, p.kv_begin, p.kv_len, -1, 1, 0}, p.cost, p.block,
+                       p.slot};
         continue;
       }
       const ChunkShape shape(p.kv_len, n, align);
@@ -940,7 +1099,8 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
       }
     }
     for (int64_t i = 0; i < split.num_split_pairs; ++i) chunks_of_[len_order_[i]] = 0;
-    num_split_rows = WriteMergeMap(n_items, merge_indptr, split_rows);
+    num_split_rows = grouped ? WriteGroupMergeMap(n_items, num_rows, merge_indptr, split_rows)
+                             : WriteMergeMap(n_items, merge_indptr, split_rows);
 
     makespan = AssignItems(in, n_items, m, lpt_units);
     order = cost_order_.data();
@@ -972,7 +1132,7 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
   auto work_of = [&](int64_t i) {
     if (!from_items) {
       const Pair& p = pairs_[i];
-      return FiWorkItem{p.request, p.q_begin, p.q_end, 0, p.kv_len, -1, 1, 0};
+      return FiWorkItem{p.request, p.q_begin, p.q_end, p.kv_begin, p.kv_len, -1, 1, 0};
     }
     return items_[i].work;
   };
@@ -1008,7 +1168,8 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
   for (int h = 0; h < FI_PLAN_HEADER_INTS; ++h) header[h] = 0;
   header[FI_PLAN_NUM_ITEMS] = (int32_t)n_out;
   header[FI_PLAN_NUM_ROWS] = (int32_t)num_rows;
-  header[FI_PLAN_NUM_PARTIAL_ROWS] = (int32_t)split.partial_rows;
+  const int64_t partial_rows = split.partial_rows + group_partial_rows;
+  header[FI_PLAN_NUM_PARTIAL_ROWS] = (int32_t)partial_rows;
   header[FI_PLAN_KV_CHUNK] = (int32_t)chunk;
   header[FI_PLAN_NUM_REQUESTS] = (int32_t)B;
   header[FI_PLAN_NUM_CTAS] = grid;
@@ -1018,13 +1179,14 @@ PlanStatus Planner::Plan(const PlanInputs& in, const PlanSection& section, PlanS
 
   summary->num_items = n_out;
   summary->num_rows = num_rows;
-  summary->num_partial_rows = split.partial_rows;
+  summary->num_partial_rows = partial_rows;
   summary->kv_chunk = chunk;
   summary->num_split_rows = num_split_rows;
   summary->makespan = makespan;
   summary->num_split_pairs = split.num_split_pairs;
   summary->partition = partition;
   summary->deterministic = det;
+  summary->num_shared_groups = kept_groups;
   return S::kOk;
 }
 

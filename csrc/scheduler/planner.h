@@ -85,7 +85,22 @@ struct PlanInputs {
   // A row's pieces and their merge order then depend on its request alone, never on the batch or the
   // grid. 1: nothing is split. No search, no partition; a forced candidate is refused.
   int64_t deterministic_pieces = 0;
+  // Shared prefixes (composable formats, docs/composable.md): num_groups triples (first request, end
+  // request, prefix tokens), ascending and disjoint: requests [first, end) share their first prefix KV
+  // tokens (<= every member's KV before its query). A kept group's rows, in tiles of tile_q, get items over
+  // the prefix read once per tile (FI_ITEM_SHARED), cut into equal aligned chunks; its members' own items
+  // cover KV [prefix, kv_len), unsplit; both write partial states the kernels merge. A group whose saved KV
+  // does not pay for its partial states (kSharedGain), or that does not fit the partial rows, stays
+  // single-format. Not with deterministic_pieces or kv_window; turns off group_requests and the partition.
+  const int32_t* groups = nullptr;
+  int64_t num_groups = 0;
 };
+
+// A shared-prefix group is kept when the KV cost it saves exceeds kSharedGain times the fixed cost of its
+// rows' extra partial states (written, then merged: cost_q a row each); its prefix is cut into at most
+// kMaxSharedChunks chunks.
+constexpr double kSharedGain = 2.0;
+constexpr int64_t kMaxSharedChunks = 16;
 
 // A caller-owned int32 buffer holding one plan section, laid out by csrc/plan.h for
 // (num_ctas, max_items, max_rows). max_partial_rows bounds the workspace's partial attention states.
@@ -110,6 +125,7 @@ struct PlanSummary {
   int64_t num_split_pairs = 0;  // (request, query tile) pairs whose KV was split
   bool partition = false;       // the plan is the partition (PlanInputs::allow_partition), not LPT's
   bool deterministic = false;   // the plan is PlanInputs::deterministic_pieces' fixed cuts
+  int64_t num_shared_groups = 0;  // groups of PlanInputs::groups kept (run as shared-prefix items)
 };
 
 enum class PlanStatus { kOk = 0, kInvalidArgument = 1, kCapacityExceeded = 2 };
@@ -131,12 +147,16 @@ class Planner {
     int32_t request;
     int32_t q_begin;  // global query rows [q_begin, q_end)
     int32_t q_end;
-    int32_t kv_len;   // effective KV length of the tile
+    int32_t kv_len;   // effective KV length of the tile (its KV end)
     double cost;      // of the pair as one item
+    int32_t kv_begin = 0;  // > 0: a member's suffix or a shared chunk
+    int32_t block = 0;     // > 0: a fixed item of a shared-prefix group (never split): its rows' partial rows
+    int32_t slot = 0;      // and its state's place among them
   };
   struct Item {
     FiWorkItem work;
     double cost;
+    int32_t block = 0, slot = 0;  // as Pair's; for split pairs set by WriteGroupMergeMap
   };
   struct Slot {  // a CTA in the winner tree, ordered by (load, cta)
     uint64_t load;  // bits of the accumulated cost (a double >= 0: its bits order like its value)
@@ -168,6 +188,9 @@ class Planner {
   Split DeterministicItems(const PlanInputs& in);
   double AssignItems(const PlanInputs& in, int64_t n_items, int32_t m, int32_t lpt_units);
   int64_t WriteMergeMap(int64_t n_items, int32_t* merge_indptr, int32_t* split_rows);
+  int64_t WriteGroupMergeMap(int64_t n_items, int64_t num_rows, int32_t* merge_indptr, int32_t* split_rows);
+  PlanStatus PrepareGroups(const PlanInputs& in, int64_t num_ctas, int64_t units, int64_t partial_room,
+                           double* total_cost);
   bool ChoosePartition(const PlanInputs& in, const PlanSection& section, int64_t replicas, double total_cost,
                        double lpt_makespan, double* cap, double* makespan);
   void RadixSortKeys(int64_t n);
@@ -200,6 +223,9 @@ class Planner {
   std::vector<int32_t> request_rank_, request_pos_, request_start_, group_order_;
   std::vector<double> group_cost_;
   std::vector<int32_t> cta_fill_;
+  std::vector<int32_t> group_of_;      // kept group of each request (-1: none), for the pairs' walk
+  std::vector<int32_t> group_chunks_;  // chunks of each group's prefix (0: the group was dropped)
+  std::vector<int32_t> row_block_;     // partial rows of each query row (WriteGroupMergeMap)
   char error_[512] = {0};
 };
 

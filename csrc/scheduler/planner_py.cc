@@ -66,11 +66,21 @@ PyObject* Plan(PyObject*, PyObject* args) {
   Py_ssize_t force_kv_chunk = -1, force_split_pairs = -1, kv_window = 0, deterministic_pieces = 0;
   int causal, group_requests = 0, allow_partition = 1;
   double cost_q, cost_kv;
-  if (!PyArg_ParseTuple(args, "OnnnnOOnnnpnndd|nnpnpn:plan", &section_obj, &layout_ctas, &max_items, &max_rows,
+  PyObject* groups_obj = Py_None;
+  if (!PyArg_ParseTuple(args, "OnnnnOOnnnpnndd|nnpnpnO:plan", &section_obj, &layout_ctas, &max_items, &max_rows,
                         &max_partial_rows, &qo_obj, &kv_obj, &tile_q, &num_ctas, &num_units, &causal, &min_kv_chunk,
                         &kv_chunk_align, &cost_q, &cost_kv, &force_kv_chunk, &force_split_pairs, &group_requests,
-                        &kv_window, &allow_partition, &deterministic_pieces))
+                        &kv_window, &allow_partition, &deterministic_pieces, &groups_obj))
     return nullptr;
+  Py_buffer groups;
+  groups.obj = nullptr;
+  const bool has_groups = groups_obj != Py_None;
+  if (has_groups && !GetInt32Buffer(groups_obj, "groups", false, &groups)) return nullptr;
+  BufferGuard g0{has_groups ? &groups : nullptr};
+  if (has_groups && groups.len % 12 != 0) {
+    PyErr_Format(PyExc_ValueError, "groups must hold (first, end, prefix_len) triples, got %zd int32", groups.len / 4);
+    return nullptr;
+  }
 
   Py_buffer section, qo, kv;
   if (!GetInt32Buffer(section_obj, "section", true, &section)) return nullptr;
@@ -105,6 +115,10 @@ PyObject* Plan(PyObject*, PyObject* args) {
   in.kv_window = kv_window;
   in.allow_partition = allow_partition != 0;
   in.deterministic_pieces = deterministic_pieces;
+  if (has_groups) {
+    in.groups = static_cast<const int32_t*>(groups.buf);
+    in.num_groups = groups.len / 12;
+  }
   fi::PlanSection out;
   out.data = static_cast<int32_t*>(section.buf);
   out.num_ints = section.len / 4;
@@ -118,11 +132,12 @@ PyObject* Plan(PyObject*, PyObject* args) {
     PyErr_SetString(PyExc_ValueError, g_planner.error());
     return nullptr;
   }
-  return Py_BuildValue("(nnnnndnO)", (Py_ssize_t)summary.num_items, (Py_ssize_t)summary.num_rows,
+  return Py_BuildValue("(nnnnndnOn)", (Py_ssize_t)summary.num_items, (Py_ssize_t)summary.num_rows,
                        (Py_ssize_t)summary.num_partial_rows, (Py_ssize_t)summary.kv_chunk,
                        (Py_ssize_t)summary.num_split_rows, summary.makespan, (Py_ssize_t)summary.num_split_pairs,
                        summary.deterministic ? g_kind_deterministic
-                                             : summary.partition ? g_kind_partition : g_kind_lpt);
+                                             : summary.partition ? g_kind_partition : g_kind_lpt,
+                       (Py_ssize_t)summary.num_shared_groups);
 }
 
 // The plan.h offsets (int32 units) for a layout, so Python can check its own copy of the formulas.
@@ -149,8 +164,8 @@ PyMethodDef kMethods[] = {
     {"plan", Plan, METH_VARARGS,
      "plan(section, layout_num_ctas, max_items, max_rows, max_partial_rows, qo_indptr, kv_lens, tile_q, num_ctas, "
      "num_units, causal, min_kv_chunk, kv_chunk_align, cost_q, cost_kv[, force_kv_chunk=-1, force_split_pairs=-1, "
-     "group_requests=False, kv_window=0, allow_partition=True]) -> (num_items, num_rows, num_partial_rows, kv_chunk, "
-     "num_split_rows, makespan, num_split_pairs, kind)\n\nWrites the plan into `section` (int32, csrc/plan.h "
+     "group_requests=False, kv_window=0, allow_partition=True, deterministic_pieces=0, groups=None]) -> (num_items, "
+     "num_rows, num_partial_rows, kv_chunk, num_split_rows, makespan, num_split_pairs, kind, shared_groups)\n\nWrites the plan into `section` (int32, csrc/plan.h "
      "layout) in place. force_kv_chunk -1 searches for the chunk; 0 splits nothing; L > 0 uses the candidate (L, "
      "force_split_pairs) (see csrc/scheduler/planner.h). kind: 'lpt' or 'partition'."},
     {"layout", Layout, METH_VARARGS,
@@ -187,6 +202,8 @@ PyMODINIT_FUNC PyInit__planner(void) {
       {"NUM_UNITS", FI_PLAN_NUM_UNITS},
       {"MAX_SPLIT_ITEMS_PER_CTA", (long)fi::kMaxSplitItemsPerCta},
       {"PARTITION_WALKS", (long)fi::kPartitionWalks},
+      {"MAX_SHARED_CHUNKS", (long)fi::kMaxSharedChunks},
+      {"ITEM_SHARED", (long)FI_ITEM_SHARED},
   };
   for (const auto& c : constants) {
     if (PyModule_AddIntConstant(m, c.name, c.value) != 0) {
@@ -204,7 +221,8 @@ PyMODINIT_FUNC PyInit__planner(void) {
   const struct {
     const char* name;
     double value;
-  } reals[] = {{"BALANCED_SLACK", fi::kBalancedSlack}, {"PARTITION_PRECISION", fi::kPartitionPrecision}};
+  } reals[] = {{"BALANCED_SLACK", fi::kBalancedSlack}, {"PARTITION_PRECISION", fi::kPartitionPrecision},
+                {"SHARED_GAIN", fi::kSharedGain}};
   for (const auto& c : reals) {
     PyObject* value = PyFloat_FromDouble(c.value);
     if (value == nullptr || PyModule_AddObject(m, c.name, value) != 0) {

@@ -55,7 +55,7 @@ from fi_backend import env as _env
 from fi_backend import ops as _ops
 from fi_backend import variants as _variants
 from fi_backend.adapters import rank_device
-from fi_backend.formats import BSR
+from fi_backend.formats import BSR, prefix_groups_from_table
 from fi_backend.wrappers import HEAD_DIMS
 
 __all__ = ["register", "BACKEND_NAME", "BACKEND_CLASS_PATH", "FiAttentionMetadata", "layer_variant", "plan_counts",
@@ -227,9 +227,10 @@ class _StepPlanner:
     captured run() needs (the wrapper refuses a plan with other addresses after a capture)."""
 
     def __init__(self, decode, prefill, *, page_size: int, sm_scale: float, variant_params: dict,
-                 debug: bool = False, deterministic: bool = False):
+                 debug: bool = False, deterministic: bool = False, shared_prefix: bool = False):
         self.decode, self.prefill = decode, prefill
         self.deterministic = deterministic
+        self.shared_prefix = shared_prefix and not deterministic  # composable formats (docs/composable.md)
         self._qo_rest = None        # deterministic mixed steps: the prefill part's qo_indptr, rebased to 0
         self.page_size = page_size
         self.sm_scale = sm_scale
@@ -239,7 +240,25 @@ class _StepPlanner:
         self._kv_indices = None
         self._kv_block_start = None
 
-    def plan(self, cm) -> FiAttentionMetadata:
+    def _prefix_groups(self, cm, qo_cpu, kv_cpu, common_prefix_len: int):
+        """The step's shared-prefix groups, from host data only (no device sync): a host copy of the step's block
+        table where the runner provides one (cm.block_table_cpu: consecutive requests with identical leading
+        block ids, any number of groups), else vLLM's cascade prefix common to the whole batch (common_prefix_len,
+        computed by the V1 runner from its host block table). None: single-format."""
+        n = cm.num_reqs
+        if not self.shared_prefix or n < 2:
+            return None
+        cached = kv_cpu - (qo_cpu[1:] - qo_cpu[:-1])
+        table = getattr(cm, "block_table_cpu", None)
+        if table is not None:
+            groups = prefix_groups_from_table(table[:n], cached, self.page_size)
+            return groups if len(groups) else None
+        if common_prefix_len:
+            plen = min(int(common_prefix_len), int(cached.min())) // self.page_size * self.page_size
+            return [[0, n, plen]] if plen > 0 else None
+        return None
+
+    def plan(self, cm, common_prefix_len: int = 0) -> FiAttentionMetadata:
         if cm.causal is not True:
             raise NotImplementedError(f"fi-backend runs causal decoder attention only (got causal={cm.causal!r})")
         n = cm.num_reqs
@@ -265,7 +284,9 @@ class _StepPlanner:
                 return self._plan_mixed(cm, qo_cpu, kv_cpu, nd)
         bsr = BSR(qo_indptr=cm.query_start_loc, kv_indices=self._kv_indices, kv_block_start=self._kv_block_start[:n],
                   kv_lens=cm.seq_lens, block_width=self.page_size)
-        wrapper.plan(qo_cpu, kv_cpu, bsr, causal=True, sm_scale=self.sm_scale, debug=self.debug, **self.variant_params)
+        groups = self._prefix_groups(cm, qo_cpu, kv_cpu, common_prefix_len)
+        wrapper.plan(qo_cpu, kv_cpu, bsr, causal=True, sm_scale=self.sm_scale, debug=self.debug, prefix_groups=groups,
+                     **self.variant_params)
         _PLAN_COUNTS[kernel] += 1
         return FiAttentionMetadata(wrapper=wrapper, num_rows=int(qo_cpu[n]), num_actual_tokens=cm.num_actual_tokens,
                                    max_query_len=cm.max_query_len, query_start_loc=cm.query_start_loc,
@@ -331,12 +352,13 @@ def batch_invariant() -> bool:
 
 
 def _make_wrapper(kernel: str, *, device, num_qo_heads: int, num_kv_heads: int, head_dim: int, q_dtype, kv_dtype,
-                  page_size: int, variant, max_requests: int, max_rows: int, deterministic: bool = False):
+                  page_size: int, variant, max_requests: int, max_rows: int, deterministic: bool = False,
+                  shared_prefix: bool = False):
     """A BatchAttention of one kernel with its own workspace, sized once for the engine's limits."""
     from fi_backend.wrappers import BatchAttention
     ws = BatchAttention.workspace_for(device, num_qo_heads, num_kv_heads, head_dim, max_requests=max_requests,
                                       max_tokens=max_rows, q_dtype=q_dtype, kv_dtype=kv_dtype, variant=variant,
-                                      kernel=kernel, deterministic=deterministic)
+                                      kernel=kernel, deterministic=deterministic, shared_prefix=shared_prefix)
     wrapper = BatchAttention(ws, num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype,
                              page_size=page_size, kv_layout="NHD", variant=variant, kernel=kernel,
                              deterministic=deterministic)
@@ -559,6 +581,8 @@ class _MetadataBuilder:
                              "from the cache can differ in the last bits from the same prompt computed whole "
                              "(docs/deterministic.md); pass --no-enable-prefix-caching for strict invariance")
         common["deterministic"] = deterministic
+        shared_prefix = _env.flag(_env.SHARED_PREFIX, True) and not deterministic
+        common["shared_prefix"] = shared_prefix
         try:
             decode = _make_wrapper("decode", max_rows=sched.max_num_seqs, **common)
             prefill = _make_wrapper("prefill", max_rows=max(sched.max_num_batched_tokens, sched.max_num_seqs),
@@ -572,7 +596,7 @@ class _MetadataBuilder:
             params["alibi_slopes"] = torch.tensor(params["alibi_slopes"], dtype=torch.float32, device=device)
         self._step = _StepPlanner(decode, prefill, page_size=kv_cache_spec.block_size, sm_scale=s.sm_scale,
                                   variant_params=params, debug=os.environ.get("FI_BACKEND_VLLM_DEBUG") == "1",
-                                  deterministic=deterministic)
+                                  deterministic=deterministic, shared_prefix=shared_prefix)
         _log_active(s, kv_cache_spec.block_size, len(layers), where)
 
     @classmethod
@@ -581,21 +605,19 @@ class _MetadataBuilder:
         return cls._cudagraph_support
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False) -> FiAttentionMetadata:
-        if common_prefix_len:
-            raise NotImplementedError("fi-backend does not run vLLM's cascade attention (use_cascade_attention is False)")
-        return self._step.plan(common_attn_metadata)
+        # vLLM's cascade prefix (asked for by use_cascade_attention) becomes one shared-prefix group
+        return self._step.plan(common_attn_metadata, common_prefix_len)
 
     def build_for_cudagraph_capture(self, common_attn_metadata) -> FiAttentionMetadata:
         # The same plan as any step: run() captured now keeps reading the fixed workspace sections and
         # the persistent BSR buffers, so it replays correctly after every later plan of its wrapper.
         return self.build(0, common_attn_metadata)
 
-    def use_cascade_attention(self, *args, **kwargs) -> bool:
-        # vLLM's cascade takes one prefix common to the whole batch; fi-backend's composable formats
-        # (a shared-prefix BSR with Br > 1 plus a per-request suffix BSR, merged by attention state)
-        # are the better form of it, but they need a second plan and launch per layer that is not wired
-        # here yet. Llama runs on vLLM's V2 model runner, which never asks; the V1 runner gets False.
-        return False
+    def use_cascade_attention(self, common_prefix_len: int = 0, *args, **kwargs) -> bool:
+        # The V1 runner asks with the prefix common to the whole batch (from its host block table); yes, when
+        # composable formats are on: build() then gets it and plans it as one shared-prefix group (same launch,
+        # docs/composable.md). vLLM's V2 runner never asks.
+        return bool(self._step.shared_prefix) and int(common_prefix_len) >= self._step.page_size
 
 
 # ------------------------------------------------------------------------------------ AttentionImpl

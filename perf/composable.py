@@ -1,0 +1,148 @@
+"""python -m perf composable: decode with shared prefixes (composable formats, docs/composable.md) against
+FlashInfer 0.6.14's MultiLevelCascadeAttentionWrapper in the same process, on the issue's three cells.
+
+Llama-3.1-8B heads (32 query / 8 KV, head_dim 128, bf16, pages of 16); each cell is B requests sharing an
+L-token prefix (the same pages) with S unique tokens each, one query row a request. Timed, in alternating
+rounds (perf.common.time_rounds, CUDA events): ours single-format (the decode kernel without groups: every
+request reads the prefix), ours with the group on the decode kernel and on the prefill kernel (one launch each),
+FlashInfer's two-level cascade (level 0: all queries against the prefix; level 1: each request's own pages) and
+FlashInfer's single-format decode. Two KV pools alternate between calls. Outputs are checked against each other
+before timing. Writes perf/results/composable.json (device, date, commit).
+
+    python -m perf composable [--rounds 5] [--rep 50] [--cells 64x32768x256,16x8192x256,128x1024x256]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from perf.common import diff_stats, log, stamp, time_rounds, write_result
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+CELLS = ((64, 32768, 256), (16, 8192, 256), (128, 1024, 256))
+SETS = 2
+
+
+class Cell:
+    """B requests: prefix pages [0, P) shared by all, then each request's own pages; SETS KV pools."""
+
+    def __init__(self, B: int, L: int, S: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.B, self.L, self.S = B, L, S
+        P, U = L // PAGE, -(-S // PAGE)
+        self.num_pages = P + B * U
+        perm = torch.randperm(self.num_pages, generator=g).to(torch.int32)
+        prefix, own = perm[:P], perm[P:].view(B, U)
+        self.table = torch.cat((prefix.expand(B, P), own), dim=1).contiguous().cuda()
+        self.kv_lens = torch.full((B,), L + S, dtype=torch.int32)
+        self.qo = torch.arange(B + 1, dtype=torch.int32)
+        self.groups = torch.tensor([[0, B, L]], dtype=torch.int32)
+        shape = (self.num_pages, 2, PAGE, HKV, D)   # FlashInfer's NHD pool; ours reads its k / v views
+        self.pools = [torch.randn(shape, dtype=DTYPE, device="cuda") for _ in range(SETS)]
+        self.q = torch.randn(B, HQ, D, dtype=DTYPE, device="cuda")
+        # FlashInfer: level 0 (all queries, the prefix pages), level 1 (each request's own pages)
+        last = S - (U - 1) * PAGE
+        self.fi_levels = (
+            (torch.tensor([0, B], dtype=torch.int32), torch.tensor([0, P], dtype=torch.int32), prefix,
+             torch.tensor([PAGE], dtype=torch.int32)),
+            (self.qo, torch.arange(B + 1, dtype=torch.int32) * U, own.reshape(-1),
+             torch.full((B,), last, dtype=torch.int32)),
+        )
+
+
+def ours(cell: Cell, kernel: str, groups: bool):
+    from fi_backend import formats
+    from fi_backend.wrappers import BatchAttention
+    ws = BatchAttention.workspace_for("cuda", HQ, HKV, D, max_requests=cell.B, max_tokens=cell.B, kernel=kernel,
+                                      shared_prefix=True)
+    attn = BatchAttention(ws, HQ, HKV, D, q_dtype=DTYPE, page_size=PAGE, kernel=kernel)
+    bsr = formats.from_block_table(cell.table, cell.kv_lens.cuda(), cell.qo.cuda(), PAGE, num_kv_blocks=cell.num_pages)
+    attn.plan(cell.qo, cell.kv_lens, bsr, causal=True, prefix_groups=cell.groups if groups else None)
+    if groups and attn.plan_info.shared_groups != 1:
+        raise AssertionError(f"the group was planned single-format: {attn.plan_info}")
+    out = torch.empty_like(cell.q)
+    kv = [(p[:, 0], p[:, 1]) for p in cell.pools]
+    state = {"i": 0}
+
+    def fn():
+        state["i"] = (state["i"] + 1) % SETS
+        attn.run(cell.q, kv[state["i"]], out=out)
+    return fn, out, attn.plan_info
+
+
+def flashinfer_cascade(cell: Cell):
+    import flashinfer
+    buf = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    w = flashinfer.MultiLevelCascadeAttentionWrapper(2, buf, "NHD")
+    qo, indptr, indices, last = ([lv[i].cuda() for lv in cell.fi_levels] for i in range(4))
+    w.plan(qo, indptr, indices, last, HQ, HKV, D, PAGE, causal=True, q_data_type=DTYPE, kv_data_type=DTYPE)
+    state = {"i": 0, "out": None}
+
+    def fn():
+        state["i"] = (state["i"] + 1) % SETS
+        state["out"] = w.run(cell.q, cell.pools[state["i"]])
+    return fn, state
+
+
+def flashinfer_decode(cell: Cell):
+    import flashinfer
+    buf = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(buf, "NHD", use_tensor_cores=True)
+    U = cell.table.shape[1]
+    w.plan(torch.arange(cell.B + 1, dtype=torch.int32, device="cuda") * U, cell.table.reshape(-1),
+           torch.full((cell.B,), cell.fi_levels[1][3][0].item(), dtype=torch.int32, device="cuda"), HQ, HKV, D, PAGE,
+           q_data_type=DTYPE, kv_data_type=DTYPE)
+    out = torch.empty_like(cell.q)
+    state = {"i": 0}
+
+    def fn():
+        state["i"] = (state["i"] + 1) % SETS
+        w.run(cell.q, cell.pools[state["i"]], out=out)
+    return fn, out
+
+
+def run_cell(B: int, L: int, S: int, rounds: int, rep: int) -> dict:
+    cell = Cell(B, L, S)
+    single, single_out, _ = ours(cell, "decode", False)
+    dec, dec_out, dec_info = ours(cell, "decode", True)
+    pre, pre_out, pre_info = ours(cell, "prefill", True)
+    fi, fi_state = flashinfer_cascade(cell)
+    fid, fid_out = flashinfer_decode(cell)
+    for f in (single, dec, pre, fi, fid):   # one call each on the same pool, then compare
+        f()
+        f()
+    torch.cuda.synchronize()
+    checks = {k: diff_stats(o, single_out) for k, o in (("ours_decode_groups", dec_out), ("ours_prefill_groups", pre_out),
+                                                         ("flashinfer_cascade", fi_state["out"]),
+                                                         ("flashinfer_decode", fid_out))}
+    for k, c in checks.items():
+        if not c["rel_diff"] < 2e-2:
+            raise AssertionError(f"{B}x{L}+{S}: {k} differs from ours single-format: {c}")
+    fns = {"ours_single": single, "ours_decode_groups": dec, "ours_prefill_groups": pre, "flashinfer_cascade": fi,
+           "flashinfer_decode": fid}
+    times = time_rounds(fns, rounds, rep, on_round=lambda i, t: log(f"  {B}x{L}+{S} round {i + 1}/{rounds}"))
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    best = min(med["ours_decode_groups"], med["ours_prefill_groups"])
+    res = {"cell": f"{B} x {L} shared + {S}", "batch": B, "prefix": L, "suffix": S, "median_us": med, "rounds_us": times,
+           "speedup_vs_single": med["ours_single"] / best, "vs_flashinfer_cascade": med["flashinfer_cascade"] / best,
+           "checks": checks, "plan": {"decode": dec_info._asdict(), "prefill": pre_info._asdict()}}
+    log(f"{res['cell']}: " + ", ".join(f"{k} {v:.1f} us" for k, v in med.items())
+        + f"; {res['speedup_vs_single']:.2f}x single, {res['vs_flashinfer_cascade']:.2f}x FlashInfer cascade")
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m perf composable", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rep", type=int, default=50)
+    ap.add_argument("--cells", default=",".join(f"{b}x{l}x{s}" for b, l, s in CELLS))
+    a = ap.parse_args(argv)
+    cells = [tuple(int(x) for x in c.split("x")) for c in a.cells.split(",")]
+    import flashinfer
+    results = [run_cell(*c, a.rounds, a.rep) for c in cells]
+    write_result("composable", {**stamp(), "flashinfer": flashinfer.__version__,
+                                "heads": {"qo": HQ, "kv": HKV, "head_dim": D, "page": PAGE, "dtype": "bf16"},
+                                "cells": results})
+    return 0

@@ -1,0 +1,172 @@
+"""Composable formats on the CPU (docs/composable.md): shared-prefix groups in the planner (the plan's items
+and merge map, replayed in float64 against plain attention), the groups' checks and their detection from a
+block table, and which variants run them."""
+import numpy as np
+import pytest
+import torch
+
+from fi_backend import scheduler as S
+from fi_backend.attention import shared_prefix_supported
+from fi_backend.formats import BSR, check_prefix_groups, from_block_table, prefix_groups_from_table
+from fi_backend import variants as V
+
+
+def _views(rows, num_ctas, units, tile_q, shared_rows):
+    return S.PlanViews.allocate(num_ctas, S.max_items_for(rows, num_ctas, units), rows,
+                                S.max_partial_rows_for(num_ctas, units, tile_q) + shared_rows)
+
+
+def _replay(d, q_lens, kv_lens, groups, causal, units, seed=0):
+    """The plan's items run as the kernels run them (float64, one head a unit, D = 4), merged per row; returns
+    (output, expected) over every (row, unit). A shared item's KV is its first request's; every row sees it."""
+    rng = np.random.default_rng(seed)
+    B = len(kv_lens)
+    qo = np.concatenate(([0], np.cumsum(q_lens)))
+    L = {}
+    for first, end, plen in groups:
+        for r in range(first, end):
+            L[r] = plen
+    first_of = {r: f for f, e, _ in groups for r in range(f, e)}
+    # KV: a member's first L tokens are its group leader's
+    K = [rng.standard_normal((kv_lens[b], units, 4)) for b in range(B)]
+    for b in range(B):
+        if b in first_of and b != first_of[b]:
+            K[b][:L[b]] = K[first_of[b]][:L[b]]
+    Q = rng.standard_normal((qo[-1], units, 4))
+    req_of_row = np.repeat(np.arange(B), q_lens)
+
+    def state(rows_req, r, u, kv_req, lo, hi):
+        q_len, kv = q_lens[rows_req], kv_lens[rows_req]
+        limit = kv - q_len + (r - qo[rows_req]) if causal else kv
+        idx = np.arange(lo, min(hi, kv_lens[kv_req]))
+        idx = idx[idx <= limit] if causal else idx
+        if idx.size == 0:
+            return np.zeros(4), -np.inf
+        s = K[kv_req][idx, u] @ Q[r, u]
+        m = s.max()
+        p = np.exp(s - m)
+        return (p[:, None] * K[kv_req][idx, u]).sum(0) / p.sum(), m + np.log(p.sum())
+
+    out = np.full((qo[-1], units, 4), np.nan)
+    partial = {}
+    for it in d.items:
+        shared = bool(it["request"] & S.ITEM_SHARED)
+        leader = it["request"] & ~S.ITEM_SHARED
+        for r in range(it["q_begin"], it["q_end"]):
+            own = req_of_row[r]
+            assert shared or own == leader
+            o, lse = state(own, r, it["unit"], leader, it["kv_begin"], it["kv_end"])
+            if it["partial_base"] < 0:
+                assert np.isnan(out[r, it["unit"]]).all(), "a row written twice"
+                out[r, it["unit"]] = o
+            else:
+                slot = it["partial_base"] + (r - it["q_begin"]) * it["partial_stride"]
+                assert d.merge_indptr[r] <= slot < d.merge_indptr[r + 1], (r, slot)
+                assert (slot, it["unit"]) not in partial, "a partial row written twice"
+                partial[(slot, it["unit"])] = (o, lse)
+    for r in d.split_rows:
+        for u in range(units):
+            states = [partial[(j, u)] for j in range(d.merge_indptr[r], d.merge_indptr[r + 1])]
+            m = max(l for _, l in states)
+            w = np.array([np.exp(l - m) for _, l in states])
+            out[r, u] = sum(wi * o for wi, (o, _) in zip(w, states)) / w.sum()
+    expect = np.stack([np.stack([state(req_of_row[r], r, u, req_of_row[r], 0, kv_lens[req_of_row[r]])[0]
+                                 for u in range(units)]) for r in range(qo[-1])])
+    return out, expect
+
+
+@pytest.mark.parametrize("case", [
+    # (q_lens, kv_lens, groups, tile_q, causal)
+    ([1] * 64, [32768 + 256] * 64, [(0, 64, 32768)], 4, True),            # the bar's decode cell
+    ([1] * 16, [8193 + 7 * i for i in range(16)], [(0, 16, 8192)], 64, True),
+    ([1] * 9 + [3] * 4, [4000 + 5 * i for i in range(13)], [(1, 5, 2048), (6, 13, 3000)], 4, True),
+    ([2, 5, 1, 7], [600, 700, 650, 900], [(0, 4, 512)], 3, True),          # a request's rows across tiles
+    ([1] * 6, [300] * 6, [(0, 6, 256)], 3, False),
+])
+def test_plan_with_groups_replays_to_attention(case):
+    q_lens, kv_lens, groups, tile_q, causal = case
+    units, num_ctas = 2, 16
+    rows = sum(q_lens)
+    views = _views(rows, num_ctas, units, tile_q, 9 * len(kv_lens))
+    qo = np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32)
+    info = S.plan_into(views, qo, np.array(kv_lens, np.int32), tile_q=tile_q, num_ctas=num_ctas, num_units=units,
+                       causal=causal, kv_chunk_align=16, cost_q=2.0, groups=np.array(groups, np.int32))
+    d = S.decode_plan(views)
+    assert info.shared_groups == len(groups)
+    shared = d.items[(d.items["request"] & S.ITEM_SHARED) != 0]
+    assert len(shared) and (shared["partial_base"] >= 0).all()
+    assert info.num_partial_rows == d.merge_indptr[-1] <= views.max_partial_rows
+    if kv_lens[0] > 20000:  # replaying 64 x 32k in float64 is slow: check only the layout there
+        return
+    out, expect = _replay(d, q_lens, kv_lens, groups, causal, units)
+    np.testing.assert_allclose(out, expect, rtol=1e-9, atol=1e-9)
+
+
+def test_groups_that_do_not_pay_stay_single_format():
+    views = _views(4, 16, 2, 4, 36)
+    qo = np.arange(5, dtype=np.int32)
+    kv = np.full(4, 200, np.int32)
+    info = S.plan_into(views, qo, kv, tile_q=4, num_ctas=16, num_units=2, causal=True, cost_q=128.0,
+                       groups=np.array([[0, 4, 16]], np.int32))
+    assert info.shared_groups == 0
+    info = S.plan_into(views, qo, kv, tile_q=4, num_ctas=16, num_units=2, causal=True, cost_q=1.0,
+                       groups=np.array([[0, 1, 160]], np.int32))   # one member: nothing to share
+    assert info.shared_groups == 0
+    small = _views(4, 16, 2, 4, 0)   # no partial rows beyond the split budget: the group does not fit
+    info = S.plan_into(small, qo, np.full(4, 8192, np.int32), tile_q=4, num_ctas=16, num_units=2, causal=True,
+                       groups=np.array([[0, 4, 8000]], np.int32))
+    assert info.shared_groups <= 1 and info.num_partial_rows <= small.max_partial_rows
+
+
+def test_planner_refuses_bad_groups():
+    views = _views(4, 8, 1, 4, 64)
+    qo = np.arange(5, dtype=np.int32)
+    kv = np.array([100, 100, 50, 100], np.int32)
+    plan = lambda g, **kw: S.plan_into(views, qo, kv, tile_q=4, num_ctas=8, causal=True,
+                                       groups=np.array(g, np.int32), **kw)
+    with pytest.raises(ValueError, match="group 0: prefix length 64 exceeds request 2's KV"):
+        plan([[0, 4, 64]])
+    with pytest.raises(ValueError, match="group 1: requests"):
+        plan([[0, 2, 32], [1, 3, 32]])
+    with pytest.raises(ValueError, match="deterministic"):
+        plan([[0, 2, 32]], deterministic_pieces=4)
+
+
+def _bsr(table, kv_lens, q_lens, page):
+    table = torch.as_tensor(table, dtype=torch.int32)
+    qo = torch.tensor(np.concatenate(([0], np.cumsum(q_lens))), dtype=torch.int32)
+    return from_block_table(table, torch.tensor(kv_lens, dtype=torch.int32), qo, page, num_kv_blocks=64)
+
+
+def test_check_prefix_groups_names_group_and_request():
+    table = [[1, 2, 3], [1, 2, 4], [1, 5, 6], [7, 8, 9]]
+    bsr = _bsr(table, [40, 40, 40, 40], [1, 1, 1, 1], 16)
+    check_prefix_groups(bsr, [[0, 2, 32], [2, 4, 0]])
+    bsr.validate(prefix_groups=[[0, 3, 16]])
+    with pytest.raises(ValueError, match="prefix group 0: request 2 reads KV block 5 at its block 1"):
+        check_prefix_groups(bsr, [[0, 3, 32]])
+    with pytest.raises(ValueError, match="prefix group 1: request 1 is also in group 0"):
+        check_prefix_groups(bsr, [[0, 2, 16], [1, 3, 16]])
+    with pytest.raises(ValueError, match="prefix group 0: its prefix of 40 tokens is longer than request 0's KV"):
+        check_prefix_groups(bsr, [[0, 2, 40]])
+    with pytest.raises(ValueError, match="within the BSR's 4 row blocks"):
+        check_prefix_groups(bsr, [[3, 5, 16]])
+
+
+def test_prefix_groups_from_table():
+    t = np.array([[1, 2, 3, 9], [1, 2, 3, 8], [1, 2, 4, 7], [5, 6, 7, 8], [5, 6, 0, 0], [9, 9, 9, 9], [9, 9, 9, 9]])
+    cached = np.array([64, 64, 64, 64, 30, 64, 10])
+    np.testing.assert_array_equal(prefix_groups_from_table(t, cached, 16), [[0, 3, 32], [3, 5, 16]])
+    np.testing.assert_array_equal(prefix_groups_from_table(t, cached, 16, min_prefix_tokens=32), [[0, 3, 32]])
+    assert prefix_groups_from_table(t[:1], cached[:1], 16).shape == (0, 3)
+    # the groups found are the ones check_prefix_groups accepts
+    bsr = _bsr(np.pad(t, ((0, 0), (0, 1))), cached + 1, [1] * 7, 16)
+    check_prefix_groups(bsr, prefix_groups_from_table(t, cached, 16))
+
+
+def test_which_variants_run_shared_items():
+    ok = {n for n, v in V.BUILTIN_VARIANTS.items() if shared_prefix_supported(v)}
+    assert {"default", "soft_cap", "sigmoid"} <= ok
+    assert not ok & {"window", "alibi", "custom_mask", "rope", "rope_interleave"}
+    pos = V.Variant("by_pos", logits_transform="return logits + 0.01f * ctx.q_pos;")
+    assert not shared_prefix_supported(pos)

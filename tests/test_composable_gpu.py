@@ -1,0 +1,225 @@
+"""GPU tests of composable formats (docs/composable.md): shared-prefix groups planned with the per-request
+BSR and run by the decode and prefill kernels in one launch, against the float64 reference (fi_backend.reference)
+on fresh random inputs, outputs poisoned with NaN and every cache slot no request reads poisoned too.
+
+Groups of 1..64 requests, prefixes of 1..32k tokens, pages of 1 and 16, GQA groups 1 / 4 / 7, every built-in
+variant (those whose hooks see query positions plan their groups single-format: still checked), fp8 KV, CUDA-graph
+replay after re-plans that change the groups, and plan(debug=True) refusing inconsistent groups."""
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from fi_backend import variants as V
+from fi_backend.formats import BSR
+
+from attention_cases import DEV, TOL, _lazy, _variant_case, check, poison_unused, random_kv, reference
+
+pytestmark = pytest.mark.gpu
+
+
+def make_wrapper(Hq, Hkv, D, *, kernel="decode", q_dtype=torch.bfloat16, kv_dtype=None, page_size=16,
+                 variant=V.DEFAULT, max_tokens=512, max_requests=256):
+    BatchAttention, _ = _lazy()
+    ws = BatchAttention.workspace_for(DEV, Hq, Hkv, D, max_requests=max_requests, max_tokens=max_tokens,
+                                      q_dtype=q_dtype, kv_dtype=kv_dtype, variant=variant, kernel=kernel,
+                                      shared_prefix=True)
+    return BatchAttention(ws, Hq, Hkv, D, q_dtype=q_dtype, kv_dtype=kv_dtype, page_size=page_size, variant=variant,
+                          kernel=kernel)
+
+
+def grouped_table(kv_lens, q_lens, page, groups, *, table=None, num_blocks=None):
+    """A vLLM-style block table where each group's members hold their first member's page ids over the prefix
+    (random distinct pages otherwise), as a device BSR; (bsr, qo_cpu, kv_cpu, num_blocks). table: a persistent
+    device table to write into (CUDA graphs)."""
+    B = len(kv_lens)
+    nblk = [(l + page - 1) // page for l in kv_lens]
+    width = max(nblk) + 2
+    num_blocks = num_blocks or sum(nblk) + 7
+    perm = torch.randperm(num_blocks).to(torch.int32)
+    host = torch.full((B, width), -5, dtype=torch.int32)
+    off = 0
+    for b in range(B):
+        host[b, :nblk[b]] = perm[off:off + nblk[b]]
+        off += nblk[b]
+    for first, end, plen in groups:
+        shared = (plen + page - 1) // page
+        host[first + 1:end, :shared] = host[first, :shared]
+    if table is None:
+        table = host.to(DEV)
+    else:
+        table[:B, :width] = host.to(DEV)
+    qo = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32)
+    kv = torch.tensor(kv_lens, dtype=torch.int32)
+    rows = torch.arange(B, dtype=torch.int32, device=DEV) * table.stride(0)
+    bsr = BSR(qo_indptr=qo.to(DEV), kv_indices=table.view(-1), kv_block_start=rows, kv_lens=kv.to(DEV),
+              block_width=page, num_kv_blocks=num_blocks)
+    return bsr, qo, kv, num_blocks
+
+
+def run_grouped(attn, kv_lens, q_lens, groups, *, dtype=torch.bfloat16, kv_dtype=None, variant_kw=None,
+                ref_kw=None, k_scale=1.0, v_scale=1.0, tol=None, what="", expect_shared=None):
+    kv_dtype = kv_dtype or dtype
+    page = attn.page_size
+    bsr, qo, kv, nb = grouped_table(kv_lens, q_lens, page, groups)
+    cache, k, v = random_kv(nb, page, attn.num_kv_heads, attn.head_dim, kv_dtype)
+    poison_unused(k, v, bsr)
+    rows = int(qo[-1])
+    q = (1.5 * torch.randn(rows, attn.num_qo_heads, attn.head_dim, device=DEV)).to(dtype)
+    attn.plan(qo, kv, bsr, causal=True, prefix_groups=torch.tensor(groups, dtype=torch.int32).view(-1, 3),
+              debug=True, **(variant_kw or {}))
+    if expect_shared is not None:
+        assert attn.plan_info.shared_groups == expect_shared, (what, attn.plan_info)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((rows, attn.num_qo_heads), float("nan"), device=DEV) if attn.variant.use_softmax else None
+    attn.run(q, cache, out=out, lse=lse, k_scale=k_scale, v_scale=v_scale)
+    torch.cuda.synchronize()
+    attn.check_errors()
+    rk = dict(ref_kw or {})
+    if kv_dtype != dtype:
+        rk.update(k_scale=k_scale, v_scale=v_scale)
+    o_ref, lse_ref = reference(q, k, v, bsr, causal=True, **rk)
+    check(out, lse, o_ref, lse_ref, tol or TOL[dtype], what)
+    return attn.plan_info
+
+
+def _batch(members, prefix, suffix, q_len=1, lone=0):
+    """One group of `members` requests sharing `prefix` tokens, each with `suffix` more (plus its query), and
+    `lone` requests in no group around it."""
+    kv = [prefix + suffix + random.randint(0, 40) + q_len for _ in range(members)]
+    lone_kv = [random.randint(q_len, 3000) for _ in range(lone)]
+    kv_lens = lone_kv[: lone // 2] + kv + lone_kv[lone // 2:]
+    first = lone // 2
+    return kv_lens, [q_len] * len(kv_lens), [(first, first + members, prefix)]
+
+
+_CASES = [  # (members, prefix, suffix, lone)
+    (64, 32768, 256, 0),   # the bar's decode cell
+    (16, 8192, 100, 3),
+    (128, 1024, 64, 0),
+    (2, 5000, 7, 5),
+    (7, 1, 30, 2),
+    (1, 4000, 10, 4),      # a group of one: single-format
+]
+
+
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+@pytest.mark.parametrize("page,group", [(16, 4), (1, 4), (16, 1), (16, 7), (1, 7)])
+def test_shared_prefix_matrix(kernel, page, group):
+    Hkv = {1: 4, 4: 8, 7: 2}[group]
+    attn = make_wrapper(Hkv * group, Hkv, 128, kernel=kernel, page_size=page)
+    for members, prefix, suffix, lone in _CASES:
+        if page == 1 and prefix > 8192:
+            prefix = 8192  # token tables: keep the host table small
+        kv_lens, q_lens, groups = _batch(members, prefix, suffix, lone=lone)
+        run_grouped(attn, kv_lens, q_lens, groups, what=f"{kernel} page={page} group={group} {members}x{prefix}")
+
+
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+def test_many_groups_and_multirow_queries(kernel):
+    """Several groups of different sizes and prefixes in one step, requests with 1..5 query rows (a group's
+    rows then span query tiles and requests at once), lone requests between the groups."""
+    attn = make_wrapper(32, 8, 128, kernel=kernel, page_size=16)
+    kv_lens, q_lens, groups, r = [], [], [], 0
+    for members, prefix in ((3, 2048), (1, 0), (9, 4096), (1, 0), (20, 700), (5, 16)):
+        if prefix:
+            groups.append((r, r + members, prefix))
+        for _ in range(members):
+            ql = random.randint(1, 5)
+            kv_lens.append(prefix + ql + random.randint(0, 300))
+            q_lens.append(ql)
+        r += members
+    run_grouped(attn, kv_lens, q_lens, groups, what=f"{kernel} many groups")
+
+
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+@pytest.mark.parametrize("name", ["default", "soft_cap", "sigmoid", "window", "alibi", "custom_mask", "rope_llama31",
+                                  "soft_cap_window"])
+def test_variants(kernel, name):
+    """Variants whose hooks see no query position run shared items; the others plan the groups single-format
+    (plan_info.shared_groups == 0). Both must match the reference with each query at its own position."""
+    Hq, Hkv = 16, 4
+    _, variant, vkw, rkw = _variant_case(name, Hq)
+    attn = make_wrapper(Hq, Hkv, 128, kernel=kernel, page_size=16, variant=variant)
+    kv_lens, q_lens, groups = _batch(12, 3000, 200, q_len=2, lone=2)
+    if callable(vkw):
+        masks = vkw(q_lens, kv_lens)
+        vkw = dict(zip(("mask_packed", "mask_indptr"), V.pack_custom_mask(masks, device=DEV)))
+        rkw = {"masks": masks}
+    from fi_backend.attention import shared_prefix_supported
+    tol = TOL[torch.bfloat16] * (2 if "rope" in name else 1)
+    run_grouped(attn, kv_lens, q_lens, groups, variant_kw=vkw, ref_kw=rkw, tol=tol, what=f"{kernel} {name}",
+                expect_shared=1 if shared_prefix_supported(variant) else 0)
+
+
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+def test_fp8_kv(kernel):
+    attn = make_wrapper(32, 8, 128, kernel=kernel, kv_dtype=torch.float8_e4m3fn, page_size=16)
+    kv_lens, q_lens, groups = _batch(24, 6000, 128, lone=3)
+    run_grouped(attn, kv_lens, q_lens, groups, kv_dtype=torch.float8_e4m3fn, k_scale=0.37, v_scale=1.9,
+                what=f"{kernel} fp8", expect_shared=1)
+
+
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+def test_cuda_graph_replay_after_replans_that_change_groups(kernel):
+    """run() captured once (with groups), replayed after plans with other groups, no groups, and a smaller
+    batch: the kernel reads the plan and the BSR from the same storage every time."""
+    page, B, width = 16, 40, 600
+    attn = make_wrapper(32, 8, 128, kernel=kernel, page_size=page)
+    table = torch.zeros(B, width, dtype=torch.int32, device=DEV)
+    seq = torch.zeros(B, dtype=torch.int32, device=DEV)
+    qsl = torch.zeros(B + 1, dtype=torch.int32, device=DEV)
+    starts = torch.arange(B, dtype=torch.int32, device=DEV) * width
+    num_blocks = B * width
+    cache, k, v = random_kv(num_blocks, page, 8, 128, torch.bfloat16)
+    q_buf = torch.randn(B, 32, 128, device=DEV, dtype=torch.bfloat16)
+    out_buf = torch.empty_like(q_buf)
+
+    def step(n, groups):
+        members = {r for f, e, _ in groups for r in range(f, e)}
+        prefix = {r: p for f, e, p in groups for r in range(f, e)}
+        kv_lens = [prefix.get(r, 0) + random.randint(1, 900) for r in range(n)]
+        bsr, qo, kv, _ = grouped_table(kv_lens, [1] * n, page, groups, table=table, num_blocks=num_blocks)
+        seq[:n] = kv.to(DEV)
+        qsl[:n + 1] = qo.to(DEV)
+        bsr = BSR(qo_indptr=qsl[:n + 1], kv_indices=table.view(-1), kv_block_start=starts[:n], kv_lens=seq[:n],
+                  block_width=page, num_kv_blocks=num_blocks)
+        attn.plan(qo, kv, bsr, causal=True, prefix_groups=groups or None)
+        assert attn.plan_info.shared_groups == len(groups), attn.plan_info
+        assert members is not None
+        return bsr
+
+    bsr = step(B, [(0, 30, 4096)])
+    attn.run(q_buf, cache, out=out_buf)  # warm-up outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn.run(q_buf, cache, out=out_buf)
+    for groups in ([(0, 30, 4096)], [(2, 10, 8192), (12, 40, 2000)], [], [(5, 40, 3000)]):
+        bsr = step(B, groups)
+        q_buf.normal_()
+        out_buf.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        attn.check_errors()
+        o_ref, _ = reference(q_buf, k, v, bsr, causal=True)
+        check(out_buf, None, o_ref, None, TOL[torch.bfloat16] * 2, f"{kernel} graph replay {groups}")
+    attn.release_graph()
+
+
+def test_debug_plan_refuses_inconsistent_groups():
+    attn = make_wrapper(32, 8, 128, page_size=16)
+    kv_lens = [2000, 2000, 1000, 2000]
+    bsr, qo, kv, _ = grouped_table(kv_lens, [1] * 4, 16, [(0, 2, 1024)])
+    with pytest.raises(ValueError, match="prefix group 0: request 1 is also in group|prefix group 1: request 1 is "
+                                         "also in group 0"):
+        attn.plan(qo, kv, bsr, causal=True, prefix_groups=[[0, 2, 512], [1, 3, 512]], debug=True)
+    with pytest.raises(ValueError, match="prefix group 0: its prefix of 1500 tokens is longer than request 2's KV"):
+        attn.plan(qo, kv, bsr, causal=True, prefix_groups=[[1, 3, 1500]], debug=True)
+    with pytest.raises(ValueError, match="prefix group 0: request 2 reads KV block"):
+        attn.plan(qo, kv, bsr, causal=True, prefix_groups=[[0, 3, 512]], debug=True)
+    with pytest.raises(ValueError, match="group 0: prefix length 1500 exceeds request 2's KV"):  # the planner's own
+        attn.plan(qo, kv, bsr, causal=True, prefix_groups=[[1, 3, 1500]])
