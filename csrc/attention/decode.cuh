@@ -262,6 +262,7 @@ struct Kernel {
     float slope[2] = {0.f, 0.f};  // ALiBi (alibi_slope) of rows g and g + 8; padding rows never reach a hook
     const float scale_log2 = p.logits_scale * kLog2e;
     DetAcc fold[kFoldSlots];  // deterministic whole items: the pieces folded so far (finish)
+    int next_cut = 0;         // and where their current piece ends (a KV index)
     // A fresh online-softmax state: at a (sub-)item's first tile, and after each piece a whole item folds.
     auto reset = [&]() {
 #pragma unroll
@@ -302,6 +303,8 @@ struct Kernel {
         reset();
 #pragma unroll
         for (int f = 0; f < kFoldSlots; ++f) E::det_start(fold[f]);
+        if (p.deterministic && w.partial_base < 0)  // the first multiple of the piece length past the first tile
+          next_cut = (rec->tile_kv_begin / w.partial_stride + 1) * w.partial_stride;
       }
 
       const int n_valid = rec->n_valid;
@@ -461,7 +464,8 @@ struct Kernel {
       // A deterministic whole item (partial_stride: its piece length, a multiple of kTile) folds each piece
       // as the merge of its split pieces would (docs/deterministic.md).
       const bool pieces = p.deterministic && w.partial_base < 0;
-      const bool piece_end = pieces && !(flags & kLast) && (rec->tile_kv_begin + kTile) % w.partial_stride == 0;
+      const bool piece_end = pieces && !(flags & kLast) && rec->tile_kv_begin + kTile == next_cut;
+      if (piece_end) next_cut += w.partial_stride;
       if ((flags & kLast) || piece_end) {
         finish(p, vp, stage, w, warp, lane, m_run, d_run, o, o2, md, merge_mask, fold,
                !pieces ? kStore : piece_end ? kFoldPiece : kFoldLast);
