@@ -692,7 +692,8 @@ struct Kernel {
       for (int hf = 0; hf < 2; ++hf) {
         const float m_next = grow[hf] ? m_new[hf] : m_run[hf];  // the row's own growth alone
         const float m_use = m_next == -INFINITY ? 0.f : m_next;
-        alpha[hf] = ptx::exp2(m_run[hf] - m_use);  // 1 for a row that did not grow (0 for one with nothing yet)
+        // exactly 1 for a row that did not grow (not left to ex2.approx of 0); 0 for a first finite maximum
+        alpha[hf] = grow[hf] ? ptx::exp2(m_run[hf] - m_use) : 1.f;
         m_run[hf] = m_next;
         const float nb = kBias ? rb[hf] - m_use : -m_use;
         // Four independent partial sums: one serial chain of FADDs would wait on each result. (Each starts
