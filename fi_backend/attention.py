@@ -97,12 +97,13 @@ class _Params(ctypes.Structure):
         ("partial_o", ctypes.c_void_p), ("partial_lse", ctypes.c_void_p), ("merge_counters", ctypes.c_void_p),
         ("error_flags", ctypes.c_void_p), ("num_qo_heads", ctypes.c_int32), ("num_head_chunks", ctypes.c_int32),
         ("logits_scale", ctypes.c_float), ("v_scale", ctypes.c_float), ("causal", ctypes.c_int32),
+        ("deterministic", ctypes.c_int32),
     ]
 
 
 _LAYOUT_FIELDS = ("q", "out", "lse", "k", "num_kv_blocks", "page_div", "kv_block_start_int64", "kv_indices",
                   "kv_pos_start", "plan", "items_offset", "partial_o", "error_flags", "num_qo_heads",
-                  "logits_scale", "causal")
+                  "logits_scale", "causal", "deterministic")
 
 
 def _fastdiv(d: int) -> _FastDiv:
@@ -318,6 +319,7 @@ class BatchAttention:
         p.page_size = page_size
         p.page_div = _fastdiv(page_size)
         p.v_scale = 1.0
+        p.deterministic = int(self.deterministic)  # aligned tiles, the fold and its merge (docs/deterministic.md)
         self._params = p
         self._params_ref = ctypes.byref(p)
         self._vparams = self._launcher.vparams_type()

@@ -23,8 +23,10 @@ BALANCED_SLACK above the bound, a partition (the pairs filling CTA after CTA up 
 falls) replaces it when its makespan is strictly lower (plan_into's partition, PlanInfo.kind).
 
 A deterministic plan (plan_into's deterministic_pieces, docs/deterministic.md) replaces the search and the
-partition: each request's KV is cut at the multiples of a chunk taken from its own length, so a query row's
-pieces and their merge order never depend on the rest of the step; LPT only spreads those pieces.
+partition: each request's KV is cut into pieces at the multiples of a chunk taken from its own length, so a
+query row's pieces and the order they are folded in never depend on the rest of the step. A request runs
+either whole (the kernel folds its pieces) or as one item per piece (merged by the same fold), whichever
+balances the step better: the bits are the same.
 """
 from __future__ import annotations
 
@@ -71,11 +73,11 @@ SHARED_GAIN = _planner.SHARED_GAIN
 # tile, filling the pipeline, writing and later merging a partial state) outweighs the extra parallelism.
 DEFAULT_MIN_KV_CHUNK = 128
 # Deterministic plans (plan_into's deterministic_pieces): at most this many pieces per request, none
-# shorter than DETERMINISTIC_MIN_CHUNK tokens (FlashInfer's fixed split size in SGLang's deterministic
-# mode is 2048 for decode): a shorter floor balances small batches better and costs every large batch
-# the fixed work of more pieces, and only the request's own length may decide.
+# shorter than DETERMINISTIC_MIN_CHUNK tokens (the normal plan's floor): one request alone then spreads over
+# the grid as the normal plan would, while a large batch runs its requests whole, the kernel folding their
+# pieces exactly as the merge of split pieces would (docs/deterministic.md).
 DETERMINISTIC_PIECES = 16
-DETERMINISTIC_MIN_CHUNK = 2048
+DETERMINISTIC_MIN_CHUNK = DEFAULT_MIN_KV_CHUNK
 
 
 def max_items_for(max_rows: int, num_ctas: int, max_units: int = 1, deterministic_pieces: int = 0) -> int:
@@ -235,11 +237,13 @@ def plan_into(views: PlanViews, qo_indptr, kv_lens, *, tile_q: int, num_ctas: in
     or num_ctas divisible by num_units), without group_requests, kv_window or a forced candidate, when LPT's
     makespan is over BALANCED_SLACK above the bound, and kept only when strictly lower (PlanInfo.kind says
     which plan it is; csrc/scheduler/planner.cc, ChoosePartition).
-    deterministic_pieces (0: off): a deterministic plan. Each pair's KV is cut at the multiples of its request's
-    chunk C, the smallest kv_chunk_align * 2^k >= ceil(kv_len / deterministic_pieces) and >= min_kv_chunk,
-    from that request's kv_len alone; LPT spreads the pieces; no search, no partition, forced candidates
-    refused; 1 splits nothing. A row's pieces and merge order then depend on its request only
-    (docs/deterministic.md).
+    deterministic_pieces (0: off): a deterministic plan. Each pair's KV is cut into pieces at the multiples of
+    its request's chunk C, the smallest kv_chunk_align * 2^k >= ceil(kv_len / deterministic_pieces) and >=
+    min_kv_chunk, from that request's kv_len alone. A pair runs whole (one item, partial_stride = C: the
+    kernel folds the pieces) or as one item per piece (merged in piece order by the same fold): the s
+    longest pairs of several pieces split, s = 0, 1, 2, 4, ... by LPT makespan; no chunk search, no
+    partition, forced candidates refused; 1 splits nothing. A row's pieces and their fold then depend on its
+    request only (docs/deterministic.md).
     groups (composable formats, docs/composable.md): None, or int32 [G, 3] rows (first request, end request,
     prefix tokens), ascending and disjoint: requests [first, end) share their first prefix tokens of KV
     (<= each member's KV before its query). A kept group's rows get shared-prefix items (request field

@@ -51,6 +51,10 @@ class _BatchAttention(mock.MagicMock):
         return 132
 
     @staticmethod
+    def workspace_for(device, num_qo_heads, num_kv_heads, head_dim, **_):
+        return mock.MagicMock()
+
+    @staticmethod
     def query_tile_rows(num_qo_heads, num_kv_heads, head_dim, *, q_dtype=torch.bfloat16, kv_dtype=None,
                         variant=None, kernel="decode", tuning=None):
         return 128

@@ -25,10 +25,12 @@ def plan(qo, kv, *, tile_q, num_ctas, num_units, causal, align, pieces, min_kv_c
     return S.decode_plan(views)
 
 
-def request_signature(d, qo, request):
+def request_signature(d, qo, request, how=None):
     """What decides a request's arithmetic, relative to its own rows: each of its rows' query tile (rows
-    relative to the request) and KV pieces in the order the merge reads them (by partial row, which must be
-    exactly [merge_indptr[r], merge_indptr[r + 1])), the same for every unit. A row's pieces are its tile's."""
+    relative to the request) and KV pieces in the order the merge (split) or the kernel's fold (a whole item
+    of a deterministic plan: pieces of partial_stride tokens from 0) takes them (by partial row, which must be
+    exactly [merge_indptr[r], merge_indptr[r + 1])), the same for every unit. A row's pieces are its tile's.
+    how: a set that gets "split" and / or "whole" for the tiles seen (deterministic plans)."""
     q0, q1 = int(qo[request]), int(qo[request + 1])
     it = d.items[d.items["request"] == request]
     per_unit = []
@@ -44,7 +46,14 @@ def request_signature(d, qo, request):
             mi = d.merge_indptr
             if len(tile) == 1 and tile["partial_base"][0] < 0:
                 assert np.all(mi[tb + 1:te + 1] == mi[tb:te])
-            else:  # row r's pieces write partial rows base + (r - tb) * stride: its merge range, in piece order
+                if how is not None:  # deterministic: the pieces the kernel folds
+                    c, end = int(tile["partial_stride"][0]), int(tile["kv_end"][0])
+                    assert int(tile["kv_begin"][0]) == 0 and c > 0 and c % DECODE_ALIGN % PREFILL_ALIGN == 0
+                    pieces = tuple((b, min(end, b + c)) for b in range(0, max(end, 1), c))
+                    how.add("whole")
+            else:
+                if how is not None:
+                    how.add("split")  # row r's pieces write partial rows base + (r - tb) * stride: its merge range, in piece order
                 for r in (tb, te - 1):
                     prow = tile["partial_base"][order] + (r - tb) * tile["partial_stride"][order]
                     assert np.array_equal(prow, np.arange(mi[r], mi[r + 1]))
@@ -100,8 +109,9 @@ def test_request_plan_is_batch_invariant(kind):
     kw = dict(tile_q=tile_q, causal=causal, align=align, min_kv_chunk=min_chunk)
     want = normal_first = None
     normal_differs = 0
+    how = set()
     for qo, kv, at, (num_ctas, units) in batches(kind, seed=31):
-        det = request_signature(plan(qo, kv, num_ctas=num_ctas, num_units=units, pieces=pieces, **kw), qo, at)
+        det = request_signature(plan(qo, kv, num_ctas=num_ctas, num_units=units, pieces=pieces, **kw), qo, at, how)
         normal = request_signature(plan(qo, kv, num_ctas=num_ctas, num_units=units, pieces=0, **kw), qo, at)
         if want is None:
             want, normal_first = det, normal
@@ -109,7 +119,8 @@ def test_request_plan_is_batch_invariant(kind):
         normal_differs += normal != normal_first
     assert normal_differs > 0, "the normal plan never moved this request's pieces: the test could not fail"
     if pieces > 1:
-        assert any(len(p) > 1 for _, p in want), "the target is split (its merge order is under test)"
+        assert any(len(p) > 1 for _, p in want), "the target has pieces (their fold order is under test)"
+        assert how == {"split", "whole"}, "the target ran split (merge) in some batches and whole (fold) in others"
 
 
 def effective_pieces(signature, kv_len, q_len, causal=True):
@@ -131,46 +142,54 @@ def test_cached_prefix_and_chunked_prefill_keep_the_cuts(pieces, min_chunk, tile
     K = 5000
     kw = dict(tile_q=tile_q, causal=True, align=PREFILL_ALIGN, min_kv_chunk=min_chunk, num_ctas=132, num_units=8,
               pieces=pieces)
-    whole = effective_pieces(request_signature(plan([0, K], [K], **kw), [0, K], 0), K, K)
+    whole = effective_pieces(request_signature(plan([0, K], [K], **kw), [0, K], 0, set()), K, K)
     for q_len in (1, 37, 1000, 4999):  # a cached prefix of K - q_len tokens
-        part = effective_pieces(request_signature(plan([0, q_len], [K], **kw), [0, q_len], 0), K, q_len)
+        part = effective_pieces(request_signature(plan([0, q_len], [K], **kw), [0, q_len], 0, set()), K, q_len)
         assert part == whole[K - q_len:]
     if pieces == 1:  # chunked prefill: each chunk's rows see [0, position] in one piece, whatever the chunk's KV
         for start, end in ((0, 512), (512, 2048), (2048, K)):
-            part = effective_pieces(request_signature(plan([0, end - start], [end], **kw), [0, end - start], 0),
-                                    end, end - start)
+            part = effective_pieces(request_signature(plan([0, end - start], [end], **kw), [0, end - start], 0,
+                                                      set()), end, end - start)
             assert part == whole[start:end] == [((0, p + 1),) for p in range(start, end)]
 
 
 def test_split_points_follow_the_request_length_only():
-    """The chunk is a power of two times the alignment from kv_len / pieces, at least the floor: a decode
-    request of 20000 tokens is cut at multiples of 2048 (20000 / 16 = 1250 -> 128 * 16), one of 40000 at 4096,
-    one of 2048 or less not at all."""
+    """The piece length is a power of two times the alignment from kv_len / pieces, at least the floor (one
+    decode KV tile): a decode request of 20000 tokens is cut at multiples of 2048 (20000 / 16 = 1250 -> 128 *
+    16), one of 40000 at 4096, 2048 at 128, 2049 at 256, one of 128 or less not at all. Alone on the grid each
+    piece is an item of its own (split, merged); among 255 equal companions it runs whole (folded)."""
     kw = dict(tile_q=1, causal=False, align=DECODE_ALIGN, min_kv_chunk=S.DETERMINISTIC_MIN_CHUNK, num_ctas=128,
               num_units=8, pieces=S.DETERMINISTIC_PIECES)
-    for K, chunk in ((20000, 2048), (40000, 4096), (2048, None), (2049, 2048)):
-        (_, pieces), = request_signature(plan([0, 1], [K], **kw), [0, 1], 0)
-        if chunk is None:
-            assert pieces == ((0, K),)
-        else:
-            assert pieces == tuple((b, min(K, b + chunk)) for b in range(0, K, chunk))
+    for K, chunk in ((20000, 2048), (40000, 4096), (2048, 128), (2049, 256), (1000, 128), (100, None)):
+        for B in (1, 256):
+            how = set()
+            qo, kv = np.arange(B + 1), np.full(B, K)
+            (_, pieces), = request_signature(plan(qo, kv, **kw), qo, 0, how)
+            if chunk is None:
+                assert pieces == ((0, K),) and how == {"whole"}
+            else:
+                assert pieces == tuple((b, min(K, b + chunk)) for b in range(0, K, chunk))
+                assert how == ({"split"} if B == 1 else {"whole"})
 
 
 def test_workspace_holds_every_row_split():
     """Workspace(deterministic_pieces) sizes items and partial rows for a step whose every row is split into
-    the most pieces (max_tokens decode rows of 32k KV), which the normal workspace cannot hold."""
-    kw = dict(max_requests=256, max_tokens=256, num_ctas=128, max_tile_q=4, num_qo_heads=32, num_kv_heads=8,
+    the most pieces (max_tokens decode rows of 32k KV on a grid they do not fill). On a normal workspace the
+    same step plans too, splitting only what fits (whole requests fold their pieces: the same bits). A full
+    batch of long requests runs whole, with no partial state."""
+    kw = dict(max_requests=8, max_tokens=8, num_ctas=128, max_tile_q=4, num_qo_heads=32, num_kv_heads=8,
               head_dim=128, pin_memory=False)
-    ws = Workspace("cpu", deterministic_pieces=S.DETERMINISTIC_PIECES, **kw)
-    qo = np.arange(257, dtype=np.int32)
-    kv = np.full(256, 32768, dtype=np.int32)
-    info = ws.plan(qo, kv, tile_q=1, num_units=8, kv_chunk_align=DECODE_ALIGN, cost_q=128.0,
+    plan_kw = dict(tile_q=1, num_units=8, kv_chunk_align=DECODE_ALIGN, cost_q=128.0,
                    min_kv_chunk=S.DETERMINISTIC_MIN_CHUNK, deterministic_pieces=S.DETERMINISTIC_PIECES)
-    assert info.kind == "deterministic" and info.num_partial_rows == 256 * S.DETERMINISTIC_PIECES
-    with pytest.raises(ValueError, match="max_items"):
-        Workspace("cpu", **kw).plan(qo, kv, tile_q=1, num_units=8, kv_chunk_align=DECODE_ALIGN, cost_q=128.0,
-                                    min_kv_chunk=S.DETERMINISTIC_MIN_CHUNK,
-                                    deterministic_pieces=S.DETERMINISTIC_PIECES)
+    qo = np.arange(9, dtype=np.int32)
+    kv = np.full(8, 32768, dtype=np.int32)
+    info = Workspace("cpu", deterministic_pieces=S.DETERMINISTIC_PIECES, **kw).plan(qo, kv, **plan_kw)
+    assert info.kind == "deterministic" and info.num_partial_rows == 8 * S.DETERMINISTIC_PIECES
+    small = Workspace("cpu", **kw).plan(qo, kv, **plan_kw)
+    assert small.kind == "deterministic" and small.num_partial_rows < info.num_partial_rows
+    big = Workspace("cpu", deterministic_pieces=S.DETERMINISTIC_PIECES, **{**kw, "max_requests": 256, "max_tokens": 256})
+    full = big.plan(np.arange(257, dtype=np.int32), np.full(256, 32768, dtype=np.int32), **plan_kw)
+    assert full.num_partial_rows == 0 and full.num_split_pairs == 0
     with pytest.raises(ValueError, match="deterministic_pieces must be an int >= 0"):
         Workspace("cpu", deterministic_pieces=-1, **kw)
 

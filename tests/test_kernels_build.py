@@ -76,12 +76,13 @@ def _spec_code(spec: ModuleSpec) -> str:
 
 # ----------------------------------------------------------------------------- module sets
 
-_GPU_TESTS = ("tests/test_decode_gpu.py", "tests/test_prefill_gpu.py", "tests/test_composable_gpu.py")
+_GPU_TESTS = ("tests/test_decode_gpu.py", "tests/test_prefill_gpu.py", "tests/test_composable_gpu.py",
+              "tests/test_deterministic_gpu.py")
 
 
 def test_tests_set_covers_the_gpu_tests(tmp_path, monkeypatch):
     """The "tests" set's attention modules (what .ci/prebuild.py builds for the GPU machine) are exactly those the
-    decode and prefill GPU tests load with a built-in variant: the GPU tests run here with stand-in wrappers that
+    decode, prefill and deterministic GPU tests load with a built-in variant: the GPU tests run here with stand-in wrappers that
     record their specs (tests/spec_recorder.py)."""
     record = tmp_path / "specs.jsonl"
     env = {**os.environ, "FI_SPEC_RECORD": str(record), "FI_BACKEND_CUDA_ARCH_LIST": "90a",

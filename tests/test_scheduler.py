@@ -256,12 +256,12 @@ def chunk_index(d, items=None):
 
 
 def deterministic_chunk(kv_len, pieces, min_kv_chunk, align):
-    """The deterministic plan's chunk of a request (planner.cc, DeterministicChunk): the smallest align * 2^k
-    that is >= ceil(kv_len / pieces) and >= min_kv_chunk rounded up to align."""
+    """The deterministic plan's piece length for a request (planner.cc, DeterministicChunk): the smallest
+    align * 2^k that is >= ceil(kv_len / pieces) and >= min_kv_chunk."""
     chunk = align
-    while chunk < cdiv(max(kv_len, 1), pieces):
+    while chunk < max(cdiv(max(kv_len, 1), pieces), min_kv_chunk):
         chunk *= 2
-    return max(chunk, round_up(min_kv_chunk, align))
+    return chunk
 
 
 def check_plan(d, info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align, cost_q, cost_kv, num_units=1,
@@ -330,12 +330,16 @@ def check_plan(d, info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align
     partition = info.kind == "partition"
     split_pairs = set(np.flatnonzero(n_of_pair > 1).tolist())
     assert len(split_pairs) == info.num_split_pairs
-    if deterministic_pieces:  # cut at the multiples of the request's own chunk, in KV order
+    if deterministic_pieces:  # whole (folding pieces of the request's own chunk) or cut at its multiples
         req_chunk = [deterministic_chunk(int(kv[r]), deterministic_pieces, min_kv_chunk, align) for r in range(B)]
         for k in range(n_unit):
             j = item_pair[k]
             c_len, length = req_chunk[pairs[j][0]], pairs[j][3]
-            assert n_of_pair[j] == (cdiv(length, c_len) if length > c_len else 1)
+            assert n_of_pair[j] in ((cdiv(length, c_len), 1) if length > c_len else (1,))
+            if n_of_pair[j] == 1:  # whole: the kernel folds its pieces of c_len tokens
+                assert it["partial_base"][k] == -1 and (it["kv_begin"][k], it["kv_end"][k]) == (0, length)
+                assert it["partial_stride"][k] == c_len
+                continue
             c = int(it["kv_begin"][k]) // c_len
             assert (it["kv_begin"][k], it["kv_end"][k]) == (c * c_len, min(length, (c + 1) * c_len))
             assert it["partial_stride"][k] == n_of_pair[j]

@@ -2,7 +2,8 @@
 on the benchmark grids, each cell timed on the same inputs in one process (the bar: normal us / deterministic
 us >= 0.9 in every cell).
 
-    python3 tools/det_cost.py [--rep 100] [--out perf/results/deterministic_cost.json]
+    python3 tools/det_cost.py [--rep 100] [--out perf/results/deterministic_cost.json] [--sections decode]
+                              [--min-chunk 128]
 
 Decode: perf/decode.py's grid (32/8 heads, head_dim 128, bf16, page 16; batch 1/16/64/256 x KV 1k/4k/16k/32k).
 Prefill: perf/prefill.py's fa2 shapes (32/32 and 32/8 heads; 16 x 1k, 4 x 4k, 1 x 16k, causal) and its tile
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from perf.common import commit, device_info, time_us  # noqa: E402
 
+import fi_backend.attention as attention  # noqa: E402
 from fi_backend.formats import BSR  # noqa: E402
 from fi_backend.scheduler import DETERMINISTIC_PIECES  # noqa: E402
 from fi_backend.wrappers import BatchAttention  # noqa: E402
@@ -74,9 +76,12 @@ def main(argv=None):
     ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--out", help="write the rows as JSON here")
     ap.add_argument("--sections", default="decode,prefill")
+    ap.add_argument("--min-chunk", type=int, default=attention.DETERMINISTIC_MIN_CHUNK,
+                    help="the deterministic pieces' floor in tokens (default: scheduler.DETERMINISTIC_MIN_CHUNK)")
     a = ap.parse_args(argv)
+    attention.DETERMINISTIC_MIN_CHUNK = a.min_chunk  # read by the wrappers made below
     result = {"device": device_info(), "commit": commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "deterministic_pieces": DETERMINISTIC_PIECES}
+              "deterministic_pieces": DETERMINISTIC_PIECES, "deterministic_min_chunk": a.min_chunk}
     sections = a.sections.split(",")
     if "decode" in sections:
         ws = {"normal": wrapper("decode", 8, False, 256), "det": wrapper("decode", 8, True, 256)}

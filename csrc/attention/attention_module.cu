@@ -199,6 +199,7 @@ FI_EXPORT int fi_attention_layout(int64_t* out, int n) {
   FI_PARAMS_FIELD(num_qo_heads);
   FI_PARAMS_FIELD(logits_scale);
   FI_PARAMS_FIELD(causal);
+  FI_PARAMS_FIELD(deterministic);
 {{VARIANT_LAYOUT}}
   return i;
 }

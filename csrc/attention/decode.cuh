@@ -236,6 +236,14 @@ struct Kernel {
 
   // ------------------------------------------------------------------ the kernel
 
+  // finish's (row, 8 dims) units a thread owns: the fold accumulators it keeps across a whole item's pieces.
+  static constexpr int kFinishIters = (Cfg::kPackedRows * (Cfg::kPassDim / 8) + kThreads - 1) / kThreads;
+  static constexpr int kFoldSlots = Cfg::kPasses * kFinishIters;
+  using DetAcc = typename E::DetAcc;
+  // finish's modes: write the (sub-)item's state (output or partial row); deterministic whole items cut
+  // into pieces (Work::partial_stride tokens each): fold a piece's state, or fold the last and write the row.
+  enum FinishMode { kStore = 0, kFoldPiece = 1, kFoldLast = 2 };
+
   static constexpr bool kTmaKv = false;  // the launcher encodes no KV maps (attention_module.cu)
   static __device__ __forceinline__ void run(const Params& p, const VariantParams& vp, uint8_t* smem, const KvTma&) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
@@ -253,6 +261,23 @@ struct Kernel {
     RowInfo ri[2];
     float slope[2] = {0.f, 0.f};  // ALiBi (alibi_slope) of rows g and g + 8; padding rows never reach a hook
     const float scale_log2 = p.logits_scale * kLog2e;
+    DetAcc fold[kFoldSlots];  // deterministic whole items: the pieces folded so far (finish)
+    int next_cut = 0;         // and where their current piece ends (a KV index)
+    // A fresh online-softmax state: at a (sub-)item's first tile, and after each piece a whole item folds.
+    auto reset = [&]() {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        m_run[h] = -INFINITY;
+        d_run[h] = 0.f;
+      }
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          o[mt][e] = 0.f;
+          if constexpr (kTwoN) o2[mt][e] = 0.f;
+        }
+    };
 
     for (int j = 0;; ++j) {
       const int st = j % kStages;
@@ -275,18 +300,11 @@ struct Kernel {
           for (int h = 0; h < 2; ++h) slope[h] = ri[h].valid ? Variant::alibi_slope(vp, ri[h].qo_head) : 0.f;
         }
         load_q(vp, stage, w, ri, qa);
+        reset();
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          m_run[h] = -INFINITY;
-          d_run[h] = 0.f;
-        }
-#pragma unroll
-        for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            o[mt][e] = 0.f;
-            if constexpr (kTwoN) o2[mt][e] = 0.f;
-          }
+        for (int f = 0; f < kFoldSlots; ++f) E::det_start(fold[f]);
+        if (p.deterministic && w.partial_base < 0)  // the first multiple of the piece length past the first tile
+          next_cut = (rec->tile_kv_begin / w.partial_stride + 1) * w.partial_stride;
       }
 
       const int n_valid = rec->n_valid;
@@ -443,17 +461,27 @@ struct Kernel {
       }
       }  // 16-token blocks
 
-      if (flags & kLast) finish(p, vp, stage, w, warp, lane, m_run, d_run, o, o2, md, merge_mask);
+      // A deterministic whole item (partial_stride: its piece length, a multiple of kTile) folds each piece
+      // as the merge of its split pieces would (docs/deterministic.md).
+      const bool pieces = p.deterministic && w.partial_base < 0;
+      const bool piece_end = pieces && !(flags & kLast) && rec->tile_kv_begin + kTile == next_cut;
+      if (piece_end) next_cut += w.partial_stride;
+      if ((flags & kLast) || piece_end) {
+        finish(p, vp, stage, w, warp, lane, m_run, d_run, o, o2, md, merge_mask, fold,
+               !pieces ? kStore : piece_end ? kFoldPiece : kFoldLast);
+        if (piece_end) reset();
+      }
     }
   }
 
-  // End of a (sub-)item: merge the warps' states, normalise, write out or to partial rows, and merge
-  // completed split rows. `stage` (the tile just consumed) is the scratch.
+  // End of a (sub-)item or of a piece: merge the warps' states, normalise, then (mode) write out or to
+  // partial rows and merge completed split rows, or fold into `fold`. `stage` (the tile just consumed) is
+  // the scratch.
   template <int kO2>
   static __device__ __forceinline__ void finish(const Params& p, const VariantParams& vp, uint8_t* stage, const Work& w,
                                                 int warp, int lane, float (&m_run)[2], float (&d_run)[2],
                                                 float (&o)[kMTiles][4], float (&o2)[kO2][4], float2* md,
-                                                int* merge_mask) {
+                                                int* merge_mask, DetAcc (&fold)[kFoldSlots], int mode) {
     const int g = lane >> 2, c = lane & 3;
     constexpr int kHalves = kTwoN ? 2 : 1;
 #pragma unroll
@@ -490,7 +518,10 @@ struct Kernel {
           }
         }
       __syncthreads();
-      for (int i = threadIdx.x; i < Cfg::kPackedRows * kVecs; i += kThreads) {
+#pragma unroll
+      for (int it = 0; it < kFinishIters; ++it) {
+        const int i = threadIdx.x + it * kThreads;
+        if (i >= Cfg::kPackedRows * kVecs) break;
         const int pr = i / kVecs, dl = (i % kVecs) * 8;
         const int r = pr / kHPC;
         const int d0 = pass * kPassDim + dl;
@@ -523,7 +554,11 @@ struct Kernel {
         }
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[e] *= scale;
-        if (!split) {
+        if (mode != kStore) {  // the piece's state, exactly as a split piece writes it, folded
+          DetAcc& a = fold[pass * kFinishIters + it];
+          E::det_add(a, lse_val, acc);
+          if (mode == kFoldLast) E::det_store(p, vp, a, q_row, qo_head, d0);
+        } else if (!split) {
           E::store_out(p, vp, q_row, qo_head, d0, acc);
           if (Variant::kUseSoftmax && p.lse != nullptr && d0 == 0)
             p.lse[(int64_t)q_row * p.lse_stride_row + qo_head] = lse_val;
@@ -536,7 +571,7 @@ struct Kernel {
         }
       }
     }
-    if (!split) return;
+    if (!split || mode != kStore) return;
 
     // Arrival: the CTA that writes the last chunk of a row merges it (threadfence reduction pattern).
     __threadfence();
@@ -559,7 +594,7 @@ struct Kernel {
     const int mask = *merge_mask;
     if (mask) {
       __threadfence();
-      E::template merge_rows<8>(p, vp, unit, row0, nrows, [mask](int r) { return (mask >> r) & 1; });
+      E::template merge_rows<8, true>(p, vp, unit, row0, nrows, [mask](int r) { return (mask >> r) & 1; });
     }
   }
 };

@@ -554,7 +554,8 @@ struct Kernel {
   // runs (else the step is full, visible to every row, and without a LogitsTransform S stays raw: the
   // softmax folds the scale into its exponent, one FFMA per element). Softmax units: a LogitsTransform's
   // result stays in natural units (the exponent's FFMA takes log2 e, one multiply an element fewer),
-  // masked logits without one are in log2 units. ALiBi without the bias MMA counts as a transform.
+  // masked logits without one stay raw too (-inf where masked), in log2 units only for a non-positive
+  // scale. ALiBi without the bias MMA counts as a transform.
   template <bool kMask>
   static __device__ __forceinline__ void logits_frag(const Params& p, const VariantParams& vp, const Work& w,
                                                      int tile_begin, int n_valid, int kv_head, int mf,
@@ -563,6 +564,10 @@ struct Kernel {
     if constexpr (kRaw && Variant::kUseSoftmax) return;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c = lane & 3, g = lane >> 2;
     const float scale_log2 = p.logits_scale * kLog2e;
+    // Masked logits without a transform stay raw (the softmax scales them as unmasked steps' with one FFMA):
+    // whether a step is masked depends on the unit's rows, so both must round alike. A non-positive scale
+    // masks every step (need_mask) and scales here, where the raw maximum would be the wrong one.
+    const float pre = p.logits_scale > 0.f ? 1.f : scale_log2;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       constexpr bool kCtx = Variant::kHasLogitsMask || kTransform;  // hooks see LogitsCtx
@@ -612,8 +617,8 @@ struct Kernel {
           if constexpr (Variant::kUseSoftmax) {
             if constexpr (kTransform)  // natural units: the softmax's exponent takes log2 e
               y = ok ? transform(vp, x * p.logits_scale, ctx, slope) : -INFINITY;
-            else
-              y = ok ? x * scale_log2 : -INFINITY;
+            else  // raw (x 1) as an unmasked step, so a row's exponents never depend on its tile-mates
+              y = ok ? x * pre : -INFINITY;
           } else {
             if constexpr (kTransform)
               y = ok ? transform(vp, x * p.logits_scale, ctx, slope) : 0.f;
@@ -637,27 +642,28 @@ struct Kernel {
                                                       int tile_begin, int n_valid, int kv_head, int mf, bool masked,
                                                       float bias_slope, float (&s)[kNTiles][4], float (&m_run)[2],
                                                       float (&d_run)[4], float (&o)[kDTiles][4]) {
-    bool raw;  // S holds raw logits (scale not applied)
     if constexpr (kMode == kMaskedIf) {
       if (masked) logits_frag<true>(p, vp, w, tile_begin, n_valid, kv_head, mf, s);
       else logits_frag<false>(p, vp, w, tile_begin, n_valid, kv_head, mf, s);
-      raw = !masked && !kTransform;
     } else {
       logits_frag<kMode == kMasked>(p, vp, w, tile_begin, n_valid, kv_head, mf, s);
-      raw = kMode == kFull && !kTransform;
     }
+    // S holds raw logits (scale not applied), masked or not, unless the scale is not positive (logits_frag)
+    const bool raw = !kTransform && p.logits_scale > 0.f;
     const float scale_log2 = p.logits_scale * kLog2e;
     float mx[2] = {-INFINITY, -INFINITY};
 
     // ---- online softmax of rows g (hf 0) and g + 8 (hf 1); a row lives in the 4 lanes of a quad.
-    // The running maximum m_run (log2 units) moves only when some row of the warp's fragment grows by
-    // more than kRescaleLog2 (FlashAttention-4's conditional rescaling): in between, exponents are taken
-    // against the stale maximum, so P <= 2^kRescaleLog2 (well inside bf16 / fp16 and far from fp32 overflow) and
-    // O, d and m stay consistent; the O rescale (kDTiles * 4 multiplies, twice the step's elements at
-    // 64-token steps) then runs only on the steps where a maximum jumps.
+    // A row's running maximum m_run (log2 units) moves only when that row grows by more than kRescaleLog2
+    // (FlashAttention-4's conditional rescaling): in between, exponents are taken against the stale
+    // maximum, so P <= 2^kRescaleLog2 (well inside bf16 / fp16 and far from fp32 overflow) and O, d and m
+    // stay consistent; the O rescale (kDTiles * 4 multiplies, twice the step's elements at 64-token steps)
+    // then runs only on the steps where some row of the warp's fragment jumps (a warp vote). A row that did
+    // not jump keeps its maximum and multiplies by exactly 1, so its arithmetic never depends on the rows
+    // that share its fragment (which a cached prefix or another chunking changes).
     if constexpr (Variant::kUseSoftmax) {
-      // S -> log2 units: raw logits take the scale, transformed ones (natural units) log2 e, masked ones
-      // are scaled already.
+      // S -> log2 units: raw logits take the scale, transformed ones (natural units) log2 e, those of a
+      // non-positive scale are scaled already.
       const float sl = raw ? scale_log2 : kTransform ? kLog2e : 1.f;
       // The bias MMA's row offsets (log2 units): the row's logits are S sl + rb, S holding slope * column.
       // rb = slope * (step start - (q_pos - pos_off)), the distance converted from the exact integer.
@@ -671,22 +677,23 @@ struct Kernel {
         }
       }
       float m_new[2];
-      bool grow = false;
+      bool grow[2];
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         mx[hf] = row_max(s, hf);
         mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 1));
         mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 2));
         m_new[hf] = kBias ? fmaxf(m_run[hf], fmaf(mx[hf], sl, rb[hf])) : fmaxf(m_run[hf], mx[hf] * sl);
-        grow = grow || m_new[hf] > m_run[hf] + kRescaleLog2;  // false while the row has seen only -inf
+        grow[hf] = m_new[hf] > m_run[hf] + kRescaleLog2;  // false while the row has seen only -inf
       }
-      const bool rescale = __any_sync(0xffffffffu, grow);
+      const bool rescale = __any_sync(0xffffffffu, grow[0] || grow[1]);  // gates the O multiply only
       float alpha[2];
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const float m_next = rescale ? m_new[hf] : m_run[hf];
+        const float m_next = grow[hf] ? m_new[hf] : m_run[hf];  // the row's own growth alone
         const float m_use = m_next == -INFINITY ? 0.f : m_next;
-        alpha[hf] = ptx::exp2(m_run[hf] - m_use);  // 1 without a rescale (0 for a row with nothing yet)
+        // exactly 1 for a row that did not grow (not left to ex2.approx of 0); 0 for a first finite maximum
+        alpha[hf] = grow[hf] ? ptx::exp2(m_run[hf] - m_use) : 1.f;
         m_run[hf] = m_next;
         const float nb = kBias ? rb[hf] - m_use : -m_use;
         // Four independent partial sums: one serial chain of FADDs would wait on each result. (Each starts
@@ -1017,7 +1024,7 @@ struct Kernel {
     for (int k = 0; k < (nrows + 31) / 32; ++k) any |= merge_flags[k] != 0;
     if (any) {
       __threadfence();
-      E::template merge_rows<2>(p, vp, unit, row0, nrows,
+      E::template merge_rows<2, false>(p, vp, unit, row0, nrows,
                                 [merge_flags](int r) { return (merge_flags[r >> 5] >> (r & 31)) & 1u; });
     }
     sync_compute();  // merge_flags are reused by the next split sub-item

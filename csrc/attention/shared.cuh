@@ -113,6 +113,10 @@ struct Params {
   float logits_scale;           // sm_scale * k_scale
   float v_scale;
   int32_t causal;
+  // A deterministic plan (docs/deterministic.md): KV tiles start at multiples of the tile (a window's too),
+  // split rows merge by the fold (Epilogue::det_add), and the decode kernel folds the pieces of a whole
+  // item (Work::partial_stride: the piece length) with that same fold.
+  int32_t deterministic;
 };
 
 // TMA maps of the KV cache as a token-major tensor [num_kv_blocks * page_size, kv heads, D] (K and V),
@@ -240,7 +244,10 @@ struct Loader {
     if constexpr (Variant::kHasKvRange) {
       int plo = w.pos_off + lo, phi = w.pos_off + hi;
       Variant::kv_range(vp, q_pos_min, q_pos_max, plo, phi);
-      lo = max(lo, plo - w.pos_off);
+      // deterministic: the tiles stay on the multiples of kTile (the range's edge, which follows the
+      // sub-item's first row, falls inside a tile and is masked per element), so a row's KV steps never
+      // depend on which rows share its tile (the range is also a LogitsMask: variant.cuh)
+      lo = max(lo, p.deterministic ? (plo - w.pos_off) / kTile * kTile : plo - w.pos_off);
       hi = min(hi, phi - w.pos_off);
     }
     if (hi < lo) hi = lo;
@@ -709,7 +716,57 @@ struct Epilogue {
     return p.merge_counters + (int64_t)q_row * (p.num_qo_heads / kHPC) + unit;
   }
 
-  template <int kBatch, class Merged>
+  // Deterministic plans fold a row's piece states (O of 8 dims, LSE) in piece order, each added to the
+  // running state on its own: the merge of a split row (merge_rows) and the decode kernel's fold of a
+  // whole item's pieces run this code on the same values, so a row's bits do not depend on whether its
+  // pieces ran on one CTA or on several. Roundings are explicit (__fmaf_rn, __fmul_rn: no multiply-add
+  // contracted at one call site and not at the other). mx = -inf: nothing added yet.
+  struct DetAcc {
+    float mx, den, acc[8];
+  };
+  static __device__ __forceinline__ void det_start(DetAcc& a) {
+    a.mx = -INFINITY;
+    a.den = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) a.acc[e] = 0.f;
+  }
+  static __device__ __forceinline__ void det_add(DetAcc& a, float lse, const float (&u)[8]) {
+    if constexpr (Variant::kUseSoftmax) {
+      if (lse == -INFINITY) return;  // an empty state (no visible token) adds nothing
+      if (a.mx == -INFINITY) {       // the first state is taken as it is
+        a.mx = lse;
+        a.den = 1.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) a.acc[e] = u[e];
+        return;
+      }
+      const float m = fmaxf(a.mx, lse);
+      const float r = ptx::exp2(__fmul_rn(a.mx - m, kLog2e)), wgt = ptx::exp2(__fmul_rn(lse - m, kLog2e));
+      a.den = __fmaf_rn(a.den, r, wgt);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) a.acc[e] = __fmaf_rn(wgt, u[e], __fmul_rn(a.acc[e], r));
+      a.mx = m;
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) a.acc[e] = a.mx == -INFINITY ? u[e] : __fadd_rn(a.acc[e], u[e]);
+      a.mx = 0.f;
+    }
+  }
+  // The folded row: O = acc / den (0 and LSE -inf when every state was empty) to the output.
+  static __device__ __forceinline__ void det_store(const Params& p, const VariantParams& vp, const DetAcc& a,
+                                                   int q_row, int qo_head, int d0) {
+    float o[8];
+    const bool empty = a.mx == -INFINITY;
+    const float inv = Variant::kUseSoftmax ? (empty ? 0.f : __frcp_rn(a.den)) : 1.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) o[e] = empty ? 0.f : __fmul_rn(a.acc[e], inv);
+    store_out(p, vp, q_row, qo_head, d0, o);
+    if (Variant::kUseSoftmax && p.lse != nullptr && d0 == 0)
+      p.lse[(int64_t)q_row * p.lse_stride_row + qo_head] = empty ? -INFINITY : a.mx + logf(a.den);
+  }
+
+  // kDet: the kernel may run deterministic plans (p.deterministic): their split rows merge by det_add.
+  template <int kBatch, bool kDet, class Merged>
   static __device__ __forceinline__ void merge_rows(const Params& p, const VariantParams& vp, int unit, int row0,
                                                     int nrows, Merged merged) {
     const int32_t* mi = p.plan + p.merge_indptr_offset;
@@ -721,6 +778,30 @@ struct Epilogue {
       const int j0 = __ldcg(mi + q_row), j1 = __ldcg(mi + q_row + 1);
       const int h = (i / kVecs) % kHPC, d0 = (i % kVecs) * 8;
       const int qo_head = unit * kHPC + h;
+      if (kDet && p.deterministic) {  // the states kBatch at a time (one L2 round trip), added one by one
+        DetAcc a;
+        det_start(a);
+        for (int jb = j0; jb < j1; jb += kBatch) {
+          float l[kBatch];
+          float4 u[kBatch], v[kBatch];
+#pragma unroll
+          for (int k = 0; k < kBatch; ++k) {
+            const int64_t at = (int64_t)min(jb + k, j1 - 1) * p.num_qo_heads + qo_head;
+            l[k] = Variant::kUseSoftmax ? __ldcg(p.partial_lse + at) : 0.f;
+            const float4* src = reinterpret_cast<const float4*>(p.partial_o + at * kHeadDim + d0);
+            u[k] = __ldcg(src);
+            v[k] = __ldcg(src + 1);
+          }
+#pragma unroll
+          for (int k = 0; k < kBatch; ++k) {
+            if (jb + k >= j1) break;
+            const float x[8] = {u[k].x, u[k].y, u[k].z, u[k].w, v[k].x, v[k].y, v[k].z, v[k].w};
+            det_add(a, l[k], x);
+          }
+        }
+        det_store(p, vp, a, q_row, qo_head, d0);
+        continue;
+      }
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       float mx = -INFINITY, den = 0.f;
       for (int jb = j0; jb < j1; jb += kBatch) {

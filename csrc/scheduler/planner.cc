@@ -46,14 +46,14 @@ struct ChunkShape {
   }
 };
 
-// The deterministic plan's chunk of a request of kv_len tokens (PlanInputs::deterministic_pieces): a
-// power of two times align, so that a request's split points move seldom as it grows (decode), and a
-// function of kv_len alone, so that they never move with the batch.
+// The deterministic plan's piece length for a request of kv_len tokens (PlanInputs::deterministic_pieces):
+// align times a power of two, so that a request's cuts move seldom as it grows (decode), and a function
+// of kv_len alone, so that they never move with the batch.
 int64_t DeterministicChunk(int64_t kv_len, int64_t pieces, int64_t min_chunk, int64_t align) {
-  const int64_t target = CeilDiv(std::max<int64_t>(kv_len, 1), pieces);
+  const int64_t target = std::max(CeilDiv(std::max<int64_t>(kv_len, 1), pieces), min_chunk);
   int64_t chunk = align;
   while (chunk < target) chunk *= 2;
-  return std::max(chunk, RoundUp(min_chunk, align));
+  return chunk;
 }
 
 // Below this many keys a comparison sort beats the radix sort's 256-entry histograms (measured).
@@ -628,20 +628,22 @@ bool Planner::ChoosePartition(const PlanInputs& in, const PlanSection& section, 
   return true;
 }
 
-// The deterministic plan's items, in creation order (request, tile, piece) into items_: each pair cut at
-// the multiples of its request's DeterministicChunk, so a query row's pieces are [0, C), [C, 2C), ... up
-// to its tile's KV end whatever else is in the step (pieces past the row's own causal end are masked for
-// it: their states are empty and the merge gives them no weight). Returns the shape (chunk: the largest C
-// that split a pair).
+// The deterministic plan's items, in creation order (request, tile, piece) into items_. Pair j's pieces are
+// its request's [0, C), [C, 2C), ... up to its tile's KV end (C = det_chunk_[j]) whatever else is in the
+// step; a pair marked in det_split_ runs them as items of their own (pieces past a row's own causal end
+// are masked for it: their states are empty and the merge skips them), any other pair as one whole item
+// with partial_stride = C, whose kernel folds the pieces' states exactly as the merge would (decode.cuh).
+// Returns the shape (chunk: the largest C that split a pair).
 Planner::Split Planner::DeterministicItems(const PlanInputs& in) {
   Split s;
   items_.clear();
-  const int64_t align = in.kv_chunk_align;
-  for (const Pair& p : pairs_) {
+  for (size_t j = 0; j < pairs_.size(); ++j) {
+    const Pair& p = pairs_[j];
     const int64_t rows = p.q_end - p.q_begin;
-    const int64_t chunk = DeterministicChunk(in.kv_lens[p.request], in.deterministic_pieces, in.min_kv_chunk, align);
-    if (p.kv_len <= chunk) {
-      items_.push_back(Item{FiWorkItem{p.request, p.q_begin, p.q_end, 0, p.kv_len, -1, 1, 0}, p.cost});
+    const int64_t chunk = det_chunk_[j];
+    if (!det_split_[j]) {
+      const int32_t stride = (int32_t)std::min<int64_t>(chunk, INT32_MAX);
+      items_.push_back(Item{FiWorkItem{p.request, p.q_begin, p.q_end, 0, p.kv_len, -1, stride, 0}, p.cost});
       continue;
     }
     const int64_t n = CeilDiv(p.kv_len, chunk);
@@ -658,6 +660,43 @@ Planner::Split Planner::DeterministicItems(const PlanInputs& in) {
   }
   s.num_items = (int64_t)items_.size();
   return s;
+}
+
+// Which pairs of a deterministic plan run their pieces as items of their own (the rest run whole and fold):
+// the choice may follow the batch, since either way a row's bits are the same. Candidates: nothing, then
+// the s longest pairs of more than one piece (ties in creation order), s = 1, 2, 4, ... up to all of them;
+// the lowest LPT makespan wins (ties: the fewer split, coming first), the search stopping once within
+// kBalancedSlack of the lower bound (a balanced batch plans as whole items at once) and at the first
+// candidate that does not fit the section. Leaves the winner's items in items_ and its makespan.
+Planner::Split Planner::ChooseDeterministic(const PlanInputs& in, const PlanSection& section, int64_t replicas,
+                                            int32_t m, int32_t lpt_units, double unsplit_makespan,
+                                            double good_enough, double* makespan) {
+  const int64_t n = (int64_t)pairs_.size();
+  det_chunk_.resize(n);
+  det_split_.assign(n, 0);
+  det_order_.clear();
+  for (int64_t j = 0; j < n; ++j) {
+    const Pair& p = pairs_[j];
+    det_chunk_[j] = DeterministicChunk(in.kv_lens[p.request], in.deterministic_pieces, in.min_kv_chunk,
+                                       in.kv_chunk_align);
+    if (p.kv_len > det_chunk_[j]) det_order_.push_back((int32_t)j);
+  }
+  std::stable_sort(det_order_.begin(), det_order_.end(),
+                   [&](int32_t a, int32_t b) { return pairs_[a].kv_len > pairs_[b].kv_len; });
+  const int64_t multi = (int64_t)det_order_.size();
+  int64_t best_s = 0, marked = 0;
+  double best = unsplit_makespan;
+  for (int64_t s = 1; multi > 0 && best > good_enough; s = std::min(2 * s, multi)) {
+    for (; marked < s; ++marked) det_split_[det_order_[marked]] = 1;
+    const Split split = DeterministicItems(in);
+    if (split.num_items * replicas > section.max_items || split.partial_rows > section.max_partial_rows) break;
+    const double got = AssignItems(in, split.num_items, m, lpt_units);
+    if (got < best) best = got, best_s = s;
+    if (s == multi) break;
+  }
+  for (int64_t k = best_s; k < marked; ++k) det_split_[det_order_[k]] = 0;
+  *makespan = best;
+  return DeterministicItems(in);
 }
 
 // items_[0, n_items) by cost, descending, ties in creation order, then LPT (or request by request with
@@ -992,8 +1031,7 @@ PlanStatus Planner::Plan(const PlanInputs& in_arg, const PlanSection& section, P
   const double good_enough = (1.0 + kBalancedSlack) * ((double)lpt_units * total_cost / (double)m);
   const bool det = in.deterministic_pieces > 0;
   if (det) {
-    split = DeterministicItems(in);
-    if (split.num_split_pairs == 0) split = Split{0, 0, 0, num_pairs, 0, 0};
+    split = ChooseDeterministic(in, section, units, m, lpt_units, unsplit_makespan, good_enough, &lpt_makespan);
   } else if (num_splittable > 0 && in.force_kv_chunk != 0 &&
              (in.force_kv_chunk > 0 || (unsplit_makespan > good_enough && in.kv_window == 0))) {
     // Pairs by KV length, descending, ties in creation order: the order splits are handed out (a shared
@@ -1040,7 +1078,7 @@ PlanStatus Planner::Plan(const PlanInputs& in_arg, const PlanSection& section, P
   const int64_t n_items = split.num_items;  // before replication: n_items * units are written
   int64_t num_split_rows = 0;
   double makespan = unsplit_makespan;
-  if (in.group_requests && split.num_split_pairs == 0 && num_pairs > 0) {
+  if (in.group_requests && !det && split.num_split_pairs == 0 && num_pairs > 0) {
     // The chunk search compared LPT makespans; the plan itself goes request by request.
     keys_.resize(2 * num_pairs);
     entry_request_.resize(num_pairs);
@@ -1054,8 +1092,8 @@ PlanStatus Planner::Plan(const PlanInputs& in_arg, const PlanSection& section, P
   // The items in LPT order: order[k] indexes items_ (split plan or partition) or pairs_ (unsplit plan);
   // the CTA of its replica for unit u is item_cta_[k * units + u].
   const int32_t* order = cost_order_.data();
-  const bool grouped = kept_groups > 0;
-  const bool from_items = partition || split.num_split_pairs > 0 || grouped;
+  const bool grouped = kept_groups > 0;  // never with det (refused above)
+  const bool from_items = partition || det || split.num_split_pairs > 0 || grouped;
   merge_indptr[0] = 0;
   if (partition) {
     // FillWalk left the items in creation order with their CTAs: LPT order is creation order here.
@@ -1064,9 +1102,9 @@ PlanStatus Planner::Plan(const PlanInputs& in_arg, const PlanSection& section, P
     for (int64_t k = 0; k < n_items; ++k) cost_order_[k] = (int32_t)k;
     makespan = partition_makespan;
     order = cost_order_.data();
-  } else if (split.num_split_pairs == 0 && !grouped) {
+  } else if (split.num_split_pairs == 0 && !det && !grouped) {
     for (int64_t r = 0; r < num_rows; ++r) merge_indptr[r + 1] = 0;
-  } else if (det) {
+  } else if (det) {  // items_ are the chosen candidate's (ChooseDeterministic)
     num_split_rows = WriteMergeMap(n_items, merge_indptr, split_rows);
     makespan = AssignItems(in, n_items, m, lpt_units);
     order = cost_order_.data();

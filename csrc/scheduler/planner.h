@@ -79,11 +79,14 @@ struct PlanInputs {
   // blocks), without group_requests, kv_window or a forced candidate, and when the LPT plan's makespan is
   // over kBalancedSlack above the lower bound; taken only when its makespan is strictly lower.
   bool allow_partition = true;
-  // Deterministic plan (0: off): a pair's KV is cut at the multiples of its request's chunk C, taken from
-  // the request's own kv_len only: the smallest kv_chunk_align * 2^k that is >= ceil(kv_len /
-  // deterministic_pieces) and >= min_kv_chunk (rounded up to the alignment); pieces go to CTAs by LPT.
-  // A row's pieces and their merge order then depend on its request alone, never on the batch or the
-  // grid. 1: nothing is split. No search, no partition; a forced candidate is refused.
+  // Deterministic plan (0: off): a pair's KV is cut into pieces at the multiples of its request's chunk C,
+  // taken from the request's own kv_len only: the smallest kv_chunk_align * 2^k that is >= ceil(kv_len /
+  // deterministic_pieces) and >= min_kv_chunk. A pair runs either whole (one item, partial_stride = C: the
+  // kernel folds its pieces' states in order) or as one item per piece (partial states, merged in piece
+  // order by the same fold); which, is chosen for the batch (LPT makespan, planner.cc ChooseDeterministic),
+  // as a row's bits are the same either way. A row's pieces and their fold then depend on its request
+  // alone, never on the batch or the grid. 1: nothing is split (whole items, partial_stride = C >= the
+  // pair's KV). No chunk search, no partition; a forced candidate is refused.
   int64_t deterministic_pieces = 0;
   // Shared prefixes (composable formats, docs/composable.md): num_groups triples (first request, end
   // request, prefix tokens), ascending and disjoint: requests [first, end) share their first prefix KV
@@ -186,6 +189,8 @@ class Planner {
   // fields) and each one's CTA in item_cta_.
   Split FillWalk(const PlanInputs& in, double cap, bool record, double* makespan);
   Split DeterministicItems(const PlanInputs& in);
+  Split ChooseDeterministic(const PlanInputs& in, const PlanSection& section, int64_t replicas, int32_t m,
+                            int32_t lpt_units, double unsplit_makespan, double good_enough, double* makespan);
   double AssignItems(const PlanInputs& in, int64_t n_items, int32_t m, int32_t lpt_units);
   int64_t WriteMergeMap(int64_t n_items, int32_t* merge_indptr, int32_t* split_rows);
   int64_t WriteGroupMergeMap(int64_t n_items, int64_t num_rows, int32_t* merge_indptr, int32_t* split_rows);
@@ -226,6 +231,9 @@ class Planner {
   std::vector<int32_t> group_of_;      // kept group of each request (-1: none), for the pairs' walk
   std::vector<int32_t> group_chunks_;  // chunks of each group's prefix (0: the group was dropped)
   std::vector<int32_t> row_block_;     // partial rows of each query row (WriteGroupMergeMap)
+  std::vector<int64_t> det_chunk_;   // deterministic plans: each pair's piece length
+  std::vector<uint8_t> det_split_;   // pairs whose pieces run as items of their own (else whole, folded)
+  std::vector<int32_t> det_order_;   // pairs of more than one piece, by KV length descending
   char error_[512] = {0};
 };
 
