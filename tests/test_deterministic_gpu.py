@@ -252,6 +252,8 @@ def test_decode_fold_matches_split_merge(variant):
         k = steps.k[:blocks].reshape(-1, HKV, D)[:K]
         v = steps.v[:blocks].reshape(-1, HKV, D)[:K]
         o_ref, l_ref = R.attention(target_q, k, v, causal=True, **ref_kw)
-        torch.testing.assert_close(o_whole.double(), o_ref, atol=2e-2, rtol=2e-2)
+        # without softmax an output row is a sum of up to 32k terms: its error is bf16's at the row's scale
+        scale = 1.0 if lse_on else max(1.0, o_ref.pow(2).mean().sqrt().item())
+        torch.testing.assert_close(o_whole.double(), o_ref, atol=2e-2 * scale, rtol=2e-2)
         if lse_on:
             torch.testing.assert_close(l_whole.double(), l_ref, atol=1e-3, rtol=1e-3)
