@@ -148,8 +148,11 @@ _launchers: dict = {}
 
 
 def _launcher(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, group: int,
-              tuning: Optional[dict] = None, kernel: str = "decode", member: int = 0) -> _Launcher:
+              tuning: Optional[dict] = None, kernel: str = "decode", member: int = 0,
+              deterministic: bool = False) -> _Launcher:
     kw = {"member": member} if member else {}
+    if kernel == "decode" and deterministic:  # its own module (specs.decode_spec)
+        kw["deterministic"] = True
     return _launcher_of(_SPECS[kernel](variant, head_dim, q_dtype, kv_dtype, group, tuning=tuning, **kw), variant)
 
 
@@ -162,10 +165,11 @@ def _launcher_of(spec: kernels.ModuleSpec, variant: Variant) -> _Launcher:
 
 
 def _family(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, group: int, tuning: Optional[dict],
-            kernel: str) -> list:
-    """The kernel's launchers: the prefill tile family (largest query tile first), else the one module."""
+            kernel: str, deterministic: bool = False) -> list:
+    """The kernel's launchers: the prefill tile family (largest query tile first), else the one module (of
+    deterministic mode for deterministic decode wrappers)."""
     return [_launcher_of(spec, variant) for spec in attention_specs(variant, head_dim, q_dtype, kv_dtype, group,
-                                                                     tuning, kernel)]
+                                                                     tuning, kernel, deterministic)]
 
 
 class _Bad(Exception):
@@ -273,8 +277,11 @@ class BatchAttention:
         self._fp8 = kv_dtype not in Q_DTYPES
 
         self.kernel = kernel
+        self.deterministic = _deterministic(deterministic)
         # The tile family (prefill: query tiles of several sizes, largest first; plan() picks one per step).
-        self._family = _family(variant, head_dim, Q_DTYPES[q_dtype], KV_DTYPES[kv_dtype], self.group, tuning, kernel)
+        # Deterministic decode wrappers load the decode module of that mode (specs.decode_spec).
+        self._family = _family(variant, head_dim, Q_DTYPES[q_dtype], KV_DTYPES[kv_dtype], self.group, tuning, kernel,
+                               self.deterministic)
         tile_q = max(int(f.rows_per_tile) for f in self._family)
         if tile_q > workspace.max_tile_q:
             raise ValueError(f"the workspace's max_tile_q={workspace.max_tile_q} is below the kernel's query tile "
@@ -285,7 +292,6 @@ class BatchAttention:
         self._use_member(0)
         # Deterministic mode: decode splits each request at its own chunk (scheduler.DETERMINISTIC_*); prefill
         # splits nothing and keeps tile member 0, since the member would otherwise follow the batch.
-        self.deterministic = _deterministic(deterministic)
         # plan_into's arguments in this mode, made once (deterministic_pieces 1: prefill cuts nothing)
         self._det_plan_args = ({"deterministic_pieces": DETERMINISTIC_PIECES if kernel == "decode" else 1,
                                 "min_kv_chunk": DETERMINISTIC_MIN_CHUNK} if self.deterministic else {})
@@ -382,9 +388,11 @@ class BatchAttention:
     @staticmethod
     def recommended_num_ctas(device, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
                              q_dtype: torch.dtype = torch.bfloat16, kv_dtype: Optional[torch.dtype] = None,
-                             variant: Variant = DEFAULT, kernel: str = "decode", tuning: Optional[dict] = None) -> int:
+                             variant: Variant = DEFAULT, kernel: str = "decode", tuning: Optional[dict] = None,
+                             deterministic: Optional[bool] = None) -> int:
         """CTAs that fill the GPU once (SMs x resident CTAs per SM): the num_ctas to construct the Workspace
-        with. Builds (or loads) the kernel module to read its occupancy.
+        with. Builds (or loads) the kernel module to read its occupancy (deterministic: the module of that mode,
+        as the constructor's argument).
 
         The decode kernel takes the largest multiple of its units (query-head groups) within that: it is
         memory-bound, and 128 CTAs already read KV at the copy rate, so 4 more SMs add no bandwidth, while
@@ -394,7 +402,8 @@ class BatchAttention:
         device = torch.device(device)
         kv_dtype = q_dtype if kv_dtype is None else kv_dtype
         group = num_qo_heads // num_kv_heads
-        launcher = _launcher(variant, head_dim, Q_DTYPES[q_dtype], KV_DTYPES[kv_dtype], group, tuning, kernel)
+        launcher = _launcher(variant, head_dim, Q_DTYPES[q_dtype], KV_DTYPES[kv_dtype], group, tuning, kernel,
+                             deterministic=_deterministic(deterministic))
         with torch.cuda.device(device):
             per_sm = launcher.blocks_per_sm()
             sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -412,7 +421,8 @@ class BatchAttention:
         """A Workspace sized for one wrapper of these arguments: the kernel's grid (recommended_num_ctas), its
         query tile (query_tile_rows) and, in deterministic mode, the pieces its plans may cut requests into;
         shared_prefix: partial rows for shared-prefix groups, SHARED_ROWS_PER_REQUEST a request."""
-        shape = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, variant=variant, kernel=kernel, tuning=tuning)
+        shape = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, variant=variant, kernel=kernel, tuning=tuning,
+                     deterministic=deterministic)
         return Workspace(device, max_requests=max_requests, max_tokens=max_tokens,
                          num_ctas=BatchAttention.recommended_num_ctas(device, num_qo_heads, num_kv_heads, head_dim,
                                                                       **shape),
@@ -424,12 +434,13 @@ class BatchAttention:
     @staticmethod
     def query_tile_rows(num_qo_heads: int, num_kv_heads: int, head_dim: int, *, q_dtype: torch.dtype = torch.bfloat16,
                         kv_dtype: Optional[torch.dtype] = None, variant: Variant = DEFAULT, kernel: str = "decode",
-                        tuning: Optional[dict] = None) -> int:
+                        tuning: Optional[dict] = None, deterministic: Optional[bool] = None) -> int:
         """Query rows of the kernel's tile (the planner's tile_q): the max_tile_q to construct the
-        Workspace with. Builds (or loads) the kernel module to read its layout."""
+        Workspace with. Builds (or loads) the kernel module (deterministic: of that mode) to read its layout."""
         kv_dtype = q_dtype if kv_dtype is None else kv_dtype
         return max(int(f.rows_per_tile) for f in _family(variant, head_dim, Q_DTYPES[q_dtype], KV_DTYPES[kv_dtype],
-                                                          num_qo_heads // num_kv_heads, tuning, kernel))
+                                                          num_qo_heads // num_kv_heads, tuning, kernel,
+                                                          _deterministic(deterministic)))
 
     # -------------------------------------------------------------------------------- plan
 

@@ -1,8 +1,8 @@
 """`fi-backend` command line: ahead-of-time kernel builds and cache information.
 
     fi-backend build [--arch 90a] [--jobs N] [--list] [NAMES...]   build module sets (default: all)
-    fi-backend build --model NAME|config.json [--kv-dtype bf16,fp8_e4m3] [--tp N]   build one model's
-                                                                    (or one TP rank's) modules
+    fi-backend build --model NAME|config.json [--kv-dtype bf16,fp8_e4m3] [--tp N] [--deterministic]
+                                                                    build one model's (or one TP rank's) modules
     fi-backend models [--markdown] [--tp N]                         the model zoo and what fi-backend runs
                                                                     (--tp: what each of N ranks runs)
     fi-backend info                                                 toolchain, archs, cache contents
@@ -100,8 +100,8 @@ def _model_arg(text: str):
 def cmd_build(args) -> int:
     if args.model is not None:
         return _build_model(args)
-    if args.kv_dtype is not None or args.q_dtype is not None or args.tp != 1:
-        print("fi-backend build: --kv-dtype, --q-dtype and --tp go with --model", file=sys.stderr)
+    if args.kv_dtype is not None or args.q_dtype is not None or args.tp != 1 or args.deterministic:
+        print("fi-backend build: --kv-dtype, --q-dtype, --deterministic and --tp go with --model", file=sys.stderr)
         return 2
     sets = kernels.module_sets()
     if args.list:
@@ -164,13 +164,16 @@ def _build_model(args) -> int:
         print(f"fi-backend build: {e}", file=sys.stderr)
         return 2
     kv_dtypes = tuple(t.strip() for t in (args.kv_dtype or "bf16,fp8_e4m3").split(",") if t.strip())
+    deterministic = args.deterministic or env.batch_invariant()
     try:
         with _arch_list(archs):
-            specs = models.modules_of(model, kv_dtypes=kv_dtypes, q_dtype=args.q_dtype or "bf16")
+            specs = models.modules_of(model, kv_dtypes=kv_dtypes, q_dtype=args.q_dtype or "bf16",
+                                      deterministic=deterministic)
     except (KeyError, ValueError) as e:
         print(f"fi-backend build: {model.name}: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2
-    return _build_specs(specs, archs, args.jobs, f"{model.name}, KV {', '.join(kv_dtypes)}")
+    label = f"{model.name}, KV {', '.join(kv_dtypes)}" + (", deterministic decode too" if deterministic else "")
+    return _build_specs(specs, archs, args.jobs, label)
 
 
 def _build_specs(specs, archs, jobs: Optional[int], label: str) -> int:
@@ -267,6 +270,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     b.add_argument("--q-dtype", choices=("bf16", "fp16"), help="with --model: the model's dtype (default: bf16)")
     b.add_argument("--tp", type=int, default=1, help="with --model: one rank's modules under tensor parallelism "
                                                      "over N GPUs (its heads split as vLLM and SGLang split them)")
+    b.add_argument("--deterministic", action="store_true",
+                   help="with --model: also the decode modules of deterministic mode (SGLang's "
+                        f"--enable-deterministic-inference; on by default where {env.DETERMINISTIC} or "
+                        f"{env.VLLM_BATCH_INVARIANT} is set)")
     b.set_defaults(func=cmd_build)
 
     m = sub.add_parser("models", help="the model zoo: attention configuration and whether fi-backend runs it")

@@ -41,6 +41,7 @@ PLAN_GROUPED = "FI_BACKEND_PLAN_GROUPED"
 PLAN_WINDOW = "FI_BACKEND_PLAN_WINDOW"
 PLAN_PARTITION = "FI_BACKEND_PLAN_PARTITION"
 DETERMINISTIC = "FI_BACKEND_DETERMINISTIC"
+VLLM_BATCH_INVARIANT = "VLLM_BATCH_INVARIANT"  # vLLM's own switch (the adapter and `fi-backend build --model` read it)
 SHARED_PREFIX = "FI_BACKEND_SHARED_PREFIX"
 
 _FALSE = ("0", "false", "no", "off")
@@ -58,3 +59,13 @@ def flag(name: str, default: bool) -> bool:
     if value is None:
         return default
     return value.lower() not in _FALSE
+
+
+def batch_invariant() -> bool:
+    """Whether the environment asks for deterministic (batch-invariant) attention: VLLM_BATCH_INVARIANT read as
+    vLLM reads it (an int, nonzero: on), or FI_BACKEND_DETERMINISTIC."""
+    try:
+        vllm_on = int(os.environ.get(VLLM_BATCH_INVARIANT, "0")) != 0
+    except ValueError:
+        vllm_on = False
+    return vllm_on or flag(DETERMINISTIC, False)

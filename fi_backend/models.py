@@ -8,7 +8,8 @@ whose layers mix windowed and global attention lists the repeating pattern of it
 
     check(model)        (ok, reason): whether fi-backend's kernels take the model's attention
     variants_of(model)  the variants the vLLM adapter runs the model's layers with
-    modules_of(model)   every decode and prefill kernel module the model needs (for ahead-of-time builds)
+    modules_of(model)   every decode and prefill kernel module the model needs (for ahead-of-time builds;
+                        deterministic=True adds the decode modules of deterministic mode)
     from_hf_config(d)   a Model from a HF config.json dict (for models not in the zoo)
     find(name)          a zoo model by name or HF id, case-insensitive
     tp_slice(model, tp) what one rank of tensor parallelism over `tp` GPUs runs (ValueError if heads do not divide)
@@ -256,9 +257,12 @@ def variants_of(model: Model) -> list:
     return out
 
 
-def modules_of(model: Model, kv_dtypes: Sequence[str] = ("bf16", "fp8_e4m3"), q_dtype: str = "bf16") -> list:
+def modules_of(model: Model, kv_dtypes: Sequence[str] = ("bf16", "fp8_e4m3"), q_dtype: str = "bf16",
+               deterministic: bool = False) -> list:
     """Every decode and prefill kernel module (kernels.ModuleSpec) the model needs, for each variant of
     variants_of(model) and KV dtype ("auto": the query's), deduplicated; [] if check(model) refuses it.
+    deterministic: also the decode modules deterministic wrappers load (the adapters with FI_BACKEND_DETERMINISTIC,
+    VLLM_BATCH_INVARIANT or SGLang's --enable-deterministic-inference; docs/deterministic.md).
     The prefill family depends on the architectures in effect ($FI_BACKEND_CUDA_ARCH_LIST): set it to
     the target's before calling. Errors for an accepted model propagate: they are bugs."""
     if not check(model)[0]:
@@ -279,6 +283,8 @@ def modules_of(model: Model, kv_dtypes: Sequence[str] = ("bf16", "fp8_e4m3"), q_
                 raise ValueError(f"KV dtype {kv} with query dtype {q_dtype}: the kernels read KV in the query's "
                                  "dtype or in fp8")
             add(decode_spec(variant, d, q_dtype, kv, group))
+            if deterministic:
+                add(decode_spec(variant, d, q_dtype, kv, group, deterministic=True))
             for m in range(prefill_family_size(d, kv)):
                 add(prefill_spec(variant, d, q_dtype, kv, group, member=m))
     return specs

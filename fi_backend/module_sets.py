@@ -2,11 +2,12 @@
 what the GPU tests, the benchmarks and the model zoo load, derived here from the same definitions they use.
 
     decode, prefill   the default variant over head sizes, dtypes and GQA groups
-    tests             every module tests/test_decode_gpu.py, test_prefill_gpu.py and test_composable_gpu.py load (a CPU test,
-                      tests/test_kernels_build.py, runs those tests without a GPU and checks it), with merge
-                      and append for tests/test_ops_gpu.py and tests/test_append_gpu.py
-    zoo               models.modules_of over every zoo model fi-backend runs, bf16 and fp8 e4m3 KV
-    bench             the benchmarks' kernels (perf/): Llama-shaped decode and prefill, the FlexAttention variants
+    tests             every module tests/test_decode_gpu.py, test_prefill_gpu.py, test_composable_gpu.py and
+                      test_deterministic_gpu.py load (a CPU test, tests/test_kernels_build.py, runs those tests without
+                      a GPU and checks it), with merge and append for tests/test_ops_gpu.py and tests/test_append_gpu.py
+    zoo               models.modules_of over every zoo model fi-backend runs, bf16 and fp8 e4m3 KV (normal mode)
+    bench             the benchmarks' kernels (perf/): Llama-shaped decode and prefill, the FlexAttention variants;
+                      tools/det_cost.py's deterministic decode module
 """
 from __future__ import annotations
 
@@ -23,9 +24,10 @@ _BOTH = ("decode", "prefill")
 
 
 def _family(variant: V.Variant, head_dim: int, q: str, kv: str, group: int, tuning: Optional[dict] = None,
-            kernels=_BOTH) -> List[ModuleSpec]:
-    """The modules of a wrapper per kernel (the prefill tile family: every member)."""
-    return [s for k in kernels for s in attention_specs(variant, head_dim, q, kv, group, tuning, k)]
+            kernels=_BOTH, deterministic: bool = False) -> List[ModuleSpec]:
+    """The modules of a wrapper per kernel (the prefill tile family: every member; deterministic wrappers' decode
+    module is one of its own)."""
+    return [s for k in kernels for s in attention_specs(variant, head_dim, q, kv, group, tuning, k, deterministic)]
 
 
 def _unique(specs: List[ModuleSpec]) -> List[ModuleSpec]:
@@ -52,8 +54,8 @@ _TEST_VARIANTS = ("default", "soft_cap", "window", "alibi", "sigmoid", "custom_m
 
 
 def gpu_test_specs() -> List[ModuleSpec]:
-    """The modules of tests/test_decode_gpu.py, test_prefill_gpu.py and test_composable_gpu.py (both kernels unless
-    named)."""
+    """The modules of tests/test_decode_gpu.py, test_prefill_gpu.py, test_composable_gpu.py and
+    test_deterministic_gpu.py (both kernels unless named)."""
     out = []
     # the matrices: head_dim 64/128/256 x group 1/4/8, bf16 and fp16 alternating over the cells
     for d, g, q in itertools.product((64, 128, 256), (1, 4, 8), ("bf16", "fp16")):
@@ -91,6 +93,9 @@ def gpu_test_specs() -> List[ModuleSpec]:
     out += _family(V.ROPE, 128, "bf16", "bf16", 4, prefill_family_shapes(128, "bf16", wgmma=False)[0], ("prefill",))
     # tests/test_composable_gpu.py: shared-prefix groups at a GQA group of 7
     out += _family(V.DEFAULT, 128, "bf16", "bf16", 7)
+    # tests/test_deterministic_gpu.py: deterministic decode modules (its prefill wrappers load the normal family)
+    for variant in (V.DEFAULT, V.SLIDING_WINDOW, V.SIGMOID):
+        out += _family(variant, 128, "bf16", "bf16", 4, kernels=("decode",), deterministic=True)
     return _unique(out)
 
 
@@ -116,4 +121,6 @@ def _bench_set() -> List[ModuleSpec]:
         out += _family(V.DEFAULT, 128, "bf16", "bf16", g) + _family(V.DEFAULT, 128, "bf16", "fp8_e4m3", g)
         for variant in (V.SOFT_CAP, V.ALIBI, V.SLIDING_WINDOW):
             out += _family(variant, 128, "bf16", "bf16", g)
+    # tools/det_cost.py: its deterministic decode wrappers (32 / 8 heads; its prefill ones load the family above)
+    out += _family(V.DEFAULT, 128, "bf16", "bf16", 4, kernels=("decode",), deterministic=True)
     return _unique(out)

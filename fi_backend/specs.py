@@ -19,10 +19,13 @@ PREFILL_TUNING_KEYS = frozenset({"warps", "mfrags", "tile", "stages", "step", "w
 
 
 def decode_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, group: int, *,
-                tuning: Optional[dict] = None) -> kernels.ModuleSpec:
+                tuning: Optional[dict] = None, deterministic: bool = False) -> kernels.ModuleSpec:
     """The JIT module of the decode kernel for one (variant, head_dim, dtypes, GQA group).
 
-    tuning (benchmarks): overrides of warps / sub / stages."""
+    tuning (benchmarks): overrides of warps / sub / stages.
+    deterministic: the module deterministic wrappers load (decode::Config's kDeterministic: the fold of a whole
+    item's pieces and the fold merge, docs/deterministic.md); a module of its own (tag suffix _det), so the
+    normal one carries none of that code."""
     _check_head_dim(head_dim, variant)
     kv_bytes = 1 if kv_dtype.startswith("fp8") else 2
     shape = _kernel_shape(head_dim, kv_bytes, group, key_transform=bool(variant.key_transform))
@@ -36,10 +39,13 @@ def decode_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, gr
         raise ValueError(f"decode kernel shape {shape} for head_dim {head_dim} needs {smem} bytes of shared memory; "
                          f"a CTA may use at most {SMEM_PER_CTA}")
     config = ", ".join([str(head_dim), str(shape["rows"]), str(shape["hpc"]), _C_TYPE[q_dtype], _C_TYPE[kv_dtype],
-                        str(shape["warps"]), str(shape["stages"]), str(shape["sub"])])
+                        str(shape["warps"]), str(shape["stages"]), str(shape["sub"])]
+                       + (["true"] if deterministic else []))
     tag = f"{variant.name}_{q_dtype}_{kv_dtype}_d{head_dim}_r{shape['rows']}_h{shape['hpc']}"
     if tuning:
         tag += "_w{warps}s{stages}k{sub}".format(**shape)
+    if deterministic:
+        tag += "_det"
     return _attention_spec("decode", variant, config, _blocks_by_smem(head_dim, kv_bytes, shape), tag)
 
 
@@ -126,11 +132,12 @@ KERNELS = tuple(_SPECS)
 
 
 def attention_specs(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, group: int,
-                    tuning: Optional[dict] = None, kernel: str = "decode") -> list:
+                    tuning: Optional[dict] = None, kernel: str = "decode", deterministic: bool = False) -> list:
     """The modules a BatchAttention of `kernel` loads: the prefill tile family (largest query tile first), else
-    the one module."""
+    the one module (deterministic wrappers: the decode module of that mode; prefill's modules serve both)."""
     if kernel not in _SPECS:
         raise ValueError(f"kernel must be one of {KERNELS} (got {kernel!r})")
-    size = prefill_family_size(head_dim, kv_dtype, tuning) if kernel == "prefill" else 1
-    return [_SPECS[kernel](variant, head_dim, q_dtype, kv_dtype, group, tuning=tuning, **({"member": m} if m else {}))
-            for m in range(size)]
+    if kernel == "decode":
+        return [decode_spec(variant, head_dim, q_dtype, kv_dtype, group, tuning=tuning, deterministic=deterministic)]
+    return [prefill_spec(variant, head_dim, q_dtype, kv_dtype, group, tuning=tuning, **({"member": m} if m else {}))
+            for m in range(prefill_family_size(head_dim, kv_dtype, tuning))]

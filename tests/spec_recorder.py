@@ -20,12 +20,14 @@ import torch
 _RECORD = os.environ.get("FI_SPEC_RECORD")
 
 
-def _record_wrapper(head_dim, num_qo_heads, num_kv_heads, q_dtype, kv_dtype, variant, kernel, tuning) -> None:
+def _record_wrapper(head_dim, num_qo_heads, num_kv_heads, q_dtype, kv_dtype, variant, kernel, tuning,
+                    deterministic) -> None:
     from fi_backend import variants as V
     from fi_backend import wrappers as W
+    from fi_backend.attention import _deterministic
     kv_dtype = q_dtype if kv_dtype is None else kv_dtype
     specs = W.attention_specs(variant, head_dim, W.Q_DTYPES[q_dtype], W.KV_DTYPES[kv_dtype],
-                              num_qo_heads // num_kv_heads, tuning, kernel)
+                              num_qo_heads // num_kv_heads, tuning, kernel, _deterministic(deterministic))
     builtin = V.BUILTIN_VARIANTS.get(variant.name) is variant  # a test's own variant is JIT-built where it runs
     with open(_RECORD, "a") as f:
         for spec in specs:
@@ -37,28 +39,25 @@ class _BatchAttention(mock.MagicMock):
     """Records the family a real BatchAttention would load; anything else is a mock."""
 
     def __init__(self, workspace=None, num_qo_heads=1, num_kv_heads=1, head_dim=128, *, q_dtype=torch.bfloat16,
-                 kv_dtype=None, page_size=16, kv_layout="NHD", variant=None, kernel="decode", tuning=None, **_):
+                 kv_dtype=None, page_size=16, kv_layout="NHD", variant=None, kernel="decode", tuning=None,
+                 deterministic=None, **_):
         super().__init__()
         from fi_backend import variants as V
-        _record_wrapper(head_dim, num_qo_heads, num_kv_heads, q_dtype, kv_dtype, variant or V.DEFAULT, kernel, tuning)
+        _record_wrapper(head_dim, num_qo_heads, num_kv_heads, q_dtype, kv_dtype, variant or V.DEFAULT, kernel, tuning,
+                        deterministic)
 
     def _get_child_mock(self, **kw):
         return mock.MagicMock(**kw)
 
     @staticmethod
     def recommended_num_ctas(device, num_qo_heads, num_kv_heads, head_dim, *, q_dtype=torch.bfloat16, kv_dtype=None,
-                             variant=None, kernel="decode", tuning=None):
+                             variant=None, kernel="decode", tuning=None, deterministic=None):
         return 132
 
     @staticmethod
-    def workspace_for(device, num_qo_heads, num_kv_heads, head_dim, **_):
-        return mock.MagicMock()
-
-    @staticmethod
     def query_tile_rows(num_qo_heads, num_kv_heads, head_dim, *, q_dtype=torch.bfloat16, kv_dtype=None,
-                        variant=None, kernel="decode", tuning=None):
+                        variant=None, kernel="decode", tuning=None, deterministic=None):
         return 128
-
 
     @staticmethod
     def workspace_for(*args, **kwargs):

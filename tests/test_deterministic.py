@@ -195,12 +195,49 @@ def test_workspace_holds_every_row_split():
 
 
 def test_env_switch_is_named(monkeypatch):
-    """FI_BACKEND_DETERMINISTIC is the switch BatchAttention reads when deterministic= is not given."""
+    """FI_BACKEND_DETERMINISTIC is the switch BatchAttention reads when deterministic= is not given;
+    env.batch_invariant (the vLLM adapter, `fi-backend build --model`) also takes VLLM_BATCH_INVARIANT as vLLM
+    reads it."""
     assert env.DETERMINISTIC == "FI_BACKEND_DETERMINISTIC"
     monkeypatch.setenv(env.DETERMINISTIC, "1")
-    assert env.flag(env.DETERMINISTIC, False)
+    assert env.flag(env.DETERMINISTIC, False) and env.batch_invariant()
     monkeypatch.setenv(env.DETERMINISTIC, "0")
-    assert not env.flag(env.DETERMINISTIC, False)
+    assert not env.flag(env.DETERMINISTIC, False) and not env.batch_invariant()
+    for value, on in (("1", True), ("2", True), ("0", False), ("yes", False)):
+        monkeypatch.setenv(env.VLLM_BATCH_INVARIANT, value)
+        assert env.batch_invariant() is on, value
+
+
+def test_deterministic_decode_is_a_module_of_its_own(monkeypatch):
+    """The fold is compiled into decode modules of their own (decode::Config's kDeterministic): another CONFIG,
+    tag and identity than the normal module, which keeps its CONFIG as it was; prefill's modules serve both
+    modes; the module sets and modules_of name the deterministic ones."""
+    monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", "90a")
+    from fi_backend import kernels, models
+    from fi_backend import variants as V
+    from fi_backend.kernels.sets import specs_of
+    from fi_backend.specs import attention_specs, decode_spec
+    normal = decode_spec(V.DEFAULT, 128, "bf16", "bf16", 4)
+    det = decode_spec(V.DEFAULT, 128, "bf16", "bf16", 4, deterministic=True)
+    assert normal.params["CONFIG"] == "128, 8, 4, __nv_bfloat16, __nv_bfloat16, 8, 3, 1"
+    assert det.params["CONFIG"] == normal.params["CONFIG"] + ", true"
+    assert det.tag == normal.tag + "_det"
+    ident = [kernels.module_identity(s, ("90a",), "nvcc") for s in (normal, det)]
+    assert ident[0].key != ident[1].key and ident[0].name != ident[1].name
+    assert attention_specs(V.DEFAULT, 128, "bf16", "bf16", 4, None, "decode", True) == [det]
+    assert attention_specs(V.DEFAULT, 128, "bf16", "bf16", 4, None, "decode") == [normal]
+    assert (attention_specs(V.DEFAULT, 128, "bf16", "bf16", 4, None, "prefill", True)
+            == attention_specs(V.DEFAULT, 128, "bf16", "bf16", 4, None, "prefill"))
+    tests = {s.memo_key for s in specs_of(["tests"])}
+    for variant in (V.DEFAULT, V.SLIDING_WINDOW, V.SIGMOID):   # tests/test_deterministic_gpu.py's
+        assert decode_spec(variant, 128, "bf16", "bf16", 4, deterministic=True).memo_key in tests
+    assert det.memo_key in {s.memo_key for s in specs_of(["bench"])}   # tools/det_cost.py's
+    llama = models.find("Llama-3.1-8B")
+    plain, both = models.modules_of(llama), models.modules_of(llama, deterministic=True)
+    added = [s for s in both if s.memo_key not in {p.memo_key for p in plain}]
+    assert {p.memo_key for p in plain} < {s.memo_key for s in both}
+    assert sorted(s.tag for s in added) == sorted(decode_spec(V.DEFAULT, 128, "bf16", kv, 4, deterministic=True).tag
+                                                  for kv in ("bf16", "fp8_e4m3"))
 
 
 def test_wrapper_refuses_a_workspace_without_room():

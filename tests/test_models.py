@@ -383,3 +383,22 @@ def test_cli_build_model_tp_refusals():
     assert proc.returncode == 2 and "--tp 4: Phi-4: tensor parallelism over 4 GPUs cannot split" in proc.stderr
     proc = _cli("build", "--tp", "2")
     assert proc.returncode == 2 and "--tp go with --model" in proc.stderr
+
+
+@pytest.mark.parametrize("how", ["flag", "FI_BACKEND_DETERMINISTIC", "VLLM_BATCH_INVARIANT", "off"])
+def test_cli_build_model_deterministic(sm90a, monkeypatch, how):
+    """`fi-backend build --model` adds the deterministic decode modules with --deterministic or where the
+    environment turns deterministic mode on (as the adapters read it); else the model's normal modules only."""
+    from fi_backend import cli
+    for name in ("FI_BACKEND_DETERMINISTIC", "VLLM_BATCH_INVARIANT"):
+        monkeypatch.delenv(name, raising=False)
+    if how in ("FI_BACKEND_DETERMINISTIC", "VLLM_BATCH_INVARIANT"):
+        monkeypatch.setenv(how, "1")
+    built = []
+    monkeypatch.setattr(cli, "_build_specs", lambda specs, archs, jobs, label: built.append((specs, label)) or 0)
+    assert cli.main(["build", "--model", "Llama-3.1-8B", "--arch", "90a"] + (["--deterministic"] if how == "flag" else [])) == 0
+    (specs, label), = built
+    on = how != "off"
+    assert [s.memo_key for s in specs] == [s.memo_key for s in modules_of(find("Llama-3.1-8B"), deterministic=on)]
+    assert any(s.tag.endswith("_det") for s in specs) is on and ("deterministic" in label) is on
+    assert cli.main(["build", "merge", "--deterministic"]) == 2

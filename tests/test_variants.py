@@ -70,6 +70,29 @@ def test_variants_compile_and_layouts_match(build_env):
         assert g % launcher.heads_per_chunk == 0
 
 
+# Deterministic decode modules (decode_spec(deterministic=True)): the plain shape, a window (the loader's tile
+# alignment), head_dim 256 (two fold slots a pass), 16-row tiles over fp8 KV.
+_DET_COMPILED = [
+    (V.DEFAULT, 128, "bf16", "bf16", 4),
+    (V.SLIDING_WINDOW, 128, "bf16", "bf16", 1),
+    (V.CUSTOM_MASK, 256, "bf16", "bf16", 2),
+    (V.BUILTIN_VARIANTS["soft_cap_window"], 64, "bf16", "fp8_e4m3", 16),
+]
+
+
+@nvcc
+def test_deterministic_decode_modules_compile_and_layouts_match(build_env):
+    specs = [W.decode_spec(v, d, q, kv, g, deterministic=True) for v, d, q, kv, g in _DET_COMPILED]
+    results = kernels.build_many(specs, archs="90a", jobs=2)
+    failed = [(s.tag, r) for s, r in zip(specs, results) if isinstance(r, Exception)]
+    assert not failed, failed
+    for v, d, q, kv, g in _DET_COMPILED:
+        det = W._launcher(v, d, q, kv, g, deterministic=True)  # the C layout against ctypes, as above
+        assert "_det_" in det.module.name
+        shape = W._kernel_shape(d, 1 if kv.startswith("fp8") else 2, g, bool(v.key_transform))
+        assert det.smem_bytes == W._smem_bytes(d, 1 if kv.startswith("fp8") else 2, shape)
+
+
 _PREFILL_COMPILED = [  # every head_dim's largest member on Hopper, fp8 KV, a QueryTransform
     (V.DEFAULT, 128, "bf16", "bf16", 1, 0),
     (V.DEFAULT, 128, "bf16", "bf16", 4, 1),

@@ -43,8 +43,10 @@ namespace decode {
 
 using namespace attn;  // Params, Work, TileRecord, Loader, ... (shared.cuh)
 
+// kDeterministic_: the module runs deterministic plans (docs/deterministic.md): the fold of a whole item's
+// pieces and the fold merge of split rows are compiled in only then, so normal modules carry none of it.
 template <int kHeadDim_, int kRows_, int kHeadsPerChunk_, class DQ_, class DKV_, int kWarps_, int kStages_,
-          int kSub_ = 1>
+          int kSub_ = 1, bool kDeterministic_ = false>
 struct Config {
   using DQ = DQ_;
   using DKV = DKV_;
@@ -63,6 +65,7 @@ struct Config {
   static constexpr int kLoaderThreads = kThreads, kLoaderThread0 = 0;  // every thread loads (shared.cuh)
   static constexpr bool kProducer = false;  // no producer warpgroup (shared.cuh)
   static constexpr int kSub = kSub_;  // 16-token blocks per warp per tile
+  static constexpr bool kDeterministic = kDeterministic_;  // also read by the loader (shared.cuh)
   static constexpr int kTile = 16 * kSub * kWarps;
   static constexpr bool kFp8 = KV::kFp8;
   static constexpr bool kFragFp8 = kFp8;  // Q.K^T k dimension in the fp8 ldmatrix order
@@ -127,6 +130,7 @@ struct Kernel {
   static constexpr bool kFp8 = Cfg::kFp8;
   static constexpr bool kBf16 = Cfg::kMmaBf16;
   static constexpr bool kTwoN = kRows == 16;  // second n tile of packed rows in P.V
+  static constexpr bool kDet = Cfg::kDeterministic;
 
   using L = Loader<Cfg, Variant, VariantParams>;
   using E = Epilogue<Cfg, Variant, VariantParams>;
@@ -238,7 +242,7 @@ struct Kernel {
 
   // finish's (row, 8 dims) units a thread owns: the fold accumulators it keeps across a whole item's pieces.
   static constexpr int kFinishIters = (Cfg::kPackedRows * (Cfg::kPassDim / 8) + kThreads - 1) / kThreads;
-  static constexpr int kFoldSlots = Cfg::kPasses * kFinishIters;
+  static constexpr int kFoldSlots = kDet ? Cfg::kPasses * kFinishIters : 1;  // normal modules: an unused one
   using DetAcc = typename E::DetAcc;
   // finish's modes: write the (sub-)item's state (output or partial row); deterministic whole items cut
   // into pieces (Work::partial_stride tokens each): fold a piece's state, or fold the last and write the row.
@@ -261,7 +265,7 @@ struct Kernel {
     RowInfo ri[2];
     float slope[2] = {0.f, 0.f};  // ALiBi (alibi_slope) of rows g and g + 8; padding rows never reach a hook
     const float scale_log2 = p.logits_scale * kLog2e;
-    DetAcc fold[kFoldSlots];  // deterministic whole items: the pieces folded so far (finish)
+    DetAcc fold[kFoldSlots];  // deterministic modules' whole items: the pieces folded so far (finish)
     int next_cut = 0;         // and where their current piece ends (a KV index)
     // A fresh online-softmax state: at a (sub-)item's first tile, and after each piece a whole item folds.
     auto reset = [&]() {
@@ -301,10 +305,12 @@ struct Kernel {
         }
         load_q(vp, stage, w, ri, qa);
         reset();
+        if constexpr (kDet) {
 #pragma unroll
-        for (int f = 0; f < kFoldSlots; ++f) E::det_start(fold[f]);
-        if (p.deterministic && w.partial_base < 0)  // the first multiple of the piece length past the first tile
-          next_cut = (rec->tile_kv_begin / w.partial_stride + 1) * w.partial_stride;
+          for (int f = 0; f < kFoldSlots; ++f) E::det_start(fold[f]);
+          if (p.deterministic && w.partial_base < 0)  // the first multiple of the piece length past the first tile
+            next_cut = (rec->tile_kv_begin / w.partial_stride + 1) * w.partial_stride;
+        }
       }
 
       const int n_valid = rec->n_valid;
@@ -461,15 +467,19 @@ struct Kernel {
       }
       }  // 16-token blocks
 
-      // A deterministic whole item (partial_stride: its piece length, a multiple of kTile) folds each piece
-      // as the merge of its split pieces would (docs/deterministic.md).
-      const bool pieces = p.deterministic && w.partial_base < 0;
-      const bool piece_end = pieces && !(flags & kLast) && rec->tile_kv_begin + kTile == next_cut;
-      if (piece_end) next_cut += w.partial_stride;
-      if ((flags & kLast) || piece_end) {
-        finish(p, vp, stage, w, warp, lane, m_run, d_run, o, o2, md, merge_mask, fold,
-               !pieces ? kStore : piece_end ? kFoldPiece : kFoldLast);
-        if (piece_end) reset();
+      if constexpr (kDet) {
+        // A deterministic whole item (partial_stride: its piece length, a multiple of kTile) folds each piece
+        // as the merge of its split pieces would (docs/deterministic.md).
+        const bool pieces = p.deterministic && w.partial_base < 0;
+        const bool piece_end = pieces && !(flags & kLast) && rec->tile_kv_begin + kTile == next_cut;
+        if (piece_end) next_cut += w.partial_stride;
+        if ((flags & kLast) || piece_end) {
+          finish(p, vp, stage, w, warp, lane, m_run, d_run, o, o2, md, merge_mask, fold,
+                 !pieces ? kStore : piece_end ? kFoldPiece : kFoldLast);
+          if (piece_end) reset();
+        }
+      } else if (flags & kLast) {
+        finish(p, vp, stage, w, warp, lane, m_run, d_run, o, o2, md, merge_mask, fold, kStore);
       }
     }
   }
@@ -518,10 +528,13 @@ struct Kernel {
           }
         }
       __syncthreads();
-#pragma unroll
-      for (int it = 0; it < kFinishIters; ++it) {
-        const int i = threadIdx.x + it * kThreads;
-        if (i >= Cfg::kPackedRows * kVecs) break;
+      // (packed row, 8 dims) units, kThreads apart: kFinishIters at most a thread. Deterministic modules unroll
+      // them (unit `it` folds into its own slot); normal ones keep the plain strided loop.
+#pragma unroll(kDet ? kFinishIters : 1)
+      for (int it = 0, next = threadIdx.x; kDet ? it < kFinishIters : next < Cfg::kPackedRows * kVecs;
+           ++it, next += kThreads) {
+        const int i = kDet ? threadIdx.x + it * kThreads : next;
+        if (kDet && i >= Cfg::kPackedRows * kVecs) break;
         const int pr = i / kVecs, dl = (i % kVecs) * 8;
         const int r = pr / kHPC;
         const int d0 = pass * kPassDim + dl;
@@ -554,11 +567,15 @@ struct Kernel {
         }
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[e] *= scale;
-        if (mode != kStore) {  // the piece's state, exactly as a split piece writes it, folded
-          DetAcc& a = fold[pass * kFinishIters + it];
-          E::det_add(a, lse_val, acc);
-          if (mode == kFoldLast) E::det_store(p, vp, a, q_row, qo_head, d0);
-        } else if (!split) {
+        if constexpr (kDet) {
+          if (mode != kStore) {  // the piece's state, exactly as a split piece writes it, folded
+            DetAcc& a = fold[pass * kFinishIters + it];
+            E::det_add(a, lse_val, acc);
+            if (mode == kFoldLast) E::det_store(p, vp, a, q_row, qo_head, d0);
+            continue;
+          }
+        }
+        if (!split) {
           E::store_out(p, vp, q_row, qo_head, d0, acc);
           if (Variant::kUseSoftmax && p.lse != nullptr && d0 == 0)
             p.lse[(int64_t)q_row * p.lse_stride_row + qo_head] = lse_val;
@@ -594,7 +611,7 @@ struct Kernel {
     const int mask = *merge_mask;
     if (mask) {
       __threadfence();
-      E::template merge_rows<8, true>(p, vp, unit, row0, nrows, [mask](int r) { return (mask >> r) & 1; });
+      E::template merge_rows<8, kDet>(p, vp, unit, row0, nrows, [mask](int r) { return (mask >> r) & 1; });
     }
   }
 };

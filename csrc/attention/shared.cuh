@@ -34,6 +34,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "../plan.h"
 #include "ptx.cuh"
 #include "variant.cuh"
@@ -189,6 +191,14 @@ __device__ __forceinline__ void report(int32_t* flags, int32_t bit) {
   if (flags != nullptr) atomicOr(flags, bit);
 }
 
+// Whether a kernel may run deterministic plans (Params::deterministic): a decode module fixes it when it is
+// compiled (Config::kDeterministic); the prefill kernel, whose Config has no such field, reads it at run time.
+template <class Cfg, class = void>
+struct MayRunDeterministic : std::true_type {};
+template <class Cfg>
+struct MayRunDeterministic<Cfg, std::void_t<decltype(Cfg::kDeterministic)>>
+    : std::integral_constant<bool, Cfg::kDeterministic> {};
+
 template <class Cfg, class Variant, class VariantParams>
 struct Loader {
   using DQ = typename Cfg::DQ;
@@ -247,7 +257,8 @@ struct Loader {
       // deterministic: the tiles stay on the multiples of kTile (the range's edge, which follows the
       // sub-item's first row, falls inside a tile and is masked per element), so a row's KV steps never
       // depend on which rows share its tile (the range is also a LogitsMask: variant.cuh)
-      lo = max(lo, p.deterministic ? (plo - w.pos_off) / kTile * kTile : plo - w.pos_off);
+      const bool det = MayRunDeterministic<Cfg>::value && p.deterministic;
+      lo = max(lo, det ? (plo - w.pos_off) / kTile * kTile : plo - w.pos_off);
       hi = min(hi, phi - w.pos_off);
     }
     if (hi < lo) hi = lo;
@@ -765,7 +776,8 @@ struct Epilogue {
       p.lse[(int64_t)q_row * p.lse_stride_row + qo_head] = empty ? -INFINITY : a.mx + logf(a.den);
   }
 
-  // kDet: the kernel may run deterministic plans (p.deterministic): their split rows merge by det_add.
+  // kDet: the kernel may run deterministic plans (p.deterministic): their split rows merge by det_add. Without
+  // it (normal decode modules; prefill, whose deterministic plans split nothing) the code below is the merge.
   template <int kBatch, bool kDet, class Merged>
   static __device__ __forceinline__ void merge_rows(const Params& p, const VariantParams& vp, int unit, int row0,
                                                     int nrows, Merged merged) {
@@ -778,29 +790,31 @@ struct Epilogue {
       const int j0 = __ldcg(mi + q_row), j1 = __ldcg(mi + q_row + 1);
       const int h = (i / kVecs) % kHPC, d0 = (i % kVecs) * 8;
       const int qo_head = unit * kHPC + h;
-      if (kDet && p.deterministic) {  // the states kBatch at a time (one L2 round trip), added one by one
-        DetAcc a;
-        det_start(a);
-        for (int jb = j0; jb < j1; jb += kBatch) {
-          float l[kBatch];
-          float4 u[kBatch], v[kBatch];
+      if constexpr (kDet) {
+        if (p.deterministic) {  // the states kBatch at a time (one L2 round trip), added one by one
+          DetAcc a;
+          det_start(a);
+          for (int jb = j0; jb < j1; jb += kBatch) {
+            float l[kBatch];
+            float4 u[kBatch], v[kBatch];
 #pragma unroll
-          for (int k = 0; k < kBatch; ++k) {
-            const int64_t at = (int64_t)min(jb + k, j1 - 1) * p.num_qo_heads + qo_head;
-            l[k] = Variant::kUseSoftmax ? __ldcg(p.partial_lse + at) : 0.f;
-            const float4* src = reinterpret_cast<const float4*>(p.partial_o + at * kHeadDim + d0);
-            u[k] = __ldcg(src);
-            v[k] = __ldcg(src + 1);
-          }
+            for (int k = 0; k < kBatch; ++k) {
+              const int64_t at = (int64_t)min(jb + k, j1 - 1) * p.num_qo_heads + qo_head;
+              l[k] = Variant::kUseSoftmax ? __ldcg(p.partial_lse + at) : 0.f;
+              const float4* src = reinterpret_cast<const float4*>(p.partial_o + at * kHeadDim + d0);
+              u[k] = __ldcg(src);
+              v[k] = __ldcg(src + 1);
+            }
 #pragma unroll
-          for (int k = 0; k < kBatch; ++k) {
-            if (jb + k >= j1) break;
-            const float x[8] = {u[k].x, u[k].y, u[k].z, u[k].w, v[k].x, v[k].y, v[k].z, v[k].w};
-            det_add(a, l[k], x);
+            for (int k = 0; k < kBatch; ++k) {
+              if (jb + k >= j1) break;
+              const float x[8] = {u[k].x, u[k].y, u[k].z, u[k].w, v[k].x, v[k].y, v[k].z, v[k].w};
+              det_add(a, l[k], x);
+            }
           }
+          det_store(p, vp, a, q_row, qo_head, d0);
+          continue;
         }
-        det_store(p, vp, a, q_row, qo_head, d0);
-        continue;
       }
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       float mx = -INFINITY, den = 0.f;

@@ -344,11 +344,7 @@ def _warn_unordered() -> None:
 def batch_invariant() -> bool:
     """Whether the engine asks for batch-invariant attention: VLLM_BATCH_INVARIANT read as vLLM reads it (an
     int, nonzero: on), or fi-backend's own FI_BACKEND_DETERMINISTIC."""
-    try:
-        vllm_on = int(os.environ.get("VLLM_BATCH_INVARIANT", "0")) != 0
-    except ValueError:
-        vllm_on = False
-    return vllm_on or _env.flag(_env.DETERMINISTIC, False)
+    return _env.batch_invariant()
 
 
 def _make_wrapper(kernel: str, *, device, num_qo_heads: int, num_kv_heads: int, head_dim: int, q_dtype, kv_dtype,
