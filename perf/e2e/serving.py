@@ -54,10 +54,10 @@ MODEL_CONFIG_CANDIDATES = (
     REPO.parent / "shared" / "models" / "llama-3.1-8b" / "config.json",
     REPO / "shared" / "models" / "llama-3.1-8b" / "config.json",
 )
-# Llama-3.1-8B's shapes (same as ../shared/models/llama-3.1-8b/config.json), used when no config file is
-# found: the GPU machine gets the working tree only, and dummy weights need nothing but these shapes.
 # NCCL without NVLink multicast (NVLS) for tensor-parallel engines, as the GPU machines require.
 TP_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# Llama-3.1-8B's shapes (same as ../shared/models/llama-3.1-8b/config.json), used when no config file is
+# found: the GPU machine gets the working tree only, and dummy weights need nothing but these shapes.
 LLAMA_3_1_8B = {
     "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
     "bos_token_id": 128000, "eos_token_id": 128009, "hidden_act": "silu", "hidden_size": 4096,
@@ -110,7 +110,8 @@ def resolve_model_config(path: str | None) -> tuple[dict, str]:
         if not p.is_file() and (CONFIGS / f"{path}.json").is_file():
             p = CONFIGS / f"{path}.json"   # a name of perf/e2e/configs
         if not p.is_file():
-            raise SystemExit(f"--model-config: no file at {p}")
+            names = ", ".join(sorted(c.stem for c in CONFIGS.glob("*.json")))
+            raise SystemExit(f"--model-config: no file at {p}, and not a name of perf/e2e/configs ({names})")
         return json.loads(p.read_text()), str(p)
     for p in MODEL_CONFIG_CANDIDATES:
         if p.is_file():
