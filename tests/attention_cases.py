@@ -164,9 +164,18 @@ def run_case(attn, kv_lens, q_lens, *, dtype, kv_dtype=None, layout="NHD", packe
     cache, k, v = random_kv(nb, page, attn.num_kv_heads, attn.head_dim, kv_dtype, layout=layout, packed=packed)
     if poison:
         poison_unused(k, v, bsr)
+    return plan_run_check(attn, bsr, qo_cpu, kv_cpu, cache, k, v, dtype=dtype, kv_dtype=kv_dtype, causal=causal,
+                          plan_kw=variant_kw, ref_kw=ref_kw, k_scale=k_scale, v_scale=v_scale, tol=tol,
+                          lse_tol=lse_tol, what=what)
+
+
+def plan_run_check(attn, bsr, qo_cpu, kv_cpu, cache, k, v, *, dtype, kv_dtype, causal, plan_kw=None, ref_kw=None,
+                   k_scale=1.0, v_scale=1.0, tol=None, lse_tol=None, what=""):
+    """Plan (plan_kw: plan()'s further arguments), run on fresh queries into NaN-poisoned outputs, and check
+    against the float64 reference; returns the output."""
     rows = int(qo_cpu[-1])
     q = (1.5 * torch.randn(rows, attn.num_qo_heads, attn.head_dim, device=DEV)).to(dtype)
-    attn.plan(qo_cpu, kv_cpu, bsr, causal=causal, **(variant_kw or {}))
+    attn.plan(qo_cpu, kv_cpu, bsr, causal=causal, **(plan_kw or {}))
     out = torch.full_like(q, float("nan"))
     use_lse = attn.variant.use_softmax
     lse = torch.full((rows, attn.num_qo_heads), float("nan"), device=DEV) if use_lse else None
@@ -179,6 +188,18 @@ def run_case(attn, kv_lens, q_lens, *, dtype, kv_dtype=None, layout="NHD", packe
     o_ref, lse_ref = reference(q, k, v, bsr, causal=causal, **rk)
     check(out, lse, o_ref, lse_ref, tol or TOL[dtype], what, lse_tol)
     return out
+
+
+def replay_check(graph, attn, q_buf, out_buf, k, v, bsr, tol, what):
+    """Replay a graph that captured attn.run(q_buf, ..., out=out_buf) on fresh queries into a NaN-poisoned output,
+    and check it against the reference over the step's BSR (causal)."""
+    q_buf.normal_()
+    out_buf.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    attn.check_errors()
+    o_ref, _ = reference(q_buf, k, v, bsr, causal=True)
+    check(out_buf, None, o_ref, None, tol, what)
 
 
 _VARIANT_NAMES = ["default", "soft_cap", "window", "alibi", "sigmoid", "custom_mask", "rope_llama", "rope_llama31",

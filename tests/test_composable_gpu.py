@@ -16,7 +16,8 @@ import torch
 from fi_backend import variants as V
 from fi_backend.formats import BSR
 
-from attention_cases import DEV, TOL, _lazy, _variant_case, check, poison_unused, random_kv, reference
+from attention_cases import (DEV, TOL, _lazy, _variant_case, plan_run_check, poison_unused, random_kv,
+                             replay_check)
 
 pytestmark = pytest.mark.gpu
 
@@ -67,22 +68,12 @@ def run_grouped(attn, kv_lens, q_lens, groups, *, dtype=torch.bfloat16, kv_dtype
     bsr, qo, kv, nb = grouped_table(kv_lens, q_lens, page, groups)
     cache, k, v = random_kv(nb, page, attn.num_kv_heads, attn.head_dim, kv_dtype)
     poison_unused(k, v, bsr)
-    rows = int(qo[-1])
-    q = (1.5 * torch.randn(rows, attn.num_qo_heads, attn.head_dim, device=DEV)).to(dtype)
-    attn.plan(qo, kv, bsr, causal=True, prefix_groups=torch.tensor(groups, dtype=torch.int32).view(-1, 3),
-              debug=True, **(variant_kw or {}))
+    plan_run_check(attn, bsr, qo, kv, cache, k, v, dtype=dtype, kv_dtype=kv_dtype, causal=True,
+                   plan_kw={"prefix_groups": torch.tensor(groups, dtype=torch.int32).view(-1, 3), "debug": True,
+                            **(variant_kw or {})},
+                   ref_kw=ref_kw, k_scale=k_scale, v_scale=v_scale, tol=tol, what=what)
     if expect_shared is not None:
         assert attn.plan_info.shared_groups == expect_shared, (what, attn.plan_info)
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full((rows, attn.num_qo_heads), float("nan"), device=DEV) if attn.variant.use_softmax else None
-    attn.run(q, cache, out=out, lse=lse, k_scale=k_scale, v_scale=v_scale)
-    torch.cuda.synchronize()
-    attn.check_errors()
-    rk = dict(ref_kw or {})
-    if kv_dtype != dtype:
-        rk.update(k_scale=k_scale, v_scale=v_scale)
-    o_ref, lse_ref = reference(q, k, v, bsr, causal=True, **rk)
-    check(out, lse, o_ref, lse_ref, tol or TOL[dtype], what)
     return attn.plan_info
 
 
@@ -193,21 +184,15 @@ def test_cuda_graph_replay_after_replans_that_change_groups(kernel):
         assert members is not None
         return bsr
 
-    bsr = step(B, [(0, 30, 4096)])
+    step(B, [(0, 30, 4096)])
     attn.run(q_buf, cache, out=out_buf)  # warm-up outside the graph
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         attn.run(q_buf, cache, out=out_buf)
     for groups in ([(0, 30, 4096)], [(2, 10, 8192), (12, 40, 2000)], [], [(5, 40, 3000)]):
-        bsr = step(B, groups)
-        q_buf.normal_()
-        out_buf.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        attn.check_errors()
-        o_ref, _ = reference(q_buf, k, v, bsr, causal=True)
-        check(out_buf, None, o_ref, None, TOL[torch.bfloat16] * 2, f"{kernel} graph replay {groups}")
+        replay_check(graph, attn, q_buf, out_buf, k, v, step(B, groups), TOL[torch.bfloat16] * 2,
+                     f"{kernel} graph replay {groups}")
     attn.release_graph()
 
 

@@ -22,7 +22,7 @@ from fi_backend.formats import from_ragged
 from fi_backend.wrappers import PREFILL_WS_TUNINGS
 
 from attention_cases import (_VARIANT_NAMES, DEV, TOL, PersistentBatch, _variant_case, check, make_bsr, make_wrapper, random_kv,
-                             reference, run_case, run_variant_case)
+                             reference, replay_check, run_case, run_variant_case)
 
 pytestmark = pytest.mark.gpu
 
@@ -375,14 +375,7 @@ def test_cuda_graph_replay_after_replan(tuning, consecutive):
     with torch.cuda.graph(graph):
         attn.run(q_buf, cache, out=out_buf)
     for B in (8, 3):
-        bsr = step(B)
-        q_buf.normal_()
-        out_buf.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        attn.check_errors()
-        o_ref, _ = reference(q_buf, k, v, bsr, causal=True)
-        check(out_buf, None, o_ref, None, TOL[torch.bfloat16], f"prefill graph replay B={B}")
+        replay_check(graph, attn, q_buf, out_buf, k, v, step(B), TOL[torch.bfloat16], f"prefill graph replay B={B}")
     attn.release_graph()
 
 
