@@ -156,6 +156,15 @@ def det_report(rec: dict) -> dict:
                                 "per_target": whole}}
 
 
+def require_engine_and_gpu(engine: str) -> None:
+    """Skip the calling test where the engine package or a CUDA GPU is missing."""
+    import pytest
+    pytest.importorskip(engine)
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+
+
 def engine_records(results, prefix: str, reuse: bool, run):
     """The tests' engine getter: label -> record, run once per session by run(label), or read back from
     results/<prefix><label>.json where reuse is set and the file is there."""

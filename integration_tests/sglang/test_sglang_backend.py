@@ -103,6 +103,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # integration_test
 from compare import bound as _bound, generation_diffs as _generation_diffs  # noqa: E402
 from compare import logprob_diffs as _logprob_diffs, stats as _stats  # noqa: E402
 from compare import DET_GEN, DET_TOP, det_plan, det_report, det_workload, engine_records, optional  # noqa: E402
+from compare import require_engine_and_gpu  # noqa: E402
 LAYERS = int(os.environ.get("FI_SGLANG_TEST_LAYERS", "4"))
 RESULTS = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "integration_tests" / "results"
 ENGINE_TIMEOUT_S = int(os.environ.get("FI_SGLANG_TEST_ENGINE_TIMEOUT", "570"))
@@ -556,10 +557,7 @@ def _check_fi_backend_ran(record: dict, graphs: bool) -> None:
 
 @pytest.fixture(scope="module")
 def engines():
-    pytest.importorskip("sglang")
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+    require_engine_and_gpu("sglang")
     return engine_records(RESULTS, "sglang_engine_", REUSE, run_engine_process)
 
 

@@ -115,6 +115,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # integration_test
 from compare import bound as _bound, generation_diffs as _generation_diffs  # noqa: E402
 from compare import logprob_diffs as _logprob_diffs, stats as _stats  # noqa: E402
 from compare import DET_GEN, DET_TOP, det_plan, det_report, det_workload, engine_records, optional  # noqa: E402
+from compare import require_engine_and_gpu  # noqa: E402
 LAYERS = int(os.environ.get("FI_VLLM_TEST_LAYERS", "4"))
 RESULTS = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "integration_tests" / "results"
 ENGINE_TIMEOUT_S = int(os.environ.get("FI_VLLM_TEST_ENGINE_TIMEOUT", "480"))
@@ -532,10 +533,7 @@ def _write(name: str, record: dict) -> None:
 
 @pytest.fixture(scope="module")
 def engines():
-    pytest.importorskip("vllm")
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+    require_engine_and_gpu("vllm")
     models, done = {}, {}
 
     def get(backend: str, graphs: bool = False, kind: str = "llama", workloads=("logprobs",)) -> dict:
@@ -589,10 +587,7 @@ def run_det_engine(label: str) -> dict:
 @pytest.fixture(scope="module")
 def det_engines():
     """DET_ENGINES' records: read back where FI_VLLM_TEST_REUSE=1 finds one, else run (one process each)."""
-    pytest.importorskip("vllm")
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
+    require_engine_and_gpu("vllm")
     return engine_records(RESULTS, "vllm_engine_", REUSE, run_det_engine)
 
 
