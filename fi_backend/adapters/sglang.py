@@ -138,11 +138,14 @@ def register() -> None:
         return
     if BACKEND_NAME not in getattr(sa, "ATTENTION_BACKEND_CHOICES", ()):
         sa.add_attention_backend_choices([BACKEND_NAME])
-    # --enable-deterministic-inference accepts the backends on this list (docs/deterministic.md). Not on the
-    # radix-cache list until the engine test shows cached prefixes keep a request's bits (the kernel test does).
+    # --enable-deterministic-inference accepts the backends on the first list; on the second SGLang keeps the
+    # radix cache on in that mode (a cached prefix keeps a request's bits: docs/deterministic.md).
     if hasattr(sa, "add_deterministic_attention_backend_choices") and \
             BACKEND_NAME not in getattr(sa, "DETERMINISTIC_ATTENTION_BACKEND_CHOICES", ()):
         sa.add_deterministic_attention_backend_choices([BACKEND_NAME])
+    if hasattr(sa, "add_radix_supported_deterministic_attention_backend_choices") and \
+            BACKEND_NAME not in getattr(sa, "RADIX_SUPPORTED_DETERMINISTIC_ATTENTION_BACKEND", ()):
+        sa.add_radix_supported_deterministic_attention_backend_choices([BACKEND_NAME])
     if not _logged_registered:
         _logged_registered = True
         _log.info("fi-backend registered as SGLang attention backend %r (--attention-backend %s)", BACKEND_NAME,

@@ -572,10 +572,6 @@ class _MetadataBuilder:
         deterministic = batch_invariant()
         if deterministic:  # mixed steps in two launches need their decodes first (_StepPlanner._plan_mixed)
             self.reorder_batch_threshold = 1
-            if getattr(getattr(vllm_config, "cache_config", None), "enable_prefix_caching", False):
-                _log.warning("fi-backend: VLLM_BATCH_INVARIANT with prefix caching: a prompt whose prefix came "
-                             "from the cache can differ in the last bits from the same prompt computed whole "
-                             "(docs/deterministic.md); pass --no-enable-prefix-caching for strict invariance")
         common["deterministic"] = deterministic
         shared_prefix = _env.flag(_env.SHARED_PREFIX, True) and not deterministic
         common["shared_prefix"] = shared_prefix

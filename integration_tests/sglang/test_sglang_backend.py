@@ -35,21 +35,21 @@ multicast off (TP_ENV in the engines' environment):
 Deterministic inference (issue 31's engine bar; kind deterministic): engines llama_fi_backend_det
 (--enable-deterministic-inference), llama_fi_backend_nodet (the same without it) and llama_flashinfer_det (SGLang's
 flashinfer backend in that mode, for reference), all with CUDA graphs, chunked prefill of 512 and mixed chunks off
-(fi_backend refuses them in this mode); the radix cache as SGLang sets it: deterministic inference turns it off for
-backends not on its radix-cache list (fi_backend, flashinfer), so it is on only in the normal-mode engine. Each
+(fi_backend refuses them in this mode); the radix cache off in these three (SGLang turns it off for flashinfer,
+which is not on its radix-cache deterministic list; fi_backend's engine says so explicitly). Each
 runs compare.det_workload (the vLLM file's docstring describes it: targets of 7, 300 and 1500 tokens alone, twice,
 then inside three companion sets each; here the target arrives 1.0 s, 0.05 s and 0.3 s after the companions, on
 the engine's event loop, Engine.async_generate). test_deterministic_logprobs_alone_vs_busy: input and output
 logprobs == alone and busy with the flag; the normal mode's differences recorded (expected nonzero; a warning
-where not). llama_fi_backend_det_radix keeps the radix cache on (the test plugin adds fi_backend to
-add_radix_supported_deterministic_attention_backend_choices; FI_SGLANG_TEST_DET_RADIX=1 runs its test, which also
-asks the cached-prefix target to generate what the whole prompt does, bit for bit). About 2-4 minutes an engine,
+where not). llama_fi_backend_det_radix is fi_backend as a user gets it: the adapter puts fi_backend on SGLang's
+radix-cache deterministic list, so the radix cache stays on; its test also asks the cached-prefix target to
+generate what the whole prompt does, bit for bit. About 2-4 minutes an engine,
 flashinfer about 3 more to compile:
     python3 integration_tests/sglang/test_sglang_backend.py --engine llama_fi_backend_det
     python3 integration_tests/sglang/test_sglang_backend.py --engine llama_fi_backend_nodet
     python3 integration_tests/sglang/test_sglang_backend.py --engine llama_flashinfer_det
     python3 integration_tests/sglang/test_sglang_backend.py --engine llama_fi_backend_det_radix
-    IT_MODELS=deterministic FI_SGLANG_TEST_DET_RADIX=1 FI_SGLANG_TEST_REUSE=1 python3 -m pytest -q integration_tests/sglang
+    IT_MODELS=deterministic FI_SGLANG_TEST_REUSE=1 python3 -m pytest -q integration_tests/sglang
 Results: sglang_deterministic.json, sglang_deterministic_radix_cache.json.
 
 (`--list` prints the engines.) fi-backend need not be installed: SGLang finds out-of-tree backends through
@@ -149,6 +149,7 @@ PAGE16 = {"page_size": 16}
 # Issue 31's engine bar (kind deterministic): mixed chunks off in all three (fi_backend refuses them in this mode),
 # the radix cache as SGLang sets it (off for backends not on its radix-cache deterministic list)
 DET = {"enable_deterministic_inference": True, "enable_mixed_chunk": False}
+DET_NO_RADIX = {**DET, "disable_radix_cache": True}
 NODET = {"enable_mixed_chunk": False}
 ENGINES = {
     "llama_flashinfer_graphs": ("flashinfer", True, "llama", ("logprobs",), {}),
@@ -172,15 +173,14 @@ ENGINES = {
     # K/V written by fi-backend's append op instead of SGLang's set_kv_buffer (ENGINE_ENV)
     "llama_fi_backend_append": ("fi_backend", True, "llama", ("logprobs",), {}),
     # deterministic inference (test_deterministic_*): alone vs busy batches, bit for bit
-    "llama_fi_backend_det": ("fi_backend", True, "llama", ("det",), DET),
+    "llama_fi_backend_det": ("fi_backend", True, "llama", ("det",), DET_NO_RADIX),
     "llama_flashinfer_det": ("flashinfer", True, "llama", ("det",), DET),
     "llama_fi_backend_nodet": ("fi_backend", True, "llama", ("det",), NODET),
-    # fi_backend put on SGLang's radix-cache deterministic list by the test plugin (ENGINE_ENV): radix cache on
+    # the radix cache as SGLang sets it: on (the adapter puts fi_backend on its radix-cache deterministic list)
     "llama_fi_backend_det_radix": ("fi_backend", True, "llama", ("det",), DET),
 }
 # label -> environment of that engine's process
-ENGINE_ENV = {"llama_fi_backend_append": {"FI_BACKEND_SGLANG_KV_WRITE": "append"},
-              "llama_fi_backend_det_radix": {"FI_SGLANG_IT_DET_RADIX": "1"}}
+ENGINE_ENV = {"llama_fi_backend_append": {"FI_BACKEND_SGLANG_KV_WRITE": "append"}}
 KINDS = ("llama", "gemma2", "llama70b_tp2", "deterministic")
 SELECTED = tuple(k.strip() for k in os.environ.get("IT_MODELS", "").split(",") if k.strip()) or KINDS
 
@@ -197,10 +197,6 @@ def register():
     HookRegistry.register("sglang.srt.model_loader.loader.DummyModelLoader.load_model", _redraw, HookType.AFTER)
     from sglang.srt.managers.scheduler import Scheduler
     Scheduler.fi_it_dump = _dump   # an RPC for Engine.collective_rpc("fi_it_dump", path=...)
-    if os.environ.get("FI_SGLANG_IT_DET_RADIX") == "1":   # deterministic inference with the radix cache kept on
-        from sglang.srt import server_args as sa
-        if "fi_backend" not in sa.RADIX_SUPPORTED_DETERMINISTIC_ATTENTION_BACKEND:
-            sa.add_radix_supported_deterministic_attention_backend_choices(["fi_backend"])
 
 
 def _redraw(model, *args, **kwargs):
@@ -756,7 +752,7 @@ def _check_det(label: str, run: dict, det: dict) -> None:
 @pytest.mark.gpu
 def test_deterministic_logprobs_alone_vs_busy(engines):
     """Issue 31's engine bar: --enable-deterministic-inference with fi_backend (CUDA graphs on, mixed chunks off,
-    the radix cache as SGLang sets it: off): each target's input and output logprobs bit-identical alone and in
+    the radix cache off): each target's input and output logprobs bit-identical alone and in
     every busy batch (module docstring). The normal mode (same settings but the flag) is recorded and expected
     to differ somewhere, so that the test can fail; where it does not, the record and a warning say so. SGLang's
     flashinfer backend in the same mode is recorded for reference."""
@@ -781,11 +777,10 @@ def test_deterministic_logprobs_alone_vs_busy(engines):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(os.environ.get("FI_SGLANG_TEST_DET_RADIX", "0") != "1", reason="FI_SGLANG_TEST_DET_RADIX=1 runs it")
 def test_deterministic_radix_cache_alone_vs_busy(engines):
-    """The same with the radix cache on (engine llama_fi_backend_det_radix: the test plugin puts fi_backend on
-    SGLang's radix-cache deterministic list, which the adapter does not do yet): alone vs busy bit-identical, and
-    a target whose prefix came from the radix cache generates what the whole prompt does, bit for bit."""
+    """The same with the radix cache on, as SGLang sets it for a backend on its radix-cache deterministic list
+    (engine llama_fi_backend_det_radix): alone vs busy bit-identical, and a target whose prefix came from the
+    radix cache generates what the whole prompt does, bit for bit."""
     _selected("deterministic")
     run = engines("llama_fi_backend_det_radix")
     det = _det_summary(run)
