@@ -24,7 +24,8 @@ FI_BACKEND_DETERMINISTIC    "1": wrappers made without a deterministic= argument
                             outputs; read when a wrapper is made; docs/deterministic.md)
 FI_BACKEND_SHARED_PREFIX    "0": the engine adapters plan every step single-format; by default they pass the
                             step's shared-prefix groups to plan() (composable formats; read when the vLLM
-                            metadata builder is made; docs/composable.md)
+                            metadata builder is made, and by the SGLang adapter's register() and backend;
+                            docs/composable.md)
 """
 from __future__ import annotations
 
