@@ -417,10 +417,12 @@ class BatchAttention:
     def workspace_for(device, num_qo_heads: int, num_kv_heads: int, head_dim: int, *, max_requests: int,
                       max_tokens: int, q_dtype: torch.dtype = torch.bfloat16, kv_dtype: Optional[torch.dtype] = None,
                       variant: Variant = DEFAULT, kernel: str = "decode", tuning: Optional[dict] = None,
-                      deterministic: Optional[bool] = None, shared_prefix: bool = False) -> Workspace:
+                      deterministic: Optional[bool] = None, shared_prefix: bool = False,
+                      shared_prefix_requests: Optional[int] = None) -> Workspace:
         """A Workspace sized for one wrapper of these arguments: the kernel's grid (recommended_num_ctas), its
         query tile (query_tile_rows) and, in deterministic mode, the pieces its plans may cut requests into;
-        shared_prefix: partial rows for shared-prefix groups, SHARED_ROWS_PER_REQUEST a request."""
+        shared_prefix: partial rows for shared-prefix groups, SHARED_ROWS_PER_REQUEST a request for
+        shared_prefix_requests requests (None: max_requests; groups beyond them plan single-format)."""
         shape = dict(q_dtype=q_dtype, kv_dtype=kv_dtype, variant=variant, kernel=kernel, tuning=tuning,
                      deterministic=deterministic)
         return Workspace(device, max_requests=max_requests, max_tokens=max_tokens,
@@ -429,7 +431,9 @@ class BatchAttention:
                          max_tile_q=BatchAttention.query_tile_rows(num_qo_heads, num_kv_heads, head_dim, **shape),
                          num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          deterministic_pieces=_workspace_pieces(kernel, _deterministic(deterministic)),
-                         shared_prefix_rows=SHARED_ROWS_PER_REQUEST * max_requests if shared_prefix else 0)
+                         shared_prefix_rows=SHARED_ROWS_PER_REQUEST * (
+                             max_requests if shared_prefix_requests is None else min(shared_prefix_requests, max_requests))
+                         if shared_prefix else 0)
 
     @staticmethod
     def query_tile_rows(num_qo_heads: int, num_kv_heads: int, head_dim: int, *, q_dtype: torch.dtype = torch.bfloat16,
@@ -445,7 +449,7 @@ class BatchAttention:
     # -------------------------------------------------------------------------------- plan
 
     def plan(self, qo_indptr, kv_lens, bsr: BSR, *, causal: bool = False, sm_scale: Optional[float] = None,
-             debug: bool = False, prefix_groups=None, **variant_params):
+             debug: bool = False, prefix_groups=None, idle: bool = False, **variant_params):
         """Plan a step: qo_indptr int32 [B + 1] and kv_lens int32 [B] on the CPU (this step's query rows
         and KV lengths per request), bsr the step's KV as a device BSR with the same rows and lengths
         (block_width == page_size). Variant parameters by name (see fi_backend.variants). debug=True
@@ -458,7 +462,11 @@ class BatchAttention:
         same launch. Groups that do not pay off stay single-format (plan_info.shared_groups counts the kept
         ones); deterministic wrappers and variants whose hooks see query positions
         (shared_prefix_supported) plan every group single-format. debug=True checks the groups against the
-        BSR (check_prefix_groups: naming the group and the request)."""
+        BSR (check_prefix_groups: naming the group and the request).
+
+        idle=True: the same rows, settings and BSR, but no work items (plan_info.kind "idle"): run() then launches
+        the kernel, whose CTAs find their queues empty and write nothing. For two wrappers captured in one CUDA
+        graph over one output, where each step gives its work to one of them and an idle plan to the other."""
         ws = self.workspace
         if not isinstance(bsr, BSR):
             raise TypeError(f"bsr must be a fi_backend.formats.BSR (got {type(bsr).__name__})")
@@ -511,18 +519,22 @@ class BatchAttention:
                 "the new step's indices and lengths into the same BSR tensors and keep the settings, or capture again "
                 "after calling release_graph()")
 
-        qo32 = qo_cpu.to(torch.int32)
-        if len(self._family) > 1 and self._frozen is None and not self.deterministic:  # a captured graph keeps its kernel
-            self._use_member(self._pick_member(qo32[1:] - qo32[:-1]))
-        kv32 = kv_cpu.to(torch.int32)
-        group = self._group_requests and len(kv32) > 1 and int(kv32.numpy().max()) >= PLAN_GROUPED_MIN_KV
-        # A causal sliding window (a KV-range mask with a window_left): a row sees window_left + 1 positions.
-        window = values.get("window_left") if self._window_cost and causal else None
-        kv_window = int(window) + 1 if window is not None and int(window) >= 0 else 0
-        self.plan_info = ws.plan(qo32, kv32, tile_q=self.rows_per_tile, num_units=self.num_units, causal=bool(causal),
-                                 kv_chunk_align=self.kv_tile, cost_q=self._cost_q, group_requests=group,
-                                 kv_window=kv_window, partition=self._partition, groups=groups,
-                                 **self._det_plan_args)
+        if idle:   # no items; the member stays (a capture freezes the one it finds)
+            self.plan_info = ws.plan_idle(int(qo_cpu[-1]) if qo_cpu.numel() else 0, B, tile_q=self.rows_per_tile,
+                                          num_units=self.num_units)
+        else:
+            qo32 = qo_cpu.to(torch.int32)
+            if len(self._family) > 1 and self._frozen is None and not self.deterministic:  # a captured graph keeps its kernel
+                self._use_member(self._pick_member(qo32[1:] - qo32[:-1]))
+            kv32 = kv_cpu.to(torch.int32)
+            group = self._group_requests and len(kv32) > 1 and int(kv32.numpy().max()) >= PLAN_GROUPED_MIN_KV
+            # A causal sliding window (a KV-range mask with a window_left): a row sees window_left + 1 positions.
+            window = values.get("window_left") if self._window_cost and causal else None
+            kv_window = int(window) + 1 if window is not None and int(window) >= 0 else 0
+            self.plan_info = ws.plan(qo32, kv32, tile_q=self.rows_per_tile, num_units=self.num_units,
+                                     causal=bool(causal), kv_chunk_align=self.kv_tile, cost_q=self._cost_q,
+                                     group_requests=group, kv_window=kv_window, partition=self._partition,
+                                     groups=groups, **self._det_plan_args)
 
         p = self._params
         p.kv_indices, p.kv_lens, p.qo_indptr = bsr_ptrs[2], bsr_ptrs[1], bsr_ptrs[0]

@@ -22,9 +22,10 @@ FI_BACKEND_PLAN_PARTITION   "0": plans are always LPT over the chunk search's sp
 FI_BACKEND_DETERMINISTIC    "1": wrappers made without a deterministic= argument plan deterministically (a
                             request's KV splits and merge order depend on that request alone: batch-invariant
                             outputs; read when a wrapper is made; docs/deterministic.md)
-FI_BACKEND_SHARED_PREFIX    "0": the engine adapters plan every step single-format; by default they pass the
-                            step's shared-prefix groups to plan() (composable formats; read when the vLLM
-                            metadata builder is made; docs/composable.md)
+FI_BACKEND_SHARED_PREFIX    "0": the vLLM adapter plans every step single-format (by default it passes the
+                            step's shared-prefix groups to plan(); read when its metadata builder is made); "1":
+                            the SGLang adapter finds groups in the radix tree (off by default there; read by its
+                            register() and backend; composable formats, docs/composable.md)
 """
 from __future__ import annotations
 

@@ -50,6 +50,7 @@ __all__ = [
     "split_shared_prefix",
     "check_prefix_groups",
     "prefix_groups_from_table",
+    "prefix_groups_from_links",
 ]
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
@@ -896,7 +897,22 @@ def prefix_groups_from_table(table, cached_tokens, block_size: int, min_requests
     common = np.zeros(R - 1, dtype=np.int64)
     run = np.cumprod(eq, axis=1).sum(axis=1)
     common[cand] = np.minimum(run, pair_cap[cand])
+    return prefix_groups_from_links(common, block_size, min_requests, min_prefix_tokens)
+
+
+def prefix_groups_from_links(common_blocks, block_size: int, min_requests: int = 2, min_prefix_tokens: int = 1):
+    """Prefix groups (int32 numpy [G, 3]: first request, end request, prefix tokens) from what each pair of
+    neighbours shares: common_blocks int [R - 1], entry i the whole blocks requests i and i + 1 both hold at
+    the front of their KV (already capped at both ones' cached blocks). A run of neighbours sharing >= 1 block
+    is a group; its prefix is the run's smallest share. Groups with fewer than min_requests members or a
+    prefix under min_prefix_tokens are dropped. The engines' ways of finding shares end here (block tables:
+    prefix_groups_from_table; SGLang's radix tree: adapters.sglang.radix_shared_tokens)."""
+    import numpy as np
+
+    common = np.asarray(common_blocks, dtype=np.int64)
     link = common > 0
+    if not link.any():
+        return np.zeros((0, 3), dtype=np.int32)
     # runs of linked neighbours: a group is [first, end) with every neighbour pair inside linked
     edges = np.diff(np.concatenate(([0], link.astype(np.int8), [0])))
     firsts, ends = np.nonzero(edges == 1)[0], np.nonzero(edges == -1)[0]  # pair ranges [firsts, ends)

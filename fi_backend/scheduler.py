@@ -176,7 +176,8 @@ class PlanInfo(NamedTuple):
     makespan: float      # largest accumulated cost of a CTA
     num_split_pairs: int  # (request, query tile) pairs whose KV was split
     kind: str            # "lpt" (LPT over the chosen split), "partition" (the capped fill, plan_into's partition)
-                         # or "deterministic" (LPT over plan_into's deterministic_pieces cuts)
+                         # or "deterministic" (LPT over plan_into's deterministic_pieces cuts); "idle": no items
+                         # (Workspace.plan_idle)
     shared_groups: int = 0  # shared-prefix groups of plan_into's groups that run as shared items
 
 

@@ -30,9 +30,9 @@ from typing import Optional
 
 import torch
 
-from fi_backend.scheduler import (DEFAULT_COST_KV, DEFAULT_COST_Q, DEFAULT_MIN_KV_CHUNK, DecodedPlan, PlanInfo,
-                                  PlanLayout, PlanViews, _host_int32, decode_plan, max_items_for,
-                                  max_partial_rows_for, plan_into)
+from fi_backend.scheduler import (DEFAULT_COST_KV, DEFAULT_COST_Q, DEFAULT_MIN_KV_CHUNK, NUM_CTAS, NUM_REQUESTS,
+                                  NUM_ROWS, NUM_UNITS, TILE_Q, DecodedPlan, PlanInfo, PlanLayout, PlanViews,
+                                  _host_int32, decode_plan, max_items_for, max_partial_rows_for, plan_into)
 
 SECTION_ALIGN = 256
 
@@ -140,14 +140,38 @@ class Workspace:
                          causal=causal, min_kv_chunk=min_kv_chunk, kv_chunk_align=kv_chunk_align, cost_q=cost_q,
                          cost_kv=cost_kv, group_requests=group_requests, kv_window=kv_window,
                          deterministic_pieces=deterministic_pieces, partition=partition, groups=groups)
-        used = self.layout.used_ints(info.num_items)
+        self._copy(self.layout.used_ints(info.num_items))
+        return info
+
+    def _copy(self, used: int) -> None:
+        """Staging's first `used` int32 into the plan section: asynchronous on the current stream, with the event
+        the next plan waits on before it overwrites staging."""
         if self._copy_done is None:
             self.plan_section[:used].copy_(self._staging_i32[:used])
         else:
             self.plan_section[:used].copy_(self._staging_i32[:used], non_blocking=True)
             self._copy_done.record(torch.cuda.current_stream(self.device))
             self._copy_pending = True
-        return info
+
+    def plan_idle(self, num_rows: int, num_requests: int, *, tile_q: int, num_units: Optional[int] = None) -> PlanInfo:
+        """An idle plan: a step of num_rows query rows with no work items, so every CTA of a launch finds its
+        queue empty and writes nothing (the partner of a wrapper that runs the step in the same CUDA graph).
+        Copies only the header and cta_indptr, all the kernels read of a plan without items."""
+        if num_requests > self.max_requests or num_rows > self.max_tokens:
+            raise ValueError(f"an idle plan of {num_requests} requests and {num_rows} rows exceeds max_requests="
+                             f"{self.max_requests} / max_tokens={self.max_tokens}")
+        if self._copy_pending:
+            self._copy_done.synchronize()  # the previous copy may still be reading staging
+            self._copy_pending = False
+        v = self._views
+        v.header[:] = 0
+        v.header[NUM_ROWS], v.header[NUM_REQUESTS], v.header[NUM_CTAS] = num_rows, num_requests, self.num_ctas
+        v.header[TILE_Q], v.header[NUM_UNITS] = tile_q, self.num_kv_heads if num_units is None else num_units
+        v.cta_indptr[:] = 0
+        v.merge_indptr[:num_rows + 1] = 0   # host only: host_plan() reads it; no item sends the kernel there
+        self._copy(self.layout.merge_indptr_offset)
+        return PlanInfo(num_items=0, num_rows=num_rows, num_partial_rows=0, kv_chunk=0, num_split_rows=0,
+                        makespan=0.0, num_split_pairs=0, kind="idle")
 
     def host_plan(self) -> DecodedPlan:
         """The last plan as written to staging, decoded (tests and debugging)."""

@@ -26,6 +26,7 @@ import torch
 import fi_backend.ops
 from fi_backend import reference, variants
 from fi_backend.adapters import sglang as adapter
+from fi_backend.formats import check_prefix_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 HAVE_SGLANG = importlib.util.find_spec("sglang") is not None
@@ -148,6 +149,13 @@ class AttentionBackendBase:
 
     def forward_extend(self, *args, **kwargs):
         raise NotImplementedError()
+
+
+@pytest.fixture(autouse=True)
+def _groups_on(monkeypatch):
+    """Shared-prefix groups are opt-in in SGLang (SGLANG_SHARED_PREFIX_DEFAULT): these tests run with them on,
+    test_shared_prefix_off_by_default without the variable."""
+    monkeypatch.setenv("FI_BACKEND_SHARED_PREFIX", "1")
 
 
 @pytest.fixture
@@ -447,26 +455,40 @@ def test_prefill_rows(over, rows):
 # ------------------------------------------------------------------------------------ the per-step data path
 
 class RefWrapper:
-    """BatchAttention's plan/run contract, computed with fi_backend.reference (float64) from the BSR."""
+    """BatchAttention's plan/run contract, computed with fi_backend.reference (float64) from the BSR. Shared-prefix
+    groups are checked against the BSR (check_prefix_groups: the members hold the same blocks over the prefix) and
+    kept by a stand-in verdict (keep_groups, prefill kernel only: plan_info.shared_groups); an idle plan's run()
+    writes nothing."""
 
     module_names = []
+    keep_groups = True
 
     def __init__(self, kernel, **kw):
-        self.kernel, self.kw, self.plans, self.runs = kernel, kw, [], 0
+        self.kernel, self.kw, self.plans, self.runs, self.idle_runs = kernel, kw, [], 0, 0
 
-    def plan(self, qo_indptr, kv_lens, bsr, *, causal, sm_scale, debug=False, **variant_params):
+    def plan(self, qo_indptr, kv_lens, bsr, *, causal, sm_scale, debug=False, prefix_groups=None, idle=False,
+             **variant_params):
         assert qo_indptr.device.type == "cpu" and kv_lens.device.type == "cpu"
         assert qo_indptr.dtype == kv_lens.dtype == torch.int32
         assert bsr.kv_lens.numel() == kv_lens.numel() == qo_indptr.numel() - 1
         assert bsr.block_width == self.kw["page_size"]
         bsr.validate()
         assert torch.equal(bsr.qo_indptr, qo_indptr) and torch.equal(bsr.kv_lens, kv_lens)
+        if prefix_groups is not None:
+            assert self.kw.get("shared_prefix"), "groups passed to a wrapper whose workspace has no shared rows"
+            check_prefix_groups(bsr, prefix_groups, qo_indptr, kv_lens)
+        kept = len(prefix_groups) if prefix_groups is not None and self.kernel == "prefill" and self.keep_groups else 0
+        self.plan_info = SimpleNamespace(shared_groups=kept, kind="idle" if idle else "lpt")
         self.plans.append(dict(qo=qo_indptr.clone(), kv=kv_lens.clone(), bsr=bsr, causal=causal, sm_scale=sm_scale,
-                               vp=variant_params))
+                               vp=variant_params, groups=None if prefix_groups is None else prefix_groups.tolist(),
+                               idle=idle))
 
     def run(self, q, kv_cache, *, out, k_scale=1.0, v_scale=1.0):
         p = self.plans[-1]
         assert q.shape[0] == out.shape[0] == int(p["qo"][-1])
+        if p["idle"]:
+            self.idle_runs += 1
+            return out
         k, v = kv_cache
         if k.dim() == 3:   # SGLang's slots [slots, heads, D]: page size 1
             k, v = k[:, None], v[:, None]
@@ -655,9 +677,10 @@ def test_steps_as_sglang_drives_them(page, kind, ref_wrappers):
     runner = model_runner(layers, page=page, gen=gen)
     backend = adapter._Backend(runner)
     groups = 1 if kind == "llama" else 2
-    assert len(backend._groups) == groups and len(ref_wrappers) == 2 * groups
-    assert [w.kernel for w in ref_wrappers] == ["decode", "prefill"] * groups
+    assert len(backend._groups) == groups and len(ref_wrappers) == 3 * groups
+    assert [w.kernel for w in ref_wrappers] == ["decode", "prefill", "prefill"] * groups   # + graph_prefill
     assert ref_wrappers[1].kw["max_rows"] == 40 + 6 and ref_wrappers[0].kw["max_rows"] == 6
+    assert ref_wrappers[2].kw["max_rows"] == 6 and ref_wrappers[2].kw["shared_prefix"]
     eng = Engine(runner, gen)
     # cached prefixes: row 4 (a finished request whose first 8 tokens the radix cache holds), row 3 (chunk 1)
     eng.alloc(4, 10)
@@ -870,6 +893,213 @@ def test_planner_checks_req_to_token():
         adapter._StepPlanner([], torch.zeros(8, 4, dtype=torch.int32).t(), page_size=1, max_requests=4)
 
 
+# ------------------------------------------------------------------------------------ shared-prefix groups
+
+class Node:
+    """A radix-tree node as SGLang 0.5.15's RadixCache keeps it (mem_cache/radix_cache.py TreeNode): parent and
+    key (the node's own tokens); the root has no parent and no tokens."""
+
+    def __init__(self, parent=None, tokens=0):
+        self.parent, self.key = parent, list(range(tokens))
+
+    def split(self, n):
+        """RadixCache._split_node: a new node takes this node's first n tokens between it and its parent; this
+        node keeps its identity and the rest of its tokens."""
+        new = Node(self.parent, n)
+        self.parent, self.key = new, self.key[n:]
+        return new
+
+
+def reqs_at(*nodes):
+    return [SimpleNamespace(last_node=n) for n in nodes]
+
+
+def test_radix_shared_tokens():
+    """Neighbours share the tokens up to their last nodes' lowest common ancestor: siblings on one node share
+    all of it, a continuation shares its parent's, requests under one system prompt share it, and a request
+    without a node (radix cache off, retracted) shares nothing. A split elsewhere in the tree changes nothing."""
+    root = Node()
+    system = Node(root, 4000)
+    q1, q2 = Node(system, 100), Node(system, 50)
+    q1_more = Node(q1, 7)
+    other = Node(root, 30)
+    reqs = reqs_at(q1, q1, q1_more, q2, None, q2, other, root)
+    want = [4100, 4100, 4000, 0, 0, 0, 0]
+    assert adapter.radix_shared_tokens(reqs).tolist() == want
+    assert adapter.radix_shared_tokens(reqs_at(q1)).tolist() == []
+    assert adapter.radix_shared_tokens([]).tolist() == []
+    system.split(1000)   # another prompt that diverged after 1000 tokens of the system prompt
+    q2.split(10)
+    assert adapter.radix_shared_tokens(reqs).tolist() == want
+
+
+def test_prefix_groups_from_shares():
+    """The planner's groups: neighbours' shared tokens capped at both ones' cached tokens (kv_len - q_len), in
+    whole pages; runs of sharing neighbours, each with its smallest share; rows past the hooked batch (graph
+    padding) in none."""
+    planner = adapter._StepPlanner([], torch.zeros(8, 64, dtype=torch.int32), page_size=4, max_requests=8,
+                                   shared_prefix=True)
+    fb = SimpleNamespace(out_cache_loc=torch.zeros(3))
+    adapter._STEP.loc, adapter._STEP.shares = fb.out_cache_loc, torch.tensor([40, 13, 0, 9, 9]).numpy()
+    qo = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7], dtype=torch.int32)
+    kv = torch.tensor([41, 50, 50, 20, 10, 12, 1], dtype=torch.int32)   # the 7th: padding
+    try:
+        assert planner._prefix_groups(fb, qo, kv).tolist() == [[0, 3, 12], [3, 6, 8]]
+        kv[4] = 6   # request 4 holds 5 cached tokens: one page
+        assert planner._prefix_groups(fb, qo, kv).tolist() == [[0, 3, 12], [3, 6, 4]]
+        assert planner._prefix_groups(SimpleNamespace(out_cache_loc=torch.zeros(3)), qo, kv) is None   # another batch
+        planner.shared_prefix = False
+        assert planner._prefix_groups(fb, qo, kv) is None
+    finally:
+        adapter._STEP.loc = adapter._STEP.shares = None
+
+
+def hook(fb, nodes):
+    """SGLang's HookRegistry calling the AFTER hook of the classmethod ForwardBatch.init_new(batch, runner)."""
+    assert adapter._after_forward_batch_init(fb, "ForwardBatch", SimpleNamespace(reqs=reqs_at(*nodes)), "runner") is None
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_groups_flow_from_the_radix_tree_to_the_wrappers(page, ref_wrappers):
+    """Parallel samples of a cached prompt through the backend: the ForwardBatch.init_new hook reads the requests'
+    radix nodes, and the step's plan gets the groups (checked against the BSR by the stand-in wrapper): an extend
+    step on the prefill wrapper; eager decode steps on graph_prefill where the planner keeps the groups, else on
+    the decode wrapper (each step runs only that one); decode graphs plan both, the other one idle, and run both
+    into one output (the capture batch, which the hook never saw, single-format). Outputs equal causal attention."""
+    gen = torch.Generator().manual_seed(10 + page)
+    layers = llama_layers()
+    runner = model_runner(layers, page=page, gen=gen)
+    backend = adapter._Backend(runner)
+    g = backend._groups[0]
+    eng = Engine(runner, gen)
+    counts = adapter.plan_counts()
+    root = Node()
+    prompt = Node(root, 12)
+    eng.alloc(4, 12)   # the prompt, cached first (SGLang's n > 1: a max_new_tokens=0 request)
+
+    fb = eng.extend([(1, 3, (4, 12)), (2, 2, (4, 12)), (3, 5, (4, 12))])
+    hook(fb, [prompt] * 3)
+    backend.init_forward_metadata(fb)
+    assert backend.forward_metadata.wrappers == (g.prefill,) and g.prefill.plans[-1]["groups"] == [[0, 3, 12]]
+    run_layers(backend, eng, fb, layers, [1, 2, 3], [3, 2, 5])
+    tails = [Node(prompt, 3), Node(prompt, 2), Node(prompt, 5)]   # cache_unfinished_req moved last_node
+
+    fb = eng.decode([1, 2, 3])
+    hook(fb, tails)
+    decode_plans = len(g.decode.plans)
+    backend.init_forward_metadata(fb)
+    md = backend.forward_metadata
+    assert md.kernel == "decode" and md.wrappers == (g.graph_prefill,) and md.partners == ()
+    assert g.graph_prefill.plans[-1]["groups"] == [[0, 3, 12]] and len(g.decode.plans) == decode_plans
+    run_layers(backend, eng, fb, layers, [1, 2, 3], [1, 1, 1], forward="decode")
+    assert g.decode.runs == 0 and g.graph_prefill.runs == len(layers)
+
+    fb = eng.decode([1, 2, 3])
+    hook(fb, tails)
+    g.graph_prefill.keep_groups = False   # the planner's verdict: not worth it
+    backend.init_forward_metadata(fb)
+    assert backend.forward_metadata.wrappers == (g.decode,) and g.decode.plans[-1]["groups"] is None
+    run_layers(backend, eng, fb, layers, [1, 2, 3], [1, 1, 1], forward="decode")
+    g.graph_prefill.keep_groups = True
+
+    fill = backend.get_cuda_graph_seq_len_fill_value()
+    backend.init_cuda_graph_state(4, 4)
+    capture = eng.graph_view(eng.decode([1, 2]), 4, fill)
+    backend.init_forward_metadata_out_graph(capture, in_capture=True)
+    md = backend.forward_metadata
+    assert md.wrappers == (g.decode,) and md.partners == (g.graph_prefill,) and g.graph_prefill.plans[-1]["idle"]
+    for keep in (True, False):
+        g.graph_prefill.keep_groups = keep
+        fb = eng.decode([1, 2, 3])
+        hook(fb, tails)
+        view = eng.graph_view(fb, 4, fill)
+        replay = SimpleNamespace(**vars(view))
+        replay.out_cache_loc = fb.out_cache_loc   # build_replay_fb_view: the batch's own out_cache_loc
+        idle_runs = g.decode.idle_runs + g.graph_prefill.idle_runs
+        backend.init_forward_metadata_out_graph(replay)
+        md = backend.forward_metadata
+        active, idle = (g.graph_prefill, g.decode) if keep else (g.decode, g.graph_prefill)
+        assert md.wrappers == (active,) and md.partners == (idle,) and md.num_rows == 4
+        assert idle.plans[-1]["idle"] and not active.plans[-1]["idle"]
+        assert torch.equal(idle.plans[-1]["kv"], active.plans[-1]["kv"])   # the same rows
+        assert g.graph_prefill.plans[-1 if keep else -2]["groups"] == [[0, 3, 12]]   # not the padding row
+        run_layers(backend, eng, fb, layers, [1, 2, 3], [1, 1, 1], graph_fb=view, forward="decode")
+        assert g.decode.idle_runs + g.graph_prefill.idle_runs - idle_runs == len(layers)
+    got = adapter.plan_counts()
+    assert got["grouped_extend"] - counts["grouped_extend"] == 1
+    assert got["grouped_decode"] - counts["grouped_decode"] == 2
+
+
+def test_shared_prefix_off(monkeypatch, ref_wrappers):
+    """FI_BACKEND_SHARED_PREFIX=0: two wrappers a layer group, no shared rows, no groups whatever the hook saw;
+    deterministic inference: the same."""
+    monkeypatch.setenv("FI_BACKEND_SHARED_PREFIX", "0")
+    gen = torch.Generator().manual_seed(1)
+    layers = llama_layers(1)
+    runner = model_runner(layers, gen=gen)
+    backend = adapter._Backend(runner)
+    assert [w.kernel for w in ref_wrappers] == ["decode", "prefill"] and not ref_wrappers[1].kw["shared_prefix"]
+    eng = Engine(runner, gen)
+    eng.alloc(4, 8)
+    fb = eng.extend([(1, 2, (4, 8)), (2, 2, (4, 8))])
+    prompt = Node(Node(), 8)
+    hook(fb, [prompt, prompt])
+    backend.init_forward_metadata(fb)
+    assert ref_wrappers[1].plans[-1]["groups"] is None
+    monkeypatch.setenv("FI_BACKEND_SHARED_PREFIX", "1")
+    det = adapter._Backend(model_runner(layers, gen=gen, server_args={"enable_deterministic_inference": True}))
+    assert det._groups[0].graph_prefill is None and not det._planner.shared_prefix
+
+
+def test_shared_prefix_off_by_default(stub_sglang, monkeypatch, ref_wrappers):
+    """Without FI_BACKEND_SHARED_PREFIX: no hook, two wrappers a layer group, no shared rows."""
+    monkeypatch.delenv("FI_BACKEND_SHARED_PREFIX")
+    hooks = []
+    mod = types.ModuleType("sglang.srt.plugins.hook_registry")
+    mod.HookType = enum.Enum("HookType", "BEFORE AFTER AROUND REPLACE")
+    mod.HookRegistry = SimpleNamespace(register=lambda target, fn, kind: hooks.append((target, fn, kind)))
+    monkeypatch.setitem(sys.modules, "sglang.srt.plugins", types.ModuleType("sglang.srt.plugins"))
+    monkeypatch.setitem(sys.modules, "sglang.srt.plugins.hook_registry", mod)
+    monkeypatch.setattr(adapter, "_hook_registered", False)
+    adapter.register()
+    assert hooks == []
+    backend = adapter._Backend(model_runner(llama_layers(1), gen=torch.Generator().manual_seed(2)))
+    assert [w.kernel for w in ref_wrappers] == ["decode", "prefill"] and not ref_wrappers[1].kw["shared_prefix"]
+    assert backend._groups[0].graph_prefill is None and not backend._planner.shared_prefix
+
+
+def test_register_adds_the_forward_batch_hook(stub_sglang, monkeypatch):
+    """register() puts one AFTER hook on ForwardBatch.init_new into SGLang's plugin HookRegistry (which applies it
+    once every plugin has registered), none with FI_BACKEND_SHARED_PREFIX=0."""
+    hooks = []
+    mod = types.ModuleType("sglang.srt.plugins.hook_registry")
+    mod.HookType = enum.Enum("HookType", "BEFORE AFTER AROUND REPLACE")
+    mod.HookRegistry = SimpleNamespace(register=lambda target, fn, kind: hooks.append((target, fn, kind)))
+    monkeypatch.setitem(sys.modules, "sglang.srt.plugins", types.ModuleType("sglang.srt.plugins"))
+    monkeypatch.setitem(sys.modules, "sglang.srt.plugins.hook_registry", mod)
+    monkeypatch.setattr(adapter, "_hook_registered", False)
+    monkeypatch.setenv("FI_BACKEND_SHARED_PREFIX", "0")
+    adapter.register()
+    assert hooks == []
+    monkeypatch.setenv("FI_BACKEND_SHARED_PREFIX", "1")
+    adapter.register()
+    adapter.register()
+    assert hooks == [("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new",
+                      adapter._after_forward_batch_init, mod.HookType.AFTER)]
+
+
+def test_hook_failure_leaves_steps_single_format(monkeypatch, caplog):
+    """A batch the hook cannot read logs one warning and publishes nothing from then on; SGLang's step goes on."""
+    monkeypatch.setattr(adapter, "_shared_prefix_backends", 1)
+    monkeypatch.setattr(adapter, "_hook_failed", False)
+    fb = SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=2, out_cache_loc=torch.zeros(2))
+    bad = SimpleNamespace(reqs=[SimpleNamespace(last_node=SimpleNamespace(parent=Node(), key=None))] * 2)
+    assert adapter._after_forward_batch_init(fb, "cls", bad, "runner") is None
+    assert adapter._hook_failed and "shared-prefix groups are off" in caplog.text and adapter._STEP.shares is None
+    hook(fb, [None, None])
+    assert adapter._STEP.shares is None
+
+
 # ------------------------------------------------------------------------------------ with SGLang 0.5.15 itself
 
 def test_with_sglang_registration_arguments_and_dispatch(ref_wrappers):
@@ -936,7 +1166,7 @@ def test_a_ranks_wrappers_live_on_its_gpu(ref_wrappers, caplog, monkeypatch):
     caplog.set_level("INFO", logger="sglang.fi_backend")
     backend = adapter._Backend(runner)
     assert backend.device == torch.device("cuda", 3)
-    assert [str(w.kw["device"]) for w in ref_wrappers] == ["cuda:3", "cuda:3"]
+    assert [str(w.kw["device"]) for w in ref_wrappers] == ["cuda:3"] * 3
     assert "on cuda:3, tensor-parallel rank 3 of 4:" in caplog.text
 
 

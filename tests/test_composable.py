@@ -7,7 +7,8 @@ import torch
 
 from fi_backend import scheduler as S
 from fi_backend.attention import shared_prefix_supported
-from fi_backend.formats import BSR, check_prefix_groups, from_block_table, prefix_groups_from_table
+from fi_backend.formats import (BSR, check_prefix_groups, from_block_table, prefix_groups_from_links,
+                               prefix_groups_from_table)
 from fi_backend import variants as V
 
 
@@ -162,6 +163,15 @@ def test_prefix_groups_from_table():
     # the groups found are the ones check_prefix_groups accepts
     bsr = _bsr(np.pad(t, ((0, 0), (0, 1))), cached + 1, [1] * 7, 16)
     check_prefix_groups(bsr, prefix_groups_from_table(t, cached, 16))
+
+
+def test_prefix_groups_from_links():
+    """Runs of neighbours sharing >= 1 block, each with its smallest share, in tokens; short runs dropped."""
+    links = [3, 2, 0, 0, 5, 5, 0, 1]
+    np.testing.assert_array_equal(prefix_groups_from_links(links, 16), [[0, 3, 32], [4, 7, 80], [7, 9, 16]])
+    np.testing.assert_array_equal(prefix_groups_from_links(links, 16, min_requests=3), [[0, 3, 32], [4, 7, 80]])
+    np.testing.assert_array_equal(prefix_groups_from_links(links, 1, min_prefix_tokens=3), [[4, 7, 5]])
+    assert prefix_groups_from_links([0, 0], 16).shape == (0, 3) and prefix_groups_from_links([], 16).shape == (0, 3)
 
 
 def test_which_variants_run_shared_items():

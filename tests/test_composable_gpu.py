@@ -4,7 +4,8 @@ on fresh random inputs, outputs poisoned with NaN and every cache slot no reques
 
 Groups of 1..64 requests, prefixes of 1..32k tokens, pages of 1 and 16, GQA groups 1 / 4 / 7, every built-in
 variant (those whose hooks see query positions plan their groups single-format: still checked), fp8 KV, CUDA-graph
-replay after re-plans that change the groups, and plan(debug=True) refusing inconsistent groups."""
+replay after re-plans that change the groups, a graph of a decode and a prefill wrapper where each step runs one
+and plans the other idle (the SGLang adapter's decode graphs), and plan(debug=True) refusing inconsistent groups."""
 from __future__ import annotations
 
 import itertools
@@ -155,33 +156,46 @@ def test_fp8_kv(kernel):
                 what=f"{kernel} fp8", expect_shared=1)
 
 
+class GraphSteps:
+    """Persistent device BSR buffers of a decode batch of up to B requests (as an engine keeps them for CUDA
+    graphs), a cache, and query / output buffers; step(n, groups) writes a new step's grouped table and lengths
+    into them and returns (bsr, qo_cpu, kv_cpu)."""
+
+    def __init__(self, B=40, width=600, page=16):
+        self.page = page
+        self.table = torch.zeros(B, width, dtype=torch.int32, device=DEV)
+        self.seq = torch.zeros(B, dtype=torch.int32, device=DEV)
+        self.qsl = torch.zeros(B + 1, dtype=torch.int32, device=DEV)
+        self.starts = torch.arange(B, dtype=torch.int32, device=DEV) * width
+        self.num_blocks = B * width
+        self.cache, self.k, self.v = random_kv(self.num_blocks, page, 8, 128, torch.bfloat16)
+        self.q = torch.randn(B, 32, 128, device=DEV, dtype=torch.bfloat16)
+        self.out = torch.empty_like(self.q)
+
+    def step(self, n, groups):
+        prefix = {r: p for f, e, p in groups for r in range(f, e)}
+        kv_lens = [prefix.get(r, 0) + random.randint(1, 900) for r in range(n)]
+        _, qo, kv, _ = grouped_table(kv_lens, [1] * n, self.page, groups, table=self.table, num_blocks=self.num_blocks)
+        self.seq[:n] = kv.to(DEV)
+        self.qsl[:n + 1] = qo.to(DEV)
+        bsr = BSR(qo_indptr=self.qsl[:n + 1], kv_indices=self.table.view(-1), kv_block_start=self.starts[:n],
+                  kv_lens=self.seq[:n], block_width=self.page, num_kv_blocks=self.num_blocks)
+        return bsr, qo, kv
+
+
 @pytest.mark.parametrize("kernel", ["decode", "prefill"])
 def test_cuda_graph_replay_after_replans_that_change_groups(kernel):
     """run() captured once (with groups), replayed after plans with other groups, no groups, and a smaller
     batch: the kernel reads the plan and the BSR from the same storage every time."""
-    page, B, width = 16, 40, 600
-    attn = make_wrapper(32, 8, 128, kernel=kernel, page_size=page)
-    table = torch.zeros(B, width, dtype=torch.int32, device=DEV)
-    seq = torch.zeros(B, dtype=torch.int32, device=DEV)
-    qsl = torch.zeros(B + 1, dtype=torch.int32, device=DEV)
-    starts = torch.arange(B, dtype=torch.int32, device=DEV) * width
-    num_blocks = B * width
-    cache, k, v = random_kv(num_blocks, page, 8, 128, torch.bfloat16)
-    q_buf = torch.randn(B, 32, 128, device=DEV, dtype=torch.bfloat16)
-    out_buf = torch.empty_like(q_buf)
+    B = 40
+    g = GraphSteps(B)
+    attn = make_wrapper(32, 8, 128, kernel=kernel, page_size=g.page)
+    cache, k, v, q_buf, out_buf = g.cache, g.k, g.v, g.q, g.out
 
     def step(n, groups):
-        members = {r for f, e, _ in groups for r in range(f, e)}
-        prefix = {r: p for f, e, p in groups for r in range(f, e)}
-        kv_lens = [prefix.get(r, 0) + random.randint(1, 900) for r in range(n)]
-        bsr, qo, kv, _ = grouped_table(kv_lens, [1] * n, page, groups, table=table, num_blocks=num_blocks)
-        seq[:n] = kv.to(DEV)
-        qsl[:n + 1] = qo.to(DEV)
-        bsr = BSR(qo_indptr=qsl[:n + 1], kv_indices=table.view(-1), kv_block_start=starts[:n], kv_lens=seq[:n],
-                  block_width=page, num_kv_blocks=num_blocks)
+        bsr, qo, kv = g.step(n, groups)
         attn.plan(qo, kv, bsr, causal=True, prefix_groups=groups or None)
         assert attn.plan_info.shared_groups == len(groups), attn.plan_info
-        assert members is not None
         return bsr
 
     step(B, [(0, 30, 4096)])
@@ -194,6 +208,45 @@ def test_cuda_graph_replay_after_replans_that_change_groups(kernel):
         replay_check(graph, attn, q_buf, out_buf, k, v, step(B, groups), TOL[torch.bfloat16] * 2,
                      f"{kernel} graph replay {groups}")
     attn.release_graph()
+
+
+def test_graph_of_two_wrappers_one_active_one_idle():
+    """A decode-graph step as the SGLang adapter captures it with groups on: the decode wrapper and a prefill
+    wrapper over the same BSR buffers, both launched into one output; each step plans its work on one of them
+    (groups on the prefill kernel) and an idle plan (the same rows, no items) on the other, which writes nothing."""
+    g = GraphSteps(40)
+    dec = make_wrapper(32, 8, 128, kernel="decode", page_size=g.page)
+    pre = make_wrapper(32, 8, 128, kernel="prefill", page_size=g.page)
+    cache, k, v, q_buf, out_buf = g.cache, g.k, g.v, g.q, g.out
+
+    def step(groups):
+        bsr, qo, kv = g.step(40, groups)
+        active, idle = (pre, dec) if groups else (dec, pre)
+        active.plan(qo, kv, bsr, causal=True, prefix_groups=groups or None)
+        assert active.plan_info.shared_groups == len(groups), active.plan_info
+        idle.plan(qo, kv, bsr, causal=True, idle=True)
+        assert idle.plan_info.kind == "idle" and idle.plan_info.num_items == 0
+        return bsr
+
+    step([])
+    dec.run(q_buf, cache, out=out_buf)  # warm-up outside the graph
+    pre.run(q_buf, cache, out=out_buf)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dec.run(q_buf, cache, out=out_buf)
+        pre.run(q_buf, cache, out=out_buf)
+    for groups in ([(0, 30, 4096)], [], [(2, 10, 8192), (12, 40, 2000)], []):
+        replay_check(graph, dec, q_buf, out_buf, k, v, step(groups), TOL[torch.bfloat16] * 2,
+                     f"two wrappers, graph replay {groups}")
+        pre.check_errors()
+    step([])   # eager: the idle wrapper alone leaves the output as it was
+    out_buf.fill_(float("nan"))
+    pre.run(q_buf, cache, out=out_buf)
+    torch.cuda.synchronize()
+    assert out_buf.isnan().all()
+    dec.release_graph()
+    pre.release_graph()
 
 
 def test_debug_plan_refuses_inconsistent_groups():

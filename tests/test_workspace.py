@@ -89,6 +89,25 @@ def test_addresses_fixed_and_device_section_equals_staging():
         assert d.num_units == kw["num_units"] and info.num_items <= ws.max_items
 
 
+def test_idle_plan_has_the_rows_and_no_items():
+    """Workspace.plan_idle after a real plan: the header names the step's rows and no items, every CTA's queue is
+    empty, and the device section holds the header and cta_indptr (all a kernel reads of a plan without items)."""
+    rng = np.random.default_rng(3)
+    ws = make()
+    qo, kv, kw = next(random_steps(rng, ws, 1))
+    assert ws.plan(qo, kv, **kw).num_items > 0
+    info = ws.plan_idle(int(qo[-1]), len(kv), tile_q=kw["tile_q"], num_units=kw["num_units"])
+    assert (info.num_items, info.num_rows, info.kind, info.shared_groups) == (0, int(qo[-1]), "idle", 0)
+    d = ws.host_plan()
+    assert (d.num_items, d.num_rows, d.num_requests, d.num_ctas, d.tile_q, d.num_units, d.num_split_rows) == (
+        0, int(qo[-1]), len(kv), ws.num_ctas, kw["tile_q"], kw["num_units"], 0)
+    assert not d.cta_indptr.any() and not d.merge_indptr.any() and d.items.size == 0
+    n = ws.layout.merge_indptr_offset
+    assert torch.equal(ws.plan_section[:n], ws.staging.view(torch.int32)[:n])
+    with pytest.raises(ValueError, match="max_requests"):
+        ws.plan_idle(1, ws.max_requests + 1, tile_q=1)
+
+
 def test_decode_batch_sizes_1_to_256_share_addresses():
     ws = make()
     rng = np.random.default_rng()

@@ -52,6 +52,18 @@ step; a model with several kinds (Gemma-2: sliding-window and full layers, both 
 plan per kind per step, each with its own decode and prefill wrappers. SGLang's sliding_window_size is
 already the number of earlier tokens a query sees (q_pos - kv_pos <= it), i.e. fi-backend's window_left.
 
+Shared-prefix groups (composable formats, docs/composable.md): off by default in SGLang until this path has run and
+been timed on a GPU; FI_BACKEND_SHARED_PREFIX=1 turns them on (deterministic inference keeps them off). register() adds an AFTER hook on ForwardBatch.init_new through SGLang's plugin
+HookRegistry. For each batch it walks the requests once, on the host: neighbours share the tokens up to the lowest
+common ancestor of their radix nodes (Req.last_node; radix_shared_tokens), and the result is kept with the batch's
+out_cache_loc, which the eager batch and the decode graph's replay view both carry. The step's plan finds it by that
+tensor's identity and makes the groups (_StepPlanner._prefix_groups: capped at each member's cached tokens, whole
+pages, runs of sharing neighbours). Extend steps pass them to the prefill wrapper. Decode steps run groups on the
+prefill kernel, whose tile holds many requests' rows: a third wrapper per layer group (graph_prefill, its own
+workspace) is planned with them, and where the planner keeps any (plan_info.shared_groups) it runs the step, else
+the decode wrapper does. Eager decode steps run that one wrapper. A decode graph launches both into one output, so
+each graph step gives the other one an idle plan (the same rows, no items).
+
 Deterministic inference (--enable-deterministic-inference, or FI_BACKEND_DETERMINISTIC=1): both wrappers plan
 deterministically (docs/deterministic.md) and every EXTEND step runs the prefill kernel (a one-token extend too),
 so a row's kernel follows the step's kind, never its companions; register() lists fi_backend among SGLang's
@@ -66,7 +78,8 @@ experimental "full" prefill CUDA graph (breakable, tc_piecewise and disabled wor
 
 Environment: FI_BACKEND_SGLANG_KV_WRITE ("sglang", default: set_kv_buffer; "append": fi_backend.ops.
 append_paged_kv_cache into the pool's buffers, plain MHATokenToKVPool only); FI_BACKEND_SGLANG_DEBUG=1
-validates every BSR on the host (synchronises; for debugging).
+validates every BSR on the host (synchronises; for debugging); FI_BACKEND_SHARED_PREFIX=1: shared-prefix groups
+(read by register() and when the backend is made).
 """
 from __future__ import annotations
 
@@ -78,16 +91,17 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from fi_backend import env as _env
 from fi_backend import ops as _ops
 from fi_backend.adapters import rank_device
-from fi_backend.formats import BSR
+from fi_backend.formats import BSR, prefix_groups_from_links
 from fi_backend.wrappers import HEAD_DIMS
 
 __all__ = ["register", "create_backend", "BACKEND_NAME", "ENTRY_POINT_GROUP", "plan_counts", "check_errors",
-           "layer_settings", "LayerSettings"]
+           "layer_settings", "LayerSettings", "radix_shared_tokens"]
 
 BACKEND_NAME = "fi_backend"                 # --attention-backend fi_backend
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
@@ -105,7 +119,17 @@ _SGLANG_CLASSES = ("FiAttnBackend",)
 # A child of SGLang's "sglang" logger namespace (SGLang configures the root logger's handler and level).
 _log = logging.getLogger("sglang.fi_backend")
 _logged_registered = False
-_PLAN_COUNTS = {"decode": 0, "prefill": 0, "graph_steps": 0}
+_PLAN_COUNTS = {"decode": 0, "prefill": 0, "graph_steps": 0, "grouped_decode": 0, "grouped_extend": 0}
+# Shared-prefix groups (docs/composable.md): the hook on ForwardBatch.init_new that finds them, and the requests a
+# step's groups hold partial states for (a larger step's groups beyond them plan single-format; the workspaces'
+# shared rows stay small for SGLang's request pools of thousands)
+_FORWARD_BATCH_INIT = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
+SHARED_PREFIX_MAX_REQUESTS = 512
+# Off unless FI_BACKEND_SHARED_PREFIX=1: every decode-graph step would launch a second (idle) kernel a layer, a cost
+# not yet measured, and no GPU has run this path yet (docs/composable.md)
+SGLANG_SHARED_PREFIX_DEFAULT = False
+_hook_registered = False
+_shared_prefix_backends = 0     # backends of this process that plan groups: the hook works only when > 0
 _wrappers = weakref.WeakSet()   # every BatchAttention this process made, for check_errors()
 _define_lock = threading.Lock()
 
@@ -146,10 +170,103 @@ def register() -> None:
     if hasattr(sa, "add_radix_supported_deterministic_attention_backend_choices") and \
             BACKEND_NAME not in getattr(sa, "RADIX_SUPPORTED_DETERMINISTIC_ATTENTION_BACKEND", ()):
         sa.add_radix_supported_deterministic_attention_backend_choices([BACKEND_NAME])
+    if _env.flag(_env.SHARED_PREFIX, SGLANG_SHARED_PREFIX_DEFAULT):
+        _register_prefix_hook()
     if not _logged_registered:
         _logged_registered = True
         _log.info("fi-backend registered as SGLang attention backend %r (--attention-backend %s)", BACKEND_NAME,
                   BACKEND_NAME)
+
+
+def _register_prefix_hook() -> None:
+    """An AFTER hook on ForwardBatch.init_new through SGLang's plugin HookRegistry (applied by load_plugins() once
+    every plugin has registered): it publishes what neighbouring requests share in the radix tree for the
+    backend's next plan (_after_forward_batch_init). Without the registry, steps plan single-format."""
+    global _hook_registered
+    if _hook_registered:
+        return
+    try:
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    except ImportError as e:
+        _log.info("fi-backend: this SGLang has no plugin HookRegistry (%s): shared-prefix groups are off", e)
+        return
+    HookRegistry.register(_FORWARD_BATCH_INIT, _after_forward_batch_init, HookType.AFTER)
+    _hook_registered = True
+
+
+# ------------------------------------------------------------------------------------ shared-prefix groups
+
+class _StepShares:
+    """What the hook found for the last ForwardBatch made in this process: its out_cache_loc (by identity: the
+    eager batch and the decode graph's replay view both carry that tensor) and radix_shared_tokens of its
+    requests."""
+
+    loc: Any = None
+    shares: Optional[np.ndarray] = None
+
+
+_STEP = _StepShares()
+_hook_failed = False
+
+
+def _after_forward_batch_init(result, *args, **kwargs):
+    """HookRegistry AFTER hook of the classmethod ForwardBatch.init_new(cls, batch, model_runner): host data only
+    (the requests' radix nodes), no device work. Never raises into SGLang's step: a failure logs once and leaves
+    steps single-format. Returns None (SGLang keeps init_new's result)."""
+    global _hook_failed
+    if not _shared_prefix_backends or _hook_failed:
+        return None
+    _STEP.loc = _STEP.shares = None
+    try:
+        batch = kwargs["batch"] if "batch" in kwargs else args[1]
+        mode = result.forward_mode
+        reqs = getattr(batch, "reqs", None)
+        if reqs is None or len(reqs) < 2 or len(reqs) != result.batch_size or not (mode.is_decode() or mode.is_extend()):
+            return None
+        _STEP.shares = radix_shared_tokens(reqs)
+        _STEP.loc = result.out_cache_loc
+    except Exception as e:   # a SGLang whose batch or tree differs: no groups rather than no step
+        _hook_failed = True
+        _log.warning("fi-backend: shared-prefix groups are off: reading the radix tree failed (%s: %s)",
+                     type(e).__name__, e)
+    return None
+
+
+def _radix_path(node) -> tuple:
+    """(nodes from the root's child down to node, tokens from the root to the end of each): one walk up."""
+    nodes = []
+    while node is not None and node.parent is not None:   # the root (no parent) holds no tokens
+        nodes.append(node)
+        node = node.parent
+    nodes.reverse()
+    depths, total = [], 0
+    for n in nodes:
+        total += len(n.key)
+        depths.append(total)
+    return nodes, depths
+
+
+def radix_shared_tokens(reqs) -> np.ndarray:
+    """int64 [R - 1]: entry i the KV tokens requests i and i + 1 share through SGLang's radix tree, the depth of
+    the lowest common ancestor of their last_node (Req.last_node: the tree node their req_to_token row points at
+    up to its end; a running request locks that path, and a split keeps a node's identity and depth). 0 where a
+    request has no node (radix cache off, retracted). One pass over the requests, each walking its node's
+    ancestors once; a request on its neighbour's node reuses the walk."""
+    out = np.zeros(max(len(reqs) - 1, 0), dtype=np.int64)
+    prev = prev_nodes = prev_depths = None
+    for i, req in enumerate(reqs):
+        node = req.last_node
+        if i and node is prev:   # parallel samples of one prompt, or requests at the same node
+            out[i - 1] = prev_depths[-1] if prev_depths else 0
+            continue
+        nodes, depths = _radix_path(node)
+        if i:
+            k, m = 0, min(len(nodes), len(prev_nodes))
+            while k < m and nodes[k] is prev_nodes[k]:
+                k += 1
+            out[i - 1] = depths[k - 1] if k else 0
+        prev, prev_nodes, prev_depths = node, nodes, depths
+    return out
 
 
 def create_backend(model_runner):
@@ -360,21 +477,27 @@ def _refusal_reasons(model_runner, layers: list) -> list:
 
 @dataclass
 class _Group:
-    """Layers sharing one plan per step: their settings, variant parameters and two wrappers."""
+    """Layers sharing one plan per step: their settings, variant parameters and wrappers."""
 
     settings: LayerSettings
     params: dict
     decode: Any
     prefill: Any
+    # Shared-prefix groups on: the prefill kernel with its own workspace for decode steps whose groups the planner
+    # keeps. Not the eager prefill wrapper: a capture freezes a wrapper's tile member and BSR.
+    graph_prefill: Any = None
 
 
 @dataclass
 class StepMetadata:
     """One step's attention metadata: the wrapper each layer group runs with, planned for num_rows rows."""
 
-    kernel: str                 # "decode" or "prefill"
-    wrappers: tuple             # one per layer group, in group order
+    kernel: str                 # the step's kind: "decode" (a query row a request) or "prefill"
+    wrappers: tuple             # one per layer group, in group order (a grouped decode step: graph_prefill)
     num_rows: int               # query rows of the plan (the step's tokens; padded batch size in a graph)
+    # Decode-graph steps with shared-prefix groups on: per layer group the other wrapper the graph launches into
+    # the same output, planned idle (no items); () for eager steps, which run only `wrappers`.
+    partners: tuple = ()
 
 
 def _cpu_int32(x, n: int, name: str) -> torch.Tensor:
@@ -397,7 +520,7 @@ class _StepPlanner:
     are this planner's persistent buffers (or req_to_token itself), sliced per step."""
 
     def __init__(self, groups: list, req_to_token: torch.Tensor, *, page_size: int, max_requests: int,
-                 debug: bool = False, deterministic: bool = False):
+                 debug: bool = False, deterministic: bool = False, shared_prefix: bool = False):
         if req_to_token.dtype != torch.int32 or req_to_token.dim() != 2:
             raise TypeError(f"SGLang's req_to_token must be a 2-D int32 tensor, got {req_to_token.dtype} "
                             f"{tuple(req_to_token.shape)}")
@@ -408,6 +531,7 @@ class _StepPlanner:
         self.page_size = int(page_size)
         self.debug = debug
         self.deterministic = deterministic
+        self.shared_prefix = shared_prefix and not deterministic  # composable formats (docs/composable.md)
         self.max_requests = 0
         self.resize(max_requests)
 
@@ -436,8 +560,26 @@ class _StepPlanner:
         self._qo_decode_cpu = torch.arange(n + 1, dtype=torch.int32)
         self.max_requests = n
 
-    def plan(self, fb) -> Optional[StepMetadata]:
-        """Plan this step for every layer group; None for an idle (empty) step."""
+    def _prefix_groups(self, fb, qo_cpu: torch.Tensor, kv_cpu: torch.Tensor):
+        """The step's shared-prefix groups, from what the ForwardBatch.init_new hook found in the radix tree for this
+        batch (matched by its out_cache_loc, which a graph replay view also carries): neighbours' shared tokens
+        capped at both ones' cached tokens (kv_len - q_len), in whole pages, runs of them by
+        prefix_groups_from_links. Rows past the batch the hook saw (graph padding) are in no group. None:
+        single-format."""
+        shares = _STEP.shares
+        if not self.shared_prefix or shares is None or _STEP.loc is not getattr(fb, "out_cache_loc", None):
+            return None
+        n = shares.size + 1
+        if n > kv_cpu.numel():
+            return None
+        cached = (kv_cpu[:n] - (qo_cpu[1: n + 1] - qo_cpu[:n])).numpy()
+        common = np.minimum(shares, np.minimum(cached[:-1], cached[1:])) // self.page_size
+        groups = prefix_groups_from_links(common, self.page_size)
+        return groups if len(groups) else None
+
+    def plan(self, fb, graph: bool = False) -> Optional[StepMetadata]:
+        """Plan this step for every layer group; None for an idle (empty) step. graph: a decode-graph capture or
+        replay, whose graph launches both decode-step wrappers of a group when it has graph_prefill."""
         mode = fb.forward_mode
         bs = int(fb.batch_size or 0)
         if mode.is_idle() or bs == 0:
@@ -466,13 +608,34 @@ class _StepPlanner:
         self._write_kv_rows(fb.req_pool_indices[:bs], fb.seq_lens[:bs], kv_cpu)
         bsr = BSR(qo_indptr=qo_dev, kv_indices=self._kv_indices, kv_block_start=self._kv_block_start[:bs],
                   kv_lens=self._kv_lens[:bs], block_width=self.page_size)
-        wrappers = []
+        groups = self._prefix_groups(fb, qo_cpu, kv_cpu) if self.shared_prefix else None
+        wrappers, partners = [], []
         for g in self.groups:
-            w = g.decode if decode else g.prefill
-            w.plan(qo_cpu, kv_cpu, bsr, causal=True, sm_scale=g.settings.sm_scale, debug=self.debug, **g.params)
-            _PLAN_COUNTS[kernel] += 1
+            kw = dict(causal=True, sm_scale=g.settings.sm_scale, debug=self.debug, **g.params)
+            if not decode:
+                g.prefill.plan(qo_cpu, kv_cpu, bsr, prefix_groups=groups, **kw)
+                _PLAN_COUNTS["prefill"] += 1
+                _PLAN_COUNTS["grouped_extend"] += groups is not None and g.prefill.plan_info.shared_groups > 0
+                wrappers.append(g.prefill)
+                continue
+            w = g.decode
+            if groups is not None and g.graph_prefill is not None:
+                # groups run on the prefill kernel (its tile holds many requests' rows), where the planner keeps them
+                g.graph_prefill.plan(qo_cpu, kv_cpu, bsr, prefix_groups=groups, **kw)
+                if g.graph_prefill.plan_info.shared_groups > 0:
+                    w = g.graph_prefill
+            if w is g.decode:
+                g.decode.plan(qo_cpu, kv_cpu, bsr, **kw)
+                _PLAN_COUNTS["decode"] += 1
+            else:
+                _PLAN_COUNTS["prefill"] += 1
+                _PLAN_COUNTS["grouped_decode"] += 1
+            if graph and g.graph_prefill is not None:   # the graph launches both: the other one runs no items
+                other = g.graph_prefill if w is g.decode else g.decode
+                other.plan(qo_cpu, kv_cpu, bsr, idle=True, **kw)
+                partners.append(other)
             wrappers.append(w)
-        return StepMetadata(kernel=kernel, wrappers=tuple(wrappers), num_rows=int(qo_cpu[bs]))
+        return StepMetadata(kernel=kernel, wrappers=tuple(wrappers), num_rows=int(qo_cpu[bs]), partners=tuple(partners))
 
     def _write_kv_rows(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, kv_cpu: torch.Tensor) -> None:
         """The step's KV lengths and rows into the persistent buffers (device ops, no synchronisation)."""
@@ -489,13 +652,16 @@ class _StepPlanner:
 
 
 def _make_wrapper(kernel: str, *, device, settings: LayerSettings, variant, q_dtype, kv_dtype, page_size: int,
-                  kv_layout: str, max_requests: int, max_rows: int, deterministic: bool = False):
-    """A BatchAttention of one kernel with its own workspace, sized once for the engine's limits."""
+                  kv_layout: str, max_requests: int, max_rows: int, deterministic: bool = False,
+                  shared_prefix: bool = False):
+    """A BatchAttention of one kernel with its own workspace, sized once for the engine's limits (shared_prefix:
+    partial rows for the groups of up to SHARED_PREFIX_MAX_REQUESTS requests)."""
     from fi_backend.wrappers import BatchAttention
     hq, hkv, d = settings.num_qo_heads, settings.num_kv_heads, settings.head_dim
     ws = BatchAttention.workspace_for(device, hq, hkv, d, max_requests=max_requests, max_tokens=max_rows,
                                       q_dtype=q_dtype, kv_dtype=kv_dtype, variant=variant, kernel=kernel,
-                                      deterministic=deterministic)
+                                      deterministic=deterministic, shared_prefix=shared_prefix,
+                                      shared_prefix_requests=SHARED_PREFIX_MAX_REQUESTS)
     wrapper = BatchAttention(ws, hq, hkv, d, q_dtype=q_dtype, kv_dtype=kv_dtype, page_size=page_size,
                              kv_layout=kv_layout, variant=variant, kernel=kernel, deterministic=deterministic)
     _wrappers.add(wrapper)
@@ -561,16 +727,25 @@ class _Backend:
             self._layer_group[int(layer.layer_id)] = keys.setdefault(s, len(keys))
         self._group_keys = list(keys)
         self._max_requests = int(self.req_to_token.shape[0])
+        # composable formats (docs/composable.md): groups from the radix tree, on with FI_BACKEND_SHARED_PREFIX=1
+        self.shared_prefix = (_env.flag(_env.SHARED_PREFIX, SGLANG_SHARED_PREFIX_DEFAULT)
+                              and not deterministic(model_runner.server_args))
         self._groups = self._make_groups(self._max_requests)
         self._planner = _StepPlanner(self._groups, self.req_to_token, page_size=self.page_size,
                                      max_requests=self._max_requests, debug=os.environ.get(DEBUG_ENV) == "1",
-                                     deterministic=deterministic(model_runner.server_args))
+                                     deterministic=deterministic(model_runner.server_args),
+                                     shared_prefix=self.shared_prefix)
+        if self.shared_prefix:
+            global _shared_prefix_backends
+            _shared_prefix_backends += 1
         self._kv_views: dict = {}
         self.forward_metadata: Optional[StepMetadata] = None
         _log.info("fi-backend attention is active (SGLang backend %s) on %s%s: %d layers in %d group(s) [%s], page %d, "
                   "KV %s (%s), KV write %s; decode + prefill kernels, one plan per step per group; CUDA graphs for "
-                  "decode", BACKEND_NAME, self.device, _tp_words(model_runner), len(layers), len(self._groups), "; ".join(s.describe() for s in self._group_keys),
-                  self.page_size, str(self.kv_dtype).replace("torch.", ""), self.kv_layout, self.kv_write)
+                  "decode; shared-prefix groups %s", BACKEND_NAME, self.device, _tp_words(model_runner), len(layers),
+                  len(self._groups), "; ".join(s.describe() for s in self._group_keys), self.page_size,
+                  str(self.kv_dtype).replace("torch.", ""), self.kv_layout, self.kv_write,
+                  "from the radix tree" if self.shared_prefix else f"off ({_env.SHARED_PREFIX}=0 or deterministic)")
 
     # -------------------------------------------------------------------------------- setup
 
@@ -584,14 +759,17 @@ class _Backend:
             common = dict(device=self.device, settings=s, variant=variant, q_dtype=self.q_dtype, kv_dtype=self.kv_dtype,
                           page_size=self.page_size, kv_layout=self.kv_layout, max_requests=max_requests,
                           deterministic=deterministic(mr.server_args))
+            shared = self.shared_prefix
             try:
                 decode = _make_wrapper("decode", max_rows=max_requests, **common)
-                prefill = _make_wrapper("prefill", max_rows=rows, **common)
+                prefill = _make_wrapper("prefill", max_rows=rows, shared_prefix=shared, **common)
+                graph_prefill = _make_wrapper("prefill", max_rows=max_requests, shared_prefix=True,
+                                              **common) if shared else None
             except Exception as e:  # a build failure or a refused shape: say which, at start-up
                 raise RuntimeError(f"fi-backend cannot run this model's attention ({what}): {e}") from e
             for name in decode.module_names + prefill.module_names:
                 _log.info("fi-backend: kernel module %s ready (%s) on %s", name, what, self.device)
-            groups.append(_Group(s, params, decode, prefill))
+            groups.append(_Group(s, params, decode, prefill, graph_prefill))
         return groups
 
     def _group_of(self, layer) -> int:
@@ -644,7 +822,7 @@ class _Backend:
         """Before each decode-graph capture (in_capture) and each replay: plan the padded batch into the
         same buffers and workspace sections the captured run() reads. SGLang's replay view carries the padded
         req_pool_indices / seq_lens / seq_lens_cpu of the captured batch size."""
-        self.forward_metadata = self._planner.plan(forward_batch)
+        self.forward_metadata = self._planner.plan(forward_batch, graph=True)
         _PLAN_COUNTS["graph_steps"] += 1
 
     def init_forward_metadata_in_graph(self, forward_batch) -> None:
@@ -672,7 +850,8 @@ class _Backend:
         if md is None:
             raise RuntimeError("fi-backend: attention ran without a plan for this step (init_forward_metadata was not "
                                "called, or the step is idle)")
-        wrapper = md.wrappers[self._group_of(layer)]
+        g = self._group_of(layer)
+        wrapper = md.wrappers[g]
         if k is not None:
             if not save_kv_cache:
                 raise NotImplementedError("fi-backend reads K/V from the KV cache: a layer that passes K/V without "
@@ -700,7 +879,10 @@ class _Backend:
             o_run = o3
         ks = layer.k_scale_float if self._fp8 and getattr(layer, "k_scale_float", None) is not None else 1.0
         vs = layer.v_scale_float if self._fp8 and getattr(layer, "v_scale_float", None) is not None else 1.0
-        wrapper.run(q3, self._kv(layer.layer_id), out=o_run, k_scale=ks, v_scale=vs)
+        kv = self._kv(layer.layer_id)
+        wrapper.run(q3, kv, out=o_run, k_scale=ks, v_scale=vs)
+        if md.partners:   # a decode graph launches both wrappers; the idle one writes nothing
+            md.partners[g].run(q3, kv, out=o_run, k_scale=ks, v_scale=vs)
         return o3.view(rows, hq * d)
 
     def _write_kv(self, layer, forward_batch, k, v) -> None:

@@ -52,6 +52,19 @@ flashinfer about 3 more to compile:
     IT_MODELS=deterministic FI_SGLANG_TEST_REUSE=1 python3 -m pytest -q integration_tests/sglang
 Results: sglang_deterministic.json, sglang_deterministic_radix_cache.json.
 
+Shared-prefix groups (issue 28, docs/composable.md; kind shared): workload_shared runs parallel sampling (n = 8,
+greedy, of four prompts) and a 2000-token system prompt shared by 12 requests (cached first, so each one's prefill
+hits it), 32 greedy tokens each, CUDA graphs on (decode graphs up to 32 requests). test_shared_prefix_groups_match_
+flashinfer: fi_backend (groups from the radix tree, FI_BACKEND_SHARED_PREFIX=1) within the Llama kind's bound of SGLang's
+flashinfer backend on the same workload, with grouped steps planned in decode (graph_prefill) and in extend (the
+plan counts' grouped_decode / grouped_extend > 0); the engine with FI_BACKEND_SHARED_PREFIX=0 planned none and is
+within the same bound of the one with groups. Needs llama_flashinfer_graphs and llama_triton_graphs (the bound):
+    python3 integration_tests/sglang/test_sglang_backend.py --engine llama_flashinfer_shared
+    python3 integration_tests/sglang/test_sglang_backend.py --engine llama_fi_backend_shared
+    python3 integration_tests/sglang/test_sglang_backend.py --engine llama_fi_backend_shared_off
+    IT_MODELS=shared FI_SGLANG_TEST_REUSE=1 python3 -m pytest -q integration_tests/sglang
+Result: sglang_shared_prefix.json.
+
 (`--list` prints the engines.) fi-backend need not be installed: SGLang finds out-of-tree backends through
 the entry-point group `sglang.srt.plugins` in every process it starts (the scheduler runs in its own
 process), so this file writes fi-backend's entry point (a dist-info folder with entry_points.txt, no
@@ -151,6 +164,9 @@ PAGE16 = {"page_size": 16}
 DET = {"enable_deterministic_inference": True, "enable_mixed_chunk": False}
 DET_NO_RADIX = {**DET, "disable_radix_cache": True}
 NODET = {"enable_mixed_chunk": False}
+# Shared-prefix groups (kind shared): 8 parallel samples of 4 prompts, or 12 requests under one system prompt, decode
+# graphs for all of them
+SHARED = {"max_running_requests": 32, "cuda_graph_bs_decode": [1, 2, 4, 8, 16, 24, 32]}
 ENGINES = {
     "llama_flashinfer_graphs": ("flashinfer", True, "llama", ("logprobs",), {}),
     "llama_triton_graphs": ("triton", True, "llama", ("logprobs", "long"), {}),
@@ -178,10 +194,16 @@ ENGINES = {
     "llama_fi_backend_nodet": ("fi_backend", True, "llama", ("det",), NODET),
     # the radix cache as SGLang sets it: on (the adapter puts fi_backend on its radix-cache deterministic list)
     "llama_fi_backend_det_radix": ("fi_backend", True, "llama", ("det",), DET),
+    # shared-prefix groups (test_shared_prefix_groups_match_flashinfer): on and off (ENGINE_ENV; off by default)
+    "llama_flashinfer_shared": ("flashinfer", True, "llama", ("shared",), SHARED),
+    "llama_fi_backend_shared": ("fi_backend", True, "llama", ("shared",), SHARED),
+    "llama_fi_backend_shared_off": ("fi_backend", True, "llama", ("shared",), SHARED),
 }
 # label -> environment of that engine's process
-ENGINE_ENV = {"llama_fi_backend_append": {"FI_BACKEND_SGLANG_KV_WRITE": "append"}}
-KINDS = ("llama", "gemma2", "llama70b_tp2", "deterministic")
+ENGINE_ENV = {"llama_fi_backend_append": {"FI_BACKEND_SGLANG_KV_WRITE": "append"},
+              "llama_fi_backend_shared": {"FI_BACKEND_SHARED_PREFIX": "1"},
+              "llama_fi_backend_shared_off": {"FI_BACKEND_SHARED_PREFIX": "0"}}
+KINDS = ("llama", "gemma2", "llama70b_tp2", "deterministic", "shared")
 SELECTED = tuple(k.strip() for k in os.environ.get("IT_MODELS", "").split(",") if k.strip()) or KINDS
 
 
@@ -399,6 +421,35 @@ def workload_long(engine, rounds: int = 3) -> dict:
             "max_steps_lower_bound": max(out_lens), "memory": memory, "seconds": seconds, "stats": stats}
 
 
+SHARED_SYSTEM_TOKENS = 2000
+
+
+def workload_shared(engine) -> dict:
+    """Shared prefixes as parallel generation and system prompts make them: four prompts (40..1100 tokens) sampled
+    n = 8 times each (greedy, so the samples agree: SGLang caches the prompt, then runs the copies on its slots),
+    then a SHARED_SYSTEM_TOKENS system prompt (cached by one request first) before 12 questions of 20..300 tokens,
+    all at once. 32 greedy tokens each, top-5 logprobs at every step, in logprobs' record shape (no prompt
+    logprobs: a request that asks for them does not read the radix cache)."""
+    rng = random.Random(2028)
+    params = {"max_new_tokens": 32, "temperature": 0.0, "ignore_eos": True}
+    gens, cached = [], []
+
+    def keep(outs):
+        for o in outs:
+            gens.append({"tokens": [int(t) for t in o["output_ids"]],
+                         "logprobs": [_top(step) for step in o["meta_info"]["output_top_logprobs"]]})
+            cached.append(int(o["meta_info"].get("cached_tokens", 0)))
+
+    sampled = [_tokens(rng, n) for n in (40, 300, 700, 1100)]
+    keep(_generate(engine, sampled, {**params, "n": 8}, return_logprob=True, top_logprobs_num=5))
+    system = _tokens(rng, SHARED_SYSTEM_TOKENS)
+    _generate(engine, [system + _tokens(rng, 4)], {"max_new_tokens": 1, "temperature": 0.0})
+    questions = [system + _tokens(rng, rng.randrange(20, 300)) for _ in range(12)]
+    keep(_generate(engine, questions, params, return_logprob=True, top_logprobs_num=5))
+    return {"prompt_logprobs": [], "prefix_hit_first_token": [g["logprobs"][0] for g in gens], "generations": gens,
+            "prefix_hit_cached_tokens": cached, "sampled": len(sampled) * 8, "system_prompt_requests": len(questions)}
+
+
 DET_FULL = {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": DET_TOP}   # input logprobs too
 DET_CACHED = {"return_logprob": True, "top_logprobs_num": DET_TOP}   # output logprobs only: may read the radix cache
 
@@ -489,7 +540,8 @@ def run_engine(backend: str, graphs: bool, kind: str, model: str, workloads: lis
         record["stats_start"] = dump(engine)
         for name in workloads:
             t0 = time.perf_counter()
-            record[name] = {"logprobs": workload_logprobs, "long": workload_long, "det": workload_det}[name](engine)
+            record[name] = {"logprobs": workload_logprobs, "long": workload_long, "det": workload_det,
+                            "shared": workload_shared}[name](engine)
             record[name + "_s"] = time.perf_counter() - t0
         record["stats"] = dump(engine)
     finally:
@@ -538,13 +590,14 @@ def _write(name: str, record: dict) -> None:
     (RESULTS / f"sglang_{name}.json").write_text(json.dumps({**stamp, **record}, indent=1))
 
 
-def _check_fi_backend_ran(record: dict, graphs: bool) -> None:
+def _check_fi_backend_ran(record: dict, graphs: bool, both_kernels: bool = True) -> None:
+    """both_kernels: plans on the decode kernel too (a workload whose decode steps all have groups has none)."""
     stats = record["stats"]
     assert stats["attn_backend"] == "FiAttnBackend", stats["attn_backend"]
     assert stats["redrawn_parameters"] > 0, "the weights were not redrawn"
     assert stats["kernel_errors"] is None, stats["kernel_errors"]
     counts = stats["plan_counts"]
-    assert counts["prefill"] > 0 and counts["decode"] > 0, counts
+    assert counts["prefill"] > 0 and (counts["decode"] > 0 or not both_kernels), counts
     assert (counts["graph_steps"] > 0) == graphs, counts
     assert record["log_fi_backend_active"], "SGLang's log does not say that fi-backend is active"
 
@@ -723,6 +776,43 @@ def test_tensor_parallel_logprobs_match_flashinfer(engines):
     assert sorted(r["gpu"] for r in ranks) == [0, 1], [r["gpu"] for r in ranks]   # one rank per GPU
     record = _against_flashinfer(engines, "llama70b_tp2", "tensor_parallel_llama70b_tp2")
     _write("tensor_parallel_llama70b_tp2", {**record, "tp_size": 2, "layers": LAYERS, "ranks": ranks})
+
+
+@pytest.mark.gpu
+def test_shared_prefix_groups_match_flashinfer(engines):
+    """Issue 28 in SGLang (module docstring): parallel sampling and a shared system prompt with fi_backend's
+    shared-prefix groups (found by the ForwardBatch.init_new hook in the radix tree) within the Llama kind's bound
+    of SGLang's flashinfer backend, CUDA graphs on; grouped steps planned in decode and in extend; with
+    FI_BACKEND_SHARED_PREFIX=0 none, and the two within the same bound of each other."""
+    _selected("shared")
+    ref, run = engines("llama_flashinfer_shared"), engines("llama_fi_backend_shared")
+    _check_fi_backend_ran(run, graphs=True, both_kernels=False)
+    assert ref["stats"]["attn_backend"] == "FlashInferAttnBackend", ref["stats"]["attn_backend"]
+    bound = _bound(_noise(engines, "llama")["logprobs"])
+    got = _stats(_logprob_diffs(ref["shared"], run["shared"]))
+    gen, compared, total = _generation_diffs(ref["shared"], run["shared"])
+    off = optional(engines, "llama_fi_backend_shared_off")
+    record = {"bound": bound, "fi_backend_vs_flashinfer": got,
+              "generation": {**_stats(gen), "compared": compared, "generated": total},
+              "plan_counts": run["stats"]["plan_counts"], "cached_tokens": run["shared"]["prefix_hit_cached_tokens"]}
+    if "shared" in off:
+        off_gen, off_compared, _ = _generation_diffs(off["shared"], run["shared"])
+        record.update(groups_on_vs_off=_stats(_logprob_diffs(off["shared"], run["shared"])),
+                      groups_on_vs_off_generation={**_stats(off_gen), "compared": off_compared},
+                      plan_counts_off=off["stats"]["plan_counts"])
+    else:
+        record["groups_off"] = off
+    _write("shared_prefix", record)
+    counts = run["stats"]["plan_counts"]
+    assert counts["grouped_decode"] > 0 and counts["grouped_extend"] > 0, counts
+    cached = run["shared"]["prefix_hit_cached_tokens"]
+    assert min(cached[-run["shared"]["system_prompt_requests"]:]) >= SHARED_SYSTEM_TOKENS - 16, cached
+    assert got["max"] <= bound["max"] and got["mean"] <= bound["mean"], (got, bound)
+    assert max(gen, default=0.0) <= bound["max"], (gen, bound)
+    if "shared" in off:
+        assert off["stats"]["plan_counts"]["grouped_decode"] == off["stats"]["plan_counts"]["grouped_extend"] == 0
+        on_off = record["groups_on_vs_off"]
+        assert on_off["max"] <= bound["max"] and on_off["mean"] <= bound["mean"], (on_off, bound)
 
 
 def _det_summary(record: dict) -> dict:
