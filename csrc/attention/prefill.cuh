@@ -1077,8 +1077,8 @@ struct Kernel {
       const int kv_head = kv_head_of(p, w.unit);  // for the hooks' contexts (unused ones cost nothing)
       // The unit's real rows: packed rows [first_pr, first_pr + kUnitRows) clipped to the sub-item.
       const int first_pr = kUnitRows * unit;
-      int last_r;
-      const bool unit_active = unit_rows(w, first_pr, last_r);
+      const int last_r = min((first_pr + kUnitRows - 1) / kHPC, w.nrows - 1);
+      const bool unit_active = first_pr < Cfg::kPackedRows && first_pr / kHPC < w.nrows;
       const uint32_t qs = uniform(L::kQCopy ? qs0 + rec->qslot * Cfg::kQBytes : qs0);
       if (flags & kFirst) {
         // With the loader's query copy (L::kQCopy) the tile is in qs already. The __syncwarp costs nothing
