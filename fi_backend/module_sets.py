@@ -17,7 +17,7 @@ from typing import List, Optional
 from . import variants as V
 from .kernels import ModuleSpec
 from .kernels.sets import module_set, specs_of
-from .shapes import HEAD_DIMS, PREFILL_WS_TUNINGS, prefill_family_shapes, prefill_family_size, prefill_uses_wgmma
+from .shapes import HEAD_DIMS, PREFILL_FA3_TUNINGS, PREFILL_WS_TUNINGS, prefill_family_shapes, prefill_family_size, prefill_uses_wgmma
 from .specs import attention_specs, decode_spec, prefill_spec
 
 _BOTH = ("decode", "prefill")
@@ -80,6 +80,10 @@ def gpu_test_specs() -> List[ModuleSpec]:
     for tuning in PREFILL_WS_TUNINGS.values() if prefill_uses_wgmma() else ():  # the tests run on an H100
         for g, q in itertools.product((1, 4, 8), ("bf16", "fp16")):
             out += _family(V.DEFAULT, 128, q, q, g, tuning, ("prefill",))
+    # FA3's consumer loop (test_fa3_member's cases, test_fa3_member_ragged's groups)
+    fa3 = ((128, 1, "bf16"), (128, 4, "fp16"), (128, 7, "bf16"), (64, 4, "bf16"), (64, 1, "fp16"), (128, 4, "bf16"))
+    for d, g, q in fa3 if prefill_uses_wgmma() else ():
+        out += _family(V.DEFAULT, d, q, q, g, PREFILL_FA3_TUNINGS[d], ("prefill",))
     for name in _TEST_VARIANTS if prefill_uses_wgmma() else ():
         if not name.startswith("rope"):
             out += _family(V.BUILTIN_VARIANTS[name], 128, "bf16", "bf16", 4, PREFILL_WS_TUNINGS["w12"], ("prefill",))

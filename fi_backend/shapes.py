@@ -123,7 +123,8 @@ PREFILL_WS_TUNINGS = {"w12": {"warps": 12, "mfrags": 1, "producer": 1},
 PREFILL_PRODUCER_Q_BUFFERS = 2
 
 
-def _producer_blockers(variant: Optional[Variant], head_dim: int, kv_bytes: int, shape: dict) -> list:
+def _producer_blockers(variant: Optional[Variant], head_dim: int, kv_bytes: int, shape: dict,
+                       q_buffers: Optional[int] = None) -> list:
     """Why a shape cannot run warp-specialised (empty: it can): the producer warpgroup copies the query
     tiles (wgmma, no QueryTransform) and K/V straight into the MMAs' layout (16-bit KV, no KeyTransform),
     128 // (head_dim / 8) packed rows per copy round (tile rows a whole number of rounds)."""
@@ -140,11 +141,49 @@ def _producer_blockers(variant: Optional[Variant], head_dim: int, kv_bytes: int,
         why.append(f"query tile rows a multiple of {rows_per_round}")
     if shape["warps"] % 4:
         why.append("whole compute warpgroups (warps a multiple of 4)")
-    smem = _prefill_smem_bytes(head_dim, kv_bytes, {**shape, "producer": 1}, PREFILL_PRODUCER_Q_BUFFERS)
+    q_buffers = q_buffers or PREFILL_PRODUCER_Q_BUFFERS
+    smem = _prefill_smem_bytes(head_dim, kv_bytes, {**shape, "producer": 1}, q_buffers)
     if smem > SMEM_PER_CTA:
-        why.append(f"{PREFILL_PRODUCER_Q_BUFFERS} query buffers within {SMEM_PER_CTA} bytes of shared memory "
+        why.append(f"{q_buffers} query buffers within {SMEM_PER_CTA} bytes of shared memory "
                    f"(this shape: {smem})")
     return why
+
+
+# FlashAttention-3's consumer loop (tuning fa3=1, prefill::Config::kOverlap; off by default: never run on a
+# GPU yet): two consumer warpgroups of 64 rows and a producer, 128-token tiles and steps, three stages (the
+# deferred P.V holds a tile's V through the next tile). docs/prefill.md, "The FA3-style member".
+PREFILL_FA3_TUNINGS = {
+    64: {"warps": 8, "mfrags": 1, "tile": 128, "stages": 3, "step": 128, "wgmma": 1, "producer": 1, "fa3": 1},
+    128: {"warps": 8, "mfrags": 1, "tile": 128, "stages": 3, "step": 128, "wgmma": 1, "producer": 1, "fa3": 1},
+}
+
+
+def _fa3_blockers(variant: Optional[Variant], head_dim: int, kv_bytes: int, shape: dict) -> list:
+    """Why a shape cannot run FlashAttention-3's consumer loop (empty: it can): beyond the producer's needs,
+    one fragment a warp, a step per tile, three stages, a head size of whole 64-column blocks, a variant with
+    softmax and without per-element hooks (ALiBi, LogitsTransform, LogitsMask)."""
+    why = []
+    if not shape.get("producer"):
+        why.append("producer=1")
+    if shape["mfrags"] != 1:
+        why.append("mfrags=1")
+    if shape["step"] != shape["tile"]:
+        why.append("step equal to the tile")
+    if shape["stages"] < 3:
+        why.append("stages >= 3 (a tile's V is held through the next tile)")
+    if head_dim % 64:
+        why.append("head_dim 64, 128 or 256")
+    if variant is not None and (not variant.use_softmax or variant.alibi_slope or variant.logits_transform
+                                or variant.logits_mask or variant.mask_is_kv_range):
+        why.append("a variant with softmax and without logits hooks, ALiBi or masks")
+    return why
+
+
+def _fa3_q_buffers(head_dim: int, kv_bytes: int, shape: dict) -> int:
+    """Query buffers of the fa3 consumer loop: two (the producer copies the next query tile) where they fit
+    beside the stages, else one (the compute warps load Q at each sub-item's start)."""
+    smem = _prefill_smem_bytes(head_dim, kv_bytes, {**shape, "producer": 1}, PREFILL_PRODUCER_Q_BUFFERS)
+    return PREFILL_PRODUCER_Q_BUFFERS if smem <= SMEM_PER_CTA else 1
 
 
 def _prefill_shape(head_dim: int, kv_bytes: int, group: int, member: int = 0,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Optional
 
 from . import kernels
-from .shapes import (SMEM_PER_CTA, _bias_mma_possible, _blocks_by_smem, _check_head_dim, _kernel_shape,
+from .shapes import (SMEM_PER_CTA, _bias_mma_possible, _fa3_blockers, _fa3_q_buffers, _blocks_by_smem, _check_head_dim, _kernel_shape,
                      _prefill_q_buffers, _prefill_q_copy_possible, _prefill_shape, _prefill_smem_bytes,
                      _producer_blockers, _smem_bytes, prefill_family_size, prefill_uses_wgmma)
 from .variants import Variant
@@ -15,7 +15,7 @@ from .variants import Variant
 _C_TYPE = {"bf16": "__nv_bfloat16", "fp16": "__half", "fp8_e4m3": "__nv_fp8_e4m3", "fp8_e5m2": "__nv_fp8_e5m2"}
 DECODE_TUNING_KEYS = frozenset({"warps", "sub", "stages"})
 PREFILL_TUNING_KEYS = frozenset({"warps", "mfrags", "tile", "stages", "step", "wgmma", "producer", "q_buffers",
-                                 "min_blocks"})
+                                 "min_blocks", "fa3"})
 
 
 def decode_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, group: int, *,
@@ -57,8 +57,9 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     (default: min(step, tile)) / wgmma (1: Hopper warpgroup MMAs, sm_90a only) / producer (1: warp-specialised,
     a producer warpgroup loads the tiles for `warps` compute warps; wgmma, the query copy, 16-bit KV, no
     KeyTransform), q_buffers (1, or the stages: the loader's query copy; with a producer, 2 or more; default
-    _prefill_q_buffers's choice) and min_blocks (CTAs per SM the register budget is cut for; default 1: the
-    kernel's own need). The softmax's row sums go by MMA wherever there are warpgroup MMAs
+    _prefill_q_buffers's choice), min_blocks (CTAs per SM the register budget is cut for; default 1: the
+    kernel's own need) and fa3 (1: FlashAttention-3's consumer loop, prefill::Config::kOverlap; with producer=1,
+    one fragment, a step per tile, three stages or more; row sums by FADD; shapes.PREFILL_FA3_TUNINGS). The softmax's row sums go by MMA wherever there are warpgroup MMAs
     (prefill::Config::kRowSumMma) and a variant's ALiBi wherever _bias_mma_possible (kBiasMma)."""
     _check_head_dim(head_dim, variant)
     kv_bytes = 1 if kv_dtype.startswith("fp8") else 2
@@ -73,6 +74,7 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
         raise ValueError(f"unknown prefill tuning keys {sorted(unknown)}; accepted: {sorted(PREFILL_TUNING_KEYS)}")
     min_blocks = int(tuning.pop("min_blocks", 1))
     q_buffers = tuning.pop("q_buffers", None)
+    fa3 = int(tuning.pop("fa3", 0))
     shape.update(tuning)
     if shape["wgmma"] and not prefill_uses_wgmma():
         raise ValueError("tuning wgmma=1 needs modules built for sm_90a only: set FI_BACKEND_CUDA_ARCH_LIST=90a, or "
@@ -80,17 +82,26 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     if "step" not in tuning:
         shape["step"] = min(shape["step"], shape["tile"])
     shape["producer"] = int(shape.get("producer", 0))
-    why = _producer_blockers(variant, head_dim, kv_bytes, shape) if shape["producer"] else []
+    if fa3:
+        why = _fa3_blockers(variant, head_dim, kv_bytes, shape)
+        if why:
+            raise ValueError(f"tuning fa3=1 (FlashAttention-3's consumer loop) needs {', '.join(why)}; shape {shape}")
+        if q_buffers is None:
+            q_buffers = _fa3_q_buffers(head_dim, kv_bytes, shape)
+    why = (_producer_blockers(variant, head_dim, kv_bytes, shape, q_buffers if fa3 else None)
+           if shape["producer"] else [])
     if why:
         raise ValueError(f"tuning producer=1 (warp-specialised prefill) needs {', '.join(why)}; shape {shape}")
-    shape["rowsum"] = int(shape["wgmma"])  # the row sums by MMA wherever there are warpgroup MMAs
-    shape["bias"] = int(_bias_mma_possible(variant, shape, shape["hpc"]))
+    shape["rowsum"] = int(shape["wgmma"] and not fa3)  # by MMA wherever there are warpgroup MMAs (fa3: FADD)
+    shape["bias"] = int(_bias_mma_possible(variant, shape, shape["hpc"]) and not fa3)
     smem = _prefill_smem_bytes(head_dim, kv_bytes, shape)
     if smem > SMEM_PER_CTA:
         raise ValueError(f"prefill kernel shape {shape} for head_dim {head_dim} needs {smem} bytes of shared "
                          f"memory; a CTA may use at most {SMEM_PER_CTA}")
-    chosen = _prefill_q_buffers(variant, head_dim, kv_bytes, shape)
-    if shape["producer"] and q_buffers is not None and not (isinstance(q_buffers, int) and q_buffers >= 2):
+    chosen = _fa3_q_buffers(head_dim, kv_bytes, shape) if fa3 else _prefill_q_buffers(variant, head_dim, kv_bytes, shape)
+    if fa3 and q_buffers not in (1, chosen):
+        raise ValueError(f"tuning fa3=1 takes q_buffers 1 or {chosen}; got {q_buffers}")
+    if shape["producer"] and not fa3 and q_buffers is not None and not (isinstance(q_buffers, int) and q_buffers >= 2):
         raise ValueError(f"a warp-specialised prefill kernel (producer=1) needs q_buffers >= 2 (the producer copies "
                          f"the next sub-item's query tile while this one runs); got {q_buffers}")
     if q_buffers is None:
@@ -108,12 +119,13 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
                         str(shape["mfrags"]), str(shape["tile"]), str(shape["stages"]), str(shape["step"]),
                         "true" if shape["wgmma"] else "false", str(q_buffers),
                         "true" if shape["producer"] else "false",
-                        "true" if shape["rowsum"] else "false", "true" if shape["bias"] else "false"])
+                        "true" if shape["rowsum"] else "false", "true" if shape["bias"] else "false"]
+                       + (["true"] if fa3 else []))
     tag = f"{variant.name}_{q_dtype}_{kv_dtype}_d{head_dim}_h{shape['hpc']}"
     if shape != default_shape:  # a tuning equal to the largest member is that member's module
         tag += ("_w{warps}m{mfrags}t{tile}s{stages}k{step}".format(**shape) + ("_wg" if shape["wgmma"] else "")
                 + ("_p" if shape["producer"] else "") + ("_rs" if shape["rowsum"] else "")
-                + ("_ab" if shape["bias"] else ""))
+                + ("_ab" if shape["bias"] else "") + ("_fa3" if fa3 else ""))
     if q_buffers != chosen:
         tag += f"_q{q_buffers}"
     if min_blocks != 1:

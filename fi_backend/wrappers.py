@@ -3,7 +3,7 @@
 `from fi_backend.wrappers import ...` keeps working."""
 from .attention import (KV_DTYPES, MAX_PAGE_SIZE, PLAN_GROUPED_MIN_KV, Q_DTYPES, BatchAttention,  # noqa: F401
                         _fastdiv, _launcher)
-from .shapes import (FAMILY_TILES_PER_CTA, FAMILY_WAVE_SLACK, HEAD_DIMS, PREFILL_MAX_HEADS_PER_CHUNK,  # noqa: F401
+from .shapes import (FAMILY_TILES_PER_CTA, FAMILY_WAVE_SLACK, HEAD_DIMS, PREFILL_FA3_TUNINGS, PREFILL_MAX_HEADS_PER_CHUNK,  # noqa: F401
                      PREFILL_PRODUCER_Q_BUFFERS, PREFILL_WS_TUNINGS, SMEM_PER_CTA, SMEM_PER_SM, _kernel_shape,
                      _prefill_family, _prefill_q_buffers, _prefill_shape, _prefill_smem_bytes, _smem_bytes,
                      prefill_family_shapes, prefill_family_size, prefill_uses_wgmma)

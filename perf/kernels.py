@@ -2,6 +2,7 @@
 (vLLM's) and FlexAttention, on the same inputs in the same process, in alternating rounds.
 
     python -m perf kernels [--quick] [--sections decode,prefill,append,merge] [--merge FILE] [--no-vllm] [--fa3]
+                           [--fa3-member]
                            [--estimate] [--name NAME] [--rounds N] [--rep N]
 
 Sections (32 query heads, head_dim 128, bf16 unless a cell says otherwise):
@@ -353,7 +354,7 @@ def _f(x, spec=".1f"):
     return "-" if x is None else format(x, spec)
 
 
-ANCHOR_LABELS = {"flashinfer": "FlashInfer", "flashinfer_fa2": "FI FA2", "flashinfer_fa3": "FI FA3",
+ANCHOR_LABELS = {"ours_fa3": "ours fa3", "flashinfer": "FlashInfer", "flashinfer_fa2": "FI FA2", "flashinfer_fa3": "FI FA3",
                  "vllm_fa3": "vLLM FA3", "flex": "Flex", "torch": "PyTorch"}
 
 
@@ -587,6 +588,13 @@ def run_prefill(cell: dict, ctx: Anchors, rounds: int, rep: int) -> dict:
     fn()
     fns, checks = {"ours": fn}, {}
     want = anchors_for(cell, vllm=not ctx.a.no_vllm, fa3=ctx.a.fa3)
+    if getattr(ctx.a, "fa3_member", False) and cell["variant"] == "causal":  # FA3's consumer loop beside member 0
+        from fi_backend.wrappers import PREFILL_FA3_TUNINGS
+        def make_fa3_member():
+            f, out, _ = P.ours_fn(case, variant=variant, params=params, tuning=PREFILL_FA3_TUNINGS[case.d])
+            f()
+            return f, out
+        _try_anchor(ctx, "ours_fa3", make_fa3_member, ours_out, label, fns, checks)
     for backend in ("fa2", "fa3"):
         if f"flashinfer_{backend}" in want:
             _try_anchor(ctx, f"flashinfer_{backend}", lambda b=backend: _ran(ctx.fi_ragged(b).fn(case)), ours_out,
@@ -730,6 +738,8 @@ def build_parser(prog="python -m perf kernels") -> argparse.ArgumentParser:
     ap.add_argument("--merge", metavar="FILE", help="join this run's cells into the results JSON FILE")
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's FlashAttention-3 anchor")
     ap.add_argument("--fa3", action="store_true", help="prefill: also FlashInfer's FA3 template (about 100 s JIT)")
+    ap.add_argument("--fa3-member", action="store_true",
+                    help="prefill: also ours with FA3's consumer loop (tuning PREFILL_FA3_TUNINGS, off by default)")
     ap.add_argument("--estimate", action="store_true", help="print the plan and its time estimate; run nothing")
     ap.add_argument("--name", help="results name (default kernels_<device>, with _quick for --quick)")
     ap.add_argument("--rounds", type=int, help=f"alternating rounds per cell (default {DEFAULT_ROUNDS[True]})")

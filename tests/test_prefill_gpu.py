@@ -19,7 +19,7 @@ import torch
 from fi_backend import env
 from fi_backend import variants as V
 from fi_backend.formats import from_ragged
-from fi_backend.wrappers import PREFILL_WS_TUNINGS
+from fi_backend.wrappers import PREFILL_FA3_TUNINGS, PREFILL_WS_TUNINGS
 
 from attention_cases import (_VARIANT_NAMES, DEV, TOL, PersistentBatch, _variant_case, check, make_bsr, make_wrapper, random_kv,
                              reference, replay_check, run_case, run_variant_case)
@@ -309,6 +309,47 @@ def test_plan_order(monkeypatch, name, kv_lens, env_off, grouped):
 _TMA_CASES = [(128, 4, 1, "NHD", False, "w8m2", True), (128, 1, 1, "SGL", False, "w8m2", True),
               (128, 8, 16, "NHD", False, None, True), (128, 4, 16, "NHD", True, "w8m2", False),
               (128, 1, 1, "NHD", False, "w8m2", "runs"), (128, 4, 16, "NHD", True, None, "runs")]
+
+
+# FlashAttention-3's consumer loop (tuning fa3=1, prefill::Config::kOverlap; PREFILL_FA3_TUNINGS): two consumer
+# warpgroups, 128-token tiles, P.V of tile j - 1 deferred behind S of tile j. Causal and non-causal, paged at
+# page 1 (pages in order: TMA boxes) and 16 (random order: gathers), ragged KV, GQA groups 1 / 4 / 7, odd
+# lengths (partial last tiles, units with no rows), split chunks; outputs poisoned.
+_FA3_CASES = [(128, 1, 1, True), (128, 4, 16, False), (128, 7, 16, False), (128, 4, 1, "runs"), (64, 4, 16, False),
+              (64, 1, 1, True)]
+
+
+@pytest.mark.parametrize("D,group,page,consecutive", _FA3_CASES)
+def test_fa3_member(D, group, page, consecutive):
+    Hkv = 2
+    k = _FA3_CASES.index((D, group, page, consecutive))
+    dtype = (torch.bfloat16, torch.float16)[k % 2]
+    attn = prefill(Hkv * group, Hkv, D, q_dtype=dtype, page_size=page, tuning=PREFILL_FA3_TUNINGS[D])
+    what = f"fa3 D={D} group={group} page={page} consecutive={consecutive}"
+    for q_lens, kv_lens in (([1000, 17, 128, 3, 300, 129], [1000, 1017, 128, 3, 16000, 255]),
+                            ([1, 127, 129, 255], [4097, 127, 129, 511])):
+        run_case(attn, kv_lens, q_lens, dtype=dtype, causal=True, consecutive=consecutive, poison=True,
+                 what=f"{what} causal q={q_lens} kv={kv_lens}")
+    run_case(attn, [16000, 1500, 129, 7], [1000, 200, 129, 7], dtype=dtype, causal=False, consecutive=consecutive,
+             poison=True, what=f"{what} non-causal")
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_fa3_member_ragged(group):
+    Hkv, D = 2, 128
+    Hq = Hkv * group
+    attn = prefill(Hq, Hkv, D, page_size=1, tuning=PREFILL_FA3_TUNINGS[D])
+    q_lens, kv_lens = [1000, 17, 128, 3, 129], [1000, 1017, 128, 3, 4001]
+    for causal in (True, False):
+        k, v, bsr, qo = _ragged_case(attn, q_lens, kv_lens, torch.bfloat16)
+        q = torch.randn(sum(q_lens), Hq, D, device=DEV).to(torch.bfloat16)
+        attn.plan(qo, torch.tensor(kv_lens, dtype=torch.int32), bsr, causal=causal)
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((q.shape[0], Hq), float("nan"), device=DEV)
+        attn.run(q, (k.unsqueeze(1), v.unsqueeze(1)), out=out, lse=lse)
+        torch.cuda.synchronize()
+        o_ref, lse_ref = reference(q, k.unsqueeze(1), v.unsqueeze(1), bsr, causal=causal)
+        check(out, lse, o_ref, lse_ref, TOL[torch.bfloat16], f"fa3 ragged group={group} causal={causal}")
 
 
 @pytest.mark.parametrize("D,group,page,layout,packed,shape,consecutive", _TMA_CASES)

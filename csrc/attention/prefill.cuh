@@ -74,7 +74,7 @@ using namespace attn;  // Params, Work, TileRecord, Loader, Epilogue (shared.cuh
 
 template <int kHeadDim_, int kHeadsPerChunk_, class DQ_, class DKV_, int kWarps_, int kMFrags_, int kTileKv_,
           int kStages_, int kStepKv_, bool kWgmma_ = false, int kQBuffers_ = 1, bool kProducer_ = false,
-          bool kRowSumMma_ = false, bool kBiasMma_ = false>
+          bool kRowSumMma_ = false, bool kBiasMma_ = false, bool kOverlap_ = false>
 struct Config {
   using DQ = DQ_;
   using DKV = DKV_;
@@ -105,6 +105,11 @@ struct Config {
   // a warpgroup, its 8 rows repeated for all 64 (a zero stride between row blocks). Heads per chunk must
   // divide 8 (a row block's heads) and the named barriers fit (kBiasBar).
   static constexpr bool kBiasMma = kBiasMma_;
+  // FlashAttention-3's consumer loop (Kernel::consume_overlap): one m64 fragment a warpgroup, a compute step
+  // the whole KV tile; QK^T of tile j and the deferred P.V of tile j - 1 issued together, tile j's softmax
+  // while P.V runs, no wgmma in flight across the loop. V of tile j - 1 is held through tile j, so three
+  // stages; with one query buffer the compute warps load Q (load_q), the producer only K and V.
+  static constexpr bool kOverlap = kOverlap_;
   static constexpr int kLoaderThreads = kProducer ? 128 : kThreads;
   static constexpr int kLoaderThread0 = kProducer ? kThreads : 0;
   // Registers a thread (multiples of 8). The CTA's pool is what it launched with (64K / threads a thread,
@@ -200,9 +205,12 @@ struct Config {
   static_assert(kTile >= 16 && (kTile & (kTile - 1)) == 0, "KV tile: a power of two >= 16 (16-token blocks, tree max)");
   static_assert(kStep >= 16 && (kStep & (kStep - 1)) == 0 && kTile % kStep == 0, "compute step: a power of two dividing the tile");
   static_assert(kLoaderThreads % kChunksPerRow == 0, "loader shape");
-  static_assert(!kProducer || (kWgmma && kQBuffers >= 2 && !kFp8),
+  static_assert(!kProducer || (kWgmma && (kQBuffers >= 2 || kOverlap) && !kFp8),
                 "warp-specialised: wgmma, the loader's query copy, 16-bit KV (no conversion pass)");
   static_assert(kChunksPerRow >= 4, "rows of at least 64 bytes");
+  static_assert(!kOverlap || (kProducer && kMFrags == 1 && kStep == kTile && kStages >= 3 && !kRowSumMma &&
+                              !kBiasMma && kHeadDim % 64 == 0),
+                "overlapped consumers: producer, one fragment, a step per tile, three stages, row sums by FADD");
   static_assert(!kWgmma || (kWarps % 4 == 0 && (kStep == 32 || kStep == 64 || kStep == 128 || kStep == 256)),
                 "wgmma: whole warpgroups, a compute step of 32, 64, 128 or 256 tokens (the MMA's n)");
 
@@ -630,6 +638,25 @@ struct Kernel {
     }
   }
 
+  // Row half hf of S -> P = 2^(S sl + nb) in place; kSum: d = d alpha + the lane's sum of them (per lane; the
+  // quad's sum is taken at the end). Four independent partial sums: one serial chain of FADDs would wait on
+  // each result. (Each starts from its first element, not 0.f + it: ptxas keeps that add, -0 + 0 being +0.)
+  template <bool kSum>
+  static __device__ __forceinline__ void exp_row(float (&s)[kNTiles][4], int hf, float sl, float nb, float alpha,
+                                                 float& d) {
+    float sum4[4];
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int i = 2 * nt + e;
+        const float pe = ptx::exp2(fmaf(s[nt][2 * hf + e], sl, nb));
+        s[nt][2 * hf + e] = pe;
+        if constexpr (kSum) sum4[i & 3] = i < 4 ? pe : sum4[i & 3] + pe;
+      }
+    if constexpr (kSum) d = d * alpha + ((sum4[0] + sum4[1]) + (sum4[2] + sum4[3]));
+  }
+
   // The logits pass, then the online softmax, of m fragment mf: S becomes P in place, O is rescaled.
   // kMode: kFull, kMasked (logits_frag's kMask), or kMaskedIf: masked iff `masked`, one copy of the
   // softmax and the MMAs for both (wgmma: with a full and a masked copy of the step, each its own wgmma
@@ -696,29 +723,10 @@ struct Kernel {
         alpha[hf] = grow[hf] ? ptx::exp2(m_run[hf] - m_use) : 1.f;
         m_run[hf] = m_next;
         const float nb = kBias ? rb[hf] - m_use : -m_use;
-        // Four independent partial sums: one serial chain of FADDs would wait on each result. (Each starts
-        // from its first element, not 0.f + it: ptxas keeps that add, -0 + 0 being +0.)
-        float sum4[4];
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int i = 2 * nt + e;
-            const float pe = ptx::exp2(fmaf(s[nt][2 * hf + e], sl, nb));
-            s[nt][2 * hf + e] = pe;
-            if constexpr (!kRowSum) sum4[i & 3] = i < 4 ? pe : sum4[i & 3] + pe;
-          }
-        if constexpr (!kRowSum)  // per lane; the quad's sum is taken at the end
-          d_run[2 * hf] = d_run[2 * hf] * alpha[hf] + ((sum4[0] + sum4[1]) + (sum4[2] + sum4[3]));
+        exp_row<!kRowSum>(s, hf, sl, nb, alpha[hf], d_run[2 * hf]);
       }
       if (rescale) {
-#pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt) {
-          o[dt][0] *= alpha[0];
-          o[dt][1] *= alpha[0];
-          o[dt][2] *= alpha[1];
-          o[dt][3] *= alpha[1];
-        }
+        rescale_o(o, alpha);
         if constexpr (kRowSum) {  // the row-sum MMA's D fragment, as O's
           d_run[0] *= alpha[0];
           d_run[1] *= alpha[0];
@@ -763,6 +771,211 @@ struct Kernel {
         softmax_frag<kMode>(p, vp, w, tile_begin, n_valid, kv_head, mf, masked, bias_slope, s[mf], m_run[mf], d_run[mf],
                             o[mf]);
       pv_sync(vs, t0, s, o);
+    }
+  }
+
+  // Whether the unit whose first packed row is first_pr has rows in sub-item w; last_r its last query row.
+  static __device__ __forceinline__ bool unit_rows(const Work& w, int first_pr, int& last_r) {
+    last_r = min((first_pr + Cfg::kUnitRows - 1) / kHPC, w.nrows - 1);
+    return first_pr < Cfg::kPackedRows && first_pr / kHPC < w.nrows;
+  }
+
+  // ------------------------------------------------------------------ FlashAttention-3's consumer loop
+
+  // Keeps the compiler from moving this thread's reads or writes of x across the asm around it (wgmma
+  // issue, wait): an accumulator is only defined at the wait, not where the MMA's asm names it.
+  template <int N>
+  static __device__ __forceinline__ void fence_regs(float (&x)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(x[i])::"memory");
+  }
+  template <int N>
+  static __device__ __forceinline__ void fence_regs(uint32_t (&x)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(x[i][e])::"memory");
+  }
+
+  // O += P V for a tile's kStep tokens, P packed in registers (A of the rs form), V from shared memory; issued,
+  // not committed. The wgmma fence orders the rescaled O and P before the MMAs read them.
+  static __device__ __forceinline__ void pv_packed(uint32_t vs, const uint32_t (&pa)[kStep / 16][4],
+                                                   float (&o)[kDTiles][4]) {
+    wgmma::fence();
+    const uint64_t b0 = wgmma::desc(vs, kTile * 128, 1024);
+#pragma unroll
+    for (int kk = 0; kk < kStep / 16; ++kk)
+      wgmma::Mma<kHeadDim, kBf16>::template rs<1>(reinterpret_cast<float(&)[kHeadDim / 2]>(o), pa[kk],
+                                                  wgmma::desc_advance(b0, Cfg::mma_offset(16 * kk, 0)), 1);
+  }
+
+  // The online softmax of one step with O's rescale deferred (O is an accumulator of the P.V in flight):
+  // S becomes P in place, m_run and the lane's partial sums d_run move now, alpha and `rescale` say what O
+  // must be multiplied by before the next P.V. The same arithmetic as softmax_frag (conditional rescale by
+  // more than 2^kRescaleLog2, the scale folded into the exponent's FFMA).
+  static __device__ __forceinline__ void softmax_deferred(const Params& p, const VariantParams& vp, const Work& w,
+                                                          int tile_begin, int n_valid, int kv_head, bool masked,
+                                                          float (&s)[kNTiles][4], float (&m_run)[2], float (&d_run)[4],
+                                                          float (&alpha)[2], bool& rescale) {
+    if (masked) logits_frag<true>(p, vp, w, tile_begin, n_valid, kv_head, 0, s);
+    else logits_frag<false>(p, vp, w, tile_begin, n_valid, kv_head, 0, s);
+    const bool raw = !kTransform && p.logits_scale > 0.f;
+    const float sl = raw ? p.logits_scale * kLog2e : kTransform ? kLog2e : 1.f;
+    float m_new[2];
+    bool grow[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      float mx = row_max(s, hf);
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      m_new[hf] = fmaxf(m_run[hf], mx * sl);
+      grow[hf] = m_new[hf] > m_run[hf] + kRescaleLog2;
+    }
+    rescale = __any_sync(0xffffffffu, grow[0] || grow[1]);
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const float m_next = grow[hf] ? m_new[hf] : m_run[hf];
+      const float m_use = m_next == -INFINITY ? 0.f : m_next;
+      alpha[hf] = grow[hf] ? ptx::exp2(m_run[hf] - m_use) : 1.f;
+      m_run[hf] = m_next;
+      exp_row<true>(s, hf, sl, -m_use, alpha[hf], d_run[2 * hf]);
+    }
+  }
+
+  static __device__ __forceinline__ void pack_p(const float (&s)[kNTiles][4], uint32_t (&pa)[kStep / 16][4]) {
+#pragma unroll
+    for (int kk = 0; kk < kStep / 16; ++kk) p_fragment(s, kk, pa[kk]);
+  }
+
+  static __device__ __forceinline__ void rescale_o(float (&o)[kDTiles][4], const float (&alpha)[2]) {
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt) {
+      o[dt][0] *= alpha[0];
+      o[dt][1] *= alpha[0];
+      o[dt][2] *= alpha[1];
+      o[dt][3] *= alpha[1];
+    }
+  }
+
+  // The compute warpgroups of Cfg::kOverlap: a tile is one step. A sub-item's first active tile runs
+  // S = QK^T and its softmax alone; each later one issues S_j = Q K_j^T, then (behind it on the tensor
+  // cores) O = alpha O + P_{j-1} V_{j-1}, waits for S_j only, runs its softmax while the P.V runs, and waits
+  // for both before the back-edge: no wgmma is in flight across the loop or a branch that issues one, which
+  // is what makes ptxas serialise them. P_j waits packed in registers for tile j + 1 (or the flush at the
+  // sub-item's end or at its first skipped tile), and tile j's stage with it: the stage is released once
+  // its V is read, so the producer runs with kStages - 2 tiles ahead.
+  static __device__ __forceinline__ void consume_overlap(const Params& p, const VariantParams& vp, uint8_t* smem,
+                                                         uint32_t full, uint32_t empty, uint32_t qempty) {
+    static_assert(kMF == 1 && !kRowSum && !kBias && Variant::kUseSoftmax && !Variant::kHasLogitsMask &&
+                      !Variant::kMaskIsKvRange,
+                  "overlapped consumers: one fragment, softmax, row sums by FADD, no bias MMA, no LogitsMask");
+    const int warp = threadIdx.x >> 5, unit = warp >> 2;
+    uint8_t* qbuf = smem + Cfg::kQAt;
+    uint32_t* merge_flags = reinterpret_cast<uint32_t*>(smem + Cfg::kFlagsAt);
+    const uint32_t qs0 = ptx::smem_u32(qbuf);
+    float m_run[1][2], d_run[1][4], o[1][kDTiles][4];
+    float s[kNTiles][4];
+    uint32_t pa[kStep / 16][4];  // P of the pending tile, packed
+    float alpha[2] = {1.f, 1.f};
+    bool rescale = false, pending = false;
+    int held = 0;     // the pending tile's stage
+    uint32_t vs_held = 0;
+    constexpr int kUnitRows = Cfg::kUnitRows;
+    const int first_pr = kUnitRows * unit;
+#pragma unroll 1
+    for (int j = 0;; ++j) {
+      const int sj = j % kStages;
+      ptx::mbar_wait(full + 8 * sj, (j / kStages) & 1);
+      wgmma::fence_proxy_async();  // the landed tile (cp.async writes, generic proxy), for the tensor cores
+      const TileRecord* rec = Cfg::record(smem, sj);
+      const int flags = rec->flags;
+      if (flags & kEnd) break;
+      const Work& w = rec->w;
+      const int kv_head = kv_head_of(p, w.unit);
+      int last_r;
+      const bool unit_active = unit_rows(w, first_pr, last_r);
+      const uint32_t qs = uniform(L::kQCopy ? qs0 + rec->qslot * Cfg::kQBytes : qs0);
+      if (flags & kFirst) {
+        if constexpr (L::kQCopy) __syncwarp();  // the producer copied Q (see run)
+        else if (unit_active) load_q(p, vp, w, qbuf);
+        m_run[0][0] = m_run[0][1] = -INFINITY;
+        d_run[0][0] = d_run[0][1] = d_run[0][2] = d_run[0][3] = 0.f;
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o[0][dt][e] = 0.f;
+      }
+      const uint32_t ks = uniform(ptx::smem_u32(smem + sj * Cfg::kStageBytes)), vs = ks + Cfg::kKvTileBytes;
+      const int climit_lo = w.kv_len - w.q_len + w.q_idx0 + first_pr / kHPC;
+      const int climit_hi = w.kv_len - w.q_len + w.q_idx0 + last_r;
+      const int tile_begin = rec->tile_kv_begin, n_valid = rec->n_valid;
+      // Causal: a tile wholly past the unit's last row is skipped (and every later one of the sub-item); the
+      // per-element mask only on a diagonal or partial tile (or a non-positive scale: softmax_frag).
+      const bool active = unit_active && n_valid > 0 && !(p.causal && tile_begin > climit_hi);
+      const bool masked = n_valid < kStep || (p.causal && tile_begin + kStep - 1 > climit_lo) || !(p.logits_scale > 0.f);
+      const bool last = (flags & kLast) != 0;
+      // Three exclusive cases, each with its own wgmmas, all waited for inside it (a first active tile
+      // followed by a separate flush on the same path made ptxas serialise every wgmma, C7518).
+      if (active && pending) {  // S_j = Q K_j^T; O = alpha O + P_{j-1} V_{j-1} behind it; softmax of S_j
+        wgmma::fence();
+        qk_wgmma(qs, ks, 0u, 0, 0, s);
+        wgmma::commit();
+        if (rescale) rescale_o(o[0], alpha);
+        pv_packed(vs_held, pa, o[0]);
+        wgmma::commit();
+        wgmma::wait<1>();
+        fence_regs(reinterpret_cast<float(&)[kNTiles * 4]>(s));
+        softmax_deferred(p, vp, w, tile_begin, n_valid, kv_head, masked, s, m_run[0], d_run[0], alpha, rescale);
+        fence_regs(reinterpret_cast<float(&)[kNTiles * 4]>(s));  // the softmax before the wait, not after it
+        wgmma::wait<0>();
+        fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o[0]));
+        fence_regs(pa);  // P.V's A registers stay P's to the wait: no softmax temporary reuses them
+        release(empty + 8 * held);
+        pack_p(s, pa);
+        held = sj;
+        vs_held = vs;
+        if (last) {  // the sub-item's last P.V
+          if (rescale) rescale_o(o[0], alpha);
+          pv_packed(vs, pa, o[0]);
+          wgmma::commit();
+          wgmma::wait<0>();
+          fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o[0]));
+          pending = false;
+        }
+      } else if (active) {  // a sub-item's first active tile: S and its softmax alone (P.V with the next)
+        wgmma::fence();
+        qk_wgmma(qs, ks, 0u, 0, 0, s);
+        wgmma::commit();
+        wgmma::wait<0>();
+        fence_regs(reinterpret_cast<float(&)[kNTiles * 4]>(s));
+        softmax_deferred(p, vp, w, tile_begin, n_valid, kv_head, masked, s, m_run[0], d_run[0], alpha, rescale);
+        pack_p(s, pa);
+        if (last) {  // and its last: the P.V now (O is zero: no rescale)
+          pv_packed(vs, pa, o[0]);
+          wgmma::commit();
+          wgmma::wait<0>();
+          fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o[0]));
+        } else {
+          pending = true;
+          held = sj;
+          vs_held = vs;
+        }
+      } else if (pending) {  // a skipped tile ends the sub-item's active ones: the pending P.V
+        if (rescale) rescale_o(o[0], alpha);
+        pv_packed(vs_held, pa, o[0]);
+        wgmma::commit();
+        wgmma::wait<0>();
+        fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o[0]));
+        release(empty + 8 * held);
+        pending = false;
+      }
+      if (last) {  // the record is read by finish: release after it
+        finish(p, vp, w, m_run, d_run, o, merge_flags);
+        if constexpr (L::kQCopy) release(qempty + 8 * rec->qslot);
+        release(empty + 8 * sj);
+      } else if (!pending || held != sj) {
+        release(empty + 8 * sj);
+      }
     }
   }
 
@@ -821,6 +1034,10 @@ struct Kernel {
         return;
       }
       if constexpr (Cfg::kMoveRegs) ptx::setmaxnreg_inc<Cfg::kComputeRegs>();
+      if constexpr (Cfg::kOverlap) {
+        consume_overlap(p, vp, smem, full, empty, qempty);
+        return;
+      }
     } else {
       if (!L::start(p, vp, smem, cur, page, slot)) return;
     }
