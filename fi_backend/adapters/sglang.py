@@ -53,8 +53,8 @@ plan per kind per step, each with its own decode and prefill wrappers. SGLang's 
 already the number of earlier tokens a query sees (q_pos - kv_pos <= it), i.e. fi-backend's window_left.
 
 Shared-prefix groups (composable formats, docs/composable.md): off by default in SGLang until this path has run and
-been timed on a GPU; FI_BACKEND_SHARED_PREFIX=1 turns them on (deterministic inference keeps them off). register() adds an AFTER hook on ForwardBatch.init_new through SGLang's plugin
-HookRegistry. For each batch it walks the requests once, on the host: neighbours share the tokens up to the lowest
+been timed on a GPU; FI_BACKEND_SHARED_PREFIX=1 turns them on (deterministic inference keeps them off). register()
+then adds an AFTER hook on ForwardBatch.init_new through SGLang's plugin HookRegistry. For each batch it walks the requests once, on the host: neighbours share the tokens up to the lowest
 common ancestor of their radix nodes (Req.last_node; radix_shared_tokens), and the result is kept with the batch's
 out_cache_loc, which the eager batch and the decode graph's replay view both carry. The step's plan finds it by that
 tensor's identity and makes the groups (_StepPlanner._prefix_groups: capped at each member's cached tokens, whole
@@ -745,7 +745,8 @@ class _Backend:
                   "decode; shared-prefix groups %s", BACKEND_NAME, self.device, _tp_words(model_runner), len(layers),
                   len(self._groups), "; ".join(s.describe() for s in self._group_keys), self.page_size,
                   str(self.kv_dtype).replace("torch.", ""), self.kv_layout, self.kv_write,
-                  "from the radix tree" if self.shared_prefix else f"off ({_env.SHARED_PREFIX}=0 or deterministic)")
+                  "from the radix tree" if self.shared_prefix
+                  else f"off (opt-in: {_env.SHARED_PREFIX}=1; never in deterministic mode)")
 
     # -------------------------------------------------------------------------------- setup
 
