@@ -121,9 +121,19 @@ class Workspace:
         """
         qo = _host_int32(qo_indptr, "qo_indptr")
         kv = _host_int32(kv_lens, "kv_lens")
-        if len(kv) > self.max_requests:
-            raise ValueError(f"max_requests={self.max_requests} but the step has {len(kv)} requests")
-        rows = int(qo[-1]) if len(qo) else 0
+        num_units = self._begin_step(int(qo[-1]) if len(qo) else 0, len(kv), tile_q, num_units)
+        info = plan_into(self._views, qo, kv, tile_q=tile_q, num_ctas=self.num_ctas, num_units=num_units,
+                         causal=causal, min_kv_chunk=min_kv_chunk, kv_chunk_align=kv_chunk_align, cost_q=cost_q,
+                         cost_kv=cost_kv, group_requests=group_requests, kv_window=kv_window,
+                         deterministic_pieces=deterministic_pieces, partition=partition, groups=groups)
+        self._copy(self.layout.used_ints(info.num_items))
+        return info
+
+    def _begin_step(self, rows: int, requests: int, tile_q: int, num_units: Optional[int]) -> int:
+        """Check a step against the workspace's bounds (ValueError naming the bound) and wait until staging is free
+        (the previous plan's copy may still be reading it); returns num_units (None: num_kv_heads)."""
+        if requests > self.max_requests:
+            raise ValueError(f"max_requests={self.max_requests} but the step has {requests} requests")
         if rows > self.max_tokens:
             raise ValueError(f"max_tokens={self.max_tokens} but the step has {rows} query rows")
         if tile_q > self.max_tile_q:
@@ -134,14 +144,9 @@ class Workspace:
             raise ValueError(f"num_units={num_units} must be in [num_kv_heads, num_qo_heads] = "
                              f"[{self.num_kv_heads}, {self.num_qo_heads}] (the sizes the workspace was made for)")
         if self._copy_pending:
-            self._copy_done.synchronize()  # the previous copy may still be reading staging
+            self._copy_done.synchronize()
             self._copy_pending = False
-        info = plan_into(self._views, qo, kv, tile_q=tile_q, num_ctas=self.num_ctas, num_units=num_units,
-                         causal=causal, min_kv_chunk=min_kv_chunk, kv_chunk_align=kv_chunk_align, cost_q=cost_q,
-                         cost_kv=cost_kv, group_requests=group_requests, kv_window=kv_window,
-                         deterministic_pieces=deterministic_pieces, partition=partition, groups=groups)
-        self._copy(self.layout.used_ints(info.num_items))
-        return info
+        return num_units
 
     def _copy(self, used: int) -> None:
         """Staging's first `used` int32 into the plan section: asynchronous on the current stream, with the event
@@ -157,16 +162,11 @@ class Workspace:
         """An idle plan: a step of num_rows query rows with no work items, so every CTA of a launch finds its
         queue empty and writes nothing (the partner of a wrapper that runs the step in the same CUDA graph).
         Copies only the header and cta_indptr, all the kernels read of a plan without items."""
-        if num_requests > self.max_requests or num_rows > self.max_tokens:
-            raise ValueError(f"an idle plan of {num_requests} requests and {num_rows} rows exceeds max_requests="
-                             f"{self.max_requests} / max_tokens={self.max_tokens}")
-        if self._copy_pending:
-            self._copy_done.synchronize()  # the previous copy may still be reading staging
-            self._copy_pending = False
+        num_units = self._begin_step(num_rows, num_requests, tile_q, num_units)
         v = self._views
         v.header[:] = 0
         v.header[NUM_ROWS], v.header[NUM_REQUESTS], v.header[NUM_CTAS] = num_rows, num_requests, self.num_ctas
-        v.header[TILE_Q], v.header[NUM_UNITS] = tile_q, self.num_kv_heads if num_units is None else num_units
+        v.header[TILE_Q], v.header[NUM_UNITS] = tile_q, num_units
         v.cta_indptr[:] = 0
         v.merge_indptr[:num_rows + 1] = 0   # host only: host_plan() reads it; no item sends the kernel there
         self._copy(self.layout.merge_indptr_offset)

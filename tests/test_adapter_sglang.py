@@ -1051,9 +1051,9 @@ def test_shared_prefix_off(monkeypatch, ref_wrappers):
     assert det._groups[0].graph_prefill is None and not det._planner.shared_prefix
 
 
-def test_shared_prefix_off_by_default(stub_sglang, monkeypatch, ref_wrappers):
-    """Without FI_BACKEND_SHARED_PREFIX: no hook, two wrappers a layer group, no shared rows."""
-    monkeypatch.delenv("FI_BACKEND_SHARED_PREFIX")
+@pytest.fixture
+def hook_registry(monkeypatch):
+    """A stand-in sglang.srt.plugins.hook_registry recording register() calls: (the calls, the module)."""
     hooks = []
     mod = types.ModuleType("sglang.srt.plugins.hook_registry")
     mod.HookType = enum.Enum("HookType", "BEFORE AFTER AROUND REPLACE")
@@ -1061,6 +1061,13 @@ def test_shared_prefix_off_by_default(stub_sglang, monkeypatch, ref_wrappers):
     monkeypatch.setitem(sys.modules, "sglang.srt.plugins", types.ModuleType("sglang.srt.plugins"))
     monkeypatch.setitem(sys.modules, "sglang.srt.plugins.hook_registry", mod)
     monkeypatch.setattr(adapter, "_hook_registered", False)
+    return hooks, mod
+
+
+def test_shared_prefix_off_by_default(stub_sglang, monkeypatch, ref_wrappers, hook_registry):
+    """Without FI_BACKEND_SHARED_PREFIX: no hook, two wrappers a layer group, no shared rows."""
+    hooks, _ = hook_registry
+    monkeypatch.delenv("FI_BACKEND_SHARED_PREFIX")
     adapter.register()
     assert hooks == []
     backend = adapter._Backend(model_runner(llama_layers(1), gen=torch.Generator().manual_seed(2)))
@@ -1068,16 +1075,10 @@ def test_shared_prefix_off_by_default(stub_sglang, monkeypatch, ref_wrappers):
     assert backend._groups[0].graph_prefill is None and not backend._planner.shared_prefix
 
 
-def test_register_adds_the_forward_batch_hook(stub_sglang, monkeypatch):
+def test_register_adds_the_forward_batch_hook(stub_sglang, monkeypatch, hook_registry):
     """register() puts one AFTER hook on ForwardBatch.init_new into SGLang's plugin HookRegistry (which applies it
     once every plugin has registered), none with FI_BACKEND_SHARED_PREFIX=0."""
-    hooks = []
-    mod = types.ModuleType("sglang.srt.plugins.hook_registry")
-    mod.HookType = enum.Enum("HookType", "BEFORE AFTER AROUND REPLACE")
-    mod.HookRegistry = SimpleNamespace(register=lambda target, fn, kind: hooks.append((target, fn, kind)))
-    monkeypatch.setitem(sys.modules, "sglang.srt.plugins", types.ModuleType("sglang.srt.plugins"))
-    monkeypatch.setitem(sys.modules, "sglang.srt.plugins.hook_registry", mod)
-    monkeypatch.setattr(adapter, "_hook_registered", False)
+    hooks, mod = hook_registry
     monkeypatch.setenv("FI_BACKEND_SHARED_PREFIX", "0")
     adapter.register()
     assert hooks == []
