@@ -253,7 +253,8 @@ def _dump(self, path):
     """Every tensor-parallel rank answers: rank 0 into `path`, rank r > 0 into <path>.rank<r>."""
     import torch
     mr = self.tp_worker.model_runner
-    rank, tp = int(getattr(self, "tp_rank", 0)), int(getattr(self, "tp_size", 1))
+    ps = getattr(self, "ps", self)   # SGLang 0.5.15 keeps the ranks in Scheduler.ps (older: on the scheduler)
+    rank, tp = int(getattr(ps, "tp_rank", 0)), int(getattr(ps, "tp_size", 1))
     if rank:
         path = f"{path}.rank{rank}"
     heads = {(int(m.tp_q_head_num), int(m.tp_k_head_num), int(m.head_dim)) for m in mr.model.modules()
