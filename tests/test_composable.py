@@ -103,6 +103,21 @@ def test_plan_with_groups_replays_to_attention(case):
     np.testing.assert_allclose(out, expect, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("tile_q", [16, 32, 64])
+def test_extend_groups_kept_for_short_questions_only(tile_q):
+    """The SGLang engine test's system-prompt batch (integration_tests/sglang, workload_shared): 12 requests
+    under a 1984-token prefix, prefill costs (cost_q = 2 KV tiles a query tile). Questions of 4..15 tokens keep
+    the group; of 20..300 tokens every member's own query tiles already amortise the prefix, so none is kept."""
+    rng = np.random.default_rng(7)
+    for q_lens, kept in ((rng.integers(4, 16, 12), 1), (rng.integers(20, 300, 12), 0)):
+        qo = np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32)
+        views = _views(int(qo[-1]), 132, 1, tile_q, 64 * 48)
+        info = S.plan_into(views, qo, (2000 + q_lens).astype(np.int32), tile_q=tile_q, num_ctas=132, num_units=1,
+                           causal=True, kv_chunk_align=64, cost_q=2.0 * 64 / tile_q,
+                           groups=np.array([[0, 12, 1984]], np.int32))
+        assert info.shared_groups == kept, (q_lens, info)
+
+
 def test_groups_that_do_not_pay_stay_single_format():
     views = _views(4, 16, 2, 4, 36)
     qo = np.arange(5, dtype=np.int32)
