@@ -180,6 +180,24 @@ def test_sharegpt_lengths_are_the_trace():
         W.sample_lengths("sharegpt", len(sg.load_trace()) + 1)
 
 
+def test_shared_prefix_datasets():
+    """sharegpt-n8: the trace's pairs, 8 samples each; sysprompt4k-sharegpt: the trace behind one 4096-token system
+    prompt, the same in every prompt of a run and new in each run."""
+    pairs = sg.load_trace(20)
+    assert W.sample_lengths("sharegpt-n8", 20) == pairs and W.samples_per_prompt("sharegpt-n8") == 8
+    assert W.max_total_len("sharegpt-n8") == 2048 and W.samples_per_prompt("sharegpt") == 1
+    sys_pairs = W.sample_lengths("sysprompt4k-sharegpt", 20)
+    assert sys_pairs == [(4096 + p, o) for p, o in pairs] and W.max_total_len("sysprompt4k-sharegpt") == 4096 + 2048
+    prompts = W.dataset_prompts("sysprompt4k-sharegpt", sys_pairs, 1000, RNG_SEED, "run")
+    assert [len(x) for x in prompts] == [p for p, _ in sys_pairs]
+    assert all(x[:4096] == prompts[0][:4096] for x in prompts)
+    assert len({tuple(x[4096:4104]) for x in prompts}) == len(prompts)                   # the questions differ
+    assert W.dataset_prompts("sysprompt4k-sharegpt", sys_pairs, 1000, RNG_SEED, "other")[0][:4096] != prompts[0][:4096]
+    assert W.dataset_prompts("sharegpt", pairs, 1000, RNG_SEED, "k") == W.prompt_token_ids(
+        [p for p, _ in pairs], 1000, RNG_SEED, "k")                                         # unchanged where no prefix
+    assert W.estimate_run_s(pairs, math.inf, 32, 8) > W.estimate_run_s(pairs, math.inf, 32)
+
+
 def test_bad_dataset_and_counts():
     with pytest.raises(ValueError, match="accepted: sharegpt, u512-2048, u4096-16384"):
         W.sample_lengths("random", 10)
@@ -385,7 +403,7 @@ class AsyncLLM:
             left -= k
             step += 1
             await asyncio.sleep(0.001 * k)
-            yield NS(outputs=[NS(token_ids=[7] * k)], finished=left == 0)
+            yield NS(outputs=[NS(token_ids=[7] * k, index=i) for i in range(sp.n)], finished=left == 0)
 
     def shutdown(self):
         pass
@@ -428,6 +446,16 @@ def test_parent_and_child_with_a_fake_engine(tmp_path, monkeypatch):
     cfg = json.loads(Path(args["model"], "config.json").read_text()) if Path(args["model"]).exists() else None
     assert cfg is None            # the temporary model folder is removed after the run
     assert (out / "fake.md").exists() and "| inf | FLASH_ATTN | 16 |" in (out / "fake.md").read_text()
+
+    # parallel sampling: n = 8 a request, a record a sample
+    rc = B.main(["--smoke", "--backends", "FLASH_ATTN", "--rates", "inf", "--warmup", "0", "--name", "fake8",
+                 "--dataset", "sharegpt-n8"])
+    assert rc == 0
+    (run,) = json.loads((out / "fake8.json").read_text())["runs"]
+    m = run["metrics"]
+    assert (run["dataset"], m["completed"], m["failed"]) == ("sharegpt-n8", 128, 0)
+    assert m["total_output"] == 8 * sum(o for _, o in pairs) and m["output_len_mismatch"] == 0
+    assert "## sharegpt-n8 (16 prompts x 8 samples)" in (out / "fake8.md").read_text()
 
 
 def test_run_requests_times_out_and_keeps_finished_requests(monkeypatch):
@@ -494,6 +522,7 @@ class Engine:
     async def async_generate(self, input_ids=None, sampling_params=None, stream=False):
         assert stream and sampling_params["ignore_eos"] and sampling_params["temperature"] == 0.0
         n = sampling_params["max_new_tokens"]
+        samples = sampling_params.get("n", 1)
 
         async def gen():
             await asyncio.sleep(0.005 + 1e-6 * len(input_ids))
@@ -503,7 +532,9 @@ class Engine:
                 done += k
                 step += 1
                 await asyncio.sleep(0.001 * k)
-                yield {"output_ids": [7] * done, "meta_info": {"completion_tokens": done}}
+                for i in range(samples):   # n > 1: each sample's chunks tagged with its "index", as SGLang does
+                    yield {"output_ids": [7] * done, "meta_info": {"completion_tokens": done},
+                           **({"index": i} if samples > 1 else {})}
         return gen()
 
     def shutdown(self):
@@ -583,6 +614,58 @@ def test_sglang_parent_and_child_with_a_fake_engine(tmp_path, monkeypatch):
     (row,) = merged["ratios"]
     assert row["vs"] == "triton" and row["median_itl"] == pytest.approx(0.8) and merged["bar"]["checks"] == []
     assert "## fi_backend / anchor" in S.markdown(merged, SG.ENGINE)
+
+    # a variant of ours against ours and the anchors, with output throughput
+    assert S.parse_backends("fi_backend,FI_BACKEND_SHARED", SG.ENGINE) == ["fi_backend", "fi_backend_shared"]
+    assert SG.ENGINE.engine_backend("fi_backend_shared") == "fi_backend"
+    mm = M.compute_metrics([M.RequestRecord(10, 3, 0.0, [0.05, 0.055, 0.06], [1, 1, 1])], 0.5)
+    runs.append({"dataset": "sharegpt", "rate": "8", "backend": "fi_backend_shared", "metrics": mm})
+    res["fi_backend_shared"] = {"status": "ok", "runs": runs[-1:]}
+    merged = S.assemble(SG.ENGINE, r["settings"], r["model"], {"name": "H100"}, res, "0.5.15")
+    rows = {(x["backend"], x["vs"]): x for x in merged["ratios"]}
+    assert set(rows) == {("fi_backend", "triton"), ("fi_backend_shared", "triton"), ("fi_backend_shared", "fi_backend")}
+    assert rows[("fi_backend_shared", "fi_backend")]["median_itl"] == pytest.approx(0.5)
+    assert rows[("fi_backend_shared", "fi_backend")]["output_throughput"] == pytest.approx(2.0)
+    assert "| sharegpt | 8 | fi_backend_shared | fi_backend | 0.500 |" in S.markdown(merged, SG.ENGINE)
+
+
+def test_variant_environment_in_the_child(tmp_path, monkeypatch):
+    """A variant's child runs with its environment (over the caller's), checks its engine backend's availability
+    and starts the engine with that backend; requests of the n = 8 dataset give a record a sample."""
+    fake = tmp_path / "fake"
+    (fake / "sglang").mkdir(parents=True)
+    (fake / "sglang" / "__init__.py").write_text(FAKE_SGLANG["__init__.py"] + """
+_real_init = Engine.__init__
+def _init(self, **kw):
+    _real_init(self, **kw)
+    with open(os.environ["FAKE_SGLANG_ARGS"] + ".env", "w") as f:
+        f.write(str(os.environ.get("FI_BACKEND_SHARED_PREFIX")))
+Engine.__init__ = _init
+""")
+    (fake / "sglang-0.5.15.dist-info").mkdir()
+    (fake / "sglang-0.5.15.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.15\n")
+    monkeypatch.setenv("FAKE_SGLANG_ARGS", str(tmp_path / "args.json"))
+    monkeypatch.setenv("FI_BACKEND_SHARED_PREFIX", "0")
+    monkeypatch.syspath_prepend(str(fake))
+    monkeypatch.delitem(sys.modules, "sglang", raising=False)
+    plan = {"settings": {"tensor_parallel_size": 1, "max_model_len": 4096, "seed": 0, "gpu_memory_utilization": 0.5,
+                         "enforce_eager": False, "max_num_seqs": None, "max_num_batched_tokens": None,
+                         "warmup_requests": 0},
+            "config": {"vocab_size": 1000}, "rates": [math.inf], "model_dir": "/m",
+            "datasets": [{"name": "sharegpt-n8", "num_prompts": 2, "samples": 8, "pairs": [(5, 3), (7, 4)],
+                          "estimate_s": {"inf": 1.0}}]}
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(plan))
+    out = tmp_path / "child.json"
+    checked = []
+    rc = S.child_main(str(plan_path), "fi_backend_shared", str(out), SG.ENGINE,
+                      lambda b: checked.append(b) or None, SG._serve)
+    assert rc == 0 and checked == ["fi_backend"]
+    assert (tmp_path / "args.json.env").read_text() == "1"
+    assert json.loads((tmp_path / "args.json").read_text())["attention_backend"] == "fi_backend"
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["backend"] == "fi_backend_shared" and run["metrics"]["completed"] == 16
+    assert run["metrics"]["total_output"] == 8 * (3 + 4)
 
 
 def test_sglang_bench_imports_without_sglang():

@@ -45,6 +45,13 @@ class Engine:
     child_env: dict = dataclasses.field(default_factory=dict)  # environment defaults of a child
     bar: Callable | None = None      # ratios -> {"checks", "all_pass"}, an issue's bar where one applies
     normalise: Callable = str.upper  # how a --backends name is spelt
+    # More names for ours run with settings of its own: name -> environment of its child (e.g. shared-prefix
+    # groups on or off); compared with ours and with the anchors.
+    variants: dict = dataclasses.field(default_factory=dict)
+
+    def engine_backend(self, name: str) -> str:
+        """The engine's attention backend behind a --backends name."""
+        return self.ours if name in self.variants else name
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -121,13 +128,14 @@ def resolve_model_config(path: str | None) -> tuple[dict, str]:
 
 def parse_backends(text: str, engine: Engine) -> list[str]:
     out = []
+    accepted = (*engine.backends, *engine.variants)
     for b in (engine.normalise(s.strip()) for s in text.split(",") if s.strip()):
-        if b not in engine.backends:
-            raise ValueError(f"--backends: unknown backend {b!r}; accepted: {', '.join(engine.backends)}")
+        if b not in accepted:
+            raise ValueError(f"--backends: unknown backend {b!r}; accepted: {', '.join(accepted)}")
         if b not in out:
             out.append(b)
     if not out:
-        raise ValueError(f"--backends: give at least one of {', '.join(engine.backends)}")
+        raise ValueError(f"--backends: give at least one of {', '.join(accepted)}")
     return out
 
 
@@ -156,8 +164,9 @@ def build_plan(a: argparse.Namespace, engine: Engine) -> dict:
     plan_datasets = []
     for d in datasets:
         pairs = W.sample_lengths(d, counts[d], a.seed)
-        est = {W.rate_label(r): W.estimate_run_s(pairs, r, config["num_hidden_layers"]) for r in rates}
-        plan_datasets.append({"name": d, "num_prompts": len(pairs), "pairs": pairs, "estimate_s": est})
+        n = W.samples_per_prompt(d)
+        est = {W.rate_label(r): W.estimate_run_s(pairs, r, config["num_hidden_layers"], n) for r in rates}
+        plan_datasets.append({"name": d, "num_prompts": len(pairs), "samples": n, "pairs": pairs, "estimate_s": est})
     settings = {
         "datasets": datasets, "rates": [W.rate_label(r) for r in rates], "backends": backends,
         "num_prompts": counts, "seed": a.seed, "smoke": a.smoke,
@@ -176,6 +185,11 @@ def build_plan(a: argparse.Namespace, engine: Engine) -> dict:
             "rates": rates, "backends": backends}
 
 
+def _samples(d: dict) -> str:
+    n = d.get("samples", 1)
+    return f" x {n} samples" if n > 1 else ""
+
+
 def print_estimate(plan: dict) -> dict[str, float]:
     """Log the plan and a rough time per backend; returns {backend: seconds}."""
     runs = [s for d in plan["datasets"] for s in d["estimate_s"].values()]
@@ -183,7 +197,7 @@ def print_estimate(plan: dict) -> dict[str, float]:
     for d in plan["datasets"]:
         p = [x for x, _ in d["pairs"]]
         o = [y for _, y in d["pairs"]]
-        log(f"dataset {d['name']}: {len(p)} prompts, prompt len mean {sum(p) / len(p):.0f} (max {max(p)}), "
+        log(f"dataset {d['name']}: {len(p)} prompts{_samples(d)}, prompt len mean {sum(p) / len(p):.0f} (max {max(p)}), "
             f"output len mean {sum(o) / len(o):.0f} (max {max(o)}); per run est "
             + ", ".join(f"rate {k}: {v:.0f}s" for k, v in d["estimate_s"].items()))
     for b in plan["backends"]:
@@ -203,9 +217,10 @@ def print_estimate(plan: dict) -> dict[str, float]:
 # ------------------------------------------------------------------------------------------------ child
 
 async def run_requests(send, n: int, send_times, timeout_s: float):
-    """Start send(i) (a coroutine giving request i's RequestRecord) at send_times[i] after the start, i < n; wait for
-    all. Returns (records, duration_s, timed_out): past timeout_s what is in flight is cancelled (the engines abort
-    a cancelled request) and only the finished requests are kept."""
+    """Start send(i) (a coroutine giving request i's RequestRecord, or a list of them for a request of several
+    samples) at send_times[i] after the start, i < n; wait for all. Returns (records, duration_s, timed_out), one
+    record a sample: past timeout_s what is in flight is cancelled (the engines abort a cancelled request) and only
+    the finished requests are kept."""
     start = time.perf_counter()
     tasks = []
 
@@ -226,13 +241,15 @@ async def run_requests(send, n: int, send_times, timeout_s: float):
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         records = [t.result() for t in tasks if not t.cancelled() and t.exception() is None]
-    return records, time.perf_counter() - start, timed_out
+    flat = [x for r in records for x in (r if isinstance(r, list) else [r])]
+    return flat, time.perf_counter() - start, timed_out
 
 
 async def measure_runs(plan: dict, backend: str, result: dict, out_path: Path, t_child: float, run, reset) -> None:
     """The child's work once its engine is up: warm-up requests, then every (dataset, rate) run with the prefix cache
     reset before it, each run's metrics written to out_path as it ends. run(prompts, output_lens, send_times, tag,
-    timeout_s) -> (records, duration_s, timed_out); reset() empties the engine's prefix cache."""
+    timeout_s, samples) -> (records, duration_s, timed_out), a record a sample (samples: the n of every request);
+    reset() empties the engine's prefix cache."""
     s = plan["settings"]
     vocab = plan["config"]["vocab_size"]
     seed = s["seed"]
@@ -254,12 +271,13 @@ async def measure_runs(plan: dict, backend: str, result: dict, out_path: Path, t
             label = W.rate_label(rate)
             key = f"{d['name']}@{label}"
             await reset()
-            prompts = W.prompt_token_ids([p for p, _ in pairs], vocab, seed, key)
+            prompts = W.dataset_prompts(d["name"], pairs, vocab, seed, key)
             sends = W.arrival_times(len(pairs), rate, seed, d["name"])
             timeout = max(180.0, 4 * d["estimate_s"][label] + 60)
-            recs, dur, timed_out = await run(prompts, [o for _, o in pairs], sends, key, timeout)
+            n = d.get("samples", 1)
+            recs, dur, timed_out = await run(prompts, [o for _, o in pairs], sends, key, timeout, n)
             m = M.compute_metrics(recs, dur)
-            m["failed"] += len(pairs) - len(recs)    # requests cancelled by the time-out
+            m["failed"] += n * len(pairs) - len(recs)    # samples cancelled by the time-out
             entry = {"dataset": d["name"], "rate": label, "backend": backend, "metrics": m}
             if timed_out:
                 entry["timed_out_after_s"] = timeout
@@ -267,7 +285,7 @@ async def measure_runs(plan: dict, backend: str, result: dict, out_path: Path, t
                 entry["requests"] = [r.to_json() for r in recs]
             result["runs"].append(entry)
             write_json(out_path, result)
-            log(f"{backend} {d['name']} rate {label}: {m['completed']}/{len(pairs)} ok in {dur:.1f}s, "
+            log(f"{backend} {d['name']} rate {label}: {m['completed']}/{n * len(pairs)} ok in {dur:.1f}s, "
                 f"{m['output_throughput']:.0f} tok/s; TTFT med {m['median_ttft_ms']:.1f} p99 "
                 f"{m['p99_ttft_ms']:.1f} ms; ITL med {m['median_itl_ms']:.2f} p99 {m['p99_itl_ms']:.2f} ms; "
                 f"TPOT med {m['median_tpot_ms']:.2f} ms{' TIMED OUT' if timed_out else ''} "
@@ -279,11 +297,12 @@ def child_main(plan_path: str, backend: str, out_path: str, engine: Engine, unav
     starts the engine, records it in result and runs measure_runs (it may be a coroutine function)."""
     for k, v in engine.child_env.items():
         os.environ.setdefault(k, v)
+    os.environ.update(engine.variants.get(backend, {}))   # a variant's own settings win
     t_child = time.perf_counter()
     plan = json.loads(Path(plan_path).read_text())
     out = Path(out_path)
     result = {"backend": backend, "status": "ok", "device": gpu_info(), "runs": []}
-    reason = unavailable(backend)
+    reason = unavailable(engine.engine_backend(backend))
     if reason:
         result["status"] = f"unavailable: {reason}"
         write_json(out, result)
@@ -393,22 +412,25 @@ def rescore(r: dict, engine: Engine) -> dict:
 
 
 def ratios(runs: list[dict], engine: Engine) -> list[dict]:
-    """ours / anchor for median ITL, median TTFT, median TPOT and p99 ITL, per (dataset, rate)."""
+    """ours (and each variant of ours) / anchor for median ITL, median TTFT, median TPOT, p99 ITL and output
+    throughput, per (dataset, rate); a variant is compared with ours too."""
     by = {(r["dataset"], r["rate"], r["backend"]): r["metrics"] for r in runs}
     out = []
     for (d, rate, b), m in by.items():
-        if b != engine.ours:
+        if b != engine.ours and b not in engine.variants:
             continue
-        for anchor in engine.anchors:
+        for anchor in (*engine.anchors, *((engine.ours,) if b != engine.ours else ())):
             a = by.get((d, rate, anchor))
             if a is None:
                 continue
-            out.append({"dataset": d, "rate": rate, "vs": anchor,
+            out.append({"dataset": d, "rate": rate, "backend": b, "vs": anchor,
                         "median_itl": M.ratio(m["median_itl_ms"], a["median_itl_ms"]),
                         "median_ttft": M.ratio(m["median_ttft_ms"], a["median_ttft_ms"]),
                         "p99_itl": M.ratio(m["p99_itl_ms"], a["p99_itl_ms"]),
-                        "median_tpot": M.ratio(m["median_tpot_ms"], a["median_tpot_ms"])})
-    return sorted(out, key=lambda x: (x["dataset"], float(x["rate"]), x["vs"]))
+                        "median_tpot": M.ratio(m["median_tpot_ms"], a["median_tpot_ms"]),
+                        "output_throughput": M.ratio(m["output_throughput"], a["output_throughput"])})
+    return sorted(out, key=lambda x: (x["dataset"], float(x["rate"]), x["backend"] != engine.ours, x["backend"],
+                                      x["vs"]))
 
 
 def _fmt(x, spec=".1f"):
@@ -435,7 +457,8 @@ def markdown(r: dict, engine: Engine) -> str:
         if not rows:
             continue
         n = s["num_prompts"].get(d) if isinstance(s["num_prompts"], dict) else s["num_prompts"]
-        lines += ["", f"## {d} ({n} prompts)", "",
+        k = W.samples_per_prompt(d) if d in W.DATASETS else 1
+        lines += ["", f"## {d} ({n} prompts{f' x {k} samples' if k > 1 else ''})", "",
                   "| rate req/s | backend | done | req/s | out tok/s | TTFT med | TTFT p99 | ITL med | ITL p99 "
                   "| TPOT med | TPOT p99 | E2E med | E2E p99 |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -452,11 +475,14 @@ def markdown(r: dict, engine: Engine) -> str:
         lines.append("Times in ms. ITL: gaps between streamed chunks after the first; TPOT: (E2E - TTFT) / "
                      "(output tokens - 1) per request.")
     if r["ratios"]:
-        lines += ["", f"## {engine.ours} / anchor (below 1: fi-backend faster)", "",
-                  "| dataset | rate | vs | median ITL | median TTFT | median TPOT | p99 ITL |", "|---|---|---|---|---|---|---|"]
+        lines += ["", f"## {engine.ours} / anchor (times: below 1 is fi-backend faster; throughput: above 1)", "",
+                  "| dataset | rate | backend | vs | median ITL | median TTFT | median TPOT | p99 ITL | out tok/s |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for x in r["ratios"]:
-            lines.append(f"| {x['dataset']} | {x['rate']} | {x['vs']} | {_fmt(x['median_itl'], '.3f')} | "
-                         f"{_fmt(x['median_ttft'], '.3f')} | {_fmt(x['median_tpot'], '.3f')} | {_fmt(x['p99_itl'], '.3f')} |")
+            lines.append(f"| {x['dataset']} | {x['rate']} | {x.get('backend', engine.ours)} | {x['vs']} | "
+                         f"{_fmt(x['median_itl'], '.3f')} | {_fmt(x['median_ttft'], '.3f')} | "
+                         f"{_fmt(x['median_tpot'], '.3f')} | {_fmt(x['p99_itl'], '.3f')} | "
+                         f"{_fmt(x.get('output_throughput'), '.3f')} |")
     if r["bar"]["checks"]:
         lines += ["", f"## The bar: {'met' if r['bar']['all_pass'] else 'NOT met'}", ""]
         for c in r["bar"]["checks"]:
@@ -593,8 +619,9 @@ def main(argv, engine: Engine, doc: str, child) -> int:
     finally:
         shutil.rmtree(model_dir, ignore_errors=True)
     for x in r["ratios"]:
-        log(f"{engine.ours}/{x['vs']} {x['dataset']} @ {x['rate']}: median ITL {_fmt(x['median_itl'], '.3f')}, "
-            f"median TTFT {_fmt(x['median_ttft'], '.3f')}")
+        log(f"{x.get('backend', engine.ours)}/{x['vs']} {x['dataset']} @ {x['rate']}: median ITL "
+            f"{_fmt(x['median_itl'], '.3f')}, median TTFT {_fmt(x['median_ttft'], '.3f')}, output throughput "
+            f"{_fmt(x.get('output_throughput'), '.3f')}")
     ok = any(res.get("runs") for res in results.values())
     return 0 if ok else 1
 

@@ -36,7 +36,8 @@ ENGINE = S.Engine(
     ours="fi_backend", anchors=("triton", "flashinfer"), default_backends="fi_backend,triton,flashinfer",
     method="Offline sgl.Engine (async_generate, streamed) with `sglang.launch_server`'s defaults.",
     settings={"server_defaults": "sglang.launch_server's (chunked prefill, radix cache, CUDA graphs)"},
-    child_env={"SGLANG_DISABLE_REQUEST_LOGGING": "1"}, normalise=str.lower)
+    child_env={"SGLANG_DISABLE_REQUEST_LOGGING": "1"}, normalise=str.lower,
+    variants={"fi_backend_shared": {"FI_BACKEND_SHARED_PREFIX": "1"}})   # fi_backend, shared-prefix groups on
 
 
 # ------------------------------------------------------------------------------------------------ child
@@ -60,7 +61,7 @@ def engine_kwargs(plan: dict, backend: str) -> dict:
     """sgl.Engine's arguments for the plan: the bench's settings mapped onto SGLang's names (None: its default)."""
     s = plan["settings"]
     kw = {"model_path": plan["model_dir"], "load_format": "dummy", "skip_tokenizer_init": True,
-          "attention_backend": backend, "tp_size": s.get("tensor_parallel_size", 1),
+          "attention_backend": ENGINE.engine_backend(backend), "tp_size": s.get("tensor_parallel_size", 1),
           "context_length": s["max_model_len"], "mem_fraction_static": s["gpu_memory_utilization"],
           "random_seed": s["seed"], "log_level": "warning"}
     if s["enforce_eager"]:
@@ -72,27 +73,34 @@ def engine_kwargs(plan: dict, backend: str) -> dict:
     return kw
 
 
-async def _one_request(engine, ids: list, output_len: int) -> M.RequestRecord:
-    rec = M.RequestRecord(prompt_len=len(ids), output_len=output_len, start=time.perf_counter())
+async def _one_request(engine, ids: list, output_len: int, samples: int = 1):
+    """A request's RequestRecord; with samples > 1 (SGLang's n: the prompt cached, then one request a sample) a list
+    of them, told apart by each chunk's "index"."""
+    start = time.perf_counter()
+    recs = [M.RequestRecord(prompt_len=len(ids), output_len=output_len, start=start) for _ in range(samples)]
     params = {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}
-    seen = 0
+    if samples > 1:
+        params["n"] = samples
+    seen = [0] * samples
     try:
         stream = await engine.async_generate(input_ids=ids, sampling_params=params, stream=True)
         async for out in stream:
             t = time.perf_counter()
+            i = int(out.get("index", 0))
             total = int((out.get("meta_info") or {}).get("completion_tokens", len(out.get("output_ids") or [])))
-            if total > seen:   # a chunk that adds no token is not a chunk to vLLM's client either
-                rec.chunk_times.append(t)
-                rec.chunk_tokens.append(total - seen)
-                seen = total
+            if total > seen[i]:   # a chunk that adds no token is not a chunk to vLLM's client either
+                recs[i].chunk_times.append(t)
+                recs[i].chunk_tokens.append(total - seen[i])
+                seen[i] = total
     except Exception as e:  # noqa: BLE001 - a failed request is a result (counted in `failed`), not a crash
-        rec.error = f"{type(e).__name__}: {e}"[:300]
-    return rec
+        for rec in recs:
+            rec.error = f"{type(e).__name__}: {e}"[:300]
+    return recs if samples > 1 else recs[0]
 
 
-async def _run_requests(engine, prompts, output_lens, send_times, tag, timeout_s):
-    return await S.run_requests(lambda i: _one_request(engine, prompts[i], output_lens[i]), len(prompts), send_times,
-                                timeout_s)
+async def _run_requests(engine, prompts, output_lens, send_times, tag, timeout_s, samples=1):
+    return await S.run_requests(lambda i: _one_request(engine, prompts[i], output_lens[i], samples), len(prompts),
+                                send_times, timeout_s)
 
 
 def _serve(plan: dict, backend: str, result: dict, out_path: Path, t_child: float) -> None:

@@ -6,6 +6,9 @@ Datasets (names accepted by --dataset):
                   seed 0 keeps the trace's order, i.e. the first n pairs vLLM's sampler would draw.
   u512-2048       the FlashInfer paper's synthetic set: prompt lengths uniform on [512, 2048], 256 outputs.
   u4096-16384     likewise with prompt lengths uniform on [4096, 16384].
+  sharegpt-n8     parallel generation: each ShareGPT prompt asks for 8 samples (the engine's n = 8), which share
+                  the prompt's KV; --num-prompts counts prompts, the metrics count samples.
+  sysprompt4k-sharegpt  a shared system prompt: the same 4096 tokens before every ShareGPT prompt.
 
 Arrivals follow vLLM's `get_request` (vllm/benchmarks/serve.py): exponential gaps (gamma with shape 1)
 of mean 1/rate, accumulated, then rescaled so the last request is sent at n/rate exactly; rate inf sends
@@ -32,7 +35,22 @@ DATASETS = {
     "sharegpt": None,
     "u512-2048": (512, 2048),
     "u4096-16384": (4096, 16384),
+    "sharegpt-n8": None,
+    "sysprompt4k-sharegpt": None,
 }
+# The shared-prefix datasets (issue 28, docs/composable.md): samples per prompt, and tokens of a system prompt.
+SAMPLES = {"sharegpt-n8": 8}
+SYSTEM_PROMPT = {"sysprompt4k-sharegpt": 4096}
+
+
+def samples_per_prompt(dataset: str) -> int:
+    """The n of each request (parallel sampling): 1 but for sharegpt-n8."""
+    return SAMPLES.get(check_dataset(dataset), 1)
+
+
+def system_prompt_tokens(dataset: str) -> int:
+    """Tokens of the system prompt every prompt of the dataset starts with (0: none)."""
+    return SYSTEM_PROMPT.get(check_dataset(dataset), 0)
 
 
 def check_dataset(name: str) -> str:
@@ -52,11 +70,12 @@ def sample_lengths(dataset: str, n: int, seed: int = 0) -> list[tuple[int, int]]
     check_dataset(dataset)
     if not (isinstance(n, int) and n > 0):
         raise ValueError(f"--num-prompts must be a positive int; got {n!r}")
-    if dataset == "sharegpt":
+    if DATASETS[dataset] is None:   # the ShareGPT trace, with a system prompt before each prompt where one is set
         avail = len(sharegpt.load_trace())
         if n > avail:
             raise ValueError(f"--num-prompts: the ShareGPT trace holds {avail} pairs; asked for {n}")
-        return sharegpt.load_trace(n, seed)
+        system = system_prompt_tokens(dataset)
+        return [(system + p, o) for p, o in sharegpt.load_trace(n, seed)]
     lo, hi = DATASETS[dataset]
     lens = _stream_seed(seed, dataset, "lengths").integers(lo, hi, size=n, endpoint=True)
     return [(int(p), UNIFORM_OUTPUT_LEN) for p in lens]
@@ -65,8 +84,8 @@ def sample_lengths(dataset: str, n: int, seed: int = 0) -> list[tuple[int, int]]
 def max_total_len(dataset: str) -> int:
     """The longest prompt + output the dataset can produce (what max_model_len must hold)."""
     check_dataset(dataset)
-    if dataset == "sharegpt":
-        return sharegpt.MAX_TOTAL_LEN
+    if DATASETS[dataset] is None:
+        return system_prompt_tokens(dataset) + sharegpt.MAX_TOTAL_LEN
     return DATASETS[dataset][1] + UNIFORM_OUTPUT_LEN
 
 
@@ -89,6 +108,17 @@ def prompt_token_ids(prompt_lens: list[int], vocab_size: int, seed: int = 0, key
         raise ValueError(f"vocab_size must be >= 2; got {vocab_size}")
     rng = _stream_seed(seed, key, "tokens")
     return [rng.integers(0, vocab_size, size=int(n)).tolist() for n in prompt_lens]
+
+
+def dataset_prompts(dataset: str, pairs: list[tuple[int, int]], vocab_size: int, seed: int = 0,
+                    key: str = "") -> list[list[int]]:
+    """A run's prompts for `pairs` of `dataset`: random ids (prompt_token_ids), behind one system prompt drawn for
+    the run where the dataset has one."""
+    system = system_prompt_tokens(dataset)
+    if not system:
+        return prompt_token_ids([p for p, _ in pairs], vocab_size, seed, key)
+    head = prompt_token_ids([system], vocab_size, seed, key + "/system")[0]
+    return [head + ids for ids in prompt_token_ids([p - system for p, _ in pairs], vocab_size, seed, key)]
 
 
 def parse_rates(text: str) -> list[float]:
@@ -140,10 +170,10 @@ EST_PREFILL_TOK_S = 15000.0    # prompt tokens per second
 EST_STEP_S = 0.012             # one decode step at moderate batch
 
 
-def estimate_run_s(pairs: list[tuple[int, int]], rate: float, num_layers: int = 32) -> float:
+def estimate_run_s(pairs: list[tuple[int, int]], rate: float, num_layers: int = 32, samples: int = 1) -> float:
     scale = max(num_layers / 32, 0.15)   # the non-attention, non-GEMM overhead does not shrink with layers
     total_in = sum(p for p, _ in pairs)
-    total_out = sum(o for _, o in pairs)
+    total_out = samples * sum(o for _, o in pairs)
     work = scale * (total_out / EST_DECODE_TOK_S + total_in / EST_PREFILL_TOK_S)
     send = 0.0 if math.isinf(rate) else len(pairs) / rate
     tail = scale * EST_STEP_S * max(o for _, o in pairs)
