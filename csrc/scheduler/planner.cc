@@ -1151,9 +1151,9 @@ PlanStatus Planner::Plan(const PlanInputs& in_arg, const PlanSection& section, P
   // queue (longest first, the KV had long left L2: at 16 x 1k tokens, 32 heads, 1% of the loads hit).
   // kv_order (decode) on a plan that splits pairs: by kv_begin, ties in creation order (planner.h). LPT
   // deals a split pair's equal chunks round-robin over the CTAs, so in creation order the CTAs running
-  // at one moment are at every chunk of the next few pairs, spread over the whole KV; by kv_begin they
-  // all start at position 0 and move through the KV together, which is what keeps pages that many
-  // requests share in L2. Any order is correct: a CTA never waits for another (the last chunk of a split
+  // at one moment are at every chunk of the next few pairs, spread over the whole KV; by kv_begin each
+  // CTA runs its items that start at position 0 first and its later chunks after them, so more of the
+  // CTAs read the same stretch of KV at once, which is what keeps pages that many requests share in L2. Any order is correct: a CTA never waits for another (the last chunk of a split
   // row to arrive merges it; the merge reads the row's states in chunk order, so its bits do not depend on
   // the order either).
   int32_t* const header = base;

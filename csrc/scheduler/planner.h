@@ -102,9 +102,9 @@ struct PlanInputs {
   // Queue order of split plans (decode): when the plan splits pairs into KV chunks (LPT's split or the
   // partition), each CTA runs its items by kv_begin, ascending, ties in creation order, instead of in
   // creation order. LPT deals equal chunks round-robin over the CTAs in creation order, so in creation
-  // order the CTAs run every chunk of the next few pairs at once, at as many KV positions; by kv_begin they
-  // all run their first chunks first, so pairs that share physical pages (prefix caching) read each page
-  // at about the same time, from L2. It changes no CTA's set of items, no makespan and no merge map.
+  // order the CTAs run every chunk of the next few pairs at once, at as many KV positions; by kv_begin each
+  // CTA runs its items that start at position 0 first, so more of the pairs that share physical pages
+  // (prefix caching) read each page at about the same time, from L2. It changes no CTA's set of items, no makespan and no merge map.
   // Plans that split nothing, deterministic plans, group_requests and shared-prefix groups keep their
   // order exactly. (The kernels merge split rows on the arrival of their last chunk, whatever the order:
   // no CTA ever waits for another; docs/planner.md.)
