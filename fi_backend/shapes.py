@@ -180,8 +180,9 @@ def _fa3_blockers(variant: Optional[Variant], head_dim: int, kv_bytes: int, shap
 
 
 def _fa3_q_buffers(head_dim: int, kv_bytes: int, shape: dict) -> int:
-    """Query buffers of the fa3 consumer loop: two (the producer copies the next query tile) where they fit
-    beside the stages, else one (the compute warps load Q at each sub-item's start)."""
+    """Query buffers of the fa3 consumer loop, which the producer fills: two where they fit beside the stages,
+    else one, released by each compute warp after its last QK^T of a sub-item (prefill::Kernel::consume_overlap),
+    so the next query tile still lands while the sub-item's last softmax, P.V and epilogue run."""
     smem = _prefill_smem_bytes(head_dim, kv_bytes, {**shape, "producer": 1}, PREFILL_PRODUCER_Q_BUFFERS)
     return PREFILL_PRODUCER_Q_BUFFERS if smem <= SMEM_PER_CTA else 1
 

@@ -281,12 +281,12 @@ struct Loader {
     Pos w;
   };
   // The loader copies query tiles where the kernel has query buffers (prefill on Hopper, for some
-  // variants: fi_backend/shapes.py, _prefill_q_buffers). Sub-item n uses buffer n % kQBuffers
+  // variants: fi_backend/shapes.py, _prefill_q_buffers; Cfg::kQCopy). Sub-item n uses buffer n % kQBuffers
   // (TileRecord::qslot). With a buffer per stage, sub-item n - kStages ended at least kStages - 1 tiles
   // before sub-item n's first tile, so it was consumed before that tile (and its query copy) is issued.
   // A producer warpgroup (produce()) instead waits for the buffer's release (its "qempty" barrier), so
-  // it can run more stages than query buffers.
-  static constexpr bool kQCopy = Cfg::kQBuffers > 1;
+  // it can run more stages than query buffers (prefill's overlapped consumers: one buffer, released early).
+  static constexpr bool kQCopy = Cfg::kQCopy;
   static_assert(!kQCopy || !Variant::kHasQueryTransform, "a QueryTransform rotates Q in registers (load_q)");
   static_assert(Cfg::kQBuffers == 1 || Cfg::kQBuffers == kStages || Cfg::kProducer,
                 "query buffers: one, one per stage, or released through barriers (producer)");
