@@ -311,8 +311,9 @@ _TMA_CASES = [(128, 4, 1, "NHD", False, "w8m2", True), (128, 1, 1, "SGL", False,
               (128, 1, 1, "NHD", False, "w8m2", "runs"), (128, 4, 16, "NHD", True, None, "runs")]
 
 
-# FlashAttention-3's consumer loop (tuning fa3=1, prefill::Config::kOverlap; PREFILL_FA3_TUNINGS): two consumer
-# warpgroups, 128-token tiles, P.V of tile j - 1 deferred behind S of tile j. Causal and non-causal, paged at
+# FlashAttention-3's consumer loop (tuning fa3=1, prefill::Config::kOverlap; fa3=2 with its consumer warpgroups'
+# ping-pong, kPingPong, as PREFILL_FA3_TUNINGS): two consumer warpgroups, 128-token tiles, P.V of tile j - 1
+# deferred behind S of tile j. Causal and non-causal, paged at
 # page 1 (pages in order: TMA boxes) and 16 (random order: gathers), ragged KV, GQA groups 1 / 4 / 7, odd
 # lengths (partial last tiles, units with no rows), split chunks; outputs poisoned.
 _FA3_CASES = [(128, 1, 1, True), (128, 4, 16, False), (128, 7, 16, False), (128, 4, 1, "runs"), (64, 4, 16, False),
@@ -336,6 +337,14 @@ def test_fa3_member_one_q_buffer(group, page, consecutive):
     Hkv, D = 2, 64
     attn = prefill(Hkv * group, Hkv, D, page_size=page, tuning={**PREFILL_FA3_TUNINGS[D], "q_buffers": 1})
     _fa3_cases(attn, torch.bfloat16, consecutive, f"fa3 one query buffer D={D} group={group} page={page}")
+
+
+# Without the ping-pong (fa3=1).
+@pytest.mark.parametrize("D,group,page,consecutive", [(128, 4, 16, False), (64, 1, 1, True)])
+def test_fa3_member_no_pingpong(D, group, page, consecutive):
+    Hkv = 2
+    attn = prefill(Hkv * group, Hkv, D, page_size=page, tuning={**PREFILL_FA3_TUNINGS[D], "fa3": 1})
+    _fa3_cases(attn, torch.bfloat16, consecutive, f"fa3=1 D={D} group={group} page={page} consecutive={consecutive}")
 
 
 def _fa3_cases(attn, dtype, consecutive, what):

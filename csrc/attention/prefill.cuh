@@ -74,7 +74,7 @@ using namespace attn;  // Params, Work, TileRecord, Loader, Epilogue (shared.cuh
 
 template <int kHeadDim_, int kHeadsPerChunk_, class DQ_, class DKV_, int kWarps_, int kMFrags_, int kTileKv_,
           int kStages_, int kStepKv_, bool kWgmma_ = false, int kQBuffers_ = 1, bool kProducer_ = false,
-          bool kRowSumMma_ = false, bool kBiasMma_ = false, bool kOverlap_ = false>
+          bool kRowSumMma_ = false, bool kBiasMma_ = false, bool kOverlap_ = false, bool kPingPong_ = false>
 struct Config {
   using DQ = DQ_;
   using DKV = DKV_;
@@ -110,6 +110,11 @@ struct Config {
   // while P.V runs, no wgmma in flight across the loop. V of tile j - 1 is held through tile j, so three
   // stages; the producer copies the query tiles (kQCopy), into one buffer where two do not fit (head size 128).
   static constexpr bool kOverlap = kOverlap_;
+  // ... and FlashAttention-3's inter-warpgroup ping-pong (kOverlap's two consumer warpgroups): they issue their
+  // MMAs in turns on two named barriers (kSchedBar, kSchedBar + 1), so one's softmax runs while the other's
+  // MMAs hold the tensor cores.
+  static constexpr bool kPingPong = kPingPong_;
+  static constexpr int kSchedBar = 4;
   static constexpr int kLoaderThreads = kProducer ? 128 : kThreads;
   static constexpr int kLoaderThread0 = kProducer ? kThreads : 0;
   // Registers a thread (multiples of 8). The CTA's pool is what it launched with (64K / threads a thread,
@@ -216,6 +221,7 @@ struct Config {
   static_assert(!kOverlap || (kProducer && kMFrags == 1 && kStep == kTile && kStages >= 3 && !kRowSumMma &&
                               !kBiasMma && kHeadDim % 64 == 0),
                 "overlapped consumers: producer, one fragment, a step per tile, three stages, row sums by FADD");
+  static_assert(!kPingPong || (kOverlap && kWarps == 8), "ping-pong: the overlapped loop's two consumer warpgroups");
   static_assert(!kWgmma || (kWarps % 4 == 0 && (kStep == 32 || kStep == 64 || kStep == 128 || kStep == 256)),
                 "wgmma: whole warpgroups, a compute step of 32, 64, 128 or 256 tokens (the MMA's n)");
 
@@ -890,6 +896,7 @@ struct Kernel {
     uint32_t vs_held = 0;
     constexpr int kUnitRows = Cfg::kUnitRows;
     const int first_pr = kUnitRows * unit;
+    if (unit == 1) turn_end(1);  // warpgroup 0 takes the first turn
 #pragma unroll 1
     for (int j = 0;; ++j) {
       const int sj = j % kStages;
@@ -932,7 +939,9 @@ struct Kernel {
       const uint32_t qbar = qempty + 8 * rec->qslot;
       q_held = q_held && !q_last;
       // Three exclusive cases, each with its own wgmmas, all waited for inside it (a first active tile
-      // followed by a separate flush on the same path made ptxas serialise every wgmma, C7518).
+      // followed by a separate flush on the same path made ptxas serialise every wgmma, C7518). Ping-pong: a
+      // warpgroup's turn (turn_begin .. turn_end) is one a tile in every case, so the two take turns in step.
+      turn_begin(unit);
       if (active && pending) {  // S_j = Q K_j^T; O = alpha O + P_{j-1} V_{j-1} behind it; softmax of S_j
         wgmma::fence();
         qk_wgmma(qs, ks, 0u, 0, 0, s);
@@ -940,6 +949,7 @@ struct Kernel {
         if (rescale) rescale_o(o[0], alpha);
         pv_packed(vs_held, pa, o[0]);
         wgmma::commit();
+        turn_end(unit);
         wgmma::wait<1>();
         fence_regs(reinterpret_cast<float(&)[kNTiles * 4]>(s));
         release_if(qbar, q_release);
@@ -965,6 +975,7 @@ struct Kernel {
         wgmma::fence();
         qk_wgmma(qs, ks, 0u, 0, 0, s);
         wgmma::commit();
+        turn_end(unit);
         wgmma::wait<0>();
         fence_regs(reinterpret_cast<float(&)[kNTiles * 4]>(s));
         release_if(qbar, q_release);
@@ -984,10 +995,13 @@ struct Kernel {
         if (rescale) rescale_o(o[0], alpha);
         pv_packed(vs_held, pa, o[0]);
         wgmma::commit();
+        turn_end(unit);
         wgmma::wait<0>();
         fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o[0]));
         release(empty + 8 * held);
         pending = false;
+      } else {
+        turn_end(unit);
       }
       if (!active) release_if(qbar, q_release);
       if (last) {  // the record is read by finish: release after it
@@ -1014,6 +1028,16 @@ struct Kernel {
     __syncwarp();
     if ((threadIdx.x & 31) == 0) ptx::mbar_arrive(bar);
   }
+  // Ping-pong (Cfg::kPingPong): warpgroup u's turn to issue its MMAs begins once the other warpgroup has issued
+  // its own of the turn before (bar.sync on kSchedBar + u by u's 128 threads, completed by the other's 128
+  // arrivals) and ends with its arrival at the other's barrier (FlashAttention-3's warp scheduler barriers).
+  static __device__ __forceinline__ void turn_begin(int unit) {
+    if constexpr (Cfg::kPingPong) ptx::bar_sync(Cfg::kSchedBar + unit, 256);
+  }
+  static __device__ __forceinline__ void turn_end(int unit) {
+    if constexpr (Cfg::kPingPong) ptx::bar_arrive(Cfg::kSchedBar + (unit ^ 1), 256);
+  }
+
   // The same where `cond` (the same in every lane of the warp) holds.
   static __device__ __forceinline__ void release_if(uint32_t bar, bool cond) {
     __syncwarp();
