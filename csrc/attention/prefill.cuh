@@ -120,14 +120,16 @@ struct Config {
   // Registers a thread (multiples of 8). The CTA's pool is what it launched with (64K / threads a thread,
   // rounded down to 8, as ptxas allocates under __launch_bounds__(threads, 1)); setmaxnreg only moves
   // registers within it (an increase beyond what the producer gave back waits forever). The compute
-  // warps' share after 40 for the producer, at most 240; the producer then takes what is left (it keeps
-  // the cursor and the copy addresses). Only where the launch leaves fewer than 240 a thread (384
-  // threads and more): else every warp has enough.
+  // warps' share after 40 for the producer, at most 240 (224 in the overlapped loop, whose consumers use
+  // fewer than 200: its producer, which copies the query tiles too, then keeps 56 and spills 24 bytes, not
+  // 84); the producer then takes what is left (it keeps the cursor and the copy addresses). Only where the
+  // launch leaves fewer than 240 a thread (384 threads and more): else every warp has enough.
   static constexpr bool kMoveRegs = kProducer && kLaunchThreads >= 384;
   static constexpr int kEntryRegs = (65536 / kLaunchThreads > 255 ? 255 : 65536 / kLaunchThreads) / 8 * 8;
   static constexpr int kRegPool = kEntryRegs * kLaunchThreads;
   static constexpr int kComputeRegsFit = (kRegPool - 128 * 40) / kThreads / 8 * 8;
-  static constexpr int kComputeRegs = kComputeRegsFit > 240 ? 240 : kComputeRegsFit;
+  static constexpr int kComputeRegsMax = kOverlap ? 224 : 240;
+  static constexpr int kComputeRegs = kComputeRegsFit > kComputeRegsMax ? kComputeRegsMax : kComputeRegsFit;
   static constexpr int kProducerRegs = (kRegPool - kThreads * kComputeRegs) / 128 / 8 * 8;
   static_assert(!kMoveRegs || (kProducerRegs >= 24 && kProducerRegs <= kEntryRegs && kComputeRegs >= kEntryRegs &&
                                kThreads * kComputeRegs + 128 * kProducerRegs <= kRegPool),
