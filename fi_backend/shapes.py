@@ -149,20 +149,24 @@ def _producer_blockers(variant: Optional[Variant], head_dim: int, kv_bytes: int,
     return why
 
 
-# FlashAttention-3's consumer loop (tuning fa3=1, prefill::Config::kOverlap; off by default: never run on a
-# GPU yet): two consumer warpgroups of 64 rows and a producer, 128-token tiles and steps, three stages (the
+# FlashAttention-3's consumer loop (tuning fa3=1, prefill::Config::kOverlap; fa3=2 adds its two consumer
+# warpgroups' ping-pong, kPingPong, as FlashAttention-3 runs head sizes up to 128; off by default: no family
+# picks it): two consumer warpgroups of 64 rows and a producer, 128-token tiles and steps, three stages (the
 # deferred P.V holds a tile's V through the next tile). docs/prefill.md, "The FA3-style member".
 PREFILL_FA3_TUNINGS = {
-    64: {"warps": 8, "mfrags": 1, "tile": 128, "stages": 3, "step": 128, "wgmma": 1, "producer": 1, "fa3": 1},
-    128: {"warps": 8, "mfrags": 1, "tile": 128, "stages": 3, "step": 128, "wgmma": 1, "producer": 1, "fa3": 1},
+    64: {"warps": 8, "mfrags": 1, "tile": 128, "stages": 3, "step": 128, "wgmma": 1, "producer": 1, "fa3": 2},
+    128: {"warps": 8, "mfrags": 1, "tile": 128, "stages": 3, "step": 128, "wgmma": 1, "producer": 1, "fa3": 2},
 }
 
 
-def _fa3_blockers(variant: Optional[Variant], head_dim: int, kv_bytes: int, shape: dict) -> list:
+def _fa3_blockers(variant: Optional[Variant], head_dim: int, kv_bytes: int, shape: dict, fa3: int = 1) -> list:
     """Why a shape cannot run FlashAttention-3's consumer loop (empty: it can): beyond the producer's needs,
     one fragment a warp, a step per tile, three stages, a head size of whole 64-column blocks, a variant with
-    softmax and without per-element hooks (ALiBi, LogitsTransform, LogitsMask)."""
+    softmax and without per-element hooks (ALiBi, LogitsTransform, LogitsMask); with ping-pong (fa3 2) two
+    consumer warpgroups."""
     why = []
+    if fa3 == 2 and shape["warps"] != 8:
+        why.append("warps=8 (ping-pong: two consumer warpgroups)")
     if not shape.get("producer"):
         why.append("producer=1")
     if shape["mfrags"] != 1:
@@ -180,8 +184,9 @@ def _fa3_blockers(variant: Optional[Variant], head_dim: int, kv_bytes: int, shap
 
 
 def _fa3_q_buffers(head_dim: int, kv_bytes: int, shape: dict) -> int:
-    """Query buffers of the fa3 consumer loop: two (the producer copies the next query tile) where they fit
-    beside the stages, else one (the compute warps load Q at each sub-item's start)."""
+    """Query buffers of the fa3 consumer loop, which the producer fills: two where they fit beside the stages,
+    else one, released by each compute warp after its last QK^T of a sub-item (prefill::Kernel::consume_overlap),
+    so the next query tile still lands while the sub-item's last softmax, P.V and epilogue run."""
     smem = _prefill_smem_bytes(head_dim, kv_bytes, {**shape, "producer": 1}, PREFILL_PRODUCER_Q_BUFFERS)
     return PREFILL_PRODUCER_Q_BUFFERS if smem <= SMEM_PER_CTA else 1
 

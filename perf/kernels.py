@@ -2,7 +2,7 @@
 (vLLM's) and FlexAttention, on the same inputs in the same process, in alternating rounds.
 
     python -m perf kernels [--quick] [--sections decode,prefill,append,merge] [--merge FILE] [--no-vllm] [--fa3]
-                           [--fa3-member]
+                           [--fa3-member [JSON]]
                            [--estimate] [--name NAME] [--rounds N] [--rep N]
 
 Sections (32 query heads, head_dim 128, bf16 unless a cell says otherwise):
@@ -25,6 +25,9 @@ difference < 2e-2, else the run exits 1 after writing its results), then times a
 figure is the median of its rounds; a ratio (anchor us / ours us, > 1: ours faster) the median of the rounds'
 ratios. Each cell has a primary anchor (FlashInfer; FlexAttention for the variants) that `python -m perf compare`
 normalises by.
+
+--fa3-member times ours with FlashAttention-3's consumer loop (PREFILL_FA3_TUNINGS) beside member 0 in the causal
+prefill cells; with a JSON list of overrides of that tuning, one column each (ours_fa3_fa3_1 for {"fa3": 1}).
 
 --quick is the small grid (about 3-4 minutes on an H100 with FlashInfer's JIT cache cold) that `perf compare`
 checks within 2% before and after a change. --estimate prints the plan and its time estimate and exits (no GPU).
@@ -510,6 +513,12 @@ def _ran(pair):
     return fn, out
 
 
+def fa3_member_name(over: dict) -> str:
+    """The column of ours with FA3's consumer loop and tuning override `over` (--fa3-member): ours_fa3, or e.g.
+    ours_fa3_fa3_1 for {"fa3": 1}."""
+    return "ours_fa3" + "".join(f"_{k}_{v}" for k, v in sorted(over.items()))
+
+
 def _try_anchor(ctx: Anchors, name: str, make, ours_out, label: str, fns: dict, checks: dict):
     """make() -> (fn, out) after one call; adds the anchor's timed fn and its output check, or records why not."""
     import torch
@@ -588,13 +597,14 @@ def run_prefill(cell: dict, ctx: Anchors, rounds: int, rep: int) -> dict:
     fn()
     fns, checks = {"ours": fn}, {}
     want = anchors_for(cell, vllm=not ctx.a.no_vllm, fa3=ctx.a.fa3)
-    if getattr(ctx.a, "fa3_member", False) and cell["variant"] == "causal":  # FA3's consumer loop beside member 0
+    for over in (getattr(ctx.a, "fa3_member", None) or []) if cell["variant"] == "causal" else []:
+        # FA3's consumer loop beside member 0: PREFILL_FA3_TUNINGS with each override, a column each
         from fi_backend.wrappers import PREFILL_FA3_TUNINGS
-        def make_fa3_member():
-            f, out, _ = P.ours_fn(case, variant=variant, params=params, tuning=PREFILL_FA3_TUNINGS[case.d])
+        def make_fa3_member(over=over):
+            f, out, _ = P.ours_fn(case, variant=variant, params=params, tuning={**PREFILL_FA3_TUNINGS[case.d], **over})
             f()
             return f, out
-        _try_anchor(ctx, "ours_fa3", make_fa3_member, ours_out, label, fns, checks)
+        _try_anchor(ctx, fa3_member_name(over), make_fa3_member, ours_out, label, fns, checks)
     for backend in ("fa2", "fa3"):
         if f"flashinfer_{backend}" in want:
             _try_anchor(ctx, f"flashinfer_{backend}", lambda b=backend: _ran(ctx.fi_ragged(b).fn(case)), ours_out,
@@ -738,8 +748,9 @@ def build_parser(prog="python -m perf kernels") -> argparse.ArgumentParser:
     ap.add_argument("--merge", metavar="FILE", help="join this run's cells into the results JSON FILE")
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's FlashAttention-3 anchor")
     ap.add_argument("--fa3", action="store_true", help="prefill: also FlashInfer's FA3 template (about 100 s JIT)")
-    ap.add_argument("--fa3-member", action="store_true",
-                    help="prefill: also ours with FA3's consumer loop (tuning PREFILL_FA3_TUNINGS, off by default)")
+    ap.add_argument("--fa3-member", nargs="?", const="[{}]", default=None, metavar="JSON",
+                    help="prefill: also ours with FA3's consumer loop (tuning PREFILL_FA3_TUNINGS, off by default); "
+                         "JSON: a list of overrides of that tuning, a column each, e.g. '[{\"fa3\": 1}, {\"fa3\": 2}]'")
     ap.add_argument("--estimate", action="store_true", help="print the plan and its time estimate; run nothing")
     ap.add_argument("--name", help="results name (default kernels_<device>, with _quick for --quick)")
     ap.add_argument("--rounds", type=int, help=f"alternating rounds per cell (default {DEFAULT_ROUNDS[True]})")
@@ -757,6 +768,13 @@ def resolve_args(argv=None, prog="python -m perf kernels"):
     a.section_list = [s for s in SECTIONS if s in a.section_list]
     if a.merge and not Path(a.merge).is_file():
         ap.error(f"--merge: no results JSON at {a.merge}")
+    if a.fa3_member is not None:
+        try:
+            a.fa3_member = json.loads(a.fa3_member)
+        except ValueError:
+            a.fa3_member = None
+        if not (isinstance(a.fa3_member, list) and a.fa3_member and all(isinstance(x, dict) for x in a.fa3_member)):
+            ap.error("--fa3-member: a JSON list of tuning overrides (objects), e.g. '[{\"fa3\": 1}, {\"fa3\": 2}]'")
     a.rounds = a.rounds if a.rounds is not None else DEFAULT_ROUNDS[a.quick]
     a.rep = a.rep if a.rep is not None else DEFAULT_REP[a.quick]
     if a.rounds < 1 or a.rep < 1:

@@ -205,8 +205,13 @@ def test_resolve_args(tmp_path):
     a = K.resolve_args(["--sections", "merge,decode", "--rounds", "3", "--rep", "7", "--no-vllm", "--fa3"])
     assert a.section_list == ["decode", "merge"] and (a.rounds, a.rep, a.no_vllm, a.fa3) == (3, 7, True, True)
     assert a.command == "python -m perf kernels --sections merge,decode --rounds 3 --rep 7 --no-vllm --fa3"
+    assert K.resolve_args(["--quick"]).fa3_member is None
+    assert K.resolve_args(["--fa3-member", "--quick"]).fa3_member == [{}]
+    a = K.resolve_args(["--fa3-member", '[{"fa3": 1}, {"fa3": 2}]'])
+    assert [K.fa3_member_name(o) for o in a.fa3_member] == ["ours_fa3_fa3_1", "ours_fa3_fa3_2"]
+    assert K.fa3_member_name({}) == "ours_fa3"
     for bad in (["--sections", "decode,nope"], ["--sections", ""], ["--rounds", "0"],
-                ["--merge", str(tmp_path / "missing.json")]):
+                ["--merge", str(tmp_path / "missing.json")], ["--fa3-member", "[1]"], ["--fa3-member", "{}"]):
         with pytest.raises(SystemExit):
             K.resolve_args(bad)
 

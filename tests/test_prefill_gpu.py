@@ -311,8 +311,9 @@ _TMA_CASES = [(128, 4, 1, "NHD", False, "w8m2", True), (128, 1, 1, "SGL", False,
               (128, 1, 1, "NHD", False, "w8m2", "runs"), (128, 4, 16, "NHD", True, None, "runs")]
 
 
-# FlashAttention-3's consumer loop (tuning fa3=1, prefill::Config::kOverlap; PREFILL_FA3_TUNINGS): two consumer
-# warpgroups, 128-token tiles, P.V of tile j - 1 deferred behind S of tile j. Causal and non-causal, paged at
+# FlashAttention-3's consumer loop (tuning fa3=1, prefill::Config::kOverlap; fa3=2 with its consumer warpgroups'
+# ping-pong, kPingPong, as PREFILL_FA3_TUNINGS): two consumer warpgroups, 128-token tiles, P.V of tile j - 1
+# deferred behind S of tile j. Causal and non-causal, paged at
 # page 1 (pages in order: TMA boxes) and 16 (random order: gathers), ragged KV, GQA groups 1 / 4 / 7, odd
 # lengths (partial last tiles, units with no rows), split chunks; outputs poisoned.
 _FA3_CASES = [(128, 1, 1, True), (128, 4, 16, False), (128, 7, 16, False), (128, 4, 1, "runs"), (64, 4, 16, False),
@@ -325,7 +326,28 @@ def test_fa3_member(D, group, page, consecutive):
     k = _FA3_CASES.index((D, group, page, consecutive))
     dtype = (torch.bfloat16, torch.float16)[k % 2]
     attn = prefill(Hkv * group, Hkv, D, q_dtype=dtype, page_size=page, tuning=PREFILL_FA3_TUNINGS[D])
-    what = f"fa3 D={D} group={group} page={page} consecutive={consecutive}"
+    _fa3_cases(attn, dtype, consecutive, f"fa3 D={D} group={group} page={page} consecutive={consecutive}")
+
+
+# Head size 64 with one query buffer, as at 128 (where two do not fit): each compute warp releases it to the
+# producer after its last QK^T of a sub-item (units without rows at once, causal units that stop early before
+# the sub-item's last tile), and the producer copies the next sub-item's query tile into it.
+@pytest.mark.parametrize("group,page,consecutive", [(4, 16, False), (1, 1, True)])
+def test_fa3_member_one_q_buffer(group, page, consecutive):
+    Hkv, D = 2, 64
+    attn = prefill(Hkv * group, Hkv, D, page_size=page, tuning={**PREFILL_FA3_TUNINGS[D], "q_buffers": 1})
+    _fa3_cases(attn, torch.bfloat16, consecutive, f"fa3 one query buffer D={D} group={group} page={page}")
+
+
+# Without the ping-pong (fa3=1).
+@pytest.mark.parametrize("D,group,page,consecutive", [(128, 4, 16, False), (64, 1, 1, True)])
+def test_fa3_member_no_pingpong(D, group, page, consecutive):
+    Hkv = 2
+    attn = prefill(Hkv * group, Hkv, D, page_size=page, tuning={**PREFILL_FA3_TUNINGS[D], "fa3": 1})
+    _fa3_cases(attn, torch.bfloat16, consecutive, f"fa3=1 D={D} group={group} page={page} consecutive={consecutive}")
+
+
+def _fa3_cases(attn, dtype, consecutive, what):
     for q_lens, kv_lens in (([1000, 17, 128, 3, 300, 129], [1000, 1017, 128, 3, 16000, 255]),
                             ([1, 127, 129, 255], [4097, 127, 129, 511])):
         run_case(attn, kv_lens, q_lens, dtype=dtype, causal=True, consecutive=consecutive, poison=True,

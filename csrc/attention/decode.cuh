@@ -82,6 +82,7 @@ struct Config {
   static constexpr int kKvTileBytes = kTile * kRowBytes;
   static constexpr int kQSlotBytes = kRows * kHeadDimPad * 2;
   static constexpr int kQBuffers = 1;  // the query rides in each stage's slot (kQSlotBytes)
+  static constexpr bool kQCopy = false;  // ... not in a query buffer of the loader's (shared.cuh)
   static constexpr int kStageBytes = (2 * kKvTileBytes + kQSlotBytes + (int)sizeof(TileRecord) + 127) / 128 * 128;
   // Cross-warp merge scratch [warp][row][D / kPasses] float lives in the stage just consumed.
   static constexpr int kScratchBytesFull = kWarps * kRows * kHeadDimPad * 4;

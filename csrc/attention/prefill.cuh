@@ -74,7 +74,7 @@ using namespace attn;  // Params, Work, TileRecord, Loader, Epilogue (shared.cuh
 
 template <int kHeadDim_, int kHeadsPerChunk_, class DQ_, class DKV_, int kWarps_, int kMFrags_, int kTileKv_,
           int kStages_, int kStepKv_, bool kWgmma_ = false, int kQBuffers_ = 1, bool kProducer_ = false,
-          bool kRowSumMma_ = false, bool kBiasMma_ = false, bool kOverlap_ = false>
+          bool kRowSumMma_ = false, bool kBiasMma_ = false, bool kOverlap_ = false, bool kPingPong_ = false>
 struct Config {
   using DQ = DQ_;
   using DKV = DKV_;
@@ -108,21 +108,28 @@ struct Config {
   // FlashAttention-3's consumer loop (Kernel::consume_overlap): one m64 fragment a warpgroup, a compute step
   // the whole KV tile; QK^T of tile j and the deferred P.V of tile j - 1 issued together, tile j's softmax
   // while P.V runs, no wgmma in flight across the loop. V of tile j - 1 is held through tile j, so three
-  // stages; with one query buffer the compute warps load Q (load_q), the producer only K and V.
+  // stages; the producer copies the query tiles (kQCopy), into one buffer where two do not fit (head size 128).
   static constexpr bool kOverlap = kOverlap_;
+  // ... and FlashAttention-3's inter-warpgroup ping-pong (kOverlap's two consumer warpgroups): they issue their
+  // MMAs in turns on two named barriers (kSchedBar, kSchedBar + 1), so one's softmax runs while the other's
+  // MMAs hold the tensor cores.
+  static constexpr bool kPingPong = kPingPong_;
+  static constexpr int kSchedBar = 4;
   static constexpr int kLoaderThreads = kProducer ? 128 : kThreads;
   static constexpr int kLoaderThread0 = kProducer ? kThreads : 0;
   // Registers a thread (multiples of 8). The CTA's pool is what it launched with (64K / threads a thread,
   // rounded down to 8, as ptxas allocates under __launch_bounds__(threads, 1)); setmaxnreg only moves
   // registers within it (an increase beyond what the producer gave back waits forever). The compute
-  // warps' share after 40 for the producer, at most 240; the producer then takes what is left (it keeps
-  // the cursor and the copy addresses). Only where the launch leaves fewer than 240 a thread (384
-  // threads and more): else every warp has enough.
+  // warps' share after 40 for the producer, at most 240 (224 in the overlapped loop, whose consumers use
+  // fewer than 200: its producer, which copies the query tiles too, then keeps 56 and spills 20 bytes, not
+  // 84); the producer then takes what is left (it keeps the cursor and the copy addresses). Only where the
+  // launch leaves fewer than 240 a thread (384 threads and more): else every warp has enough.
   static constexpr bool kMoveRegs = kProducer && kLaunchThreads >= 384;
   static constexpr int kEntryRegs = (65536 / kLaunchThreads > 255 ? 255 : 65536 / kLaunchThreads) / 8 * 8;
   static constexpr int kRegPool = kEntryRegs * kLaunchThreads;
   static constexpr int kComputeRegsFit = (kRegPool - 128 * 40) / kThreads / 8 * 8;
-  static constexpr int kComputeRegs = kComputeRegsFit > 240 ? 240 : kComputeRegsFit;
+  static constexpr int kComputeRegsMax = kOverlap ? 224 : 240;
+  static constexpr int kComputeRegs = kComputeRegsFit > kComputeRegsMax ? kComputeRegsMax : kComputeRegsFit;
   static constexpr int kProducerRegs = (kRegPool - kThreads * kComputeRegs) / 128 / 8 * 8;
   static_assert(!kMoveRegs || (kProducerRegs >= 24 && kProducerRegs <= kEntryRegs && kComputeRegs >= kEntryRegs &&
                                kThreads * kComputeRegs + 128 * kProducerRegs <= kRegPool),
@@ -171,6 +178,11 @@ struct Config {
   // with one, two or more, each released by the compute warps through a barrier when its sub-item ends.
   // Else (1) the warps load Q themselves (load_q). fi_backend/shapes.py (_prefill_q_buffers) decides.
   static constexpr int kQBuffers = kQBuffers_;
+  // Whether the loader copies the query tiles (shared.cuh): with more than one buffer, or in the overlapped
+  // consumer loop (kOverlap), whose single buffer at head size 128 the compute warps release after their last
+  // QK^T of a sub-item, not at its end (Kernel::consume_overlap): the producer copies the next sub-item's query
+  // tile while they finish this one.
+  static constexpr bool kQCopy = kQBuffers > 1 || kOverlap;
   // The extra MMAs' constant operands, no swizzle (wgmma::desc_plain), after the query buffers. The bias MMA's
   // (kBiasMma): each compute warpgroup's A block (8 rows of 16 bytes, Kernel::bias_setup); 128 zero bytes,
   // A's k 8-15; B, kStep rows of 16 bytes at kBiasKAt (k 8-15 read the next 8 rows, and after the last the
@@ -211,6 +223,7 @@ struct Config {
   static_assert(!kOverlap || (kProducer && kMFrags == 1 && kStep == kTile && kStages >= 3 && !kRowSumMma &&
                               !kBiasMma && kHeadDim % 64 == 0),
                 "overlapped consumers: producer, one fragment, a step per tile, three stages, row sums by FADD");
+  static_assert(!kPingPong || (kOverlap && kWarps == 8), "ping-pong: the overlapped loop's two consumer warpgroups");
   static_assert(!kWgmma || (kWarps % 4 == 0 && (kStep == 32 || kStep == 64 || kStep == 128 || kStep == 256)),
                 "wgmma: whole warpgroups, a compute step of 32, 64, 128 or 256 tokens (the MMA's n)");
 
@@ -863,25 +876,29 @@ struct Kernel {
   // for both before the back-edge: no wgmma is in flight across the loop or a branch that issues one, which
   // is what makes ptxas serialise them. P_j waits packed in registers for tile j + 1 (or the flush at the
   // sub-item's end or at its first skipped tile), and tile j's stage with it: the stage is released once
-  // its V is read, so the producer runs with kStages - 2 tiles ahead.
+  // its V is read, so the producer runs with kStages - 2 tiles ahead. The producer copies each sub-item's query
+  // tile (Cfg::kQCopy); a warp releases its buffer after its last QK^T of the sub-item, so with one buffer (head
+  // size 128) the next query tile lands while the last softmax, P.V and epilogue run.
   static __device__ __forceinline__ void consume_overlap(const Params& p, const VariantParams& vp, uint8_t* smem,
                                                          uint32_t full, uint32_t empty, uint32_t qempty) {
     static_assert(kMF == 1 && !kRowSum && !kBias && Variant::kUseSoftmax && !Variant::kHasLogitsMask &&
                       !Variant::kMaskIsKvRange,
                   "overlapped consumers: one fragment, softmax, row sums by FADD, no bias MMA, no LogitsMask");
+    static_assert(L::kQCopy, "overlapped consumers: the producer copies the query tiles");
     const int warp = threadIdx.x >> 5, unit = warp >> 2;
-    uint8_t* qbuf = smem + Cfg::kQAt;
     uint32_t* merge_flags = reinterpret_cast<uint32_t*>(smem + Cfg::kFlagsAt);
-    const uint32_t qs0 = ptx::smem_u32(qbuf);
+    const uint32_t qs0 = ptx::smem_u32(smem + Cfg::kQAt);
     float m_run[1][2], d_run[1][4], o[1][kDTiles][4];
     float s[kNTiles][4];
     uint32_t pa[kStep / 16][4];  // P of the pending tile, packed
     float alpha[2] = {1.f, 1.f};
     bool rescale = false, pending = false;
+    bool q_held = false;  // the sub-item's query buffer, until this warp's last QK^T of it has been waited for
     int held = 0;     // the pending tile's stage
     uint32_t vs_held = 0;
     constexpr int kUnitRows = Cfg::kUnitRows;
     const int first_pr = kUnitRows * unit;
+    if (unit == 1) turn_end(1);  // warpgroup 0 takes the first turn
 #pragma unroll 1
     for (int j = 0;; ++j) {
       const int sj = j % kStages;
@@ -894,10 +911,10 @@ struct Kernel {
       const int kv_head = kv_head_of(p, w.unit);
       int last_r;
       const bool unit_active = unit_rows(w, first_pr, last_r);
-      const uint32_t qs = uniform(L::kQCopy ? qs0 + rec->qslot * Cfg::kQBytes : qs0);
+      const uint32_t qs = uniform(qs0 + rec->qslot * Cfg::kQBytes);
       if (flags & kFirst) {
-        if constexpr (L::kQCopy) __syncwarp();  // the producer copied Q (see run)
-        else if (unit_active) load_q(p, vp, w, qbuf);
+        __syncwarp();  // the producer copied Q (see run)
+        q_held = true;
         m_run[0][0] = m_run[0][1] = -INFINITY;
         d_run[0][0] = d_run[0][1] = d_run[0][2] = d_run[0][3] = 0.f;
 #pragma unroll
@@ -914,8 +931,19 @@ struct Kernel {
       const bool active = unit_active && n_valid > 0 && !(p.causal && tile_begin > climit_hi);
       const bool masked = n_valid < kStep || (p.causal && tile_begin + kStep - 1 > climit_lo) || !(p.logits_scale > 0.f);
       const bool last = (flags & kLast) != 0;
+      // This warp's last QK^T of the sub-item (the next tile is skipped, or there is none): the query buffer is
+      // released once it has been waited for, so the producer copies the next sub-item's query tile while this
+      // one's last softmax, P.V and epilogue run. An inactive tile releases it at once (every later one is
+      // inactive too: n_valid falls and tile_begin grows tile by tile). Exactly once a sub-item: at its last
+      // tile q_last holds.
+      const bool q_last = !active || last || n_valid <= kStep || (p.causal && tile_begin + kStep > climit_hi);
+      const bool q_release = L::kQCopy && q_held && q_last;
+      const uint32_t qbar = qempty + 8 * rec->qslot;
+      q_held = q_held && !q_last;
       // Three exclusive cases, each with its own wgmmas, all waited for inside it (a first active tile
-      // followed by a separate flush on the same path made ptxas serialise every wgmma, C7518).
+      // followed by a separate flush on the same path made ptxas serialise every wgmma, C7518). Ping-pong: a
+      // warpgroup's turn (turn_begin .. turn_end) is one a tile in every case, so the two take turns in step.
+      turn_begin(unit);
       if (active && pending) {  // S_j = Q K_j^T; O = alpha O + P_{j-1} V_{j-1} behind it; softmax of S_j
         wgmma::fence();
         qk_wgmma(qs, ks, 0u, 0, 0, s);
@@ -923,10 +951,13 @@ struct Kernel {
         if (rescale) rescale_o(o[0], alpha);
         pv_packed(vs_held, pa, o[0]);
         wgmma::commit();
+        turn_end(unit);
         wgmma::wait<1>();
         fence_regs(reinterpret_cast<float(&)[kNTiles * 4]>(s));
+        release_if(qbar, q_release);
         softmax_deferred(p, vp, w, tile_begin, n_valid, kv_head, masked, s, m_run[0], d_run[0], alpha, rescale);
         fence_regs(reinterpret_cast<float(&)[kNTiles * 4]>(s));  // the softmax before the wait, not after it
+        block_boundary(d_run[0][0]);  // ... in the SASS too (without it the exponentials followed the P.V)
         wgmma::wait<0>();
         fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o[0]));
         fence_regs(pa);  // P.V's A registers stay P's to the wait: no softmax temporary reuses them
@@ -946,8 +977,10 @@ struct Kernel {
         wgmma::fence();
         qk_wgmma(qs, ks, 0u, 0, 0, s);
         wgmma::commit();
+        turn_end(unit);
         wgmma::wait<0>();
         fence_regs(reinterpret_cast<float(&)[kNTiles * 4]>(s));
+        release_if(qbar, q_release);
         softmax_deferred(p, vp, w, tile_begin, n_valid, kv_head, masked, s, m_run[0], d_run[0], alpha, rescale);
         pack_p(s, pa);
         if (last) {  // and its last: the P.V now (O is zero: no rescale)
@@ -964,14 +997,17 @@ struct Kernel {
         if (rescale) rescale_o(o[0], alpha);
         pv_packed(vs_held, pa, o[0]);
         wgmma::commit();
+        turn_end(unit);
         wgmma::wait<0>();
         fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o[0]));
         release(empty + 8 * held);
         pending = false;
+      } else {
+        turn_end(unit);
       }
+      if (!active) release_if(qbar, q_release);
       if (last) {  // the record is read by finish: release after it
         finish(p, vp, w, m_run, d_run, o, merge_flags);
-        if constexpr (L::kQCopy) release(qempty + 8 * rec->qslot);
         release(empty + 8 * sj);
       } else if (!pending || held != sj) {
         release(empty + 8 * sj);
@@ -993,6 +1029,29 @@ struct Kernel {
   static __device__ __forceinline__ void release(uint32_t bar) {
     __syncwarp();
     if ((threadIdx.x & 31) == 0) ptx::mbar_arrive(bar);
+  }
+  // Ping-pong (Cfg::kPingPong): warpgroup u's turn to issue its MMAs begins once the other warpgroup has issued
+  // its own of the turn before (bar.sync on kSchedBar + u by u's 128 threads, completed by the other's 128
+  // arrivals) and ends with its arrival at the other's barrier (FlashAttention-3's warp scheduler barriers).
+  static __device__ __forceinline__ void turn_begin(int unit) {
+    if constexpr (Cfg::kPingPong) ptx::bar_sync(Cfg::kSchedBar + unit, 256);
+  }
+  static __device__ __forceinline__ void turn_end(int unit) {
+    if constexpr (Cfg::kPingPong) ptx::bar_arrive(Cfg::kSchedBar + (unit ^ 1), 256);
+  }
+
+  // The same where `cond` (the same in every lane of the warp) holds.
+  static __device__ __forceinline__ void release_if(uint32_t bar, bool cond) {
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0 && cond) ptx::mbar_arrive(bar);
+  }
+
+  // Ends the basic block here, in the SASS: a warp-uniform branch never taken (x is a row sum, never negative;
+  // NaN compares false). ptxas puts a wgmma wait at the top of the basic block that holds it, however late the
+  // PTX has it, ahead of the independent work before it (consume_overlap: the softmax's exponentials ran after
+  // the P.V they were to overlap); a wait after this boundary stays after what precedes it.
+  static __device__ __forceinline__ void block_boundary(float x) {
+    if (__any_sync(0xffffffffu, x < 0.f)) __trap();
   }
 
   static __device__ __forceinline__ void run(const Params& p, const VariantParams& vp, uint8_t* smem,

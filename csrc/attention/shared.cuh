@@ -281,12 +281,12 @@ struct Loader {
     Pos w;
   };
   // The loader copies query tiles where the kernel has query buffers (prefill on Hopper, for some
-  // variants: fi_backend/shapes.py, _prefill_q_buffers). Sub-item n uses buffer n % kQBuffers
+  // variants: fi_backend/shapes.py, _prefill_q_buffers; Cfg::kQCopy). Sub-item n uses buffer n % kQBuffers
   // (TileRecord::qslot). With a buffer per stage, sub-item n - kStages ended at least kStages - 1 tiles
   // before sub-item n's first tile, so it was consumed before that tile (and its query copy) is issued.
   // A producer warpgroup (produce()) instead waits for the buffer's release (its "qempty" barrier), so
-  // it can run more stages than query buffers.
-  static constexpr bool kQCopy = Cfg::kQBuffers > 1;
+  // it can run more stages than query buffers (prefill's overlapped consumers: one buffer, released early).
+  static constexpr bool kQCopy = Cfg::kQCopy;
   static_assert(!kQCopy || !Variant::kHasQueryTransform, "a QueryTransform rotates Q in registers (load_q)");
   static_assert(Cfg::kQBuffers == 1 || Cfg::kQBuffers == kStages || Cfg::kProducer,
                 "query buffers: one, one per stage, or released through barriers (producer)");
@@ -592,14 +592,19 @@ struct Loader {
     prefetch_pages(p, cur, page, slot);
     int nsub = 0;  // sub-items issued: the next one's query buffer is nsub % kQBuffers
     bool vote = maps;  // the same in every loading thread (set from tma_decide)
+    // prefill's overlapped consumers (Cfg::kOverlap) release a query buffer after their last QK^T of its
+    // sub-item, while they finish it: the boxes of the next sub-item's first tile go before the wait for it.
+    constexpr bool kBoxesFirst = Cfg::kOverlap;
 #pragma unroll 1
     for (int j = 0;; ++j) {
       const int s = j % kStages;
       ptx::mbar_wait(empty + 8 * s, ((j / kStages) & 1) ^ 1);
-      if (kQCopy && !cur.done && cur.tile == 0) {
+      const bool new_q = kQCopy && !cur.done && cur.tile == 0;
+      auto wait_q = [&]() {
         ptx::mbar_wait(qempty + 8 * (nsub % Cfg::kQBuffers), ((nsub / Cfg::kQBuffers) & 1) ^ 1);
         ++nsub;
-      }
+      };
+      if (!kBoxesFirst && new_q) wait_q();
       // Row offsets are double-buffered by tile parity: the barrier below also orders this tile's
       // publish after every loading thread's copies of tile j - 2 (issued before the last barrier).
       if (cur.tile == 0) vote = maps;
@@ -609,8 +614,7 @@ struct Loader {
       const int token0 = vote ? tma_decide(smem, j) : INT32_MIN;
       const bool box = token0 != INT32_MIN;
       vote = box;
-      issue(p, vp, smem, j, cur, !box);
-      if (box && tid() == 0) {
+      auto boxes = [&]() {
         const uint32_t bar = full + 8 * s;
         const uint32_t ks = ptx::smem_u32(smem + s * Cfg::kStageBytes), vs = ks + Cfg::kKvTileBytes;
         const int kv_head = kv_head_of(p, cur.w.unit);
@@ -620,7 +624,13 @@ struct Loader {
           ptx::tma_load_3d(ks + cb * kTile * 128, &tma.k, 64 * cb, kv_head, token0, bar);
           ptx::tma_load_3d(vs + cb * kTile * 128, &tma.v, 64 * cb, kv_head, token0, bar);
         }
+      };
+      if (kBoxesFirst) {  // (the barrier's phase cannot complete before this thread's arrivals below)
+        if (box && tid() == 0) boxes();
+        if (new_q) wait_q();
       }
+      issue(p, vp, smem, j, cur, !box);
+      if (!kBoxesFirst && box && tid() == 0) boxes();
       ptx::cp_async_mbar_arrive(full + 8 * s);
       if (tid() == 0) ptx::mbar_arrive(full + 8 * s);  // the record (ordinary stores): released here
       if (cur.done) return;
