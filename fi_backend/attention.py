@@ -368,9 +368,6 @@ class BatchAttention:
         self._group_requests = (self.kernel == "prefill" and not self.variant.mask_is_kv_range
                                 and env.flag(env.PLAN_GROUPED, True))
         self._partition = env.flag(env.PLAN_PARTITION, True)  # read once, not per plan (docs/planner.md)
-        # Decode plans that split pairs run each CTA's queue by kv_begin (scheduler.plan_into's kv_order), so CTAs
-        # read pages that requests share at the same time. FI_BACKEND_PLAN_KV_ORDER=0: creation order.
-        self._kv_order = self.kernel == "decode" and env.flag(env.PLAN_KV_ORDER, True)
 
     def _pick_member(self, q_lens: torch.Tensor) -> int:
         """The largest query tile that gives each CTA FAMILY_TILES_PER_CTA tiles on this step, or that fills
@@ -537,7 +534,7 @@ class BatchAttention:
             self.plan_info = ws.plan(qo32, kv32, tile_q=self.rows_per_tile, num_units=self.num_units,
                                      causal=bool(causal), kv_chunk_align=self.kv_tile, cost_q=self._cost_q,
                                      group_requests=group, kv_window=kv_window, partition=self._partition,
-                                     groups=groups, kv_order=self._kv_order, **self._det_plan_args)
+                                     groups=groups, **self._det_plan_args)
 
         p = self._params
         p.kv_indices, p.kv_lens, p.qo_indptr = bsr_ptrs[2], bsr_ptrs[1], bsr_ptrs[0]

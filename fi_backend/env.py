@@ -19,9 +19,6 @@ FI_BACKEND_PLAN_PARTITION   "0": plans are always LPT over the chunk search's sp
                             (pairs filling CTA after CTA up to a cap, cut where it falls) replaces an LPT plan
                             over 2% above the bound when its makespan is lower (plan_into's partition; read
                             at each plan, for A/B runs; docs/planner.md)
-FI_BACKEND_PLAN_KV_ORDER    "0": decode plans that split pairs keep each CTA's queue in creation order; by default
-                            by kv_begin (plan_into's kv_order; read when a wrapper is made; not yet measured on
-                            a GPU: docs/composable.md, Measured, finding (1))
 FI_BACKEND_DETERMINISTIC    "1": wrappers made without a deterministic= argument plan deterministically (a
                             request's KV splits and merge order depend on that request alone: batch-invariant
                             outputs; read when a wrapper is made; docs/deterministic.md)
@@ -44,7 +41,6 @@ KV_TMA = "FI_BACKEND_KV_TMA"
 PLAN_GROUPED = "FI_BACKEND_PLAN_GROUPED"
 PLAN_WINDOW = "FI_BACKEND_PLAN_WINDOW"
 PLAN_PARTITION = "FI_BACKEND_PLAN_PARTITION"
-PLAN_KV_ORDER = "FI_BACKEND_PLAN_KV_ORDER"
 DETERMINISTIC = "FI_BACKEND_DETERMINISTIC"
 VLLM_BATCH_INVARIANT = "VLLM_BATCH_INVARIANT"  # vLLM's own switch (the adapter and `fi-backend build --model` read it)
 SHARED_PREFIX = "FI_BACKEND_SHARED_PREFIX"

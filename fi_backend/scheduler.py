@@ -214,7 +214,7 @@ def plan_into(views: PlanViews, qo_indptr, kv_lens, *, tile_q: int, num_ctas: in
               cost_q: float = DEFAULT_COST_Q, cost_kv: float = DEFAULT_COST_KV,
               force_kv_chunk: Optional[int] = None, force_split_pairs: Optional[int] = None,
               group_requests: bool = False, kv_window: int = 0, partition: Optional[bool] = None,
-              deterministic_pieces: int = 0, groups=None, kv_order: bool = False) -> PlanInfo:
+              deterministic_pieces: int = 0, groups=None) -> PlanInfo:
     """Plan one step into `views` in place.
 
     qo_indptr: int32 [B + 1] (numpy array or CPU tensor), query rows of each request, qo_indptr[0] = 0.
@@ -253,10 +253,6 @@ def plan_into(views: PlanViews, qo_indptr, kv_lens, *, tile_q: int, num_ctas: in
     KV does not pay for those states (SHARED_GAIN), or that do not fit the partial rows, stay single-format
     (PlanInfo.shared_groups counts the kept ones). Not with deterministic_pieces or kv_window; group_requests
     and the partition are off for a plan with groups.
-    kv_order (decode): a plan that splits pairs into KV chunks (LPT's split or the partition) runs each CTA's
-    queue by kv_begin, ties in creation order, instead of in creation order, so the CTAs move through the KV
-    together (pages shared by many requests stay in L2). Only the order within queues changes; plans that
-    split nothing, deterministic plans, group_requests and groups keep theirs (PlanInputs::kv_order).
     """
     if partition is None:
         partition = env.flag(env.PLAN_PARTITION, True)
@@ -267,7 +263,7 @@ def plan_into(views: PlanViews, qo_indptr, kv_lens, *, tile_q: int, num_ctas: in
                         -1 if force_kv_chunk is None else force_kv_chunk,
                         -1 if force_split_pairs is None else force_split_pairs, bool(group_requests),
                         int(kv_window), bool(partition), int(deterministic_pieces),
-                        None if groups is None else _groups_array(groups), bool(kv_order))
+                        None if groups is None else _groups_array(groups))
     return PlanInfo._make(out)
 
 

@@ -111,14 +111,13 @@ class Workspace:
              min_kv_chunk: int = DEFAULT_MIN_KV_CHUNK, kv_chunk_align: int = 1,
              cost_q: float = DEFAULT_COST_Q, cost_kv: float = DEFAULT_COST_KV,
              group_requests: bool = False, kv_window: int = 0, deterministic_pieces: int = 0,
-             partition: Optional[bool] = None, groups=None, kv_order: bool = False) -> PlanInfo:
+             partition: Optional[bool] = None, groups=None) -> PlanInfo:
         """Plan a step (see fi_backend.scheduler.plan_into) and copy it into the plan section.
 
         qo_indptr: int32 [B + 1], kv_lens: int32 [B] (numpy arrays or CPU tensors). num_units: the
         query-head groups of the kernel that runs the plan (num_kv_heads * head chunks; None: num_kv_heads,
-        one unit per KV head). groups: shared-prefix groups; kv_order: split plans' queues by kv_begin (both
-        scheduler.plan_into). Raises ValueError naming the workspace bound a step exceeds (max_requests,
-        max_tokens, max_tile_q, num_units).
+        one unit per KV head). groups: shared-prefix groups (scheduler.plan_into). Raises ValueError
+        naming the workspace bound a step exceeds (max_requests, max_tokens, max_tile_q, num_units).
         """
         qo = _host_int32(qo_indptr, "qo_indptr")
         kv = _host_int32(kv_lens, "kv_lens")
@@ -126,8 +125,7 @@ class Workspace:
         info = plan_into(self._views, qo, kv, tile_q=tile_q, num_ctas=self.num_ctas, num_units=num_units,
                          causal=causal, min_kv_chunk=min_kv_chunk, kv_chunk_align=kv_chunk_align, cost_q=cost_q,
                          cost_kv=cost_kv, group_requests=group_requests, kv_window=kv_window,
-                         deterministic_pieces=deterministic_pieces, partition=partition, groups=groups,
-                         kv_order=kv_order)
+                         deterministic_pieces=deterministic_pieces, partition=partition, groups=groups)
         self._copy(self.layout.used_ints(info.num_items))
         return info
 

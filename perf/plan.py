@@ -85,9 +85,7 @@ def bench(batch: int, num_ctas: int, repeat: int, sets: int, seed: int, workspac
     rng = np.random.default_rng(seed)
     qo = np.arange(batch + 1, dtype=np.int32)
     inputs = [(qo, kv_lengths(dist, batch, rng)) for _ in range(sets)]
-    # kv_order: split decode plans queue by kv_begin, as the decode wrapper plans them.
     kw = dict(tile_q=16, kv_chunk_align=64, cost_q=64.0) if wrapper else dict(tile_q=1)
-    kw["kv_order"] = True
     tile_q = kw["tile_q"]
     # Room for every candidate plan: per unit, pairs <= batch, plus the split items' budget.
     views = scheduler.PlanViews.allocate(num_ctas, scheduler.max_items_for(batch, num_ctas, num_units), batch,

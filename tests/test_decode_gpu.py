@@ -17,7 +17,7 @@ import torch
 
 from fi_backend import reference as ref
 from fi_backend import variants as V
-from fi_backend.formats import BSR, from_block_table
+from fi_backend.formats import BSR
 
 from attention_cases import (_VARIANT_NAMES, DEV, TOL, PersistentBatch, _lazy, _variant_case, check, make_bsr, make_wrapper, random_kv, reference,
                              run_case, run_variant_case)
@@ -254,43 +254,3 @@ def test_plan_keeps_its_bsr_alive():
     del junk
     o_ref, _ = ref.attention_bsr(q, k, v, kept)
     check(out, None, o_ref, None, TOL[torch.bfloat16], "BSR dropped by the caller after plan()")
-
-
-# ------------------------------------------------------------------------------------ queue order
-
-@pytest.mark.parametrize("B,prefix,own", [(20, 32768, 256), (12, 32768, 256), (13, 4096, 0)])
-def test_kv_order_on_shared_pages(B, prefix, own):
-    """Decode on physically shared pages (every request's table starts with the same prefix pages, as with prefix
-    caching) with a plan that splits pairs, on the H100's grid (20 x 32k + 256: LPT's split; the others: the
-    partition): each CTA's queue by kv_begin (the decode wrapper's default, scheduler.plan_into's kv_order) and
-    in creation order give the same bits, and both match the float64 reference. Any order is correct: an item's
-    state is its own, no CTA waits for another, and a split row is merged by the CTA of its last chunk to
-    arrive, reading the row's states in chunk order."""
-    page, Hq, Hkv, D = 16, 32, 8, 128
-    attn = make_wrapper(Hq, Hkv, D, page_size=page)
-    P, U = prefix // page, -(-own // page)
-    num_pages = P + B * U + 3
-    perm = torch.randperm(num_pages)[:P + B * U].to(torch.int32)
-    table = torch.cat((perm[:P].expand(B, P), perm[P:].view(B, U)), dim=1).contiguous()
-    kv_cpu = torch.full((B,), prefix + own, dtype=torch.int32)
-    qo_cpu = torch.arange(B + 1, dtype=torch.int32)
-    bsr = from_block_table(table.to(DEV), kv_cpu.to(DEV), qo_cpu.to(DEV), page, num_kv_blocks=num_pages)
-    cache, k, v = random_kv(num_pages, page, Hkv, D, torch.bfloat16)
-    q = (1.5 * torch.randn(B, Hq, D, device=DEV)).to(torch.bfloat16)
-    runs = {}
-    for order in (True, False):
-        attn._kv_order = order  # FI_BACKEND_PLAN_KV_ORDER, read when the wrapper is made
-        attn.plan(qo_cpu, kv_cpu, bsr, causal=True)
-        info, plan = attn.plan_info, attn.workspace.host_plan()
-        out = torch.full_like(q, float("nan"))
-        lse = torch.full((B, Hq), float("nan"), device=DEV)
-        attn.run(q, cache, out=out, lse=lse)
-        torch.cuda.synchronize()
-        attn.check_errors()
-        runs[order] = (info, plan, out, lse)
-    (info, plan, out, lse), (_, plan_off, out_off, lse_off) = runs[True], runs[False]
-    assert info.num_split_pairs > 0, f"expected a split plan on the H100's grid (128 CTAs, 8 units), got {info}"
-    assert plan.items.tobytes() != plan_off.items.tobytes(), "kv_order changed no queue"
-    assert torch.equal(out, out_off) and torch.equal(lse, lse_off), "the queue order changed the output's bits"
-    o_ref, lse_ref = reference(q, k, v, bsr, causal=True)
-    check(out, lse, o_ref, lse_ref, TOL[torch.bfloat16], f"{B} x {prefix} shared + {own} ({info.kind})")

@@ -265,7 +265,7 @@ def deterministic_chunk(kv_len, pieces, min_kv_chunk, align):
 
 
 def check_plan(d, info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align, cost_q, cost_kv, num_units=1,
-               grouped=False, kv_window=0, deterministic_pieces=0, kv_order=False):
+               grouped=False, kv_window=0, deterministic_pieces=0):
     qo = np.asarray(qo, dtype=np.int64)
     kv = np.asarray(kv, dtype=np.int64)
     B, num_rows = len(kv), int(qo[-1])
@@ -409,14 +409,8 @@ def check_plan(d, info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align
     # chunk). Unit blocks (the CTAs divide by the units): unit u runs on CTAs [u m', (u + 1) m'), m' =
     # num_ctas / num_units, each block the same LPT plan over m' CTAs. Else LPT over the (item, unit)
     # replicas (each item's units in order) on all the CTAs. Each CTA runs its items in creation order
-    # (a request's tiles back to back, for L2), not LPT's; with kv_order, a plan that splits pairs (LPT's
-    # split or the partition; not deterministic, not group_requests) runs them by kv_begin, ties in creation
-    # order (PlanInputs::kv_order).
+    # (a request's tiles back to back, for L2), not LPT's.
     it = all_items
-    by_kv = kv_order and info.num_split_pairs > 0 and not grouped and not deterministic_pieces
-
-    def run_order(creation):  # the key of the k-th item (replica) of `creation` in a CTA's queue
-        return lambda k: (int(it["kv_begin"][creation[k]]) if by_kv else 0, k)
 
     def cost_of(k):  # a whole pair with a window (kv_window): the KV it reads, its window plus its rows at most
         rows, kv_len = int(it["q_end"][k] - it["q_begin"][k]), int(it["kv_end"][k] - it["kv_begin"][k])
@@ -437,8 +431,6 @@ def check_plan(d, info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align
                                            cost_q=cost_q, cost_kv=cost_kv)
         assert info.makespan == makespan < lpt.makespan
         want = [[(pairs[j][1], b, e) for j, b, e, cta in pieces if cta == c] for c in range(mb)]
-        if by_kv:  # stable: ties in the fill's (creation) order
-            want = [sorted(q, key=lambda x: x[1]) for q in want]
         for u in range(num_units):
             queues = [[(int(it["q_begin"][k]), int(it["kv_begin"][k]), int(it["kv_end"][k])) for k in got[u * mb + c]]
                       for c in range(mb)]
@@ -468,16 +460,14 @@ def check_plan(d, info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align
             mine = np.flatnonzero(it["unit"] == u)
             creation = mine[np.lexsort((chunk_index(d, it[mine]), it["q_begin"][mine]))]
             per_cta, makespan = lpt_reference([cost_of(k) for k in creation], mb)
-            key = run_order(creation)
-            assert [[int(creation[k]) for k in sorted(ks, key=key)] for ks in per_cta] == got[u * mb:(u + 1) * mb]
+            assert [[int(creation[k]) for k in sorted(ks)] for ks in per_cta] == got[u * mb:(u + 1) * mb]
             assert info.makespan == pytest.approx(makespan, rel=1e-12, abs=0)
         costs = [cost_of(k) for k in range(d.num_items)]
     else:
         creation = np.lexsort((it["unit"], chunk_index(d), it["q_begin"]))
         costs = [cost_of(k) for k in creation]
         per_cta, makespan = lpt_reference(costs, num_ctas)
-        key = run_order(creation)
-        assert [[int(creation[k]) for k in sorted(ks, key=key)] for ks in per_cta] == got
+        assert [[int(creation[k]) for k in sorted(ks)] for ks in per_cta] == got
         assert info.makespan == pytest.approx(makespan, rel=1e-12, abs=0)
 
     # Makespan bounds that hold for list scheduling (see test_makespan_small_instances_vs_optimum).
@@ -502,7 +492,7 @@ def roomy_views(num_ctas, rows, tile_q, layout_ctas=None, num_units=1):
 
 def run_plan(qo, kv, *, tile_q, num_ctas, causal=False, min_kv_chunk=1, align=1, cost_q=1.0, cost_kv=1.0,
              layout_ctas=None, views=None, force_kv_chunk=None, force_split_pairs=None, num_units=1,
-             group_requests=False, kv_window=0, partition=False, kv_order=False):
+             group_requests=False, kv_window=0, partition=False):
     """plan_into on a roomy section; partition off unless asked (most tests replay the LPT search exactly)."""
     if views is None:
         views = roomy_views(num_ctas, int(qo[-1]), tile_q, layout_ctas, num_units)
@@ -510,7 +500,7 @@ def run_plan(qo, kv, *, tile_q, num_ctas, causal=False, min_kv_chunk=1, align=1,
                        min_kv_chunk=min_kv_chunk,
                        kv_chunk_align=align, cost_q=cost_q, cost_kv=cost_kv, force_kv_chunk=force_kv_chunk,
                        force_split_pairs=force_split_pairs, group_requests=group_requests, kv_window=kv_window,
-                       partition=partition, kv_order=kv_order)
+                       partition=partition)
     return views, info
 
 
@@ -564,16 +554,13 @@ plan_params = dict(
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(step=steps(), partition=st.booleans(), kv_order=st.booleans(), **plan_params)
-def test_plan_invariants(step, partition, kv_order, tile_q, num_ctas, num_units, causal, min_kv_chunk, align, cost_q,
-                         cost_kv):
+@given(step=steps(), partition=st.booleans(), **plan_params)
+def test_plan_invariants(step, partition, tile_q, num_ctas, num_units, causal, min_kv_chunk, align, cost_q, cost_kv):
     qo, kv = step
     views, info = run_plan(qo, kv, tile_q=tile_q, num_ctas=num_ctas, causal=causal, min_kv_chunk=min_kv_chunk,
-                           align=align, cost_q=cost_q, cost_kv=cost_kv, num_units=num_units, partition=partition,
-                           kv_order=kv_order)
+                           align=align, cost_q=cost_q, cost_kv=cost_kv, num_units=num_units, partition=partition)
     check_plan(S.decode_plan(views), info, qo, kv, tile_q=tile_q, num_ctas=num_ctas, causal=causal,
-               min_kv_chunk=min_kv_chunk, align=align, cost_q=cost_q, cost_kv=cost_kv, num_units=num_units,
-               kv_order=kv_order)
+               min_kv_chunk=min_kv_chunk, align=align, cost_q=cost_q, cost_kv=cost_kv, num_units=num_units)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -630,93 +617,6 @@ def test_plan_invariants_kv_window(step, window, grouped, tile_q, num_ctas, num_
 def test_kv_window_is_checked():
     with pytest.raises(ValueError, match="kv_window must be >= 0"):
         run_plan(np.array([0, 4], dtype=np.int32), np.array([4], dtype=np.int32), tile_q=4, num_ctas=2, kv_window=-1)
-
-
-# ---------------------------------------------------------------------------------------------------
-# kv_order (the decode wrapper's plans): a split plan's queues by kv_begin; everything else as without it.
-
-def check_kv_order(on, off, info_on, info_off, applies):
-    """`on` was planned with kv_order and `off` without, on sections of one layout. Where kv_order applies (the
-    plan splits pairs and is neither deterministic nor group_requests nor with groups), each CTA's queue in `on`
-    is its queue in `off` sorted by kv_begin, stably, and the rest of the plan is the same; elsewhere the
-    sections are the same bytes. Returns whether some queue's order changed."""
-    assert info_on == info_off
-    if not applies:
-        assert on.section.tobytes() == off.section.tobytes()
-        return False
-    a, b = S.decode_plan(on), S.decode_plan(off)
-    assert np.array_equal(on.header, off.header) and np.array_equal(a.cta_indptr, b.cta_indptr)
-    assert np.array_equal(a.merge_indptr, b.merge_indptr) and np.array_equal(a.split_rows, b.split_rows)
-    changed = False
-    for c in range(a.num_ctas):
-        mine, theirs = a.items[a.cta_indptr[c]:a.cta_indptr[c + 1]], b.items[b.cta_indptr[c]:b.cta_indptr[c + 1]]
-        assert mine.tobytes() == theirs[np.argsort(theirs["kv_begin"], kind="stable")].tobytes()
-        assert np.all(np.diff(mine["kv_begin"]) >= 0)
-        changed |= mine.tobytes() != theirs.tobytes()
-    return changed
-
-
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(step=steps(), partition=st.booleans(), grouped=st.booleans(), window=st.sampled_from([0, 0, 0, 64]),
-       pieces=st.sampled_from([0, 0, 0, 1, 3, 16]), forced_chunk=st.sampled_from([None, None, 0, 64]), **plan_params)
-def test_kv_order_sorts_split_queues_only(step, partition, grouped, window, pieces, forced_chunk, tile_q, num_ctas,
-                                          num_units, causal, min_kv_chunk, align, cost_q, cost_kv):
-    """kv_order changes a plan only by ordering each CTA's queue by kv_begin, and only where pairs are split
-    (LPT's split, forced or searched, or the partition): unsplit, deterministic and group_requests plans are the
-    same bytes with it."""
-    qo, kv = step
-    rows = int(qo[-1])
-    if pieces:
-        forced_chunk = None  # a deterministic plan refuses a forced candidate
-    elif forced_chunk:
-        forced_chunk = round_up(max(forced_chunk, min_kv_chunk), align)
-    kw = dict(tile_q=tile_q, num_ctas=num_ctas, num_units=num_units, causal=causal, min_kv_chunk=min_kv_chunk,
-              kv_chunk_align=align, cost_q=cost_q, cost_kv=cost_kv, group_requests=grouped, kv_window=window,
-              partition=partition, deterministic_pieces=pieces, force_kv_chunk=forced_chunk)
-
-    def views():
-        return S.PlanViews.allocate(num_ctas, S.max_items_for(rows, num_ctas, num_units, pieces), max(rows, 1),
-                                    S.max_partial_rows_for(num_ctas, num_units, tile_q, rows, pieces))
-    on, off = views(), views()
-    a = S.plan_into(on, qo, kv, kv_order=True, **kw)
-    b = S.plan_into(off, qo, kv, **kw)
-    check_kv_order(on, off, a, b, a.num_split_pairs > 0 and not pieces and not grouped)
-
-
-# The decode wrapper's grid for 32/8 heads at head_dim 128 on the H100 (128 CTAs, 8 units, 4-row tiles, KV tiles
-# of 128 tokens = cost_q), where every request reads the same pages up to its own last ones (prefix caching).
-H100_DECODE_32_8 = dict(num_ctas=128, num_units=8, tile_q=4, kv_chunk_align=128, cost_q=128.0,
-                        min_kv_chunk=S.DEFAULT_MIN_KV_CHUNK)
-
-
-@pytest.mark.parametrize("kv,kind,split", [
-    ([33024] * 20, "lpt", True),        # 20 of 32k + 256: 8 pairs cut in 4
-    ([33024] * 12, "partition", True),
-    ([4096] * 13, "partition", True),   # issue 26's cell
-    ([32768] + [512] * 63, "lpt", True),
-    ([33024] * 64, "lpt", False),       # composable.md's 64 x 32k + 256 cell: balanced, nothing split
-    ([8448] * 16, "lpt", False),        # its 16 x 8k + 256 cell
-    ([1280] * 128, "lpt", False),       # its 128 x 1k + 256 cell
-])
-def test_kv_order_on_the_decode_grid(kv, kind, split):
-    """Where a decode plan on the H100's grid splits pairs, kv_order reorders queues (so that every CTA's pairs
-    start at KV position 0 before any later chunk runs), and the composable benchmark's single-format cells,
-    which split nothing, keep their plans byte for byte."""
-    kv = np.asarray(kv, np.int32)
-    qo = np.arange(len(kv) + 1, dtype=np.int32)
-    g = H100_DECODE_32_8
-
-    def views():
-        return S.PlanViews.allocate(g["num_ctas"], S.max_items_for(len(kv), g["num_ctas"], g["num_units"]), len(kv),
-                                    S.max_partial_rows_for(g["num_ctas"], g["num_units"], g["tile_q"]))
-    on, off = views(), views()
-    a = S.plan_into(on, qo, kv, kv_order=True, **g)
-    b = S.plan_into(off, qo, kv, **g)
-    assert (a.kind, a.num_split_pairs > 0) == (kind, split)
-    assert check_kv_order(on, off, a, b, split) == split
-    check_plan(S.decode_plan(on), a, qo, kv, tile_q=g["tile_q"], num_ctas=g["num_ctas"], causal=False,
-               min_kv_chunk=g["min_kv_chunk"], align=g["kv_chunk_align"], cost_q=g["cost_q"], cost_kv=1.0,
-               num_units=g["num_units"], kv_order=True)
 
 
 @pytest.mark.parametrize("B,s", [(16, 16384), (4, 16384), (2, 16384), (64, 4096), (16, 1024)])

@@ -1149,13 +1149,6 @@ PlanStatus Planner::Plan(const PlanInputs& in_arg, const PlanSection& section, P
   // is (request, query tile, chunk): a request's tiles back to back, shortest first, each re-reading
   // the KV prefix the tile before it read a moment ago (in L2) instead of after the rest of the
   // queue (longest first, the KV had long left L2: at 16 x 1k tokens, 32 heads, 1% of the loads hit).
-  // kv_order (decode) on a plan that splits pairs: by kv_begin, ties in creation order (planner.h). LPT
-  // deals a split pair's equal chunks round-robin over the CTAs, so in creation order the CTAs running
-  // at one moment are at every chunk of the next few pairs, spread over the whole KV; by kv_begin each
-  // CTA runs its items that start at position 0 first and its later chunks after them, so more of the
-  // CTAs read the same stretch of KV at once, which is what keeps pages that many requests share in L2. Any order is correct: a CTA never waits for another (the last chunk of a split
-  // row to arrive merges it; the merge reads the row's states in chunk order, so its bits do not depend on
-  // the order either).
   int32_t* const header = base;
   int32_t* const cta_indptr = base + fi_plan_cta_indptr_offset();
   FiWorkItem* const out_items =
@@ -1200,27 +1193,13 @@ PlanStatus Planner::Plan(const PlanInputs& in_arg, const PlanSection& section, P
   } else {  // creation order: item i is the rank_[i]-th in LPT order, whose replicas' CTAs cta_of gives
     rank_.resize(n_items);
     for (int64_t k = 0; k < n_items; ++k) rank_[order[k]] = (int32_t)k;
-    auto put = [&](int64_t i) {
+    for (int64_t i = 0; i < n_items; ++i) {
       const int64_t k = rank_[i];
       FiWorkItem work = work_of(i);
       for (int32_t u = 0; u < units; ++u) {
         work.unit = u;
         out_items[fill[cta_of(k, u)]++] = work;
       }
-    };
-    if (!(in.kv_order && split.num_split_pairs > 0 && !det && !grouped)) {
-      for (int64_t i = 0; i < n_items; ++i) put(i);
-    } else {
-      // Items in (kv_begin, creation) order fill every CTA's queue in that order. Most items start at 0
-      // (whole pairs, first chunks) and go in creation order at once; the rest (later chunks: at most the
-      // split budget, or two a CTA in the partition) are sorted by (kv_begin, item), unique keys.
-      late_.clear();
-      for (int64_t i = 0; i < n_items; ++i) {
-        const int32_t kv_begin = items_[i].work.kv_begin;
-        if (kv_begin == 0) put(i); else late_.push_back((uint64_t)(uint32_t)kv_begin << 32 | (uint64_t)i);
-      }
-      std::sort(late_.begin(), late_.end());
-      for (const uint64_t key : late_) put((int64_t)(key & 0xffffffffu));
     }
   }
 

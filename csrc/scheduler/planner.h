@@ -9,10 +9,8 @@
 // all num_ctas CTAs, cost = cost_q * rows + cost_kv * KV tokens. When num_ctas divides by num_units, unit
 // u gets its own block of num_ctas / num_units CTAs instead and every unit the same LPT plan over its
 // block ("unit blocks"). Each CTA then runs its items in creation order (request, query tile, chunk),
-// which keeps a request's KV in L2 between its tiles (planner.cc, the write); with kv_order, a plan that
-// splits pairs orders each CTA's queue by kv_begin instead (stable), so that the CTAs read the same stretch
-// of KV positions at the same time. The result is written in place into a plan section laid out as
-// csrc/plan.h describes.
+// which keeps a request's KV in L2 between its tiles (planner.cc, the write). The result is written in
+// place into a plan section laid out as csrc/plan.h describes.
 //
 // Which pairs are split, and into what chunks, is a candidate (L, s): walking the pairs by KV length,
 // longest first, each pair longer than L is cut into ceil(len / L) chunks with boundaries aligned to
@@ -99,16 +97,6 @@ struct PlanInputs {
   // single-format. Not with deterministic_pieces or kv_window; turns off group_requests and the partition.
   const int32_t* groups = nullptr;
   int64_t num_groups = 0;
-  // Queue order of split plans (decode): when the plan splits pairs into KV chunks (LPT's split or the
-  // partition), each CTA runs its items by kv_begin, ascending, ties in creation order, instead of in
-  // creation order. LPT deals equal chunks round-robin over the CTAs in creation order, so in creation
-  // order the CTAs run every chunk of the next few pairs at once, at as many KV positions; by kv_begin each
-  // CTA runs its items that start at position 0 first, so more of the pairs that share physical pages
-  // (prefix caching) read each page at about the same time, from L2. It changes no CTA's set of items, no makespan and no merge map.
-  // Plans that split nothing, deterministic plans, group_requests and shared-prefix groups keep their
-  // order exactly. (The kernels merge split rows on the arrival of their last chunk, whatever the order:
-  // no CTA ever waits for another; docs/planner.md.)
-  bool kv_order = false;
 };
 
 // A shared-prefix group is kept when the KV cost it saves exceeds kSharedGain times the fixed cost of its
@@ -240,7 +228,6 @@ class Planner {
   std::vector<int32_t> request_rank_, request_pos_, request_start_, group_order_;
   std::vector<double> group_cost_;
   std::vector<int32_t> cta_fill_;
-  std::vector<uint64_t> late_;         // kv_order: (kv_begin << 32 | item) of the items with kv_begin > 0
   std::vector<int32_t> group_of_;      // kept group of each request (-1: none), for the pairs' walk
   std::vector<int32_t> group_chunks_;  // chunks of each group's prefix (0: the group was dropped)
   std::vector<int32_t> row_block_;     // partial rows of each query row (WriteGroupMergeMap)

@@ -64,13 +64,13 @@ PyObject* Plan(PyObject*, PyObject* args) {
   Py_ssize_t layout_ctas, max_items, max_rows, max_partial_rows, tile_q, num_ctas, num_units, min_kv_chunk,
       kv_chunk_align;
   Py_ssize_t force_kv_chunk = -1, force_split_pairs = -1, kv_window = 0, deterministic_pieces = 0;
-  int causal, group_requests = 0, allow_partition = 1, kv_order = 0;
+  int causal, group_requests = 0, allow_partition = 1;
   double cost_q, cost_kv;
   PyObject* groups_obj = Py_None;
-  if (!PyArg_ParseTuple(args, "OnnnnOOnnnpnndd|nnpnpnOp:plan", &section_obj, &layout_ctas, &max_items, &max_rows,
+  if (!PyArg_ParseTuple(args, "OnnnnOOnnnpnndd|nnpnpnO:plan", &section_obj, &layout_ctas, &max_items, &max_rows,
                         &max_partial_rows, &qo_obj, &kv_obj, &tile_q, &num_ctas, &num_units, &causal, &min_kv_chunk,
                         &kv_chunk_align, &cost_q, &cost_kv, &force_kv_chunk, &force_split_pairs, &group_requests,
-                        &kv_window, &allow_partition, &deterministic_pieces, &groups_obj, &kv_order))
+                        &kv_window, &allow_partition, &deterministic_pieces, &groups_obj))
     return nullptr;
   Py_buffer groups;
   groups.obj = nullptr;
@@ -115,7 +115,6 @@ PyObject* Plan(PyObject*, PyObject* args) {
   in.kv_window = kv_window;
   in.allow_partition = allow_partition != 0;
   in.deterministic_pieces = deterministic_pieces;
-  in.kv_order = kv_order != 0;
   if (has_groups) {
     in.groups = static_cast<const int32_t*>(groups.buf);
     in.num_groups = groups.len / 12;
@@ -165,7 +164,7 @@ PyMethodDef kMethods[] = {
     {"plan", Plan, METH_VARARGS,
      "plan(section, layout_num_ctas, max_items, max_rows, max_partial_rows, qo_indptr, kv_lens, tile_q, num_ctas, "
      "num_units, causal, min_kv_chunk, kv_chunk_align, cost_q, cost_kv[, force_kv_chunk=-1, force_split_pairs=-1, "
-     "group_requests=False, kv_window=0, allow_partition=True, deterministic_pieces=0, groups=None, kv_order=False]) -> (num_items, "
+     "group_requests=False, kv_window=0, allow_partition=True, deterministic_pieces=0, groups=None]) -> (num_items, "
      "num_rows, num_partial_rows, kv_chunk, num_split_rows, makespan, num_split_pairs, kind, shared_groups)\n\nWrites the plan into `section` (int32, csrc/plan.h "
      "layout) in place. force_kv_chunk -1 searches for the chunk; 0 splits nothing; L > 0 uses the candidate (L, "
      "force_split_pairs) (see csrc/scheduler/planner.h). kind: 'lpt' or 'partition'."},
