@@ -2,6 +2,7 @@
 
     python -m perf zoo [--quick] [--sections decode,prefill] [--name zoo_h100] [--no-flashinfer]
                        [--configs 32/8/128,28/4/128] [--merge]
+                       [--prefill-tunings '[{"warps": 12, "mfrags": 1, "producer": 1}]']   # other shapes beside ours
 
 Sections:
   decode   every distinct (query heads, KV heads, head_dim) among the zoo models that fi_backend.models.check()
@@ -179,6 +180,19 @@ def prefill_configs(only=None, extra=None):
 
 def decode_kv_bytes(batch: int, kv_len: int, hkv: int, d: int, element_bytes: int = 2) -> int:
     return batch * kv_len * hkv * d * 2 * element_bytes
+
+
+def parse_tunings(text):
+    """--prefill-tunings: a JSON list of non-empty dicts (None or empty text: [])."""
+    if not text:
+        return []
+    try:
+        val = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--prefill-tunings: not JSON ({e})") from None
+    if not isinstance(val, list) or not all(isinstance(t, dict) and t for t in val):
+        raise ValueError(f"--prefill-tunings: a JSON list of non-empty objects, got {text!r}")
+    return val
 
 
 def round_ratio(anchor_rounds, ours_rounds):
@@ -559,6 +573,18 @@ def prefill_cell(a, cfg, b, s, fa2, vfunc, fa2_broken: dict) -> dict:
         except Exception as e:
             r["vllm_fa3_error"] = f"{type(e).__name__}: {e}"
             log(f"  vLLM FA3 failed on {label}: {r['vllm_fa3_error']}")
+    for i, tuning in enumerate(getattr(a, "prefill_tuning_list", [])):   # other kernel shapes, same rounds
+        k = f"ours_t{i}"
+        try:
+            tfn, tout, _ = ours_fn(case, tuning=tuning)
+            tfn()
+            torch.cuda.synchronize()
+            checks[k] = _check(f"{label} ours vs tuning {tuning}", diff_stats(out, tout))
+            fns[k] = tfn
+            r[f"{k}_tuning"] = tuning
+        except Exception as e:
+            r[f"{k}_error"] = f"{type(e).__name__}: {e}"
+            log(f"  tuning {tuning} failed on {label}: {r[f'{k}_error']}")
     r["checks"] = checks
     times = time_rounds(fns, a.rounds, a.rep)
     r["ours_us_rounds"] = times["ours"]
@@ -573,6 +599,10 @@ def prefill_cell(a, cfg, b, s, fa2, vfunc, fa2_broken: dict) -> dict:
         r[f"{k}_tflops"] = tflops(flops, r[f"{k}_us"])
         r[f"ratio_{k}"] = round_ratio(times[k], times["ours"])   # ours' speed over the anchor's
         msg += f" | {k} {r[f'{k}_tflops']:5.0f} TF/s, ours x{r[f'ratio_{k}']:.3f}"
+    for k in sorted(x for x in times if x.startswith("ours_t")):
+        r[f"{k}_us"] = statistics.median(times[k])
+        r[f"ratio_{k}"] = round_ratio(times["ours"], times[k])   # the tuning's speed over ours
+        msg += f" | {k} {r[f'{k}_us']:8.1f} us, x{r[f'ratio_{k}']:.3f} of ours' speed"
     if r.get("ratio_fi_fa2") is not None and d == 128:
         r["bar_fi_fa2_met"] = r["ratio_fi_fa2"] >= BARS["prefill_over_fi_fa2_min"]
         msg += "" if r["bar_fi_fa2_met"] else f" BELOW {BARS['prefill_over_fi_fa2_min']}x FA2"
@@ -737,6 +767,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cells", help="decode batch x KV length, comma-separated (default 7x1000,64x2047,128x4099; "
                                     "--quick 64x2047)")
     ap.add_argument("--pages", help="decode page sizes, comma-separated (default 1,16,64,128)")
+    ap.add_argument("--prefill-tunings", metavar="JSON",
+                    help='prefill: a JSON list of kernel-shape overrides (e.g. \'[{"warps": 12, "mfrags": 1, "producer": 1}]\'), '
+                         "each timed beside ours in the same rounds as ours_t<i> (ratio: its speed over ours)")
     ap.add_argument("--prefill-shapes", help="prefill batch x length, comma-separated (default 4x4096)")
     ap.add_argument("--rounds", type=int, default=None, help="alternating rounds per cell (default 5; --quick 3)")
     ap.add_argument("--rep", type=int, default=None, help="timed calls per figure at most (default 100; --quick 50)")
@@ -766,6 +799,7 @@ def resolve_args(argv=None):
         if a.prefill_shapes:
             parse_shapes(a.prefill_shapes)
         a.fi_head_dims = tuple(parse_ints(a.fi_head_dims))
+        a.prefill_tuning_list = parse_tunings(a.prefill_tunings)
         if a.pages:
             parse_ints(a.pages)
     except ValueError as e:

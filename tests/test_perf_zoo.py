@@ -185,7 +185,10 @@ def test_resolve_args():
     assert a.fi_head_dims == (64, 128, 256)
     a = zoo.resolve_args(["--sections", "prefill", "--rounds", "7", "--configs", "32/8/128", "--no-flashinfer"])
     assert a.section_list == ["prefill"] and a.rounds == 7 and a.rep == 100 and a.no_flashinfer
-    for bad in (["--sections", "decode,flex"], ["--configs", "32/7/128"], ["--cells", "64"]):
+    assert zoo.resolve_args(["--prefill-tunings", '[{"warps": 12}]']).prefill_tuning_list == [{"warps": 12}]
+    assert zoo.resolve_args([]).prefill_tuning_list == []
+    for bad in (["--sections", "decode,flex"], ["--configs", "32/7/128"], ["--cells", "64"],
+                ["--prefill-tunings", "{warps: 12}"], ["--prefill-tunings", '{"warps": 12}'], ["--prefill-tunings", "[{}]"]):
         with pytest.raises(SystemExit):
             zoo.resolve_args(bad)
 
@@ -232,7 +235,7 @@ def test_main_flow_with_fakes(tmp_path, monkeypatch, capsys):
     def fake_rounds(fns, rounds, rep, on_round=None):
         for f in fns.values():
             f()
-        speed = {"ours": 100.0, "fi": 101.0, "fi_fa2": 125.0, "vllm_fa3": 95.0}
+        speed = {"ours": 100.0, "fi": 101.0, "fi_fa2": 125.0, "vllm_fa3": 95.0, "ours_t0": 80.0}
         return {k: [speed[k]] * rounds for k in fns}
 
     real_case = pf.Case
@@ -248,7 +251,9 @@ def test_main_flow_with_fakes(tmp_path, monkeypatch, capsys):
             outs.append(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)[0].transpose(0, 1))
         return torch.cat(outs)
 
-    def fake_ours_fn(case):
+    def fake_ours_fn(case, tuning=None):
+        if tuning == {"warps": 5}:
+            raise ValueError("no such shape")
         out = torch.empty_like(case.q)
         return (lambda: out.copy_(sdpa_out(case))), out, {"num_ctas": 1, "rows_per_tile": 64}
 
@@ -297,6 +302,15 @@ def test_main_flow_with_fakes(tmp_path, monkeypatch, capsys):
     m = json.loads((tmp_path / "zoo_fake.json").read_text())
     assert len(m["decode"]["rows"]) == 17 and len(m["prefill"]["rows"]) == 3
     assert "4/1/256" in m["decode"]["configs"] and "8/2/64" in m["decode"]["configs"]
+
+    # other kernel shapes timed beside ours (--prefill-tunings); one that cannot be built is recorded, not fatal
+    assert zoo.main(["--name", "zoo_tun", "--no-prebuild", "--sections", "prefill", "--configs", "24/8/128",
+                     "--prefill-shapes", "1x64", "--rounds", "2",
+                     "--prefill-tunings", '[{"warps": 12, "mfrags": 1, "producer": 1}, {"warps": 5}]']) == 0
+    (t,) = json.loads((tmp_path / "zoo_tun.json").read_text())["prefill"]["rows"]
+    assert t["ours_t0_tuning"] == {"warps": 12, "mfrags": 1, "producer": 1} and t["ours_t0_us"] == 80.0
+    assert t["ratio_ours_t0"] == pytest.approx(1.25) and t["checks"]["ours_t0"]["ok"]
+    assert "no such shape" in t["ours_t1_error"] and "ours_t1_us" not in t
 
     # FlashInfer missing: ours only, still exit 0
     monkeypatch.setitem(sys.modules, "flashinfer", None)
