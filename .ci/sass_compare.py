@@ -1,6 +1,6 @@
 """Prove that a change to csrc/ or the spec code leaves the default attention kernels' machine code as it was.
 
-    python3 .ci/sass_compare.py dump DIR [--jobs N]    # build the modules below for sm_90a, write DIR/<name>.sass
+    python3 .ci/sass_compare.py dump DIR [--jobs N] [--only _fa3]   # build the modules below for sm_90a, write DIR/<name>.sass
     python3 .ci/sass_compare.py compare OLD NEW        # exit 1 unless every module's SASS is identical
 
 Run `dump` before the change (e.g. in a worktree of the old commit) and after it, each with its own
@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("FI_BACKEND_CUDA_ARCH_LIST", "90a")  # Hopper's family: the wgmma prefill paths
 from fi_backend import kernels, variants as V  # noqa: E402
+from fi_backend.shapes import PREFILL_FA3_TUNINGS  # noqa: E402
 from fi_backend.wrappers import decode_spec, prefill_family_size, prefill_spec  # noqa: E402
 
 _DECODE = [  # (variant, head_dim, q, kv, group)
@@ -43,11 +44,16 @@ _PREFILL = [
 ]
 
 
-def specs():
+# The FA3-style member (no family picks it: by tuning), with and without ping-pong: (head_dim, q, group, fa3)
+_FA3 = [(128, "bf16", 4, 2), (128, "fp16", 1, 1), (64, "bf16", 1, 2)]
+
+
+def specs(only: str = ""):
     out = [decode_spec(V.BUILTIN_VARIANTS[v], d, q, kv, g) for v, d, q, kv, g in _DECODE]
     for v, d, q, kv, g in _PREFILL:
         out += [prefill_spec(V.BUILTIN_VARIANTS[v], d, q, kv, g, member=m) for m in range(prefill_family_size(d, kv))]
-    return out
+    out += [prefill_spec(V.DEFAULT, d, q, q, g, tuning={**PREFILL_FA3_TUNINGS[d], "fa3": f}) for d, q, g, f in _FA3]
+    return [s for s in out if only in _name(s)]
 
 
 def _name(spec) -> str:
@@ -85,9 +91,9 @@ def _sass(so: Path) -> str:
     return _normalise(text)
 
 
-def dump(out_dir: Path, jobs: int) -> int:
+def dump(out_dir: Path, jobs: int, only: str = "") -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
-    todo = specs()
+    todo = specs(only)
     results = kernels.build_many(todo, archs="90a", jobs=jobs, quiet=True)
     failed = 0
     for spec, res in zip(todo, results):
@@ -120,8 +126,9 @@ if __name__ == "__main__":
     d = sub.add_parser("dump")
     d.add_argument("dir", type=Path)
     d.add_argument("--jobs", type=int, default=2)
+    d.add_argument("--only", default="", help="only the modules whose name contains this (e.g. _fa3)")
     c = sub.add_parser("compare")
     c.add_argument("old", type=Path)
     c.add_argument("new", type=Path)
     a = ap.parse_args()
-    sys.exit(dump(a.dir, a.jobs) if a.cmd == "dump" else compare(a.old, a.new))
+    sys.exit(dump(a.dir, a.jobs, a.only) if a.cmd == "dump" else compare(a.old, a.new))

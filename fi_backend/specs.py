@@ -85,12 +85,14 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     if "step" not in tuning:
         shape["step"] = min(shape["step"], shape["tile"])
     shape["producer"] = int(shape.get("producer", 0))
+    fa3_q = None
     if fa3:
         why = _fa3_blockers(variant, head_dim, kv_bytes, shape, fa3)
         if why:
-            raise ValueError(f"tuning fa3=1 (FlashAttention-3's consumer loop) needs {', '.join(why)}; shape {shape}")
+            raise ValueError(f"tuning fa3={fa3} (FlashAttention-3's consumer loop) needs {', '.join(why)}; shape {shape}")
+        fa3_q = _fa3_q_buffers(head_dim, kv_bytes, {**shape, "rowsum": 0, "bias": 0})   # the loop's row sums: FADD
         if q_buffers is None:
-            q_buffers = _fa3_q_buffers(head_dim, kv_bytes, shape)
+            q_buffers = fa3_q
     why = (_producer_blockers(variant, head_dim, kv_bytes, shape, q_buffers if fa3 else None)
            if shape["producer"] else [])
     if why:
@@ -101,9 +103,9 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     if smem > SMEM_PER_CTA:
         raise ValueError(f"prefill kernel shape {shape} for head_dim {head_dim} needs {smem} bytes of shared "
                          f"memory; a CTA may use at most {SMEM_PER_CTA}")
-    chosen = _fa3_q_buffers(head_dim, kv_bytes, shape) if fa3 else _prefill_q_buffers(variant, head_dim, kv_bytes, shape)
+    chosen = fa3_q if fa3 else _prefill_q_buffers(variant, head_dim, kv_bytes, shape)
     if fa3 and q_buffers not in (1, chosen):
-        raise ValueError(f"tuning fa3=1 takes q_buffers 1 or {chosen}; got {q_buffers}")
+        raise ValueError(f"tuning fa3={fa3} takes q_buffers 1 or {chosen}; got {q_buffers}")
     if shape["producer"] and not fa3 and q_buffers is not None and not (isinstance(q_buffers, int) and q_buffers >= 2):
         raise ValueError(f"a warp-specialised prefill kernel (producer=1) needs q_buffers >= 2 (the producer copies "
                          f"the next sub-item's query tile while this one runs); got {q_buffers}")

@@ -361,6 +361,34 @@ def test_warp_specialised_prefill_specs(monkeypatch):
         W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning=ws)
 
 
+def test_fa3_member_specs(monkeypatch):
+    """tuning fa3 (FlashAttention-3's consumer loop, 2 with ping-pong): its own module (kOverlap, kPingPong at the
+    end of the config), row sums by FADD and no bias MMA, the query buffers the producer fills (one at head size
+    128, where two do not fit beside three 128-token stages; two at 64), refused by name where it cannot run."""
+    monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", "90a")
+    t128, t64 = W.PREFILL_FA3_TUNINGS[128], W.PREFILL_FA3_TUNINGS[64]
+
+    def cfg(spec):   # every prefill::Config argument
+        return spec.params["CONFIG"].split(", ")
+    pp = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning=t128)
+    one = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**t128, "fa3": 1})
+    # ..., q_buffers, producer, rowsum, bias, overlap[, ping-pong]
+    assert cfg(pp)[-6:] == ["1", "true", "false", "false", "true", "true"], cfg(pp)
+    assert cfg(one)[-5:] == ["1", "true", "false", "false", "true"], cfg(one)
+    assert pp.tag.endswith("_fa3pp") and one.tag.endswith("_fa3") and pp.memo_key != one.memo_key
+    assert cfg(W.prefill_spec(V.DEFAULT, 64, "bf16", "bf16", 1, tuning=t64))[-6] == "2"
+    q1 = W.prefill_spec(V.DEFAULT, 64, "bf16", "bf16", 1, tuning={**t64, "q_buffers": 1})
+    assert cfg(q1)[-6] == "1" and q1.tag.endswith("_q1")
+    with pytest.raises(ValueError, match="fa3=2 .*warps=8"):
+        W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**t128, "warps": 12})
+    with pytest.raises(ValueError, match="fa3=1 .*a variant with softmax"):
+        W.prefill_spec(V.ALIBI, 128, "bf16", "bf16", 4, tuning={**t128, "fa3": 1})
+    with pytest.raises(ValueError, match="fa3=2 takes q_buffers 1 or 2"):
+        W.prefill_spec(V.DEFAULT, 64, "bf16", "bf16", 1, tuning={**t64, "q_buffers": 3})
+    with pytest.raises(ValueError, match="fa3 must be 0, 1"):
+        W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**t128, "fa3": 3})
+
+
 def test_window_member0_runs_four_stages(monkeypatch):
     """A window mask without a logits transform runs member 0 at 12 x 1 with 4 stages (_PREFILL_WS_MEMBER0's
     "window", measured faster in perf/results/ab48s_*.md); soft-cap (alone or with the window) keeps 3, and

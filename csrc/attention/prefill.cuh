@@ -822,6 +822,15 @@ struct Kernel {
                                                   wgmma::desc_advance(b0, Cfg::mma_offset(16 * kk, 0)), 1);
   }
 
+  // O += P V, committed and waited for (a sub-item's last P.V).
+  static __device__ __forceinline__ void pv_now(uint32_t vs, const uint32_t (&pa)[kStep / 16][4],
+                                                float (&o)[kDTiles][4]) {
+    pv_packed(vs, pa, o);
+    wgmma::commit();
+    wgmma::wait<0>();
+    fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o));
+  }
+
   // The online softmax of one step with O's rescale deferred (O is an accumulator of the P.V in flight):
   // S becomes P in place, m_run and the lane's partial sums d_run move now, alpha and `rescale` say what O
   // must be multiplied by before the next P.V. The same arithmetic as softmax_frag (conditional rescale by
@@ -967,10 +976,7 @@ struct Kernel {
         vs_held = vs;
         if (last) {  // the sub-item's last P.V
           if (rescale) rescale_o(o[0], alpha);
-          pv_packed(vs, pa, o[0]);
-          wgmma::commit();
-          wgmma::wait<0>();
-          fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o[0]));
+          pv_now(vs, pa, o[0]);
           pending = false;
         }
       } else if (active) {  // a sub-item's first active tile: S and its softmax alone (P.V with the next)
@@ -984,10 +990,7 @@ struct Kernel {
         softmax_deferred(p, vp, w, tile_begin, n_valid, kv_head, masked, s, m_run[0], d_run[0], alpha, rescale);
         pack_p(s, pa);
         if (last) {  // and its last: the P.V now (O is zero: no rescale)
-          pv_packed(vs, pa, o[0]);
-          wgmma::commit();
-          wgmma::wait<0>();
-          fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o[0]));
+          pv_now(vs, pa, o[0]);
         } else {
           pending = true;
           held = sj;
