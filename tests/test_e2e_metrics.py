@@ -184,10 +184,11 @@ def test_shared_prefix_datasets():
     """sharegpt-n8: the trace's pairs, 8 samples each; sysprompt4k-sharegpt: the trace behind one 4096-token system
     prompt, the same in every prompt of a run and new in each run."""
     pairs = sg.load_trace(20)
-    assert W.sample_lengths("sharegpt-n8", 20) == pairs and W.samples_per_prompt("sharegpt-n8") == 8
-    assert W.max_total_len("sharegpt-n8") == 2048 and W.samples_per_prompt("sharegpt") == 1
+    assert W.sample_lengths("sharegpt-n8", 20) == [(p, 256) for p, _ in pairs] and W.samples_per_prompt("sharegpt-n8") == 8
+    assert W.max_total_len("sharegpt-n8") == 2048 + 256 and W.samples_per_prompt("sharegpt") == 1
     sys_pairs = W.sample_lengths("sysprompt4k-sharegpt", 20)
-    assert sys_pairs == [(4096 + p, o) for p, o in pairs] and W.max_total_len("sysprompt4k-sharegpt") == 4096 + 2048
+    assert sys_pairs == [(4096 + p, 256) for p, _ in pairs]
+    assert W.max_total_len("sysprompt4k-sharegpt") == 4096 + 2048 + 256
     prompts = W.dataset_prompts("sysprompt4k-sharegpt", sys_pairs, 1000, RNG_SEED, "run")
     assert [len(x) for x in prompts] == [p for p, _ in sys_pairs]
     assert all(x[:4096] == prompts[0][:4096] for x in prompts)
@@ -454,7 +455,7 @@ def test_parent_and_child_with_a_fake_engine(tmp_path, monkeypatch):
     (run,) = json.loads((out / "fake8.json").read_text())["runs"]
     m = run["metrics"]
     assert (run["dataset"], m["completed"], m["failed"]) == ("sharegpt-n8", 128, 0)
-    assert m["total_output"] == 8 * sum(o for _, o in pairs) and m["output_len_mismatch"] == 0
+    assert m["total_output"] == 8 * 256 * len(pairs) and m["output_len_mismatch"] == 0
     assert "## sharegpt-n8 (16 prompts x 8 samples)" in (out / "fake8.md").read_text()
 
 

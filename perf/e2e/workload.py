@@ -7,8 +7,8 @@ Datasets (names accepted by --dataset):
   u512-2048       the FlashInfer paper's synthetic set: prompt lengths uniform on [512, 2048], 256 outputs.
   u4096-16384     likewise with prompt lengths uniform on [4096, 16384].
   sharegpt-n8     parallel generation: each ShareGPT prompt asks for 8 samples (the engine's n = 8), which share
-                  the prompt's KV; --num-prompts counts prompts, the metrics count samples.
-  sysprompt4k-sharegpt  a shared system prompt: the same 4096 tokens before every ShareGPT prompt.
+                  the prompt's KV; --num-prompts counts prompts, the metrics count samples; 256 outputs.
+  sysprompt4k-sharegpt  a shared system prompt: the same 4096 tokens before every ShareGPT prompt; 256 outputs.
 
 Arrivals follow vLLM's `get_request` (vllm/benchmarks/serve.py): exponential gaps (gamma with shape 1)
 of mean 1/rate, accumulated, then rescaled so the last request is sent at n/rate exactly; rate inf sends
@@ -41,6 +41,8 @@ DATASETS = {
 # The shared-prefix datasets (issue 28, docs/composable.md): samples per prompt, and tokens of a system prompt.
 SAMPLES = {"sharegpt-n8": 8}
 SYSTEM_PROMPT = {"sysprompt4k-sharegpt": 4096}
+# Issue 28's parallel-generation workloads fix the output length; the prompts keep the trace's lengths.
+FIXED_OUTPUT = {"sharegpt-n8": UNIFORM_OUTPUT_LEN, "sysprompt4k-sharegpt": UNIFORM_OUTPUT_LEN}
 
 
 def samples_per_prompt(dataset: str) -> int:
@@ -75,7 +77,8 @@ def sample_lengths(dataset: str, n: int, seed: int = 0) -> list[tuple[int, int]]
         if n > avail:
             raise ValueError(f"--num-prompts: the ShareGPT trace holds {avail} pairs; asked for {n}")
         system = system_prompt_tokens(dataset)
-        return [(system + p, o) for p, o in sharegpt.load_trace(n, seed)]
+        fixed = FIXED_OUTPUT.get(dataset)
+        return [(system + p, fixed or o) for p, o in sharegpt.load_trace(n, seed)]
     lo, hi = DATASETS[dataset]
     lens = _stream_seed(seed, dataset, "lengths").integers(lo, hi, size=n, endpoint=True)
     return [(int(p), UNIFORM_OUTPUT_LEN) for p in lens]
@@ -84,8 +87,8 @@ def sample_lengths(dataset: str, n: int, seed: int = 0) -> list[tuple[int, int]]
 def max_total_len(dataset: str) -> int:
     """The longest prompt + output the dataset can produce (what max_model_len must hold)."""
     check_dataset(dataset)
-    if DATASETS[dataset] is None:
-        return system_prompt_tokens(dataset) + sharegpt.MAX_TOTAL_LEN
+    if DATASETS[dataset] is None:   # the trace's longest pair, or its longest prompt + the fixed output
+        return system_prompt_tokens(dataset) + sharegpt.MAX_TOTAL_LEN + FIXED_OUTPUT.get(dataset, 0)
     return DATASETS[dataset][1] + UNIFORM_OUTPUT_LEN
 
 
