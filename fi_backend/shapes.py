@@ -110,8 +110,11 @@ PREFILL_MAX_HEADS_PER_CHUNK = 16
 # variants that can run it (16-bit KV, no QueryTransform / KeyTransform): "plain" without per-element logits
 # hooks (ALiBi by MMA is none), "hooks" with them (12 warps: no spills), "window" for a window mask without a
 # logits transform (a fourth stage lets the producer run into the next query tile's short KV range).
+# "aligned" is the plain one for heads per chunk that cut 8 x 2's 256 packed rows mid-token but 12 x 1's 192
+# rows into whole tokens (3, 6, 12: 64, 32, 16 tokens a tile, so causal tiles line up with 64-token KV tiles).
 _PREFILL_WS_MEMBER0 = {
-    128: {"plain": (8, 2, 64, 3, 64), "hooks": (12, 1, 64, 3, 64), "window": (12, 1, 64, 4, 64)},
+    128: {"plain": (8, 2, 64, 3, 64), "aligned": (12, 1, 64, 3, 64), "hooks": (12, 1, 64, 3, 64),
+          "window": (12, 1, 64, 4, 64)},
 }
 # Forced warp-specialised shapes (tests): member 0's 12 x 1 and 8 x 2 compute warps, the rest of the shape
 # from member 0.
@@ -232,7 +235,7 @@ def _prefill_family(head_dim: int, kv_bytes: int, wgmma: Optional[bool] = None,
         # ALiBi by MMA is no per-element hook: without other hooks it runs the plain shape
         bias = int(_bias_mma_possible(variant, {"wgmma": 1, "warps": ws["plain"][0]}, hpc))
         hooked = variant is not None and _logits_hooks(variant, bias)
-        names = ["plain"]
+        names = ["aligned" if _rows(ws["plain"]) % hpc and not _rows(ws["aligned"]) % hpc else "plain"]
         if hooked:  # a window mask without a transform: 4 stages where they fit (not beside the bias MMA's operands)
             window = variant.mask_is_kv_range and not variant.logits_transform and "window" in ws
             names = ["window", "hooks"] if window else ["hooks"]
@@ -242,6 +245,11 @@ def _prefill_family(head_dim: int, kv_bytes: int, wgmma: Optional[bool] = None,
                 family[0] = shape
                 break
     return family
+
+
+def _rows(shape: tuple) -> int:
+    """Packed query rows of a (warps, mfrags, ...) shape tuple."""
+    return 16 * shape[0] * shape[1]
 
 
 def _bias_mma_possible(variant: Optional[Variant], shape: dict, hpc: int) -> bool:

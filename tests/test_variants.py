@@ -103,6 +103,7 @@ _PREFILL_COMPILED = [  # every head_dim's largest member on Hopper, fp8 KV, a Qu
     (V.ALIBI, 128, "bf16", "bf16", 1, 1),
     (V.SLIDING_WINDOW, 128, "bf16", "bf16", 4, 0),  # 12 warps, hooks with the query copy
     (V.SLIDING_WINDOW, 128, "bf16", "bf16", 4, 1),
+    (V.DEFAULT, 128, "bf16", "bf16", 3, 0),  # "aligned": 12 x 1, 64 tokens a tile at 3 heads a chunk
 ]
 
 
@@ -123,8 +124,9 @@ def test_prefill_shared_memory_mirror_matches(build_env, monkeypatch):
         ws = d == 128 and m == 0 and kv_bytes == 2 and not (v.query_transform or v.key_transform)
         assert shape["producer"] == int(ws), (v.name, d, kv, m)
         # (a KV-range mask, the sliding window, counts as a hook: 12 x 1 measured faster, ab47w_*)
-        if ws:  # warp-specialised member 0 (_PREFILL_WS_MEMBER0): 12 x 1 with logits hooks, else 8 x 2
-            assert (shape["warps"], shape["mfrags"]) == ((12, 1) if hooks else (8, 2)), (v.name, shape)
+        if ws:  # warp-specialised member 0 (_PREFILL_WS_MEMBER0): 12 x 1 with logits hooks or 3 heads a chunk,
+            aligned = g == 3  # else 8 x 2
+            assert (shape["warps"], shape["mfrags"]) == ((12, 1) if hooks or aligned else (8, 2)), (v.name, shape)
         else:
             assert shape["warps"] == (12 if v.mask_is_kv_range and d == 128 and m == 0
                                       else W._prefill_family(d, kv_bytes)[m]["warps"])
@@ -406,6 +408,21 @@ def test_window_member0_runs_four_stages(monkeypatch):
     assert shape(V.BUILTIN_VARIANTS["alibi_window"], 4)["bias"] == 1
     config = _config(W.prefill_spec(V.SLIDING_WINDOW, 128, "bf16", "bf16", 4))
     assert config[4:8] == ["12", "1", "64", "4"]
+
+
+def test_member0_rows_hold_whole_tokens(monkeypatch):
+    """The default variant's member 0 at 8 x 2 (256 packed rows) unless its heads per chunk cut those rows
+    mid-token and 12 x 1's 192 rows hold whole tokens (3, 6, 12 heads: 64, 32, 16 tokens a tile); other
+    groups keep 8 x 2, whatever the head size that runs the 128-wide rows (96 too)."""
+    monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", "90a")
+    for head_dim in (96, 128):
+        for group in list(range(1, 17)) + [32, 64]:
+            got = W._prefill_shape(head_dim, 2, group, 0, V.DEFAULT)
+            rows = 16 * got["warps"] * got["mfrags"]
+            want = (12, 1) if got["hpc"] in (3, 6, 12) else (8, 2)
+            assert (got["warps"], got["mfrags"], got["producer"]) == (*want, 1), (head_dim, group, got)
+            assert rows % got["hpc"] == 0 or 192 % got["hpc"], (head_dim, group, rows)
+    assert W._prefill_shape(128, 2, 3, 0, V.BUILTIN_VARIANTS["soft_cap"])["warps"] == 12   # hooks: 12 x 1 anyway
 
 
 def test_pick_member_takes_large_tiles_in_whole_waves():
