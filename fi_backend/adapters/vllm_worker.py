@@ -41,7 +41,7 @@ import numpy as np
 
 from fi_backend import env as _env
 
-__all__ = ["Worker", "BlockTableMirror", "WORKER_CLASS_PATH"]
+__all__ = ["BlockTableMirror", "WORKER_CLASS_PATH"]   # and Worker, made on first access
 
 WORKER_CLASS_PATH = f"{__name__}.Worker"
 _log = logging.getLogger("vllm.fi_backend")
