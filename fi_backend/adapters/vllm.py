@@ -30,6 +30,12 @@ block tables) plus kv_block_start, which is allocated here once and sliced. Padd
 captured batch have no query rows and a KV length of 0, so they read nothing and write nothing; the
 output rows of padding tokens are left as they are (vLLM discards them).
 
+Shared-prefix groups (docs/composable.md): from a host copy of the step's block table, which vLLM 0.26 gives build()
+only through the opt-in worker (vllm_worker.py: `--worker-cls fi_backend.adapters.vllm_worker.Worker`, which
+publishes it per step, publish_step_tables), or from the V1 runner's cascade prefix. With the worker each group
+has a third wrapper, graph_prefill (the prefill kernel): a decode step whose groups the planner keeps runs on it,
+with the decode wrapper planned idle (else the reverse), and a decode graph launches both into one output.
+
 Batch invariance (VLLM_BATCH_INVARIANT=1, or FI_BACKEND_DETERMINISTIC=1): both wrappers plan deterministically
 (docs/deterministic.md) and a mixed step runs in two launches, its decodes (vLLM puts them first:
 reorder_batch_threshold = 1) on the decode kernel and the rest on the prefill kernel, so a request's kernel
