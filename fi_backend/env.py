@@ -23,7 +23,8 @@ FI_BACKEND_DETERMINISTIC    "1": wrappers made without a deterministic= argument
                             request's KV splits and merge order depend on that request alone: batch-invariant
                             outputs; read when a wrapper is made; docs/deterministic.md)
 FI_BACKEND_SHARED_PREFIX    "0": the vLLM adapter plans every step single-format (by default it passes the
-                            step's shared-prefix groups to plan(); read when its metadata builder is made); "1":
+                            step's shared-prefix groups to plan(); read when its metadata builder is made) and its
+                            opt-in worker (adapters/vllm_worker.py) leaves vLLM's runner as it is; "1":
                             the SGLang adapter finds groups in the radix tree (off by default there; read by its
                             register() and backend; composable formats, docs/composable.md)
 """

@@ -39,6 +39,21 @@ def bound(noise: dict) -> dict:
     return {"max": 2 * noise["max"] + MAX_FLOOR, "mean": 2 * noise["mean"] + MEAN_FLOOR}
 
 
+def check_shared_prefix(counts: dict, shared: dict, got: dict, gen: list, bound: dict, system_tokens: int,
+                        off_counts: dict = None, on_off: dict = None) -> None:
+    """Issue 28's engine checks (kind shared, both engines): grouped decode and extend steps planned, the system
+    prompt's questions hit the prefix cache, groups on within the bound of the reference (got: logprobs, gen:
+    generations); with groups off (off_counts) none planned, and on vs off (on_off) within the same bound."""
+    assert counts["grouped_decode"] > 0 and counts["grouped_extend"] > 0, counts
+    cached = shared["prefix_hit_cached_tokens"]
+    assert min(cached[-shared["system_prompt_requests"]:]) >= system_tokens - 16, cached
+    assert got["max"] <= bound["max"] and got["mean"] <= bound["mean"], (got, bound)
+    assert max(gen, default=0.0) <= bound["max"], (gen, bound)
+    if off_counts is not None:
+        assert off_counts["grouped_decode"] == off_counts["grouped_extend"] == 0, off_counts
+        assert on_off["max"] <= bound["max"] and on_off["mean"] <= bound["mean"], (on_off, bound)
+
+
 # ------------------------------------------------------------------------------------ issue 31's engine bar
 # Batch invariance: the same target prompt served alone and inside busy batches must give bit-identical logprobs.
 # The plan (targets, companion sets) and the comparison are shared; each engine's file serves the requests.

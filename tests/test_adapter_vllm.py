@@ -356,23 +356,36 @@ def test_group_settings_must_agree():
 # ------------------------------------------------------------------------------------ the per-step data path
 
 class RefWrapper:
-    """BatchAttention's plan/run contract, computed with fi_backend.reference (float64) from the BSR."""
+    """BatchAttention's plan/run contract, computed with fi_backend.reference (float64) from the BSR. Shared-prefix
+    groups are checked against the BSR and kept by a stand-in verdict (keep_groups, prefill kernel only:
+    plan_info.shared_groups); an idle plan's run() writes nothing."""
+
+    module_names = []
+    keep_groups = True
 
     def __init__(self, name):
-        self.name, self.plans, self.runs = name, [], 0
+        self.name, self.plans, self.runs, self.idle_runs = name, [], 0, 0
 
-    def plan(self, qo_indptr, kv_lens, bsr, *, causal, sm_scale, debug=False, prefix_groups=None, **variant_params):
+    def plan(self, qo_indptr, kv_lens, bsr, *, causal, sm_scale, debug=False, prefix_groups=None, idle=False,
+             **variant_params):
         assert qo_indptr.device.type == "cpu" and kv_lens.device.type == "cpu"
         assert qo_indptr.dtype == kv_lens.dtype == torch.int32
         assert bsr.kv_lens.numel() == kv_lens.numel() == qo_indptr.numel() - 1
         bsr.validate(prefix_groups=prefix_groups)  # the groups the adapter found hold for this BSR
         assert (kv_lens >= bsr.kv_lens).all(), "the plan's KV lengths must bound the device's"
+        assert not (idle and prefix_groups is not None), "an idle plan has no items, so no groups"
+        kept = len(prefix_groups) if prefix_groups is not None and self.name != "decode" and self.keep_groups else 0
+        self.plan_info = SimpleNamespace(shared_groups=kept, kind="idle" if idle else "lpt")
         self.plans.append(dict(qo=qo_indptr.clone(), kv=kv_lens.clone(), bsr=bsr, causal=causal, sm_scale=sm_scale,
-                               vp=variant_params, groups=prefix_groups))
+                               vp=variant_params, idle=idle,
+                               groups=None if prefix_groups is None else [list(map(int, g)) for g in prefix_groups]))
 
     def run(self, q, kv_cache, *, out, k_scale=1.0, v_scale=1.0):
         p = self.plans[-1]
         assert q.shape[0] == out.shape[0] == int(p["qo"][-1])
+        if p["idle"]:
+            self.idle_runs += 1
+            return out
         D = q.shape[-1]
         o, _ = reference.attention_bsr(q, kv_cache[..., :D], kv_cache[..., D:], p["bsr"], causal=p["causal"],
                                        sm_scale=p["sm_scale"], **p["vp"])
@@ -509,7 +522,7 @@ def test_step_data_path_matches_vllm_attention(settings, monkeypatch):
             want = truth(q[rows], hk, hv, torch.arange(cached, cached + new), **tv)
             torch.testing.assert_close(out[rows].double(), want, rtol=1e-5, atol=1e-6)
         assert out[md.num_rows:].isnan().all(), "padding rows are not the plan's: left as they are"
-    assert adapter.plan_counts() == {"decode": counts["decode"] + 1, "prefill": counts["prefill"] + 1}
+    assert adapter.plan_counts() == {**counts, "decode": counts["decode"] + 1, "prefill": counts["prefill"] + 1}
     assert dec.runs == pre.runs == 1
 
 
@@ -692,6 +705,16 @@ def test_with_vllm_registration_selection_and_v2_metadata():
 
 # ------------------------------------------------------------------------------------ tensor parallelism
 
+def _stub_layer_lookup(monkeypatch, impls: dict) -> None:
+    """vllm.config.get_layers_from_vllm_config (and the layer base class) as the builder calls them: impls by name."""
+    m = types.ModuleType("vllm.config")
+    m.get_layers_from_vllm_config = lambda cfg, cls, names: {n: SimpleNamespace(impl=impls[n]) for n in names}
+    monkeypatch.setitem(sys.modules, "vllm.config", m)
+    base = types.ModuleType("vllm.model_executor.layers.attention_layer_base")
+    base.AttentionLayerBase = object
+    monkeypatch.setitem(sys.modules, "vllm.model_executor.layers.attention_layer_base", base)
+
+
 @pytest.mark.parametrize("given, current, expected", [
     ("cuda:3", 0, "cuda:3"),      # vLLM's rank device (cuda:<local rank>) as it is
     ("cuda", 2, "cuda:2"),        # an index-less one: the rank's current device, never device 0 by default
@@ -700,12 +723,7 @@ def test_builder_puts_a_ranks_workspaces_on_its_device(stub_vllm, monkeypatch, c
     """A tensor-parallel rank's metadata builder makes both wrappers (workspaces, ALiBi slopes) on the rank's
     GPU and says in its start-up log which device and how many ranks."""
     impls = {f"layers.{i}.attn": adapter._Impl(16, 128, 128 ** -0.5, 1) for i in range(2)}   # Llama-3.1-405B TP8
-    m = types.ModuleType("vllm.config")
-    m.get_layers_from_vllm_config = lambda cfg, cls, names: {n: SimpleNamespace(impl=impls[n]) for n in names}
-    monkeypatch.setitem(sys.modules, "vllm.config", m)
-    base = types.ModuleType("vllm.model_executor.layers.attention_layer_base")
-    base.AttentionLayerBase = object
-    monkeypatch.setitem(sys.modules, "vllm.model_executor.layers.attention_layer_base", base)
+    _stub_layer_lookup(monkeypatch, impls)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
     made = []
     monkeypatch.setattr(adapter, "_make_wrapper", lambda kernel, **kw: made.append((kernel, kw)) or SimpleNamespace(
@@ -767,3 +785,282 @@ def test_use_cascade_attention_asks_for_the_common_prefix():
     assert not builder.use_cascade_attention(8)
     builder._step = adapter._StepPlanner(None, None, page_size=16, sm_scale=0.1, variant_params={}, shared_prefix=False)
     assert not builder.use_cascade_attention(64)
+
+
+# ------------------------------------------------------------------------------------ the opt-in worker (host tables)
+
+from fi_backend.adapters import vllm_worker  # noqa: E402
+
+
+class VllmBlockTables:
+    """vLLM 0.26's BlockTables (v1/worker/gpu/block_table.py), what the runner sees of it: append_block_ids writes a
+    row by request index from its count (or from 0: overwrite), each id expanded to bpk kernel blocks (:107-120);
+    gather_block_tables copies each batch row's counted ids into the persistent input table, padded rows zeroed
+    (:134-159, 229-234). The device rows keep stale ids past a reused row's count, as vLLM's do."""
+
+    def __init__(self, block_sizes, kernel_block_sizes, max_reqs=8, max_blocks=6):
+        self.block_sizes, self.kernel_block_sizes = block_sizes, kernel_block_sizes
+        self.blocks_per_kv_block = [b // k for b, k in zip(block_sizes, kernel_block_sizes)]
+        self.block_tables = [SimpleNamespace(gpu=torch.zeros(max_reqs, max_blocks * bpk, dtype=torch.int32))
+                             for bpk in self.blocks_per_kv_block]
+        self.num_blocks = [[0] * max_reqs for _ in block_sizes]
+        self.input_block_tables = [torch.zeros_like(b.gpu) for b in self.block_tables]
+
+    def append_block_ids(self, req_index, new_block_ids, overwrite):
+        for i in range(len(self.block_sizes)):
+            start = self.num_blocks[i][req_index] if not overwrite else 0
+            block_ids = new_block_ids[i]
+            bpk = self.blocks_per_kv_block[i]
+            if bpk > 1:
+                block_ids = [b * bpk + k for b in block_ids for k in range(bpk)]
+            if block_ids:
+                self.block_tables[i].gpu[req_index, start: start + len(block_ids)] = torch.tensor(block_ids)
+            self.num_blocks[i][req_index] = start + len(block_ids)
+
+    def gather_block_tables(self, idx_mapping, num_reqs_padded):
+        for i, out in enumerate(self.input_block_tables):
+            for b, r in enumerate(idx_mapping.tolist()):
+                nb = self.num_blocks[i][r]
+                out[b, :nb] = self.block_tables[i].gpu[r, :nb]
+            out[len(idx_mapping): num_reqs_padded] = 0
+        return tuple(t[:num_reqs_padded] for t in self.input_block_tables)
+
+
+def test_block_table_mirror_matches_vllms_rows():
+    """The mirror holds what vLLM's device table holds over each row's count (new rows, appends, a reused row
+    overwritten with fewer blocks: its old tail zeroed), per KV-cache group with its own bpk expansion; a step's
+    rows are the batch's in idx_mapping order, K columns = the longest cached prefix in whole kernel blocks."""
+    import numpy as np
+    bt = VllmBlockTables(block_sizes=[8, 16], kernel_block_sizes=[8, 4])   # bpk 1 and 4
+    mirror = vllm_worker.BlockTableMirror(bt)
+    assert mirror.bpk == [1, 4] and mirror.keys == [t.data_ptr() for t in bt.input_block_tables]
+    bt.append_block_ids = vllm_worker._mirrored_append(bt.append_block_ids, mirror)
+    bt.append_block_ids(3, ([7, 8], [2]), overwrite=True)
+    bt.append_block_ids(1, ([5], [9, 3]), overwrite=True)
+    bt.append_block_ids(3, ([4], [6]), overwrite=False)
+    bt.append_block_ids(3, ([], []), overwrite=False)
+    bt.append_block_ids(1, ([2], [1]), overwrite=True)          # row 1 reused by a new request
+    for i in range(2):
+        for r in range(8):
+            nb = bt.num_blocks[i][r]
+            assert mirror.counts[i, r] == nb
+            assert np.array_equal(mirror.tables[i][r, :nb], bt.block_tables[i].gpu[r, :nb].numpy())
+            assert not mirror.tables[i][r, nb:].any()
+    assert mirror.tables[1][3, :8].tolist() == [8, 9, 10, 11, 24, 25, 26, 27]
+    assert mirror.tables[1][1].tolist()[:8] == [4, 5, 6, 7, 0, 0, 0, 0]   # the reused row: no ids of before
+    idx = np.array([3, 1], dtype=np.int32)
+    rows = mirror.rows(idx, np.array([17, 3]))
+    assert set(rows) == set(mirror.keys)
+    assert rows[mirror.keys[0]].tolist() == [[7, 8], [2, 0]]        # 17 cached tokens: 2 blocks of 8
+    assert rows[mirror.keys[1]].tolist() == [[8, 9, 10, 11], [4, 5, 6, 7]]   # 4 kernel blocks of 4
+    with pytest.raises(ValueError, match="request index 2: 7 blocks"):
+        mirror.append(2, ([1] * 7, []), overwrite=True)
+
+
+class V2Runner:
+    """vLLM 0.26's V2 GPUModelRunner, reduced to the flow the worker's subclass hooks: initialize_kv_cache makes the
+    metadata builders and then the BlockTables (model_runner.py:448-460), execute_model applies the step's block ids
+    (:817, 848), runs prepare_attn (:1212, the gather; input_batch.idx_mapping_np from prepare_inputs :896) and then
+    every builder's build() (model_state.prepare_attn, :1257) with the gathered table; captures call
+    build_for_cudagraph_capture on the same persistent table (cudagraph_utils.py:614)."""
+
+    def __init__(self, make_builder):
+        self.make_builder, self.pcp_manager = make_builder, None
+
+    def initialize_kv_cache(self, kv_cache_config):
+        self.builder = self.make_builder()
+        self.block_tables = VllmBlockTables(block_sizes=[8], kernel_block_sizes=[4], max_reqs=8, max_blocks=8)
+
+    def prepare_attn(self, input_batch):
+        return self.block_tables.gather_block_tables(input_batch.idx_mapping, input_batch.num_reqs_after_padding), None
+
+    def execute_model(self, appends, batch, pad_to=None):
+        """appends: [(req index, manager block ids, overwrite)]; batch: [(req index, cached tokens, new tokens)]."""
+        import numpy as np
+        for r, ids, overwrite in appends:
+            self.block_tables.append_block_ids(r, (ids,), overwrite)
+        n = len(batch)
+        idx = np.array([b[0] for b in batch], dtype=np.int32)
+        ib = SimpleNamespace(idx_mapping=torch.from_numpy(idx), idx_mapping_np=idx, num_reqs=n,
+                             num_reqs_after_padding=pad_to or n, num_computed_tokens_np=np.array([b[1] for b in batch]))
+        (table,), _ = self.prepare_attn(ib)
+        self.last = self.builder.build(0, _step_cm(table, batch, pad_to))
+        return self.last
+
+    def capture(self, n):
+        return self.builder.build_for_cudagraph_capture(_step_cm(self.block_tables.input_block_tables[0][:n],
+                                                                 [(0, 4, 1)] * n, None))
+
+
+def _step_cm(table, batch, pad_to):
+    n_pad = pad_to or len(batch)
+    q = [b[2] for b in batch] + [0] * (n_pad - len(batch))
+    seq = [b[1] + b[2] for b in batch] + [0] * (n_pad - len(batch))
+    qsl = torch.tensor([0] + list(itertools.accumulate(q)), dtype=torch.int32)
+    return SimpleNamespace(causal=True, num_reqs=n_pad, query_start_loc=qsl, query_start_loc_cpu=qsl.clone(),
+                           seq_lens=torch.tensor(seq, dtype=torch.int32),
+                           seq_lens_cpu_upper_bound=torch.tensor(seq, dtype=torch.int32), max_query_len=max(q),
+                           max_seq_len=max(seq), num_actual_tokens=int(qsl[-1]), block_table_tensor=table,
+                           slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64))
+
+
+@pytest.fixture
+def fi_builder(stub_vllm, monkeypatch):
+    """fi-backend's real metadata builder (page 4, 8 requests) whose wrappers are RefWrappers, named by kernel
+    ("graph_prefill" for the third); the process's table provider and readers reset around the test."""
+    impls = {f"layers.{i}.attn": adapter._Impl(4, 64, 0.125, 2) for i in range(2)}
+    _stub_layer_lookup(monkeypatch, impls)
+    monkeypatch.setattr(adapter, "_table_provider", False)
+    monkeypatch.setattr(adapter, "_table_readers", 0)
+    made = []
+
+    def make_wrapper(kernel, **kw):
+        made.append((kernel, kw["max_rows"], kw["shared_prefix"]))
+        return RefWrapper("graph_prefill" if kernel == "prefill" and len(made) == 3 else kernel)
+
+    monkeypatch.setattr(adapter, "_make_wrapper", make_wrapper)
+    cfg = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=64),
+                          model_config=SimpleNamespace(dtype=torch.bfloat16), parallel_config=None)
+    spec = SimpleNamespace(num_kv_heads=2, head_size=64, block_size=4)
+
+    def make():
+        made.clear()
+        return adapter.FiAttentionMetadataBuilder(spec, list(impls), cfg, "cpu")
+
+    yield SimpleNamespace(make=make, made=made)
+    adapter.publish_step_tables(None)
+
+
+# requests 0 and 1 share manager blocks 5, 6 (kernel blocks 10..13: 16 tokens); request 2 shares nothing
+_SHARED_APPENDS = [(0, [5, 6, 7], True), (1, [5, 6, 9], True), (2, [1, 2], True)]
+
+
+def test_worker_tables_reach_the_plans_and_grouped_decode_runs_on_graph_prefill(fi_builder):
+    """The opt-in worker's runner end to end on vLLM's flow (V2Runner): its mirror of the appended ids, published for
+    the step in batch order, gives _StepPlanner the groups (kernel blocks of bpk 2, capped at cached blocks; the
+    graph-padded row in none). A grouped decode step runs on graph_prefill with the decode wrapper idle; with the
+    verdict shared_groups == 0 on the decode wrapper, graph_prefill idle; eager steps launch one wrapper. A capture
+    plans no groups and launches both into one output (the idle one writes nothing). Mixed steps pass the groups
+    to the prefill wrapper. Nothing is left published after a step."""
+    runner = vllm_worker._runner_class(V2Runner)(fi_builder.make)
+    runner.initialize_kv_cache(None)
+    assert [k for k, _, _ in fi_builder.made] == ["decode", "prefill", "prefill"]
+    assert fi_builder.made[2] == ("prefill", 8, True)              # graph_prefill: max_num_seqs rows, shared rows
+    step = runner.builder._step
+    dec, gp, pre = step.decode, step.graph_prefill, step.prefill
+    assert gp.name == "graph_prefill" and adapter.step_table_readers() == 1 and runner._fi_mirror is not None
+    counts = adapter.plan_counts()
+
+    # batch order 2, 0, 1 (idx_mapping), CUDA-graph padded to 4 rows
+    md = runner.execute_model(_SHARED_APPENDS, [(2, 7, 1), (0, 22, 1), (1, 21, 1)], pad_to=4)
+    assert gp.plans[-1]["groups"] == [[1, 3, 16]] and not gp.plans[-1]["idle"]
+    assert md.wrapper is gp and md.partner is None and dec.plans[-1]["idle"]
+    assert torch.equal(dec.plans[-1]["kv"], gp.plans[-1]["kv"]) and dec.plans[-1]["bsr"] is gp.plans[-1]["bsr"]
+    assert adapter._step_table(runner.block_tables.input_block_tables[0]) is None, "left published after the step"
+    after = adapter.plan_counts()
+    assert (after["grouped_decode"], after["prefill"], after["decode"]) == (
+        counts["grouped_decode"] + 1, counts["prefill"] + 1, counts["decode"])
+
+    layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0)
+    impl = adapter._Impl(4, 64, 0.125, 2)
+    kv = torch.randn(20, 4, 2, 128, dtype=torch.float64)
+    q = torch.randn(4, 4, 64, dtype=torch.float64)
+    out = torch.full((4, 4, 64), math.nan, dtype=torch.float64)
+    impl.forward(layer, q, None, None, kv, md, out)                 # eager (or replayed) step: the active one only
+    assert (gp.runs, dec.runs, dec.idle_runs, gp.idle_runs) == (1, 0, 0, 0) and not out[:3].isnan().any()
+
+    gp.keep_groups = False                                          # the planner's verdict: not worth it
+    md = runner.execute_model([], [(2, 8, 1), (0, 23, 1), (1, 22, 1)])
+    assert gp.plans[-2]["groups"] == [[1, 3, 16]] and gp.plans[-1]["idle"]
+    assert md.wrapper is dec and not dec.plans[-1]["idle"] and dec.plans[-1]["groups"] is None
+    gp.keep_groups = True
+
+    adapter.publish_step_tables(runner._fi_mirror.rows(np_idx([2, 0, 1]), np_idx([7, 22, 21])))
+    cap = runner.capture(4)                                         # a capture plans no groups, launches both
+    assert cap.wrapper is dec and cap.partner is gp and gp.plans[-1]["idle"] and dec.plans[-1]["groups"] is None
+    out = torch.full((4, 4, 64), math.nan, dtype=torch.float64)
+    impl.forward(layer, q, None, None, kv, cap, out)
+    assert dec.runs == 1 and gp.idle_runs == 1 and not out.isnan().any()
+    adapter.publish_step_tables(None)
+
+    md = runner.execute_model([], [(0, 24, 2), (1, 23, 1), (2, 9, 1)])   # a mixed step: the prefill wrapper
+    assert md.wrapper is pre and pre.plans[-1]["groups"] == [[0, 2, 16]]
+    assert adapter.plan_counts()["grouped_extend"] == counts["grouped_extend"] + 1
+
+    # row 1 reused by a new request that shares nothing: no group (the mirror forgot the old ids)
+    md = runner.execute_model([(1, [3, 4, 8], True)], [(0, 24, 1), (1, 20, 1)])
+    assert md.wrapper is dec and dec.plans[-1]["groups"] is None and gp.plans[-1]["idle"]
+
+
+def np_idx(values):
+    import numpy as np
+    return np.array(values, dtype=np.int32)
+
+
+@pytest.mark.parametrize("case", ["no_worker", "off", "other_backend"])
+def test_without_the_worker_tables_nothing_changes(fi_builder, monkeypatch, case):
+    """Without the worker (no tables provided), with FI_BACKEND_SHARED_PREFIX=0, or where no fi-backend builder reads
+    the tables (another backend): two wrappers only, decode steps plan and launch the decode wrapper alone (no idle
+    plan, no partner in captures), and the runner publishes nothing."""
+    if case == "off":
+        monkeypatch.setenv("FI_BACKEND_SHARED_PREFIX", "0")
+    make = (lambda: None) if case == "other_backend" else fi_builder.make
+    runner = (V2Runner if case == "no_worker" else vllm_worker._runner_class(V2Runner))(make)
+    runner.initialize_kv_cache(None)
+    assert adapter.step_table_readers() == 0 and getattr(runner, "_fi_mirror", None) is None
+    if case == "other_backend":
+        assert adapter._table_provider   # said, but nobody reads: no mirror, nothing published
+        return
+    assert [k for k, _, _ in fi_builder.made] == ["decode", "prefill"] and runner.builder._step.graph_prefill is None
+    published = []
+    monkeypatch.setattr(adapter, "publish_step_tables", lambda t: published.append(t))
+    md = runner.execute_model(_SHARED_APPENDS, [(2, 7, 1), (0, 22, 1), (1, 21, 1)], pad_to=4)
+    dec = runner.builder._step.decode
+    assert md.wrapper is dec and md.partner is None and dec.plans[-1]["groups"] is None
+    assert [p["idle"] for p in dec.plans] == [False]
+    assert runner.capture(4).partner is None
+    assert all(t is None for t in published)
+
+
+def test_worker_changes_only_vllms_v2_runner(monkeypatch):
+    """Worker.init_device (gpu_worker.py:297, the runner built at :402-410): vLLM's V2 runner becomes the mirroring
+    subclass, keeping its state; the V1 runner (cascade path) and another class stay; FI_BACKEND_SHARED_PREFIX=0
+    changes nothing. Worker is made lazily, and without vLLM its error names the worker path."""
+    class V1Runner:
+        def __init__(self, make_builder):
+            pass
+
+    class Other(V2Runner):
+        pass
+
+    class GpuWorker:
+        def __init__(self, runner_cls):
+            self.runner_cls = runner_cls
+
+        def init_device(self):
+            self.model_runner = self.runner_cls(None)
+
+    Worker = vllm_worker._worker_class(GpuWorker, V2Runner)
+    w = Worker(V2Runner)
+    w.init_device()
+    assert isinstance(w.model_runner, V2Runner) and type(w.model_runner) is not V2Runner
+    assert type(w.model_runner).prepare_attn is not V2Runner.prepare_attn and w.model_runner.pcp_manager is None
+    for cls in (V1Runner, Other):
+        w = Worker(cls)
+        w.init_device()
+        assert type(w.model_runner) is cls
+    monkeypatch.setenv("FI_BACKEND_SHARED_PREFIX", "0")
+    w = Worker(V2Runner)
+    w.init_device()
+    assert type(w.model_runner) is V2Runner
+    if not HAVE_VLLM:
+        with pytest.raises(ImportError, match="fi_backend.adapters.vllm_worker.Worker subclasses vLLM"):
+            vllm_worker.Worker  # noqa: B018
+    with pytest.raises(AttributeError):
+        vllm_worker.NoSuchThing  # noqa: B018
+
+
+def test_worker_module_imports_without_vllm():
+    code = ("import sys, fi_backend.adapters.vllm_worker as w; assert w.WORKER_CLASS_PATH.endswith('.Worker'); "
+            "assert 'vllm' not in sys.modules, sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

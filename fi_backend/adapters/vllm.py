@@ -30,6 +30,12 @@ block tables) plus kv_block_start, which is allocated here once and sliced. Padd
 captured batch have no query rows and a KV length of 0, so they read nothing and write nothing; the
 output rows of padding tokens are left as they are (vLLM discards them).
 
+Shared-prefix groups (docs/composable.md): from a host copy of the step's block table, which vLLM 0.26 gives build()
+only through the opt-in worker (vllm_worker.py: `--worker-cls fi_backend.adapters.vllm_worker.Worker`, which
+publishes it per step, publish_step_tables), or from the V1 runner's cascade prefix. With the worker each group
+has a third wrapper, graph_prefill (the prefill kernel): a decode step whose groups the planner keeps runs on it,
+with the decode wrapper planned idle (else the reverse), and a decode graph launches both into one output.
+
 Batch invariance (VLLM_BATCH_INVARIANT=1, or FI_BACKEND_DETERMINISTIC=1): both wrappers plan deterministically
 (docs/deterministic.md) and a mixed step runs in two launches, its decodes (vLLM puts them first:
 reorder_batch_threshold = 1) on the decode kernel and the rest on the prefill kernel, so a request's kernel
@@ -78,9 +84,15 @@ _VLLM_CLASSES = ("FiAttentionBackend", "FiAttentionMetadataBuilder", "FiAttentio
 _log = logging.getLogger("vllm.fi_backend")
 _logged_active = False
 _warned_unordered = False
-_PLAN_COUNTS = {"decode": 0, "prefill": 0}
+_PLAN_COUNTS = {"decode": 0, "prefill": 0, "grouped_decode": 0, "grouped_extend": 0}
 _wrappers = weakref.WeakSet()   # every BatchAttention this process made, for check_errors()
 _define_lock = threading.Lock()  # the vLLM classes are made once: vLLM compares them by identity
+# Host block tables for shared-prefix groups, published by the opt-in worker (adapters/vllm_worker.py): its V2
+# runner says so before its metadata builders are made (_table_provider), each builder that will read them counts
+# itself (_table_readers), and each step's rows go to this thread's build() calls (_STEP_TABLES).
+_STEP_TABLES = threading.local()
+_table_provider = False
+_table_readers = 0
 
 
 # ------------------------------------------------------------------------------------ registration
@@ -149,8 +161,40 @@ def _vllm_class(name: str) -> type:
 
 
 def plan_counts() -> dict:
-    """Plans made in this process per kernel, {"decode": n, "prefill": m} (tests and debugging)."""
+    """Plans made in this process per kernel, {"decode": n, "prefill": m, ...} (tests and debugging). grouped_decode /
+    grouped_extend: decode / other steps whose plan kept at least one shared-prefix group; a decode step run on
+    graph_prefill counts as a prefill plan."""
     return dict(_PLAN_COUNTS)
+
+
+def provide_step_tables(on: bool = True) -> None:
+    """Say that this process's model runner publishes host block tables every step (publish_step_tables): metadata
+    builders made after it, with shared prefixes on, add the graph_prefill wrapper for grouped decode steps. Called
+    by adapters/vllm_worker.py's runner before vLLM makes its builders."""
+    global _table_provider
+    _table_provider = bool(on)
+
+
+def _add_table_reader() -> None:
+    global _table_readers
+    _table_readers += 1
+
+
+def step_table_readers() -> int:
+    """How many metadata builders of this process read the published tables (0: publishing would be wasted)."""
+    return _table_readers
+
+
+def publish_step_tables(tables: Optional[dict]) -> None:
+    """This step's host block tables for the build() calls that follow on this thread: {data_ptr of the device
+    block table vLLM hands build() (block_table_tensor): int [num_reqs, K] rows in batch order}. None clears them
+    (after the step, so that no later build() reads a stale table)."""
+    _STEP_TABLES.tables = tables
+
+
+def _step_table(block_table):
+    tables = getattr(_STEP_TABLES, "tables", None)
+    return None if tables is None else tables.get(block_table.data_ptr())
 
 
 def check_errors() -> None:
@@ -215,6 +259,9 @@ class FiAttentionMetadata:
     # decode wrapper; `wrapper` (prefill) covers rows [num_decode_rows, num_rows).
     decode_wrapper: Any = None
     num_decode_rows: int = 0
+    # A CUDA-graph capture of a decode step with graph_prefill: the other wrapper, planned idle (no items); forward
+    # launches it after `wrapper` into the same output, so the graph holds both launches (None: run `wrapper` only).
+    partner: Any = None
 
 
 class _StepPlanner:
@@ -227,8 +274,11 @@ class _StepPlanner:
     captured run() needs (the wrapper refuses a plan with other addresses after a capture)."""
 
     def __init__(self, decode, prefill, *, page_size: int, sm_scale: float, variant_params: dict,
-                 debug: bool = False, deterministic: bool = False, shared_prefix: bool = False):
+                 debug: bool = False, deterministic: bool = False, shared_prefix: bool = False, graph_prefill=None):
         self.decode, self.prefill = decode, prefill
+        # The prefill kernel for decode steps whose groups the planner keeps (docs/composable.md); its own
+        # workspace, since a capture freezes a wrapper's tile member and BSR. None: decode steps on `decode` only.
+        self.graph_prefill = graph_prefill
         self.deterministic = deterministic
         self.shared_prefix = shared_prefix and not deterministic  # composable formats (docs/composable.md)
         self._qo_rest = None        # deterministic mixed steps: the prefill part's qo_indptr, rebased to 0
@@ -242,23 +292,29 @@ class _StepPlanner:
 
     def _prefix_groups(self, cm, qo_cpu, kv_cpu, common_prefix_len: int):
         """The step's shared-prefix groups, from host data only (no device sync): a host copy of the step's block
-        table where the runner provides one (cm.block_table_cpu: consecutive requests with identical leading
-        block ids, any number of groups), else vLLM's cascade prefix common to the whole batch (common_prefix_len,
-        computed by the V1 runner from its host block table). None: single-format."""
+        table where the runner provides one (cm.block_table_cpu, or the rows the opt-in worker published for this
+        block table: consecutive requests with identical leading block ids, any number of groups), else vLLM's
+        cascade prefix common to the whole batch (common_prefix_len, computed by the V1 runner from its host block
+        table). Rows past the host table's (CUDA-graph padding) are in no group. None: single-format."""
         n = cm.num_reqs
         if not self.shared_prefix or n < 2:
             return None
         cached = kv_cpu - (qo_cpu[1:] - qo_cpu[:-1])
         table = getattr(cm, "block_table_cpu", None)
+        if table is None:
+            table = _step_table(cm.block_table_tensor)
         if table is not None:
-            groups = prefix_groups_from_table(table[:n], cached, self.page_size)
+            m = min(int(table.shape[0]), n)
+            groups = prefix_groups_from_table(table[:m], cached[:m], self.page_size)
             return groups if len(groups) else None
         if common_prefix_len:
             plen = min(int(common_prefix_len), int(cached.min())) // self.page_size * self.page_size
             return [[0, n, plen]] if plen > 0 else None
         return None
 
-    def plan(self, cm, common_prefix_len: int = 0) -> FiAttentionMetadata:
+    def plan(self, cm, common_prefix_len: int = 0, capture: bool = False) -> FiAttentionMetadata:
+        """capture: a CUDA-graph capture (or its warm-up), planned without groups; with graph_prefill both decode
+        wrappers launch (one idle), so that the graph holds both."""
         if cm.causal is not True:
             raise NotImplementedError(f"fi-backend runs causal decoder attention only (got causal={cm.causal!r})")
         n = cm.num_reqs
@@ -284,13 +340,42 @@ class _StepPlanner:
                 return self._plan_mixed(cm, qo_cpu, kv_cpu, nd)
         bsr = BSR(qo_indptr=cm.query_start_loc, kv_indices=self._kv_indices, kv_block_start=self._kv_block_start[:n],
                   kv_lens=cm.seq_lens, block_width=self.page_size)
-        groups = self._prefix_groups(cm, qo_cpu, kv_cpu, common_prefix_len)
-        wrapper.plan(qo_cpu, kv_cpu, bsr, causal=True, sm_scale=self.sm_scale, debug=self.debug, prefix_groups=groups,
-                     **self.variant_params)
-        _PLAN_COUNTS[kernel] += 1
+        groups = None if capture else self._prefix_groups(cm, qo_cpu, kv_cpu, common_prefix_len)
+        kw = dict(causal=True, sm_scale=self.sm_scale, debug=self.debug, **self.variant_params)
+        partner = None
+        if kernel == "decode" and self.graph_prefill is not None:
+            wrapper, partner = self._plan_decode_pair(qo_cpu, kv_cpu, bsr, groups, kw)
+            partner = partner if capture else None
+        else:
+            wrapper.plan(qo_cpu, kv_cpu, bsr, prefix_groups=groups, **kw)
+            _PLAN_COUNTS[kernel] += 1
+            if groups is not None and _kept_groups(wrapper):
+                _PLAN_COUNTS["grouped_decode" if kernel == "decode" else "grouped_extend"] += 1
         return FiAttentionMetadata(wrapper=wrapper, num_rows=int(qo_cpu[n]), num_actual_tokens=cm.num_actual_tokens,
                                    max_query_len=cm.max_query_len, query_start_loc=cm.query_start_loc,
-                                   seq_lens=cm.seq_lens, block_table=table, slot_mapping=cm.slot_mapping)
+                                   seq_lens=cm.seq_lens, block_table=table, slot_mapping=cm.slot_mapping,
+                                   partner=partner)
+
+    def _plan_decode_pair(self, qo_cpu, kv_cpu, bsr, groups, kw) -> tuple:
+        """A decode step with graph_prefill: (the wrapper that runs it, the other one, planned idle). With groups,
+        graph_prefill is planned first and runs the step where the planner keeps any (plan_info.shared_groups);
+        else the decode wrapper does, single-format. build() cannot tell a replayed step from an eager one, and a
+        captured graph launches both, so the other one always gets an idle plan (the same rows, no items)."""
+        active = self.decode
+        if groups is not None:
+            self.graph_prefill.plan(qo_cpu, kv_cpu, bsr, prefix_groups=groups, **kw)
+            if _kept_groups(self.graph_prefill):
+                active = self.graph_prefill
+        if active is self.decode:
+            self.decode.plan(qo_cpu, kv_cpu, bsr, **kw)
+            _PLAN_COUNTS["decode"] += 1
+            idle = self.graph_prefill
+        else:
+            _PLAN_COUNTS["prefill"] += 1
+            _PLAN_COUNTS["grouped_decode"] += 1
+            idle = self.decode
+        idle.plan(qo_cpu, kv_cpu, bsr, idle=True, **kw)
+        return active, idle
 
     def _plan_mixed(self, cm, qo_cpu, kv_cpu, nd: int) -> FiAttentionMetadata:
         """Batch invariance: a mixed step's nd leading decodes on the decode wrapper, the rest on the prefill
@@ -328,6 +413,11 @@ class _StepPlanner:
         self._kv_indices = table.as_strided((span,), (1,))
         self._kv_block_start = starts.to(torch.int32) if rows * row_stride < 2 ** 31 else starts
         self._table_key = (table.data_ptr(), row_stride)
+
+
+def _kept_groups(wrapper) -> int:
+    """Shared-prefix groups the wrapper's last plan kept (the planner's verdict)."""
+    return int(getattr(getattr(wrapper, "plan_info", None), "shared_groups", 0) or 0)
 
 
 def _warn_unordered() -> None:
@@ -575,12 +665,20 @@ class _MetadataBuilder:
         common["deterministic"] = deterministic
         shared_prefix = _env.flag(_env.SHARED_PREFIX, True) and not deterministic
         common["shared_prefix"] = shared_prefix
+        # Grouped decode steps on the prefill kernel, in CUDA graphs too: only where the opt-in worker publishes
+        # host block tables (vLLM 0.26's runners give build() none), else decode steps keep one wrapper and launch.
+        grouped_decode = shared_prefix and _table_provider
         try:
             decode = _make_wrapper("decode", max_rows=sched.max_num_seqs, **common)
             prefill = _make_wrapper("prefill", max_rows=max(sched.max_num_batched_tokens, sched.max_num_seqs),
                                     **common)
+            graph_prefill = _make_wrapper("prefill", max_rows=sched.max_num_seqs, **common) if grouped_decode else None
         except Exception as e:  # a build failure or a refused shape: say which model shape, at start-up
             raise RuntimeError(f"fi-backend cannot run this model's attention ({what}): {e}") from e
+        if grouped_decode:
+            _add_table_reader()
+            _log.info("fi-backend: shared-prefix groups from the worker's host block tables; grouped decode steps "
+                      "on the prefill kernel (graph_prefill, %d rows) on %s", sched.max_num_seqs, where)
         for name in decode.module_names + prefill.module_names:
             _log.info("fi-backend: kernel module %s ready (%s) on %s", name, what, where)
         params = dict(s.plan_params)
@@ -588,7 +686,8 @@ class _MetadataBuilder:
             params["alibi_slopes"] = torch.tensor(params["alibi_slopes"], dtype=torch.float32, device=device)
         self._step = _StepPlanner(decode, prefill, page_size=kv_cache_spec.block_size, sm_scale=s.sm_scale,
                                   variant_params=params, debug=os.environ.get("FI_BACKEND_VLLM_DEBUG") == "1",
-                                  deterministic=deterministic, shared_prefix=shared_prefix)
+                                  deterministic=deterministic, shared_prefix=shared_prefix,
+                                  graph_prefill=graph_prefill)
         _log_active(s, kv_cache_spec.block_size, len(layers), where)
 
     @classmethod
@@ -602,8 +701,10 @@ class _MetadataBuilder:
 
     def build_for_cudagraph_capture(self, common_attn_metadata) -> FiAttentionMetadata:
         # The same plan as any step: run() captured now keeps reading the fixed workspace sections and
-        # the persistent BSR buffers, so it replays correctly after every later plan of its wrapper.
-        return self.build(0, common_attn_metadata)
+        # the persistent BSR buffers, so it replays correctly after every later plan of its wrapper. With
+        # graph_prefill a decode capture launches both decode-step wrappers (one idle); each replayed step's
+        # build() then gives the step to one of them and an idle plan to the other.
+        return self._step.plan(common_attn_metadata, 0, capture=True)
 
     def use_cascade_attention(self, common_prefix_len: int = 0, *args, **kwargs) -> bool:
         # The V1 runner asks with the prefix common to the whole batch (from its host block table); yes, when
@@ -688,8 +789,11 @@ class _Impl:
             attn_metadata.wrapper.run(query[nd:n], kv, out=out[nd:n], k_scale=layer._k_scale_float,
                                       v_scale=layer._v_scale_float)
             return output
-        attn_metadata.wrapper.run(query, self._kv(kv_cache), out=out, k_scale=layer._k_scale_float,
-                                  v_scale=layer._v_scale_float)
+        kv = self._kv(kv_cache)
+        attn_metadata.wrapper.run(query, kv, out=out, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float)
+        partner = getattr(attn_metadata, "partner", None)
+        if partner is not None:   # a decode-graph capture: the idle wrapper too (it writes nothing)
+            partner.run(query, kv, out=out, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float)
         return output
 
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,

@@ -116,7 +116,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # integration_test
 from compare import bound as _bound, generation_diffs as _generation_diffs  # noqa: E402
 from compare import logprob_diffs as _logprob_diffs, stats as _stats  # noqa: E402
 from compare import DET_GEN, DET_TOP, det_plan, det_report, det_workload, engine_records, optional  # noqa: E402
-from compare import require_engine_and_gpu  # noqa: E402
+from compare import check_shared_prefix, require_engine_and_gpu  # noqa: E402
 LAYERS = int(os.environ.get("FI_SGLANG_TEST_LAYERS", "4"))
 RESULTS = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "integration_tests" / "results"
 ENGINE_TIMEOUT_S = int(os.environ.get("FI_SGLANG_TEST_ENGINE_TIMEOUT", "570"))
@@ -805,16 +805,9 @@ def test_shared_prefix_groups_match_flashinfer(engines):
     else:
         record["groups_off"] = off
     _write("shared_prefix", record)
-    counts = run["stats"]["plan_counts"]
-    assert counts["grouped_decode"] > 0 and counts["grouped_extend"] > 0, counts
-    cached = run["shared"]["prefix_hit_cached_tokens"]
-    assert min(cached[-run["shared"]["system_prompt_requests"]:]) >= SHARED_SYSTEM_TOKENS - 16, cached
-    assert got["max"] <= bound["max"] and got["mean"] <= bound["mean"], (got, bound)
-    assert max(gen, default=0.0) <= bound["max"], (gen, bound)
-    if "shared" in off:
-        assert off["stats"]["plan_counts"]["grouped_decode"] == off["stats"]["plan_counts"]["grouped_extend"] == 0
-        on_off = record["groups_on_vs_off"]
-        assert on_off["max"] <= bound["max"] and on_off["mean"] <= bound["mean"], (on_off, bound)
+    has_off = "shared" in off
+    check_shared_prefix(run["stats"]["plan_counts"], run["shared"], got, gen, bound, SHARED_SYSTEM_TOKENS,
+                        off["stats"]["plan_counts"] if has_off else None, record.get("groups_on_vs_off"))
 
 
 def _det_summary(record: dict) -> dict:

@@ -77,6 +77,26 @@ the records (FI_VLLM_TEST_REUSE=1); each engine takes about 2-4 minutes:
     IT_MODELS=deterministic FI_VLLM_TEST_REUSE=1 python3 -m pytest -q integration_tests/vllm
 Results: vllm_batch_invariant.json and vllm_batch_invariant_cached_prefix.json.
 
+Shared-prefix groups (issue 28, docs/composable.md; kind shared, engines SHARED_ENGINES): Llama-3.1-8B's shapes,
+CUDA graphs on (FULL decode graphs up to 32 requests), prefix caching and chunked prefill on. workload_shared: four
+prompts (40..1100 tokens) sent as 8 identical greedy requests each, one after the other in one generate() call (vLLM
+refuses n > 1 with temperature 0, and seeded sampling would compare sampled tokens far from the top 5; identical
+greedy requests are what n = 8 is to the engine, consecutive add_request calls whose prompt blocks the later copies
+find in the prefix cache, minus the last partial block, and they stay neighbours in the batch), then a 2000-token
+system prompt cached by one request before 12 questions of 4..15 tokens; 32 greedy tokens each, top-5 logprobs at
+every step (no prompt logprobs: those requests never read the prefix cache). fi-backend runs with the opt-in worker
+(worker_cls fi_backend.adapters.vllm_worker.Worker, the V2 runner mirroring its block table) with groups on, and with
+FI_BACKEND_SHARED_PREFIX=0; FLASH_ATTN is the reference and TRITON_ATTN on the same workload the noise.
+test_shared_prefix_groups_match_flash_attn: groups on within the bound of FLASH_ATTN and of groups off; the runner
+was the worker's subclass; decode steps ran grouped on graph_prefill and extend steps kept groups (plan counts
+grouped_decode / grouped_extend > 0); groups off planned none. One engine per command (about 2-3 minutes each):
+    python3 integration_tests/vllm/test_vllm_backend.py --engine shared_flash_attn
+    python3 integration_tests/vllm/test_vllm_backend.py --engine shared_triton_attn
+    python3 integration_tests/vllm/test_vllm_backend.py --engine shared_custom
+    python3 integration_tests/vllm/test_vllm_backend.py --engine shared_custom_off
+    IT_MODELS=shared FI_VLLM_TEST_REUSE=1 python3 -m pytest -q integration_tests/vllm
+Result: vllm_shared_prefix.json.
+
 Weights: matrices N(0, gain^2 / fan_in), seeded by the parameter's name (so every engine of a kind draws the
 same ones), gain 4 for a separate lm_head; norm weights 1 (0 for Gemma's (1 + w) norms); biases (Qwen2's
 q/k/v) N(0, 0.5^2), seeded by name too.
@@ -115,7 +135,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # integration_test
 from compare import bound as _bound, generation_diffs as _generation_diffs  # noqa: E402
 from compare import logprob_diffs as _logprob_diffs, stats as _stats  # noqa: E402
 from compare import DET_GEN, DET_TOP, det_plan, det_report, det_workload, engine_records, optional  # noqa: E402
-from compare import require_engine_and_gpu  # noqa: E402
+from compare import check_shared_prefix, require_engine_and_gpu  # noqa: E402
 LAYERS = int(os.environ.get("FI_VLLM_TEST_LAYERS", "4"))
 RESULTS = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "integration_tests" / "results"
 ENGINE_TIMEOUT_S = int(os.environ.get("FI_VLLM_TEST_ENGINE_TIMEOUT", "480"))
@@ -150,7 +170,7 @@ SHAPES = {
     "gemma2_9b": ("gemma2_9b.json", 128, 4.0),
 }
 REAL_VARIANTS = os.environ.get("FI_VLLM_TEST_REAL_VARIANTS", "0") == "1"
-KINDS = ("llama", "window") + tuple(SHAPES) + tuple(TP_KINDS) + ("deterministic",)
+KINDS = ("llama", "window") + tuple(SHAPES) + tuple(TP_KINDS) + ("deterministic", "shared")
 # Issue 31's engine bar (kind deterministic; module docstring): label -> (backend, the engine process's environment).
 # Llama-3.1-8B's shapes, CUDA graphs on, prefix caching and chunked prefill on as in every engine here.
 DET_ENGINES = {
@@ -159,7 +179,18 @@ DET_ENGINES = {
     # vLLM's own batch-invariant FlashAttention: the reference (are vLLM's other layers invariant here?)
     "deterministic_flash_attn_det": ("FLASH_ATTN", {"VLLM_BATCH_INVARIANT": "1"}),
 }
-REUSE = os.environ.get("FI_VLLM_TEST_REUSE") == "1"   # the deterministic kind: reuse engine records found
+# Issue 28's shared-prefix groups (kind shared; module docstring): label -> (backend, environment, worker_cls).
+WORKER_CLS = "fi_backend.adapters.vllm_worker.Worker"
+SHARED_ENGINES = {
+    "shared_flash_attn": ("FLASH_ATTN", {}, None),
+    "shared_triton_attn": ("TRITON_ATTN", {}, None),   # the noise on this workload
+    "shared_custom": ("CUSTOM", {"FI_BACKEND_SHARED_PREFIX": "1"}, WORKER_CLS),
+    "shared_custom_off": ("CUSTOM", {"FI_BACKEND_SHARED_PREFIX": "0"}, WORKER_CLS),
+}
+SHARED_ARGS = dict(max_num_seqs=32)                 # 32 parallel copies decode in one batch
+SHARED_CAPTURE_SIZES = [1, 2, 4, 8, 16, 24, 32]
+SHARED_SYSTEM_TOKENS = 2000
+REUSE = os.environ.get("FI_VLLM_TEST_REUSE") == "1"   # the deterministic and shared kinds: reuse engine records found
 SELECTED = tuple(k.strip() for k in os.environ.get("IT_MODELS", "").split(",") if k.strip()) or KINDS
 if set(SELECTED) - set(KINDS):
     raise ValueError(f"IT_MODELS names unknown kinds {sorted(set(SELECTED) - set(KINDS))}; known: {', '.join(KINDS)}")
@@ -434,6 +465,40 @@ def workload_det(llm, token_hi: int = 120000) -> dict:
     return det_workload(det_plan(token_hi), functools.partial(_det_alone, llm), functools.partial(_det_busy, llm))
 
 
+def workload_shared(llm, token_hi: int = 120000) -> dict:
+    """Shared prefixes as parallel sampling and system prompts make them (module docstring): four prompts sent as 8
+    identical greedy requests each, consecutively; then a SHARED_SYSTEM_TOKENS system prompt, cached by one request
+    first, before 12 questions of 4..15 tokens sent at once (short: with long questions each member's own query tiles
+    already amortise the prefix and the planner keeps no extend group). 32 greedy tokens each with top-5 logprobs, in
+    workload_logprobs' record shape."""
+    from vllm import SamplingParams, TokensPrompt
+    rng = random.Random(2028)
+    sp = SamplingParams(max_tokens=32, temperature=0.0, logprobs=5, ignore_eos=True, detokenize=False)
+    gens, cached = [], []
+
+    def keep(outs):
+        for o in outs:
+            gens.append({"tokens": list(o.outputs[0].token_ids), "logprobs": [_top(d) for d in o.outputs[0].logprobs]})
+            cached.append(int(o.num_cached_tokens or 0))
+
+    sampled = [_tokens(rng, n, token_hi) for n in (40, 300, 700, 1100)]
+    copies = [p for p in sampled for _ in range(8)]
+    keep(llm.generate([TokensPrompt(prompt_token_ids=p) for p in copies], sp, use_tqdm=False))
+    system = _tokens(rng, SHARED_SYSTEM_TOKENS, token_hi)
+    llm.generate([TokensPrompt(prompt_token_ids=system + _tokens(rng, 4, token_hi))],
+                 SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
+    questions = [system + _tokens(rng, rng.randrange(4, 16), token_hi) for _ in range(12)]
+    keep(llm.generate([TokensPrompt(prompt_token_ids=p) for p in questions], sp, use_tqdm=False))
+    return {"prompt_logprobs": [], "prefix_hit_first_token": [g["logprobs"][0] for g in gens], "generations": gens,
+            "prefix_hit_cached_tokens": cached, "copies": len(copies), "system_prompt_requests": len(questions)}
+
+
+def _rank_runner(worker) -> str:
+    """The model runner class a worker runs (the opt-in worker's V2 subclass, or vLLM's own)."""
+    t = type(worker.model_runner)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
 def _engine_config(config) -> dict:
     """What the engine settled on where batch invariance may change it (vLLM turns cascade attention off, and
     prefix caching off for FLASHINFER; the V2 model runner puts decodes first)."""
@@ -448,7 +513,8 @@ def _engine_config(config) -> dict:
             "max_num_seqs": config.scheduler_config.max_num_seqs}
 
 
-def run_engine(backend: str, graphs: bool, model: str, workloads: list, out: str, tp: int = 1) -> None:
+def run_engine(backend: str, graphs: bool, model: str, workloads: list, out: str, tp: int = 1,
+               worker_cls: Optional[str] = None) -> None:
     import torch
     import vllm
     from vllm import LLM
@@ -473,12 +539,19 @@ def run_engine(backend: str, graphs: bool, model: str, workloads: list, out: str
     kwargs = dict(ENGINE_ARGS, max_model_len=options["max_model_len"])
     if tp > 1:
         kwargs["tensor_parallel_size"] = tp
+    shared = "shared" in workloads
+    if shared:
+        kwargs.update(SHARED_ARGS)
+    if worker_cls:
+        kwargs["worker_cls"] = worker_cls
     if graphs:
-        kwargs["compilation_config"] = {"cudagraph_capture_sizes": CAPTURE_SIZES}
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": SHARED_CAPTURE_SIZES if shared else CAPTURE_SIZES}
     else:
         kwargs["enforce_eager"] = True
     t0 = time.perf_counter()
     llm = LLM(model=model, attention_backend=backend, **kwargs)
+    record["worker_cls"] = llm.llm_engine.vllm_config.parallel_config.worker_cls
+    record["model_runner"] = llm.collective_rpc(_rank_runner)
     record["engine_start_s"] = time.perf_counter() - t0
     record["cudagraph_mode"] = str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)
     record["engine_config"] = _engine_config(llm.llm_engine.vllm_config)
@@ -498,6 +571,8 @@ def run_engine(backend: str, graphs: bool, model: str, workloads: list, out: str
             record[name] = workload_logprobs(llm, options["token_hi"], options["long_prompts"])
         elif name == "det":
             record[name] = workload_det(llm, options["token_hi"])
+        elif name == "shared":
+            record[name] = workload_shared(llm, options["token_hi"])
         else:
             record[name] = workload_long(llm, token_hi=options["token_hi"])
         record[name + "_s"] = time.perf_counter() - t0
@@ -552,7 +627,7 @@ def engines():
 
 
 def run_engine_process(label: str, backend: str, model: str, workloads, graphs: bool, tp: int = 1,
-                       env_extra: Optional[dict] = None) -> dict:
+                       env_extra: Optional[dict] = None, worker_cls: Optional[str] = None) -> dict:
     """One engine in its own process (this file as a script): its record, or {"refused": reason} where a reference
     backend refused the model at start-up (CUSTOM refusing fails)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -563,7 +638,8 @@ def run_engine_process(label: str, backend: str, model: str, workloads, graphs: 
         env.update(TP_ENV)
     env.update(env_extra or {})
     cmd = [sys.executable, __file__, "--backend", backend, "--model", model, "--out", str(out),
-           "--workloads", ",".join(workloads), "--tp", str(tp)] + (["--graphs"] if graphs else [])
+           "--workloads", ",".join(workloads), "--tp", str(tp)] + (["--graphs"] if graphs else []) + (
+               ["--worker-cls", worker_cls] if worker_cls else [])
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
     (RESULTS / f"vllm_engine_{label}.log").write_text(proc.stdout + proc.stderr)
@@ -582,6 +658,19 @@ def run_det_engine(label: str) -> dict:
     """An engine of DET_ENGINES (the deterministic kind): CUDA graphs on, the det workload."""
     backend, env = DET_ENGINES[label]
     return run_engine_process(label, backend, make_model_dir("deterministic"), ("det",), True, 1, env)
+
+
+def run_shared_engine(label: str) -> dict:
+    """An engine of SHARED_ENGINES (the shared kind): Llama-3.1-8B's shapes, CUDA graphs on, the shared workload."""
+    backend, env, worker_cls = SHARED_ENGINES[label]
+    return run_engine_process(label, backend, make_model_dir("shared"), ("shared",), True, 1, env, worker_cls)
+
+
+@pytest.fixture(scope="module")
+def shared_engines():
+    """SHARED_ENGINES' records: read back where FI_VLLM_TEST_REUSE=1 finds one, else run (one process each)."""
+    require_engine_and_gpu("vllm")
+    return engine_records(RESULTS, "vllm_engine_", REUSE, run_shared_engine)
 
 
 @pytest.fixture(scope="module")
@@ -794,6 +883,44 @@ def test_tensor_parallel_matches_flash_attn(engines):
     assert max(gen, default=0.0) <= bound["max"], (gen, bound)
 
 
+@pytest.mark.gpu
+def test_shared_prefix_groups_match_flash_attn(shared_engines):
+    """Issue 28 in vLLM (module docstring): parallel copies and a shared system prompt with fi-backend's shared-prefix
+    groups, found in the opt-in worker's host block table, within 2x this workload's TRITON_ATTN vs FLASH_ATTN
+    distance (plus the floor) of FLASH_ATTN, CUDA graphs on; grouped steps planned in decode (graph_prefill, inside
+    the FULL decode graphs) and in extend; with FI_BACKEND_SHARED_PREFIX=0 none, and the two within the same bound."""
+    _selected("shared")
+    fa, triton = shared_engines("shared_flash_attn"), shared_engines("shared_triton_attn")
+    run = shared_engines("shared_custom")
+    off = optional(shared_engines, "shared_custom_off")
+    noise = _stats(_logprob_diffs(fa["shared"], triton["shared"]) + _generation_diffs(fa["shared"], triton["shared"])[0])
+    bound = _bound(noise)
+    got = _stats(_logprob_diffs(fa["shared"], run["shared"]))
+    gen, compared, total = _generation_diffs(fa["shared"], run["shared"])
+    record = {"bound": bound, "noise_triton_vs_fa": noise, "custom_vs_fa": got,
+              "generation": {**_stats(gen), "compared": compared, "generated": total},
+              "plan_counts": run["plan_counts"], "model_runner": run["model_runner"],
+              "engine_config": run["engine_config"], "cudagraph_mode": run["cudagraph_mode"],
+              "cached_tokens": run["shared"]["prefix_hit_cached_tokens"]}
+    if "shared" in off:
+        off_gen, off_compared, _ = _generation_diffs(off["shared"], run["shared"])
+        record.update(groups_on_vs_off=_stats(_logprob_diffs(off["shared"], run["shared"])),
+                      groups_on_vs_off_generation={**_stats(off_gen), "compared": off_compared},
+                      plan_counts_off=off["plan_counts"])
+    else:
+        record["groups_off"] = off
+    _write("shared_prefix", record)
+    assert run["engine_config"]["use_v2_model_runner"], "the worker's host tables are for vLLM's V2 model runner"
+    assert run["worker_cls"] == WORKER_CLS and all("FiHostTableModelRunner" in r for r in run["model_runner"]), (
+        run["worker_cls"], run["model_runner"])
+    assert "FULL" in run["cudagraph_mode"], run["cudagraph_mode"]
+    has_off = "shared" in off
+    check_shared_prefix(run["plan_counts"], run["shared"], got, gen, bound, SHARED_SYSTEM_TOKENS,
+                        off["plan_counts"] if has_off else None, record.get("groups_on_vs_off"))
+    if has_off:
+        assert max(off_gen, default=0.0) <= bound["max"], (off_gen, bound)
+
+
 def _det_summary(record: dict) -> dict:
     """An engine's det record, compared (compare.det_report), with what the engine was set to."""
     if "det" not in record:
@@ -862,19 +989,24 @@ def test_batch_invariant_cached_prefix_matches_whole(det_engines):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="one vLLM engine run (used by the tests above)")
-    parser.add_argument("--engine", choices=sorted(DET_ENGINES),
-                        help="run one engine of DET_ENGINES in its own process and write its record")
+    parser.add_argument("--engine", choices=sorted(DET_ENGINES) + sorted(SHARED_ENGINES),
+                        help="run one engine of DET_ENGINES or SHARED_ENGINES in its own process and write its record")
     parser.add_argument("--backend")
     parser.add_argument("--model")
     parser.add_argument("--out")
     parser.add_argument("--workloads", default="logprobs")
     parser.add_argument("--graphs", action="store_true")
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    parser.add_argument("--worker-cls", help="vLLM's worker_cls (the shared kind: fi-backend's opt-in worker)")
     a = parser.parse_args()
-    if a.engine:
+    if a.engine in SHARED_ENGINES:
+        rec = run_shared_engine(a.engine)
+        print(json.dumps({k: rec.get(k) for k in ("backend", "worker_cls", "model_runner", "cudagraph_mode",
+                                                  "plan_counts", "engine_start_s", "shared_s", "wall_s")}, indent=1))
+    elif a.engine:
         rec = run_det_engine(a.engine)
         print(json.dumps(_det_summary(rec) if "det" in rec else rec, indent=1)[:4000])
     else:
         if not (a.backend and a.model and a.out):
             parser.error("--backend, --model and --out (or --engine)")
-        run_engine(a.backend, a.graphs, a.model, a.workloads.split(","), a.out, a.tp)
+        run_engine(a.backend, a.graphs, a.model, a.workloads.split(","), a.out, a.tp, a.worker_cls)
