@@ -673,3 +673,13 @@ def test_sglang_bench_imports_without_sglang():
     code = ("import sys; sys.modules['sglang'] = None; import perf.e2e.sglang_bench as b; "
             "assert b.backend_unavailable('triton').startswith('the sglang package'); b.main(['--dry-run'])")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=B.REPO, capture_output=True)
+
+
+def test_vllm_shared_variant_runs_the_opt_in_worker():
+    """CUSTOM_SHARED is CUSTOM with groups on and fi-backend's opt-in worker (vLLM 0.26 gives build() no host
+    block table otherwise); CUSTOM is fi-backend as users start it."""
+    from fi_backend.adapters import vllm_worker
+    assert S.parse_backends("CUSTOM,CUSTOM_SHARED", B.ENGINE) == ["CUSTOM", "CUSTOM_SHARED"]
+    assert B.ENGINE.engine_backend("CUSTOM_SHARED") == "CUSTOM"
+    assert B.VARIANT_ARGS == {"CUSTOM_SHARED": {"worker_cls": vllm_worker.WORKER_CLASS_PATH}}
+    assert B.ENGINE.variants["CUSTOM_SHARED"] == {"FI_BACKEND_SHARED_PREFIX": "1"}

@@ -68,8 +68,11 @@ ENGINE = S.Engine(
     method="In-process AsyncLLM with `vllm serve`'s defaults (UsageContext.OPENAI_API_SERVER).",
     settings={"usage_context": "OPENAI_API_SERVER (vllm serve defaults)"},
     child_env={"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1"},   # its sampler would import FlashInfer
-    bar=bar, variants={"CUSTOM_NOSHARE": {"FI_BACKEND_SHARED_PREFIX": "0"}})   # CUSTOM, shared-prefix groups off
+    bar=bar, variants={"CUSTOM_SHARED": {"FI_BACKEND_SHARED_PREFIX": "1"}})   # CUSTOM with shared-prefix groups
 REPO = S.REPO
+# Engine arguments of a variant: CUSTOM_SHARED runs fi-backend's opt-in worker, whose host block tables give the
+# adapter its groups (vLLM 0.26 gives build() none; docs/composable.md). CUSTOM is fi-backend as users start it.
+VARIANT_ARGS = {"CUSTOM_SHARED": {"worker_cls": "fi_backend.adapters.vllm_worker.Worker"}}
 
 
 # ------------------------------------------------------------------------------------------------ child
@@ -136,7 +139,8 @@ async def _serve(plan: dict, backend: str, result: dict, out_path: Path, t_child
     args = AsyncEngineArgs(model=plan["model_dir"], load_format="dummy", skip_tokenizer_init=True,
                            max_model_len=s["max_model_len"], gpu_memory_utilization=s["gpu_memory_utilization"],
                            attention_backend=ENGINE.engine_backend(backend), seed=s["seed"], enforce_eager=s["enforce_eager"],
-                           tensor_parallel_size=s.get("tensor_parallel_size", 1), enable_log_requests=False, **kw)
+                           tensor_parallel_size=s.get("tensor_parallel_size", 1), enable_log_requests=False, **kw,
+                           **VARIANT_ARGS.get(backend, {}))
     t0 = time.perf_counter()
     engine = AsyncLLM.from_engine_args(args, usage_context=UsageContext.OPENAI_API_SERVER)
     try:
