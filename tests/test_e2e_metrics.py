@@ -396,7 +396,8 @@ class AsyncLLM:
         return True
 
     async def generate(self, prompt, sp, request_id):
-        assert sp.output_kind.name == "DELTA" and sp.ignore_eos and sp.temperature == 0.0
+        assert sp.output_kind.name == "DELTA" and sp.ignore_eos
+        assert sp.temperature == 0.0 if sp.n == 1 else (sp.temperature == 1.0 and sp.seed is not None)  # vLLM: n > 1
         await asyncio.sleep(0.005 + 1e-6 * len(prompt["prompt_token_ids"]))
         left, step = sp.max_tokens, 0
         while left:

@@ -174,7 +174,8 @@ def build_plan(a: argparse.Namespace, engine: Engine) -> dict:
         "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
         "enforce_eager": a.enforce_eager, "warmup_requests": a.warmup,
         "tensor_parallel_size": a.tp, **engine.settings,
-        "sampling": "temperature=0, ignore_eos=True, max_tokens=output_len, detokenize=False, output_kind=DELTA",
+        "sampling": ("temperature=0 (vLLM with n > 1: temperature=1, seeded per request), ignore_eos=True, "
+                     "max_tokens=output_len, detokenize=False, output_kind=DELTA"),
         "arrivals": "Poisson (vLLM get_request, burstiness 1, rescaled to n/rate)",
     }
     model = {"config_source": config_source, "num_hidden_layers": config["num_hidden_layers"],

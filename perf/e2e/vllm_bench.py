@@ -118,8 +118,11 @@ async def _run_requests(engine, prompts, output_lens, send_times, tag, timeout_s
 
     def send(i):
         ids, n = prompts[i], output_lens[i]
-        sp = SamplingParams(n=samples, temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False,
-                            output_kind=RequestOutputKind.DELTA)
+        # vLLM refuses n > 1 with greedy sampling: the samples of a prompt are drawn at temperature 1 (seeded per
+        # request, the same in every backend); ignore_eos keeps the lengths
+        greedy = dict(temperature=0.0) if samples == 1 else dict(temperature=1.0, seed=i)
+        sp = SamplingParams(n=samples, max_tokens=n, ignore_eos=True, detokenize=False,
+                            output_kind=RequestOutputKind.DELTA, **greedy)
         return _one_request(engine, TokensPrompt(prompt_token_ids=ids), sp, f"{tag}-{i}", len(ids), n)
     return await S.run_requests(send, len(prompts), send_times, timeout_s)
 
