@@ -1,15 +1,16 @@
 """python -m perf composable: decode with shared prefixes (composable formats, docs/composable.md) against
 FlashInfer 0.6.14's MultiLevelCascadeAttentionWrapper in the same process, on the issue's three cells.
 
-Llama-3.1-8B heads (32 query / 8 KV, head_dim 128, bf16, pages of 16); each cell is B requests sharing an
-L-token prefix (the same pages) with S unique tokens each, one query row a request. Timed, in alternating
+Llama-3.1-8B heads (32 query / 8 KV, head_dim 128, bf16, pages of 16 or --page); each cell is B requests sharing
+an L-token prefix (the same pages) with S unique tokens each, one query row a request; a fourth number N (BxLxSxN)
+makes B / N groups of N requests, each group its own prefix (parallel sampling: n = N). Timed, in alternating
 rounds (perf.common.time_rounds, CUDA events): ours single-format (the decode kernel without groups: every
 request reads the prefix), ours with the group on the decode kernel and on the prefill kernel (one launch each),
 FlashInfer's two-level cascade (level 0: all queries against the prefix; level 1: each request's own pages) and
 FlashInfer's single-format decode. Two KV pools alternate between calls. Outputs are checked against each other
 before timing. Writes perf/results/composable.json (device, date, commit).
 
-    python -m perf composable [--rounds 5] [--rep 50] [--cells 64x32768x256,16x8192x256,128x1024x256]
+    python -m perf composable [--rounds 5] [--rep 50] [--cells 64x32768x256,16x8192x256,128x1024x256] [--page 16]
 """
 from __future__ import annotations
 
@@ -26,30 +27,42 @@ SETS = 2
 
 
 class Cell:
-    """B requests: prefix pages [0, P) shared by all, then each request's own pages; SETS KV pools."""
+    """B requests in groups of N (all B when N is 0): each group's prefix pages, then each request's own pages;
+    SETS KV pools."""
 
-    def __init__(self, B: int, L: int, S: int, seed: int = 0):
+    def __init__(self, B: int, L: int, S: int, N: int = 0, seed: int = 0):
         g = torch.Generator().manual_seed(seed)
-        self.B, self.L, self.S = B, L, S
-        P, U = L // PAGE, -(-S // PAGE)
-        self.num_pages = P + B * U
+        N = N or B
+        if B % N or L % PAGE:
+            raise ValueError(f"cell {B}x{L}x{S}x{N}: B must be a multiple of N and L of the page size {PAGE}")
+        self.B, self.L, self.S, self.N = B, L, S, N
+        G, P, U = B // N, L // PAGE, -(-S // PAGE)
+        self.num_pages = G * P + B * U
         perm = torch.randperm(self.num_pages, generator=g).to(torch.int32)
-        prefix, own = perm[:P], perm[P:].view(B, U)
-        self.table = torch.cat((prefix.expand(B, P), own), dim=1).contiguous().cuda()
+        prefix, own = perm[:G * P].view(G, P), perm[G * P:].view(B, U)
+        self.table = torch.cat((prefix.repeat_interleave(N, dim=0), own), dim=1).contiguous().cuda()
         self.kv_lens = torch.full((B,), L + S, dtype=torch.int32)
         self.qo = torch.arange(B + 1, dtype=torch.int32)
-        self.groups = torch.tensor([[0, B, L]], dtype=torch.int32)
+        self.groups = torch.tensor([[i * N, (i + 1) * N, L] for i in range(G)], dtype=torch.int32)
         shape = (self.num_pages, 2, PAGE, HKV, D)   # FlashInfer's NHD pool; ours reads its k / v views
         self.pools = [torch.randn(shape, dtype=DTYPE, device="cuda") for _ in range(SETS)]
         self.q = torch.randn(B, HQ, D, dtype=DTYPE, device="cuda")
         # FlashInfer: level 0 (all queries, the prefix pages), level 1 (each request's own pages)
         last = S - (U - 1) * PAGE
         self.fi_levels = (
-            (torch.tensor([0, B], dtype=torch.int32), torch.tensor([0, P], dtype=torch.int32), prefix,
-             torch.tensor([PAGE], dtype=torch.int32)),
+            (torch.arange(G + 1, dtype=torch.int32) * N, torch.arange(G + 1, dtype=torch.int32) * P,
+             prefix.reshape(-1), torch.full((G,), PAGE, dtype=torch.int32)),
             (self.qo, torch.arange(B + 1, dtype=torch.int32) * U, own.reshape(-1),
              torch.full((B,), last, dtype=torch.int32)),
         )
+
+
+def set_page(page: int) -> None:
+    """The cells' page size (tokens a KV page)."""
+    global PAGE
+    if page < 1:
+        raise ValueError(f"--page must be >= 1, got {page}")
+    PAGE = page
 
 
 def ours(cell: Cell, kernel: str, groups: bool):
@@ -60,8 +73,9 @@ def ours(cell: Cell, kernel: str, groups: bool):
     attn = BatchAttention(ws, HQ, HKV, D, q_dtype=DTYPE, page_size=PAGE, kernel=kernel)
     bsr = formats.from_block_table(cell.table, cell.kv_lens.cuda(), cell.qo.cuda(), PAGE, num_kv_blocks=cell.num_pages)
     attn.plan(cell.qo, cell.kv_lens, bsr, causal=True, prefix_groups=cell.groups if groups else None)
-    if groups and attn.plan_info.shared_groups != 1:   # the planner found the group not worth it here
-        log(f"  {cell.B}x{cell.L}+{cell.S} {kernel}: the group was planned single-format ({attn.plan_info})")
+    if groups and attn.plan_info.shared_groups != len(cell.groups):   # the planner found groups not worth it here
+        log(f"  {cell.B}x{cell.L}+{cell.S} {kernel}: {len(cell.groups) - attn.plan_info.shared_groups} of "
+            f"{len(cell.groups)} groups planned single-format ({attn.plan_info})")
     out = torch.empty_like(cell.q)
     kv = [(p[:, 0], p[:, 1]) for p in cell.pools]
     state = {"i": 0}
@@ -103,8 +117,8 @@ def flashinfer_decode(cell: Cell):
     return fn, out
 
 
-def run_cell(B: int, L: int, S: int, rounds: int, rep: int) -> dict:
-    cell = Cell(B, L, S)
+def run_cell(B: int, L: int, S: int, rounds: int, rep: int, N: int = 0) -> dict:
+    cell = Cell(B, L, S, N)
     single, single_out, _ = ours(cell, "decode", False)
     dec, dec_out, dec_info = ours(cell, "decode", True)
     pre, pre_out, pre_info = ours(cell, "prefill", True)
@@ -125,7 +139,9 @@ def run_cell(B: int, L: int, S: int, rounds: int, rep: int) -> dict:
     times = time_rounds(fns, rounds, rep, on_round=lambda i, t: log(f"  {B}x{L}+{S} round {i + 1}/{rounds}"))
     med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
     best = min(med["ours_decode_groups"], med["ours_prefill_groups"])
-    res = {"cell": f"{B} x {L} shared + {S}", "batch": B, "prefix": L, "suffix": S, "median_us": med, "rounds_us": times,
+    name = f"{B} x {L} shared + {S}" + (f", groups of {cell.N}" if cell.N != B else "")
+    res = {"cell": name, "batch": B, "prefix": L, "suffix": S, "group_size": cell.N, "page": PAGE,
+           "median_us": med, "rounds_us": times,
            "speedup_vs_single": med["ours_single"] / best, "vs_flashinfer_cascade": med["flashinfer_cascade"] / best,
            "checks": checks, "plan": {"decode": dec_info._asdict(), "prefill": pre_info._asdict()}}
     log(f"{res['cell']}: " + ", ".join(f"{k} {v:.1f} us" for k, v in med.items())
@@ -137,12 +153,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m perf composable", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rep", type=int, default=50)
-    ap.add_argument("--cells", default=",".join(f"{b}x{l}x{s}" for b, l, s in CELLS))
+    ap.add_argument("--cells", default=",".join(f"{b}x{l}x{s}" for b, l, s in CELLS),
+                    help="BxLxS or BxLxSxN (B requests in groups of N), comma-separated")
+    ap.add_argument("--page", type=int, default=PAGE, help="tokens a KV page")
+    ap.add_argument("--name", default="composable")
     a = ap.parse_args(argv)
     cells = [tuple(int(x) for x in c.split("x")) for c in a.cells.split(",")]
+    if any(len(c) not in (3, 4) for c in cells):
+        ap.error(f"--cells: each cell is BxLxS or BxLxSxN; got {a.cells}")
+    set_page(a.page)
     import flashinfer
-    results = [run_cell(*c, a.rounds, a.rep) for c in cells]
-    write_result("composable", {**stamp(), "flashinfer": flashinfer.__version__,
+    results = [run_cell(*c[:3], a.rounds, a.rep, *c[3:]) for c in cells]
+    write_result(a.name, {**stamp(), "flashinfer": flashinfer.__version__,
                                 "heads": {"qo": HQ, "kv": HKV, "head_dim": D, "page": PAGE, "dtype": "bf16"},
                                 "cells": results})
     return 0
