@@ -69,6 +69,10 @@ PARTITION_PRECISION = _planner.PARTITION_PRECISION
 ITEM_SHARED = _planner.ITEM_SHARED
 MAX_SHARED_CHUNKS = _planner.MAX_SHARED_CHUNKS
 SHARED_GAIN = _planner.SHARED_GAIN
+# A decode step's groups move it to the prefill kernel (the adapters' graph_prefill), where each request's own item
+# costs about as much as reading this many KV tokens more than on the decode kernel (a whole query tile's MMAs,
+# query copy and partial state for its one row). Measured on the H100: docs/composable.md, "Which kernel".
+PREFILL_DECODE_ITEM_TOKENS = 330
 # Smallest KV chunk a split produces: below ~128 tokens the fixed cost of an item (loading the query
 # tile, filling the pipeline, writing and later merging a partial state) outweighs the extra parallelism.
 DEFAULT_MIN_KV_CHUNK = 128
@@ -265,6 +269,16 @@ def plan_into(views: PlanViews, qo_indptr, kv_lens, *, tile_q: int, num_ctas: in
                         int(kv_window), bool(partition), int(deterministic_pieces),
                         None if groups is None else _groups_array(groups))
     return PlanInfo._make(out)
+
+
+def decode_groups_pay(groups, num_requests: int) -> bool:
+    """Whether a decode step of num_requests requests with these shared-prefix groups (int [G, 3]: first request,
+    end request, prefix tokens) belongs on the prefill kernel: the KV the groups save (each member after the first
+    skips its prefix) exceeds PREFILL_DECODE_ITEM_TOKENS a request. Where it does not, the decode kernel runs the
+    step single-format faster (parallel sampling of short prompts: 8 requests sharing 160 tokens)."""
+    g = np.asarray(groups, dtype=np.int64).reshape(-1, 3)
+    saved = int(((g[:, 1] - g[:, 0] - 1) * g[:, 2]).sum())
+    return saved > PREFILL_DECODE_ITEM_TOKENS * int(num_requests)
 
 
 @dataclass

@@ -960,12 +960,16 @@ def hook(fb, nodes):
 
 
 @pytest.mark.parametrize("page", [1, 4])
-def test_groups_flow_from_the_radix_tree_to_the_wrappers(page, ref_wrappers):
+def test_groups_flow_from_the_radix_tree_to_the_wrappers(page, ref_wrappers, monkeypatch):
     """Parallel samples of a cached prompt through the backend: the ForwardBatch.init_new hook reads the requests'
     radix nodes, and the step's plan gets the groups (checked against the BSR by the stand-in wrapper): an extend
     step on the prefill wrapper; eager decode steps on graph_prefill where the planner keeps the groups, else on
     the decode wrapper (each step runs only that one); decode graphs plan both, the other one idle, and run both
-    into one output (the capture batch, which the hook never saw, single-format). Outputs equal causal attention."""
+    into one output (the capture batch, which the hook never saw, single-format); groups that save less KV than
+    the prefill kernel's items cost (scheduler.decode_groups_pay) stay on the decode wrapper, graph_prefill unplanned.
+    Outputs equal causal attention."""
+    from fi_backend import scheduler
+    monkeypatch.setattr(scheduler, "PREFILL_DECODE_ITEM_TOKENS", 5)   # the 12-token prompt saves 24 > 5 x 4 rows' tokens
     gen = torch.Generator().manual_seed(10 + page)
     layers = llama_layers()
     runner = model_runner(layers, page=page, gen=gen)
@@ -1001,6 +1005,16 @@ def test_groups_flow_from_the_radix_tree_to_the_wrappers(page, ref_wrappers):
     assert backend.forward_metadata.wrappers == (g.decode,) and g.decode.plans[-1]["groups"] is None
     run_layers(backend, eng, fb, layers, [1, 2, 3], [1, 1, 1], forward="decode")
     g.graph_prefill.keep_groups = True
+
+    fb = eng.decode([1, 2, 3])
+    hook(fb, tails)
+    monkeypatch.setattr(scheduler, "PREFILL_DECODE_ITEM_TOKENS", 8)   # 24 saved = 8 x 3: not worth the prefill kernel
+    plans = len(g.graph_prefill.plans)
+    backend.init_forward_metadata(fb)
+    assert backend.forward_metadata.wrappers == (g.decode,) and g.decode.plans[-1]["groups"] is None
+    assert len(g.graph_prefill.plans) == plans
+    run_layers(backend, eng, fb, layers, [1, 2, 3], [1, 1, 1], forward="decode")
+    monkeypatch.setattr(scheduler, "PREFILL_DECODE_ITEM_TOKENS", 5)
 
     fill = backend.get_cuda_graph_seq_len_fill_value()
     backend.init_cuda_graph_state(4, 4)

@@ -935,13 +935,16 @@ def fi_builder(stub_vllm, monkeypatch):
 _SHARED_APPENDS = [(0, [5, 6, 7], True), (1, [5, 6, 9], True), (2, [1, 2], True)]
 
 
-def test_worker_tables_reach_the_plans_and_grouped_decode_runs_on_graph_prefill(fi_builder):
+def test_worker_tables_reach_the_plans_and_grouped_decode_runs_on_graph_prefill(fi_builder, monkeypatch):
     """The opt-in worker's runner end to end on vLLM's flow (V2Runner): its mirror of the appended ids, published for
     the step in batch order, gives _StepPlanner the groups (kernel blocks of bpk 2, capped at cached blocks; the
     graph-padded row in none). A grouped decode step runs on graph_prefill with the decode wrapper idle; with the
     verdict shared_groups == 0 on the decode wrapper, graph_prefill idle; eager steps launch one wrapper. A capture
     plans no groups and launches both into one output (the idle one writes nothing). Mixed steps pass the groups
-    to the prefill wrapper. Nothing is left published after a step."""
+    to the prefill wrapper. Nothing is left published after a step. Groups that save less KV than the prefill
+    kernel's items cost (scheduler.decode_groups_pay) stay on the decode kernel without planning graph_prefill."""
+    from fi_backend import scheduler
+    monkeypatch.setattr(scheduler, "PREFILL_DECODE_ITEM_TOKENS", 3)   # these tiny groups save 16 > 3 x 4 rows' tokens
     runner = vllm_worker._runner_class(V2Runner)(fi_builder.make)
     runner.initialize_kv_cache(None)
     assert [k for k, _, _ in fi_builder.made] == ["decode", "prefill", "prefill"]
@@ -974,6 +977,13 @@ def test_worker_tables_reach_the_plans_and_grouped_decode_runs_on_graph_prefill(
     assert gp.plans[-2]["groups"] == [[1, 3, 16]] and gp.plans[-1]["idle"]
     assert md.wrapper is dec and not dec.plans[-1]["idle"] and dec.plans[-1]["groups"] is None
     gp.keep_groups = True
+
+    monkeypatch.setattr(scheduler, "PREFILL_DECODE_ITEM_TOKENS", 6)   # 16 saved < 6 x 3: not worth the prefill kernel
+    n = len(gp.plans)
+    md = runner.execute_model([], [(2, 9, 1), (0, 24, 1), (1, 23, 1)])
+    assert md.wrapper is dec and dec.plans[-1]["groups"] is None and not dec.plans[-1]["idle"]
+    assert len(gp.plans) == n + 1 and gp.plans[-1]["idle"]               # only its idle plan
+    monkeypatch.setattr(scheduler, "PREFILL_DECODE_ITEM_TOKENS", 3)
 
     adapter.publish_step_tables(runner._fi_mirror.rows(np_idx([2, 0, 1]), np_idx([7, 22, 21])))
     cap = runner.capture(4)                                         # a capture plans no groups, launches both

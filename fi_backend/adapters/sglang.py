@@ -98,6 +98,7 @@ from fi_backend import env as _env
 from fi_backend import ops as _ops
 from fi_backend.adapters import rank_device
 from fi_backend.formats import BSR, prefix_groups_from_links
+from fi_backend.scheduler import decode_groups_pay
 from fi_backend.wrappers import HEAD_DIMS
 
 __all__ = ["register", "create_backend", "BACKEND_NAME", "ENTRY_POINT_GROUP", "plan_counts", "check_errors",
@@ -619,7 +620,7 @@ class _StepPlanner:
                 wrappers.append(g.prefill)
                 continue
             w = g.decode
-            if groups is not None and g.graph_prefill is not None:
+            if groups is not None and g.graph_prefill is not None and decode_groups_pay(groups, bs):
                 # groups run on the prefill kernel (its tile holds many requests' rows), where the planner keeps them
                 g.graph_prefill.plan(qo_cpu, kv_cpu, bsr, prefix_groups=groups, **kw)
                 if g.graph_prefill.plan_info.shared_groups > 0:

@@ -62,6 +62,7 @@ from fi_backend import ops as _ops
 from fi_backend import variants as _variants
 from fi_backend.adapters import rank_device
 from fi_backend.formats import BSR, prefix_groups_from_table
+from fi_backend.scheduler import decode_groups_pay
 from fi_backend.wrappers import HEAD_DIMS
 
 __all__ = ["register", "BACKEND_NAME", "BACKEND_CLASS_PATH", "FiAttentionMetadata", "layer_variant", "plan_counts",
@@ -362,7 +363,7 @@ class _StepPlanner:
         else the decode wrapper does, single-format. build() cannot tell a replayed step from an eager one, and a
         captured graph launches both, so the other one always gets an idle plan (the same rows, no items)."""
         active = self.decode
-        if groups is not None:
+        if groups is not None and decode_groups_pay(groups, len(kv_cpu)):
             self.graph_prefill.plan(qo_cpu, kv_cpu, bsr, prefix_groups=groups, **kw)
             if _kept_groups(self.graph_prefill):
                 active = self.graph_prefill
