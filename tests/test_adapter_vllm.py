@@ -833,7 +833,8 @@ def test_block_table_mirror_matches_vllms_rows():
     import numpy as np
     bt = VllmBlockTables(block_sizes=[8, 16], kernel_block_sizes=[8, 4])   # bpk 1 and 4
     mirror = vllm_worker.BlockTableMirror(bt)
-    assert mirror.bpk == [1, 4] and mirror.keys == [t.data_ptr() for t in bt.input_block_tables]
+    assert mirror.bpk == [1, 4]
+    keys = [t.data_ptr() for t in bt.input_block_tables]
     bt.append_block_ids = vllm_worker._mirrored_append(bt.append_block_ids, mirror)
     bt.append_block_ids(3, ([7, 8], [2]), overwrite=True)
     bt.append_block_ids(1, ([5], [9, 3]), overwrite=True)
@@ -850,9 +851,11 @@ def test_block_table_mirror_matches_vllms_rows():
     assert mirror.tables[1][1].tolist()[:8] == [4, 5, 6, 7, 0, 0, 0, 0]   # the reused row: no ids of before
     idx = np.array([3, 1], dtype=np.int32)
     rows = mirror.rows(idx, np.array([17, 3]))
-    assert set(rows) == set(mirror.keys)
-    assert rows[mirror.keys[0]].tolist() == [[7, 8], [2, 0]]        # 17 cached tokens: 2 blocks of 8
-    assert rows[mirror.keys[1]].tolist() == [[8, 9, 10, 11], [4, 5, 6, 7]]   # 4 kernel blocks of 4
+    assert set(rows) == set(keys)
+    assert rows[keys[0]].tolist() == [[7, 8], [2, 0]]        # 17 cached tokens: 2 blocks of 8
+    assert rows[keys[1]].tolist() == [[8, 9, 10, 11], [4, 5, 6, 7]]   # 4 kernel blocks of 4
+    bt.input_block_tables = [t.clone() for t in bt.input_block_tables]   # reallocated (a KV-cache wake-up)
+    assert set(mirror.rows(idx, np.array([17, 3]))) == {t.data_ptr() for t in bt.input_block_tables}
     with pytest.raises(ValueError, match="request index 2: 7 blocks"):
         mirror.append(2, ([1] * 7, []), overwrite=True)
 

@@ -61,8 +61,7 @@ class BlockTableMirror:
         shapes = [tuple(t.gpu.shape) for t in block_tables.block_tables]
         self.tables = [np.zeros(shape, dtype=np.int32) for shape in shapes]
         self.counts = np.zeros((len(shapes), shapes[0][0] if shapes else 0), dtype=np.int64)
-        # build() gets input_block_tables[i][:rows] (a view from row 0): its data_ptr names group i
-        self.keys = [int(t.data_ptr()) for t in block_tables.input_block_tables]
+        self._block_tables = block_tables
 
     def append(self, req_index: int, new_block_ids, overwrite: bool) -> None:
         for i, ids in enumerate(new_block_ids):
@@ -86,9 +85,11 @@ class BlockTableMirror:
         longest cached prefix in whole kernel blocks (the planner's groups never reach past a member's)."""
         cached = int(cached_tokens_np.max()) if len(cached_tokens_np) else 0
         out = {}
-        for i, table in enumerate(self.tables):
+        # build() gets input_block_tables[i][:rows] (a view from row 0): its data_ptr names group i, read each step
+        # (vLLM reallocates those tables on a KV-cache wake-up)
+        for i, (table, dev) in enumerate(zip(self.tables, self._block_tables.input_block_tables)):
             k = min(cached // self.kernel_block_sizes[i], table.shape[1])
-            out[self.keys[i]] = table[idx_mapping_np, :k]
+            out[int(dev.data_ptr())] = table[idx_mapping_np, :k]
         return out
 
 
