@@ -631,7 +631,7 @@ def test_sglang_parent_and_child_with_a_fake_engine(tmp_path, monkeypatch):
     assert "| sharegpt | 8 | fi_backend_shared | fi_backend | 0.500 |" in S.markdown(merged, SG.ENGINE)
 
 
-def test_variant_environment_in_the_child(tmp_path, monkeypatch):
+def test_variant_environment_in_the_child(tmp_path, monkeypatch, request):
     """A variant's child runs with its environment (over the caller's), checks its engine backend's availability
     and starts the engine with that backend; requests of the n = 8 dataset give a record a sample."""
     fake = tmp_path / "fake"
@@ -650,6 +650,8 @@ Engine.__init__ = _init
     monkeypatch.setenv("FI_BACKEND_SHARED_PREFIX", "0")
     monkeypatch.syspath_prepend(str(fake))
     monkeypatch.delitem(sys.modules, "sglang", raising=False)
+    # the fake leaves with the test: later tests must not find an "installed" SGLang
+    request.addfinalizer(lambda: [sys.modules.pop(m) for m in list(sys.modules) if m.split(".")[0] == "sglang"])
     plan = {"settings": {"tensor_parallel_size": 1, "max_model_len": 4096, "seed": 0, "gpu_memory_utilization": 0.5,
                          "enforce_eager": False, "max_num_seqs": None, "max_num_batched_tokens": None,
                          "warmup_requests": 0},
