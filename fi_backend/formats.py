@@ -870,30 +870,34 @@ def check_prefix_groups(bsr: BSR, groups, qo_indptr=None, kv_lens=None) -> None:
 
 
 def prefix_groups_from_table(table, cached_tokens, block_size: int, min_requests: int = 2,
-                             min_prefix_tokens: int = 1):
+                             min_prefix_tokens: int = 1, rows=None):
     """Prefix groups (int32 numpy [G, 3]: first request, end request, prefix tokens) of a host block table.
 
-    table: int [R, W] (numpy or CPU tensor), request r's KV block ids in row r. cached_tokens: int [R], the
-    KV tokens each request holds before this step's query (kv_len - q_len). Consecutive requests whose
-    leading block ids agree form a group (runs of neighbours sharing >= 1 block); its prefix is the run's
-    shortest common leading run of ids, in whole blocks, capped at every member's cached blocks. Groups
-    with fewer than min_requests members or a prefix under min_prefix_tokens are dropped. Vectorised: only
-    neighbours whose first ids agree are compared further."""
+    table: int [R, W] (numpy or CPU tensor), request r's KV block ids in row r; or, with rows (int [R]), a
+    larger table whose row rows[r] is request r's (vLLM's by request index: no copy of the step's rows).
+    cached_tokens: int [R], the KV tokens each request holds before this step's query (kv_len - q_len).
+    Consecutive requests whose leading block ids agree form a group (runs of neighbours sharing >= 1 block);
+    its prefix is the run's shortest common leading run of ids, in whole blocks, capped at every member's
+    cached blocks. Groups with fewer than min_requests members or a prefix under min_prefix_tokens are
+    dropped. Vectorised: only neighbours whose first ids agree are compared further, over their cached blocks."""
     import numpy as np
 
     t = table.numpy() if isinstance(table, torch.Tensor) else np.asarray(table)
     c = cached_tokens.numpy() if isinstance(cached_tokens, torch.Tensor) else np.asarray(cached_tokens)
-    R = t.shape[0]
+    r = np.arange(t.shape[0]) if rows is None else np.asarray(rows, dtype=np.int64)
+    R = r.shape[0]
+    if c.shape[0] != R:
+        raise ValueError(f"cached_tokens has {c.shape[0]} entries for {R} requests")
     empty = np.zeros((0, 3), dtype=np.int32)
     if R < 2 or t.shape[1] == 0:
         return empty
     cap = np.minimum(c // block_size, t.shape[1]).astype(np.int64)  # whole cached blocks per request
     pair_cap = np.minimum(cap[1:], cap[:-1])
-    cand = np.nonzero((t[1:, 0] == t[:-1, 0]) & (pair_cap > 0))[0]
+    cand = np.nonzero((t[r[1:], 0] == t[r[:-1], 0]) & (pair_cap > 0))[0]
     if cand.size == 0:
         return empty
     width = int(pair_cap[cand].max())
-    eq = t[cand + 1, :width] == t[cand, :width]
+    eq = t[r[cand + 1], :width] == t[r[cand], :width]
     common = np.zeros(R - 1, dtype=np.int64)
     run = np.cumprod(eq, axis=1).sum(axis=1)
     common[cand] = np.minimum(run, pair_cap[cand])

@@ -829,7 +829,7 @@ class VllmBlockTables:
 def test_block_table_mirror_matches_vllms_rows():
     """The mirror holds what vLLM's device table holds over each row's count (new rows, appends, a reused row
     overwritten with fewer blocks: its old tail zeroed), per KV-cache group with its own bpk expansion; a step's
-    rows are the batch's in idx_mapping order, K columns = the longest cached prefix in whole kernel blocks."""
+    rows are the batch's in idx_mapping order, published as the mirror and idx_mapping (no rows copied)."""
     import numpy as np
     bt = VllmBlockTables(block_sizes=[8, 16], kernel_block_sizes=[8, 4])   # bpk 1 and 4
     mirror = vllm_worker.BlockTableMirror(bt)
@@ -850,12 +850,12 @@ def test_block_table_mirror_matches_vllms_rows():
     assert mirror.tables[1][3, :8].tolist() == [8, 9, 10, 11, 24, 25, 26, 27]
     assert mirror.tables[1][1].tolist()[:8] == [4, 5, 6, 7, 0, 0, 0, 0]   # the reused row: no ids of before
     idx = np.array([3, 1], dtype=np.int32)
-    rows = mirror.rows(idx, np.array([17, 3]))
-    assert set(rows) == set(keys)
-    assert rows[keys[0]].tolist() == [[7, 8], [2, 0]]        # 17 cached tokens: 2 blocks of 8
-    assert rows[keys[1]].tolist() == [[8, 9, 10, 11], [4, 5, 6, 7]]   # 4 kernel blocks of 4
+    rows = mirror.rows(idx)
+    assert set(rows) == set(keys) and all(r.rows is idx for r in rows.values())   # no rows copied
+    assert rows[keys[0]].table[idx, :2].tolist() == [[7, 8], [2, 0]]
+    assert rows[keys[1]].table[idx, :4].tolist() == [[8, 9, 10, 11], [4, 5, 6, 7]]   # kernel blocks of 4
     bt.input_block_tables = [t.clone() for t in bt.input_block_tables]   # reallocated (a KV-cache wake-up)
-    assert set(mirror.rows(idx, np.array([17, 3]))) == {t.data_ptr() for t in bt.input_block_tables}
+    assert set(mirror.rows(idx)) == {t.data_ptr() for t in bt.input_block_tables}
     with pytest.raises(ValueError, match="request index 2: 7 blocks"):
         mirror.append(2, ([1] * 7, []), overwrite=True)
 
@@ -988,7 +988,7 @@ def test_worker_tables_reach_the_plans_and_grouped_decode_runs_on_graph_prefill(
     assert len(gp.plans) == n + 1 and gp.plans[-1]["idle"]               # only its idle plan
     monkeypatch.setattr(scheduler, "PREFILL_DECODE_ITEM_TOKENS", 3)
 
-    adapter.publish_step_tables(runner._fi_mirror.rows(np_idx([2, 0, 1]), np_idx([7, 22, 21])))
+    adapter.publish_step_tables(runner._fi_mirror.rows(np_idx([2, 0, 1])))
     cap = runner.capture(4)                                         # a capture plans no groups, launches both
     assert cap.wrapper is dec and cap.partner is gp and gp.plans[-1]["idle"] and dec.plans[-1]["groups"] is None
     out = torch.full((4, 4, 64), math.nan, dtype=torch.float64)

@@ -175,6 +175,16 @@ def test_prefix_groups_from_table():
     np.testing.assert_array_equal(prefix_groups_from_table(t, cached, 16), [[0, 3, 32], [3, 5, 16]])
     np.testing.assert_array_equal(prefix_groups_from_table(t, cached, 16, min_prefix_tokens=32), [[0, 3, 32]])
     assert prefix_groups_from_table(t[:1], cached[:1], 16).shape == (0, 3)
+    # rows= (vLLM's mirror by request index): the same groups as the gathered rows, with no copy of them
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        big = rng.integers(0, 4, (12, 6)).astype(np.int32)
+        rows = rng.permutation(12)[: rng.integers(2, 12)]
+        c = rng.integers(0, 100, rows.size).astype(np.int32)
+        np.testing.assert_array_equal(prefix_groups_from_table(big, c, 16, rows=rows),
+                                      prefix_groups_from_table(big[rows], c, 16))
+    with pytest.raises(ValueError, match="cached_tokens has 3 entries for 2 requests"):
+        prefix_groups_from_table(big, np.zeros(3, np.int32), 16, rows=[0, 1])
     # the groups found are the ones check_prefix_groups accepts
     bsr = _bsr(np.pad(t, ((0, 0), (0, 1))), cached + 1, [1] * 7, 16)
     check_prefix_groups(bsr, prefix_groups_from_table(t, cached, 16))

@@ -53,7 +53,7 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -186,10 +186,17 @@ def step_table_readers() -> int:
     return _table_readers
 
 
+class StepRows(NamedTuple):
+    """A step's host block-table rows without a copy: request i (batch order) holds row rows[i] of table."""
+
+    table: Any      # int32 numpy [max requests, blocks], by request index
+    rows: Any       # int numpy [num_reqs]
+
+
 def publish_step_tables(tables: Optional[dict]) -> None:
     """This step's host block tables for the build() calls that follow on this thread: {data_ptr of the device
-    block table vLLM hands build() (block_table_tensor): int [num_reqs, K] rows in batch order}. None clears them
-    (after the step, so that no later build() reads a stale table)."""
+    block table vLLM hands build() (block_table_tensor): StepRows}. None clears them (after the step, so that no
+    later build() reads a stale table)."""
     _STEP_TABLES.tables = tables
 
 
@@ -301,12 +308,17 @@ class _StepPlanner:
         if not self.shared_prefix or n < 2:
             return None
         cached = kv_cpu - (qo_cpu[1:] - qo_cpu[:-1])
-        table = getattr(cm, "block_table_cpu", None)
+        table, rows = getattr(cm, "block_table_cpu", None), None
         if table is None:
-            table = _step_table(cm.block_table_tensor)
+            step = _step_table(cm.block_table_tensor)
+            if step is not None:
+                table, rows = step.table, step.rows
         if table is not None:
-            m = min(int(table.shape[0]), n)
-            groups = prefix_groups_from_table(table[:m], cached[:m], self.page_size)
+            m = min(int(table.shape[0] if rows is None else len(rows)), n)
+            if rows is None:
+                groups = prefix_groups_from_table(table[:m], cached[:m], self.page_size)
+            else:
+                groups = prefix_groups_from_table(table, cached[:m], self.page_size, rows=rows[:m])
             return groups if len(groups) else None
         if common_prefix_len:
             plen = min(int(common_prefix_len), int(cached.min())) // self.page_size * self.page_size

@@ -20,8 +20,8 @@ How (vLLM 0.26 source, paths under vllm/):
                             host table, by request index.
   prepare_attn              v1/worker/gpu/model_runner.py:1055, called by execute_model at :1212 after prepare_inputs
                             made input_batch.idx_mapping_np (:896), and before model_state.prepare_attn (:1257) runs
-                            every builder's build() (attn_utils.py:605-651). After vLLM's gather, the step's rows
-                            mirror[idx_mapping_np, :K] go out (adapter.publish_step_tables). They are keyed by the
+                            every builder's build() (attn_utils.py:605-651). After vLLM's gather, the mirror and
+                            idx_mapping_np go out (adapter.publish_step_tables, no copy of rows). They are keyed by the
                             data_ptr of the gathered device table that build() gets as block_table_tensor.
   execute_model             v1/worker/gpu/model_runner.py:1151. The published rows are cleared when it returns, so a
                             later build() (capture, dummy run, drafter) never reads a stale table.
@@ -80,17 +80,14 @@ class BlockTableMirror:
                 row[end:old] = 0
             self.counts[i, req_index] = end
 
-    def rows(self, idx_mapping_np, cached_tokens_np) -> dict:
-        """{device table key: int32 [num_reqs, K] rows of the step's requests in batch order}; K covers the step's
-        longest cached prefix in whole kernel blocks (the planner's groups never reach past a member's)."""
-        cached = int(cached_tokens_np.max()) if len(cached_tokens_np) else 0
-        out = {}
+    def rows(self, idx_mapping_np) -> dict:
+        """{device table key: StepRows} of the step's requests in batch order (idx_mapping_np), without copying
+        rows: the planner reads only neighbours' leading ids."""
+        from fi_backend.adapters.vllm import StepRows
         # build() gets input_block_tables[i][:rows] (a view from row 0): its data_ptr names group i, read each step
         # (vLLM reallocates those tables on a KV-cache wake-up)
-        for i, (table, dev) in enumerate(zip(self.tables, self._block_tables.input_block_tables)):
-            k = min(cached // self.kernel_block_sizes[i], table.shape[1])
-            out[int(dev.data_ptr())] = table[idx_mapping_np, :k]
-        return out
+        return {int(dev.data_ptr()): StepRows(table, idx_mapping_np)
+                for table, dev in zip(self.tables, self._block_tables.input_block_tables)}
 
 
 def _mirrored_append(original, mirror: BlockTableMirror):
@@ -123,8 +120,7 @@ def _runner_class(base: type) -> type:
         def prepare_attn(self, input_batch):
             out = super().prepare_attn(input_batch)
             if self._fi_mirror is not None and getattr(self, "pcp_manager", None) is None:
-                adapter.publish_step_tables(self._fi_mirror.rows(input_batch.idx_mapping_np,
-                                                                 input_batch.num_computed_tokens_np))
+                adapter.publish_step_tables(self._fi_mirror.rows(input_batch.idx_mapping_np))
             return out
 
         def execute_model(self, *args, **kwargs):
