@@ -19,6 +19,9 @@ FI_BACKEND_PLAN_PARTITION   "0": plans are always LPT over the chunk search's sp
                             (pairs filling CTA after CTA up to a cap, cut where it falls) replaces an LPT plan
                             over 2% above the bound when its makespan is lower (plan_into's partition; read
                             at each plan, for A/B runs; docs/planner.md)
+FI_BACKEND_PLAN_SHARED_GAIN a float >= 0: the shared-prefix verdict's factor instead of SHARED_GAIN (0 keeps every
+                            group that saves any KV; plan_into's shared_gain; read at each plan, for experiments:
+                            perf composable's cells with the verdict forced)
 FI_BACKEND_DETERMINISTIC    "1": wrappers made without a deterministic= argument plan deterministically (a
                             request's KV splits and merge order depend on that request alone: batch-invariant
                             outputs; read when a wrapper is made; docs/deterministic.md)
@@ -42,6 +45,7 @@ KV_TMA = "FI_BACKEND_KV_TMA"
 PLAN_GROUPED = "FI_BACKEND_PLAN_GROUPED"
 PLAN_WINDOW = "FI_BACKEND_PLAN_WINDOW"
 PLAN_PARTITION = "FI_BACKEND_PLAN_PARTITION"
+PLAN_SHARED_GAIN = "FI_BACKEND_PLAN_SHARED_GAIN"
 DETERMINISTIC = "FI_BACKEND_DETERMINISTIC"
 VLLM_BATCH_INVARIANT = "VLLM_BATCH_INVARIANT"  # vLLM's own switch (the adapter and `fi-backend build --model` read it)
 SHARED_PREFIX = "FI_BACKEND_SHARED_PREFIX"
@@ -61,6 +65,17 @@ def flag(name: str, default: bool) -> bool:
     if value is None:
         return default
     return value.lower() not in _FALSE
+
+
+def number(name: str) -> Optional[float]:
+    """A float variable (None: unset); a value that is not a number raises ValueError naming the variable."""
+    value = get(name)
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
 
 
 def batch_invariant() -> bool:

@@ -218,7 +218,7 @@ def plan_into(views: PlanViews, qo_indptr, kv_lens, *, tile_q: int, num_ctas: in
               cost_q: float = DEFAULT_COST_Q, cost_kv: float = DEFAULT_COST_KV,
               force_kv_chunk: Optional[int] = None, force_split_pairs: Optional[int] = None,
               group_requests: bool = False, kv_window: int = 0, partition: Optional[bool] = None,
-              deterministic_pieces: int = 0, groups=None) -> PlanInfo:
+              deterministic_pieces: int = 0, groups=None, shared_gain: Optional[float] = None) -> PlanInfo:
     """Plan one step into `views` in place.
 
     qo_indptr: int32 [B + 1] (numpy array or CPU tensor), query rows of each request, qo_indptr[0] = 0.
@@ -256,10 +256,14 @@ def plan_into(views: PlanViews, qo_indptr, kv_lens, *, tile_q: int, num_ctas: in
     own items read KV [prefix, kv_len) unsplit; both write partial states merged per row. Groups whose saved
     KV does not pay for those states (SHARED_GAIN), or that do not fit the partial rows, stay single-format
     (PlanInfo.shared_groups counts the kept ones). Not with deterministic_pieces or kv_window; group_requests
-    and the partition are off for a plan with groups.
+    and the partition are off for a plan with groups. shared_gain: the verdict's factor (None:
+    FI_BACKEND_PLAN_SHARED_GAIN, else SHARED_GAIN; 0 keeps every group that saves KV, for experiments).
     """
     if partition is None:
         partition = env.flag(env.PLAN_PARTITION, True)
+    if shared_gain is None:
+        shared_gain = env.number(env.PLAN_SHARED_GAIN)
+        shared_gain = SHARED_GAIN if shared_gain is None else shared_gain
     L = views.layout
     out = _planner.plan(views.section, L.num_ctas, L.max_items, L.max_rows, views.max_partial_rows,
                         _host_int32(qo_indptr, "qo_indptr"), _host_int32(kv_lens, "kv_lens"),
@@ -267,7 +271,7 @@ def plan_into(views: PlanViews, qo_indptr, kv_lens, *, tile_q: int, num_ctas: in
                         -1 if force_kv_chunk is None else force_kv_chunk,
                         -1 if force_split_pairs is None else force_split_pairs, bool(group_requests),
                         int(kv_window), bool(partition), int(deterministic_pieces),
-                        None if groups is None else _groups_array(groups))
+                        None if groups is None else _groups_array(groups), float(shared_gain))
     return PlanInfo._make(out)
 
 

@@ -11,10 +11,12 @@ FlashInfer's single-format decode. Two KV pools alternate between calls. Outputs
 before timing. Writes perf/results/composable.json (device, date, commit).
 
     python -m perf composable [--rounds 5] [--rep 50] [--cells 64x32768x256,16x8192x256,128x1024x256] [--page 16]
+                              [--shared-gain 0]   # the planner's verdict forced: every group kept
 """
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -157,7 +159,11 @@ def main(argv=None) -> int:
                     help="BxLxS or BxLxSxN (B requests in groups of N), comma-separated")
     ap.add_argument("--page", type=int, default=PAGE, help="tokens a KV page")
     ap.add_argument("--name", default="composable")
+    ap.add_argument("--shared-gain", type=float, default=None,
+                    help="the planner's shared-prefix verdict factor (FI_BACKEND_PLAN_SHARED_GAIN; 0: keep every group)")
     a = ap.parse_args(argv)
+    if a.shared_gain is not None:
+        os.environ["FI_BACKEND_PLAN_SHARED_GAIN"] = repr(a.shared_gain)
     cells = [tuple(int(x) for x in c.split("x")) for c in a.cells.split(",")]
     if any(len(c) not in (3, 4) for c in cells):
         ap.error(f"--cells: each cell is BxLxS or BxLxSxN; got {a.cells}")
@@ -166,5 +172,6 @@ def main(argv=None) -> int:
     results = [run_cell(*c[:3], a.rounds, a.rep, *c[3:]) for c in cells]
     write_result(a.name, {**stamp(), "flashinfer": flashinfer.__version__,
                                 "heads": {"qo": HQ, "kv": HKV, "head_dim": D, "page": PAGE, "dtype": "bf16"},
+                                "shared_gain": a.shared_gain,
                                 "cells": results})
     return 0

@@ -134,6 +134,24 @@ def test_groups_that_do_not_pay_stay_single_format():
     assert info.shared_groups <= 1 and info.num_partial_rows <= small.max_partial_rows
 
 
+def test_shared_gain_forces_the_verdict(monkeypatch):
+    """shared_gain (or FI_BACKEND_PLAN_SHARED_GAIN) replaces the verdict's SHARED_GAIN: 0 keeps a group that saves
+    any KV, for timing groups the default verdict drops; a negative or non-numeric one is refused by name."""
+    views = _views(4, 16, 2, 4, 36)
+    qo = np.arange(5, dtype=np.int32)
+    kv = np.full(4, 200, np.int32)
+    plan = dict(tile_q=4, num_ctas=16, num_units=2, causal=True, cost_q=128.0, groups=np.array([[0, 4, 16]], np.int32))
+    assert S.plan_into(views, qo, kv, **plan).shared_groups == 0               # the default verdict: not worth it
+    assert S.plan_into(views, qo, kv, shared_gain=0.0, **plan).shared_groups == 1
+    monkeypatch.setenv("FI_BACKEND_PLAN_SHARED_GAIN", "0")
+    assert S.plan_into(views, qo, kv, **plan).shared_groups == 1
+    monkeypatch.setenv("FI_BACKEND_PLAN_SHARED_GAIN", "lots")
+    with pytest.raises(ValueError, match="FI_BACKEND_PLAN_SHARED_GAIN must be a number"):
+        S.plan_into(views, qo, kv, **plan)
+    with pytest.raises(ValueError, match="shared_gain must be >= 0"):
+        S.plan_into(views, qo, kv, shared_gain=-1.0, **plan)
+
+
 def test_planner_refuses_bad_groups():
     views = _views(4, 8, 1, 4, 64)
     qo = np.arange(5, dtype=np.int32)

@@ -907,7 +907,7 @@ PlanStatus Planner::Plan(const PlanInputs& in_arg, const PlanSection& section, P
       // KV read once per tile instead of once per member tile, against a partial state written and merged
       // for every row (two row costs).
       const double saved = in.cost_kv * (double)len * (double)(member_tiles - tiles);
-      if (end - first < 2 || rows == 0 || len == 0 || !(saved > kSharedGain * 2.0 * in.cost_q * (double)rows)) continue;
+      if (end - first < 2 || rows == 0 || len == 0 || !(saved > in.shared_gain * 2.0 * in.cost_q * (double)rows)) continue;
       group_chunks_[g] = -1;  // kept; chunks decided once the step's total cost is known
       for (int64_t r = first; r < end; ++r) group_of_[r] = (int32_t)g;
     }

@@ -45,6 +45,12 @@ constexpr double kBalancedSlack = 0.02;
 constexpr int kPartitionWalks = 10;
 constexpr double kPartitionPrecision = 0.005;
 
+// A shared-prefix group is kept when the KV cost it saves exceeds kSharedGain times the fixed cost of its
+// rows' extra partial states (written, then merged: cost_q a row each); its prefix is cut into at most
+// kMaxSharedChunks chunks.
+constexpr double kSharedGain = 2.0;
+constexpr int64_t kMaxSharedChunks = 16;
+
 struct PlanInputs {
   const int32_t* qo_indptr = nullptr;  // [num_requests + 1], qo_indptr[0] == 0, non-decreasing
   const int32_t* kv_lens = nullptr;    // [num_requests], KV tokens of each request (its query is the suffix)
@@ -97,13 +103,10 @@ struct PlanInputs {
   // single-format. Not with deterministic_pieces or kv_window; turns off group_requests and the partition.
   const int32_t* groups = nullptr;
   int64_t num_groups = 0;
+  // The verdict's factor (kSharedGain by default; 0 keeps every group that saves any KV: experiments).
+  double shared_gain = kSharedGain;
 };
 
-// A shared-prefix group is kept when the KV cost it saves exceeds kSharedGain times the fixed cost of its
-// rows' extra partial states (written, then merged: cost_q a row each); its prefix is cut into at most
-// kMaxSharedChunks chunks.
-constexpr double kSharedGain = 2.0;
-constexpr int64_t kMaxSharedChunks = 16;
 
 // A caller-owned int32 buffer holding one plan section, laid out by csrc/plan.h for
 // (num_ctas, max_items, max_rows). max_partial_rows bounds the workspace's partial attention states.

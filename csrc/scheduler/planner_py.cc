@@ -65,13 +65,17 @@ PyObject* Plan(PyObject*, PyObject* args) {
       kv_chunk_align;
   Py_ssize_t force_kv_chunk = -1, force_split_pairs = -1, kv_window = 0, deterministic_pieces = 0;
   int causal, group_requests = 0, allow_partition = 1;
-  double cost_q, cost_kv;
+  double cost_q, cost_kv, shared_gain = fi::kSharedGain;
   PyObject* groups_obj = Py_None;
-  if (!PyArg_ParseTuple(args, "OnnnnOOnnnpnndd|nnpnpnO:plan", &section_obj, &layout_ctas, &max_items, &max_rows,
+  if (!PyArg_ParseTuple(args, "OnnnnOOnnnpnndd|nnpnpnOd:plan", &section_obj, &layout_ctas, &max_items, &max_rows,
                         &max_partial_rows, &qo_obj, &kv_obj, &tile_q, &num_ctas, &num_units, &causal, &min_kv_chunk,
                         &kv_chunk_align, &cost_q, &cost_kv, &force_kv_chunk, &force_split_pairs, &group_requests,
-                        &kv_window, &allow_partition, &deterministic_pieces, &groups_obj))
+                        &kv_window, &allow_partition, &deterministic_pieces, &groups_obj, &shared_gain))
     return nullptr;
+  if (!(shared_gain >= 0.0)) {
+    PyErr_Format(PyExc_ValueError, "shared_gain must be >= 0, got %g", shared_gain);
+    return nullptr;
+  }
   Py_buffer groups;
   groups.obj = nullptr;
   const bool has_groups = groups_obj != Py_None;
@@ -118,6 +122,7 @@ PyObject* Plan(PyObject*, PyObject* args) {
   if (has_groups) {
     in.groups = static_cast<const int32_t*>(groups.buf);
     in.num_groups = groups.len / 12;
+    in.shared_gain = shared_gain;
   }
   fi::PlanSection out;
   out.data = static_cast<int32_t*>(section.buf);
@@ -164,7 +169,8 @@ PyMethodDef kMethods[] = {
     {"plan", Plan, METH_VARARGS,
      "plan(section, layout_num_ctas, max_items, max_rows, max_partial_rows, qo_indptr, kv_lens, tile_q, num_ctas, "
      "num_units, causal, min_kv_chunk, kv_chunk_align, cost_q, cost_kv[, force_kv_chunk=-1, force_split_pairs=-1, "
-     "group_requests=False, kv_window=0, allow_partition=True, deterministic_pieces=0, groups=None]) -> (num_items, "
+     "group_requests=False, kv_window=0, allow_partition=True, deterministic_pieces=0, groups=None, "
+     "shared_gain=SHARED_GAIN]) -> (num_items, "
      "num_rows, num_partial_rows, kv_chunk, num_split_rows, makespan, num_split_pairs, kind, shared_groups)\n\nWrites the plan into `section` (int32, csrc/plan.h "
      "layout) in place. force_kv_chunk -1 searches for the chunk; 0 splits nothing; L > 0 uses the candidate (L, "
      "force_split_pairs) (see csrc/scheduler/planner.h). kind: 'lpt' or 'partition'."},
