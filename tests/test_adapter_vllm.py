@@ -930,8 +930,20 @@ def fi_builder(stub_vllm, monkeypatch):
         made.clear()
         return adapter.FiAttentionMetadataBuilder(spec, list(impls), cfg, "cpu")
 
-    yield SimpleNamespace(make=make, made=made)
+    yield SimpleNamespace(make=make, made=made, cfg=cfg)
     adapter.publish_step_tables(None)
+
+
+def test_speculative_decoding_plans_single_format(fi_builder, caplog):
+    """With speculative decoding vLLM's host KV lengths are upper bounds (every draft accepted), so a group could
+    reach past a member's computed KV: the builder turns groups off, also with the worker's tables, and says so."""
+    adapter.provide_step_tables(True)
+    fi_builder.cfg.speculative_config = SimpleNamespace(num_speculative_tokens=3)
+    caplog.set_level("INFO", logger="vllm.fi_backend")
+    builder = fi_builder.make()
+    assert [m[2] for m in fi_builder.made] == [False, False] and builder._step.graph_prefill is None
+    assert not builder._step.shared_prefix and adapter.step_table_readers() == 0
+    assert "shared-prefix groups off with speculative decoding" in caplog.text
 
 
 # requests 0 and 1 share manager blocks 5, 6 (kernel blocks 10..13: 16 tokens); request 2 shares nothing

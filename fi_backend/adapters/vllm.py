@@ -677,6 +677,12 @@ class _MetadataBuilder:
             self.reorder_batch_threshold = 1
         common["deterministic"] = deterministic
         shared_prefix = _env.flag(_env.SHARED_PREFIX, True) and not deterministic
+        if shared_prefix and getattr(vllm_config, "speculative_config", None) is not None:
+            # Under speculative decoding vLLM's host KV lengths assume every draft accepted, so a group's prefix
+            # could reach past a member's computed KV: single-format
+            shared_prefix = False
+            _log.info("fi-backend: shared-prefix groups off with speculative decoding (host KV lengths are upper "
+                      "bounds)")
         common["shared_prefix"] = shared_prefix
         # Grouped decode steps on the prefill kernel, in CUDA graphs too: only where the opt-in worker publishes
         # host block tables (vLLM 0.26's runners give build() none), else decode steps keep one wrapper and launch.
