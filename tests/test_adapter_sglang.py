@@ -1002,7 +1002,7 @@ def test_groups_flow_from_the_radix_tree_to_the_wrappers(page, ref_wrappers, mon
     hook(fb, tails)
     g.graph_prefill.keep_groups = False   # the planner's verdict: not worth it
     backend.init_forward_metadata(fb)
-    assert backend.forward_metadata.wrappers == (g.decode,) and g.decode.plans[-1]["groups"] is None
+    assert backend.forward_metadata.wrappers == (g.decode,) and g.decode.plans[-1]["groups"] == [[0, 3, 12]]
     run_layers(backend, eng, fb, layers, [1, 2, 3], [1, 1, 1], forward="decode")
     g.graph_prefill.keep_groups = True
 
@@ -1011,7 +1011,7 @@ def test_groups_flow_from_the_radix_tree_to_the_wrappers(page, ref_wrappers, mon
     monkeypatch.setattr(scheduler, "PREFILL_DECODE_ITEM_TOKENS", 8)   # 24 saved = 8 x 3: not worth the prefill kernel
     plans = len(g.graph_prefill.plans)
     backend.init_forward_metadata(fb)
-    assert backend.forward_metadata.wrappers == (g.decode,) and g.decode.plans[-1]["groups"] is None
+    assert backend.forward_metadata.wrappers == (g.decode,) and g.decode.plans[-1]["groups"] == [[0, 3, 12]]
     assert len(g.graph_prefill.plans) == plans
     run_layers(backend, eng, fb, layers, [1, 2, 3], [1, 1, 1], forward="decode")
     monkeypatch.setattr(scheduler, "PREFILL_DECODE_ITEM_TOKENS", 5)

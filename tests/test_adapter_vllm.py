@@ -990,14 +990,20 @@ def test_worker_tables_reach_the_plans_and_grouped_decode_runs_on_graph_prefill(
     gp.keep_groups = False                                          # the planner's verdict: not worth it
     md = runner.execute_model([], [(2, 8, 1), (0, 23, 1), (1, 22, 1)])
     assert gp.plans[-2]["groups"] == [[1, 3, 16]] and gp.plans[-1]["idle"]
-    assert md.wrapper is dec and not dec.plans[-1]["idle"] and dec.plans[-1]["groups"] is None
+    assert md.wrapper is dec and not dec.plans[-1]["idle"] and dec.plans[-1]["groups"] == [[1, 3, 16]]   # its verdict
     gp.keep_groups = True
 
     monkeypatch.setattr(scheduler, "PREFILL_DECODE_ITEM_TOKENS", 6)   # 16 saved < 6 x 3: not worth the prefill kernel
     n = len(gp.plans)
     md = runner.execute_model([], [(2, 9, 1), (0, 24, 1), (1, 23, 1)])
-    assert md.wrapper is dec and dec.plans[-1]["groups"] is None and not dec.plans[-1]["idle"]
+    assert md.wrapper is dec and dec.plans[-1]["groups"] == [[1, 3, 16]] and not dec.plans[-1]["idle"]
     assert len(gp.plans) == n + 1 and gp.plans[-1]["idle"]               # only its idle plan
+    dec.name = "decode, keeping groups"                                  # the decode kernel's verdict keeps them
+    before = adapter.plan_counts()["grouped_decode"]
+    md = runner.execute_model([], [(2, 10, 1), (0, 25, 1), (1, 24, 1)])
+    assert md.wrapper is dec and dec.plans[-1]["groups"] == [[1, 3, 16]]
+    assert adapter.plan_counts()["grouped_decode"] == before + 1
+    dec.name = "decode"
     monkeypatch.setattr(scheduler, "PREFILL_DECODE_ITEM_TOKENS", 3)
 
     adapter.publish_step_tables(runner._fi_mirror.rows(np_idx([2, 0, 1])))

@@ -626,8 +626,11 @@ class _StepPlanner:
                 if g.graph_prefill.plan_info.shared_groups > 0:
                     w = g.graph_prefill
             if w is g.decode:
-                g.decode.plan(qo_cpu, kv_cpu, bsr, **kw)
+                # the decode kernel's own groups (a 16-row tile's requests read the prefix once), where its verdict
+                # keeps them
+                g.decode.plan(qo_cpu, kv_cpu, bsr, prefix_groups=groups, **kw)
                 _PLAN_COUNTS["decode"] += 1
+                _PLAN_COUNTS["grouped_decode"] += groups is not None and g.decode.plan_info.shared_groups > 0
             else:
                 _PLAN_COUNTS["prefill"] += 1
                 _PLAN_COUNTS["grouped_decode"] += 1
@@ -763,7 +766,7 @@ class _Backend:
                           deterministic=deterministic(mr.server_args))
             shared = self.shared_prefix
             try:
-                decode = _make_wrapper("decode", max_rows=max_requests, **common)
+                decode = _make_wrapper("decode", max_rows=max_requests, shared_prefix=shared, **common)
                 prefill = _make_wrapper("prefill", max_rows=rows, shared_prefix=shared, **common)
                 graph_prefill = _make_wrapper("prefill", max_rows=max_requests, shared_prefix=True,
                                               **common) if shared else None

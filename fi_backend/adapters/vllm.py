@@ -380,8 +380,11 @@ class _StepPlanner:
             if _kept_groups(self.graph_prefill):
                 active = self.graph_prefill
         if active is self.decode:
-            self.decode.plan(qo_cpu, kv_cpu, bsr, **kw)
+            # the decode kernel's own groups (a 16-row tile's requests read the prefix once), where its verdict keeps them
+            self.decode.plan(qo_cpu, kv_cpu, bsr, prefix_groups=groups, **kw)
             _PLAN_COUNTS["decode"] += 1
+            if groups is not None and _kept_groups(self.decode):
+                _PLAN_COUNTS["grouped_decode"] += 1
             idle = self.graph_prefill
         else:
             _PLAN_COUNTS["prefill"] += 1
