@@ -934,6 +934,24 @@ def fi_builder(stub_vllm, monkeypatch):
     adapter.publish_step_tables(None)
 
 
+def test_shared_rows_only_where_groups_can_come(fi_builder):
+    """The workspaces get shared-prefix rows (GPU memory) only where build() can receive groups: the opt-in worker's
+    tables, or the V1 runner asking for cascade (--no-disable-cascade-attn); V2 without the worker gets none."""
+    fi_builder.make()
+    assert [m[2] for m in fi_builder.made] == [False, False]                 # V2, no worker
+    fi_builder.cfg.use_v2_model_runner = False
+    fi_builder.cfg.model_config.disable_cascade_attn = False
+    builder = fi_builder.make()
+    assert [m[2] for m in fi_builder.made] == [True, True] and builder._step.shared_prefix
+    assert builder._step.graph_prefill is None                             # no tables: no third wrapper
+    fi_builder.cfg.model_config.disable_cascade_attn = True                  # V1's default: it never asks
+    fi_builder.make()
+    assert [m[2] for m in fi_builder.made] == [False, False]
+    adapter.provide_step_tables(True)
+    fi_builder.make()
+    assert [m[2] for m in fi_builder.made] == [True, True, True]
+
+
 def test_speculative_decoding_plans_single_format(fi_builder, caplog):
     """With speculative decoding vLLM's host KV lengths are upper bounds (every draft accepted), so a group could
     reach past a member's computed KV: the builder turns groups off, also with the worker's tables, and says so."""

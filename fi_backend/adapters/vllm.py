@@ -680,6 +680,11 @@ class _MetadataBuilder:
             self.reorder_batch_threshold = 1
         common["deterministic"] = deterministic
         shared_prefix = _env.flag(_env.SHARED_PREFIX, True) and not deterministic
+        # Groups reach build() only from the opt-in worker's tables or from the V1 runner's cascade prefix; else the
+        # workspaces keep no shared rows (about 9 partial rows a request: GPU memory the KV cache keeps)
+        v1_cascade = (not getattr(vllm_config, "use_v2_model_runner", True)
+                      and not getattr(getattr(vllm_config, "model_config", None), "disable_cascade_attn", True))
+        shared_prefix = shared_prefix and (_table_provider or v1_cascade)
         if shared_prefix and getattr(vllm_config, "speculative_config", None) is not None:
             # Under speculative decoding vLLM's host KV lengths assume every draft accepted, so a group's prefix
             # could reach past a member's computed KV: single-format
