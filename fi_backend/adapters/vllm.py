@@ -370,9 +370,10 @@ class _StepPlanner:
                                    partner=partner)
 
     def _plan_decode_pair(self, qo_cpu, kv_cpu, bsr, groups, kw) -> tuple:
-        """A decode step with graph_prefill: (the wrapper that runs it, the other one, planned idle). With groups,
-        graph_prefill is planned first and runs the step where the planner keeps any (plan_info.shared_groups);
-        else the decode wrapper does, single-format. build() cannot tell a replayed step from an eager one, and a
+        """A decode step with graph_prefill: (the wrapper that runs it, the other one, planned idle). With groups that
+        pay for the prefill kernel (decode_groups_pay), graph_prefill is planned first and runs the step where the
+        planner keeps any (plan_info.shared_groups); else the decode wrapper does, given the groups for its own
+        verdict. build() cannot tell a replayed step from an eager one, and a
         captured graph launches both, so the other one always gets an idle plan (the same rows, no items)."""
         active = self.decode
         if groups is not None and decode_groups_pay(groups, len(kv_cpu)):
