@@ -58,10 +58,11 @@ then adds an AFTER hook on ForwardBatch.init_new through SGLang's plugin HookReg
 common ancestor of their radix nodes (Req.last_node; radix_shared_tokens), and the result is kept with the batch's
 out_cache_loc, which the eager batch and the decode graph's replay view both carry. The step's plan finds it by that
 tensor's identity and makes the groups (_StepPlanner._prefix_groups: capped at each member's cached tokens, whole
-pages, runs of sharing neighbours). Extend steps pass them to the prefill wrapper. Decode steps run groups on the
-prefill kernel, whose tile holds many requests' rows: a third wrapper per layer group (graph_prefill, its own
-workspace) is planned with them, and where the planner keeps any (plan_info.shared_groups) it runs the step, else
-the decode wrapper does. Eager decode steps run that one wrapper. A decode graph launches both into one output, so
+pages, runs of sharing neighbours). Extend steps pass them to the prefill wrapper. Decode steps whose groups save
+enough KV (scheduler.decode_groups_pay) run them on the prefill kernel, whose tile holds many requests' rows: a third
+wrapper per layer group (graph_prefill, its own workspace) is planned with them, and where the planner keeps any
+(plan_info.shared_groups) it runs the step; else the decode wrapper does, given the groups for its own verdict (a
+16-row tile's requests read the prefix once). Eager decode steps run that one wrapper. A decode graph launches both into one output, so
 each graph step gives the other one an idle plan (the same rows, no items).
 
 Deterministic inference (--enable-deterministic-inference, or FI_BACKEND_DETERMINISTIC=1): both wrappers plan
