@@ -33,8 +33,10 @@ output rows of padding tokens are left as they are (vLLM discards them).
 Shared-prefix groups (docs/composable.md): from a host copy of the step's block table, which vLLM 0.26 gives build()
 only through the opt-in worker (vllm_worker.py: `--worker-cls fi_backend.adapters.vllm_worker.Worker`, which
 publishes it per step, publish_step_tables), or from the V1 runner's cascade prefix. With the worker each group
-has a third wrapper, graph_prefill (the prefill kernel): a decode step whose groups the planner keeps runs on it,
-with the decode wrapper planned idle (else the reverse), and a decode graph launches both into one output.
+has a third wrapper, graph_prefill (the prefill kernel): a decode step whose groups pay for it (decode_groups_pay)
+and that the planner keeps runs on it, with the decode wrapper planned idle; else the decode wrapper runs it with the
+groups for its own verdict and graph_prefill is idle; a decode graph launches both into one output. Without the
+worker or V1's cascade no groups come, and the workspaces hold no shared rows.
 
 Batch invariance (VLLM_BATCH_INVARIANT=1, or FI_BACKEND_DETERMINISTIC=1): both wrappers plan deterministically
 (docs/deterministic.md) and a mixed step runs in two launches, its decodes (vLLM puts them first:
