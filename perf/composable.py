@@ -12,6 +12,7 @@ before timing. Writes perf/results/composable.json (device, date, commit).
 
     python -m perf composable [--rounds 5] [--rep 50] [--cells 64x32768x256,16x8192x256,128x1024x256] [--page 16]
                               [--shared-gain 0]   # the planner's verdict forced: every group kept
+                              [--unshared]        # both single-format decodes on distinct pages too (control)
 """
 from __future__ import annotations
 
@@ -119,7 +120,7 @@ def flashinfer_decode(cell: Cell):
     return fn, out
 
 
-def run_cell(B: int, L: int, S: int, rounds: int, rep: int, N: int = 0) -> dict:
+def run_cell(B: int, L: int, S: int, rounds: int, rep: int, N: int = 0, unshared: bool = False) -> dict:
     cell = Cell(B, L, S, N)
     single, single_out, _ = ours(cell, "decode", False)
     dec, dec_out, dec_info = ours(cell, "decode", True)
@@ -138,6 +139,17 @@ def run_cell(B: int, L: int, S: int, rounds: int, rep: int, N: int = 0) -> dict:
             raise AssertionError(f"{B}x{L}+{S}: {k} differs from ours single-format: {c}")
     fns = {"ours_single": single, "ours_decode_groups": dec, "ours_prefill_groups": pre, "flashinfer_cascade": fi,
            "flashinfer_decode": fid}
+    if unshared:   # the control: the same lengths on distinct pages (every request its own prefix pages)
+        ctl = Cell(B, L, S, 1, seed=1)
+        fns["ours_single_unshared"], ctl_out, _ = ours(ctl, "decode", False)
+        fns["flashinfer_decode_unshared"], fid_ctl_out = flashinfer_decode(ctl)
+        for f in (fns["ours_single_unshared"], fns["flashinfer_decode_unshared"]):
+            f()
+            f()
+        torch.cuda.synchronize()
+        checks["flashinfer_decode_unshared"] = c = diff_stats(fid_ctl_out, ctl_out)
+        if not c["rel_diff"] < 2e-2:
+            raise AssertionError(f"{B}x{L}+{S}: FlashInfer's decode on distinct pages differs from ours: {c}")
     times = time_rounds(fns, rounds, rep, on_round=lambda i, t: log(f"  {B}x{L}+{S} round {i + 1}/{rounds}"))
     med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
     best = min(med["ours_decode_groups"], med["ours_prefill_groups"])
@@ -146,6 +158,9 @@ def run_cell(B: int, L: int, S: int, rounds: int, rep: int, N: int = 0) -> dict:
            "median_us": med, "rounds_us": times,
            "speedup_vs_single": med["ours_single"] / best, "vs_flashinfer_cascade": med["flashinfer_cascade"] / best,
            "checks": checks, "plan": {"decode": dec_info._asdict(), "prefill": pre_info._asdict()}}
+    if unshared:   # time on distinct pages over time on shared ones: how much each single-format decode gains from them
+        res["shared_pages_speedup"] = {"ours": med["ours_single_unshared"] / med["ours_single"],
+                                       "flashinfer": med["flashinfer_decode_unshared"] / med["flashinfer_decode"]}
     log(f"{res['cell']}: " + ", ".join(f"{k} {v:.1f} us" for k, v in med.items())
         + f"; {res['speedup_vs_single']:.2f}x single, {res['vs_flashinfer_cascade']:.2f}x FlashInfer cascade")
     return res
@@ -159,6 +174,8 @@ def main(argv=None) -> int:
                     help="BxLxS or BxLxSxN (B requests in groups of N), comma-separated")
     ap.add_argument("--page", type=int, default=PAGE, help="tokens a KV page")
     ap.add_argument("--name", default="composable")
+    ap.add_argument("--unshared", action="store_true",
+                    help="also time both single-format decodes on the same lengths with distinct pages (the control)")
     ap.add_argument("--shared-gain", type=float, default=None,
                     help="the planner's shared-prefix verdict factor (FI_BACKEND_PLAN_SHARED_GAIN; 0: keep every group)")
     a = ap.parse_args(argv)
@@ -169,7 +186,7 @@ def main(argv=None) -> int:
         ap.error(f"--cells: each cell is BxLxS or BxLxSxN; got {a.cells}")
     set_page(a.page)
     import flashinfer
-    results = [run_cell(*c[:3], a.rounds, a.rep, *c[3:]) for c in cells]
+    results = [run_cell(*c[:3], a.rounds, a.rep, *c[3:], unshared=a.unshared) for c in cells]
     write_result(a.name, {**stamp(), "flashinfer": flashinfer.__version__,
                                 "heads": {"qo": HQ, "kv": HKV, "head_dim": D, "page": PAGE, "dtype": "bf16"},
                                 "shared_gain": a.shared_gain,
