@@ -279,7 +279,8 @@ def decode_groups_pay(groups, num_requests: int) -> bool:
     """Whether a decode step of num_requests requests with these shared-prefix groups (int [G, 3]: first request,
     end request, prefix tokens) belongs on the prefill kernel: the KV the groups save (each member after the first
     skips its prefix) exceeds PREFILL_DECODE_ITEM_TOKENS a request. Where it does not, the decode kernel runs the
-    step single-format faster (parallel sampling of short prompts: 8 requests sharing 160 tokens)."""
+    step faster (parallel sampling of short prompts: 8 requests sharing 160 tokens), with the groups its own
+    verdict keeps."""
     g = np.asarray(groups, dtype=np.int64).reshape(-1, 3)
     saved = int(((g[:, 1] - g[:, 0] - 1) * g[:, 2]).sum())
     return saved > PREFILL_DECODE_ITEM_TOKENS * int(num_requests)

@@ -107,7 +107,6 @@ struct PlanInputs {
   double shared_gain = kSharedGain;
 };
 
-
 // A caller-owned int32 buffer holding one plan section, laid out by csrc/plan.h for
 // (num_ctas, max_items, max_rows). max_partial_rows bounds the workspace's partial attention states.
 // The search only considers candidates that fit these capacities; a step fails with kCapacityExceeded
