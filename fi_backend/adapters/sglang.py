@@ -62,8 +62,8 @@ pages, runs of sharing neighbours). Extend steps pass them to the prefill wrappe
 enough KV (scheduler.decode_groups_pay) run them on the prefill kernel, whose tile holds many requests' rows: a third
 wrapper per layer group (graph_prefill, its own workspace) is planned with them, and where the planner keeps any
 (plan_info.shared_groups) it runs the step; else the decode wrapper does, given the groups for its own verdict (a
-16-row tile's requests read the prefix once). Eager decode steps run that one wrapper. A decode graph launches both into one output, so
-each graph step gives the other one an idle plan (the same rows, no items).
+16-row tile's requests read the prefix once). Eager decode steps run that one wrapper. A decode graph launches both
+into one output, so each graph step gives the other one an idle plan (the same rows, no items).
 
 Deterministic inference (--enable-deterministic-inference, or FI_BACKEND_DETERMINISTIC=1): both wrappers plan
 deterministically (docs/deterministic.md) and every EXTEND step runs the prefill kernel (a one-token extend too),
