@@ -53,11 +53,10 @@ class BlockTableMirror:
 
     append() takes what BlockTables.append_block_ids takes and writes what it stages for the device: the ids,
     each expanded to bpk kernel blocks (b * bpk + k), from the row's current count or from 0 (overwrite, a row
-    reused by a new request; its old tail is zeroed). rows() gathers one step's rows in batch order."""
+    reused by a new request; its old tail is zeroed). rows() names one step's rows in batch order (no copy)."""
 
     def __init__(self, block_tables):
         self.bpk = [int(b) for b in block_tables.blocks_per_kv_block]
-        self.kernel_block_sizes = [int(b) for b in block_tables.kernel_block_sizes]
         shapes = [tuple(t.gpu.shape) for t in block_tables.block_tables]
         self.tables = [np.zeros(shape, dtype=np.int32) for shape in shapes]
         self.counts = np.zeros((len(shapes), shapes[0][0] if shapes else 0), dtype=np.int64)
