@@ -16,3 +16,30 @@ def rank_device(device, index=None):
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", int(index) if index is not None else torch.cuda.current_device())
     return device
+
+
+def plan_decode_step(decode, graph_prefill, qo_cpu, kv_cpu, bsr, groups, kw: dict, counts: dict, plan_other: bool):
+    """One decode step of an adapter with shared-prefix groups (docs/composable.md): (the wrapper that runs it, the
+    other one planned idle, or None). Groups that pay for the prefill kernel (scheduler.decode_groups_pay) are
+    planned on graph_prefill first, which runs the step where the planner keeps any; else the decode wrapper runs
+    it, given the groups for its own verdict (a 16-row tile's requests read the prefix once). plan_other: a graph
+    launches both wrappers, so the other one gets an idle plan (the same rows, no items). counts: the adapter's
+    plan counters (decode, prefill, grouped_decode)."""
+    from fi_backend.scheduler import decode_groups_pay
+    active = decode
+    if groups is not None and decode_groups_pay(groups, len(kv_cpu)):
+        graph_prefill.plan(qo_cpu, kv_cpu, bsr, prefix_groups=groups, **kw)
+        if graph_prefill.plan_info.shared_groups > 0:
+            active = graph_prefill
+    if active is decode:
+        decode.plan(qo_cpu, kv_cpu, bsr, prefix_groups=groups, **kw)
+        counts["decode"] += 1
+        counts["grouped_decode"] += groups is not None and decode.plan_info.shared_groups > 0
+    else:
+        counts["prefill"] += 1
+        counts["grouped_decode"] += 1
+    if not plan_other:
+        return active, None
+    other = graph_prefill if active is decode else decode
+    other.plan(qo_cpu, kv_cpu, bsr, idle=True, **kw)
+    return active, other

@@ -97,9 +97,8 @@ import torch
 
 from fi_backend import env as _env
 from fi_backend import ops as _ops
-from fi_backend.adapters import rank_device
+from fi_backend.adapters import plan_decode_step, rank_device
 from fi_backend.formats import BSR, prefix_groups_from_links
-from fi_backend.scheduler import decode_groups_pay
 from fi_backend.wrappers import HEAD_DIMS
 
 __all__ = ["register", "create_backend", "BACKEND_NAME", "ENTRY_POINT_GROUP", "plan_counts", "check_errors",
@@ -620,25 +619,15 @@ class _StepPlanner:
                 _PLAN_COUNTS["grouped_extend"] += groups is not None and g.prefill.plan_info.shared_groups > 0
                 wrappers.append(g.prefill)
                 continue
-            w = g.decode
-            if groups is not None and g.graph_prefill is not None and decode_groups_pay(groups, bs):
-                # groups run on the prefill kernel (its tile holds many requests' rows), where the planner keeps them
-                g.graph_prefill.plan(qo_cpu, kv_cpu, bsr, prefix_groups=groups, **kw)
-                if g.graph_prefill.plan_info.shared_groups > 0:
-                    w = g.graph_prefill
-            if w is g.decode:
-                # the decode kernel's own groups (a 16-row tile's requests read the prefix once), where its verdict
-                # keeps them
-                g.decode.plan(qo_cpu, kv_cpu, bsr, prefix_groups=groups, **kw)
+            if g.graph_prefill is None:   # no groups: the decode wrapper alone
+                g.decode.plan(qo_cpu, kv_cpu, bsr, **kw)
                 _PLAN_COUNTS["decode"] += 1
-                _PLAN_COUNTS["grouped_decode"] += groups is not None and g.decode.plan_info.shared_groups > 0
+                w = g.decode
             else:
-                _PLAN_COUNTS["prefill"] += 1
-                _PLAN_COUNTS["grouped_decode"] += 1
-            if graph and g.graph_prefill is not None:   # the graph launches both: the other one runs no items
-                other = g.graph_prefill if w is g.decode else g.decode
-                other.plan(qo_cpu, kv_cpu, bsr, idle=True, **kw)
-                partners.append(other)
+                w, other = plan_decode_step(g.decode, g.graph_prefill, qo_cpu, kv_cpu, bsr, groups, kw, _PLAN_COUNTS,
+                                            plan_other=graph)
+                if other is not None:   # the graph launches both: the other one runs no items
+                    partners.append(other)
             wrappers.append(w)
         return StepMetadata(kernel=kernel, wrappers=tuple(wrappers), num_rows=int(qo_cpu[bs]), partners=tuple(partners))
 

@@ -62,9 +62,8 @@ import torch
 from fi_backend import env as _env
 from fi_backend import ops as _ops
 from fi_backend import variants as _variants
-from fi_backend.adapters import rank_device
+from fi_backend.adapters import plan_decode_step, rank_device
 from fi_backend.formats import BSR, prefix_groups_from_table
-from fi_backend.scheduler import decode_groups_pay
 from fi_backend.wrappers import HEAD_DIMS
 
 __all__ = ["register", "BACKEND_NAME", "BACKEND_CLASS_PATH", "FiAttentionMetadata", "layer_variant", "plan_counts",
@@ -359,7 +358,9 @@ class _StepPlanner:
         kw = dict(causal=True, sm_scale=self.sm_scale, debug=self.debug, **self.variant_params)
         partner = None
         if kernel == "decode" and self.graph_prefill is not None:
-            wrapper, partner = self._plan_decode_pair(qo_cpu, kv_cpu, bsr, groups, kw)
+            # build() cannot tell a replayed step from an eager one: the other wrapper always gets its idle plan
+            wrapper, partner = plan_decode_step(self.decode, self.graph_prefill, qo_cpu, kv_cpu, bsr, groups, kw,
+                                                _PLAN_COUNTS, plan_other=True)
             partner = partner if capture else None
         else:
             wrapper.plan(qo_cpu, kv_cpu, bsr, prefix_groups=groups, **kw)
@@ -370,31 +371,6 @@ class _StepPlanner:
                                    max_query_len=cm.max_query_len, query_start_loc=cm.query_start_loc,
                                    seq_lens=cm.seq_lens, block_table=table, slot_mapping=cm.slot_mapping,
                                    partner=partner)
-
-    def _plan_decode_pair(self, qo_cpu, kv_cpu, bsr, groups, kw) -> tuple:
-        """A decode step with graph_prefill: (the wrapper that runs it, the other one, planned idle). With groups that
-        pay for the prefill kernel (decode_groups_pay), graph_prefill is planned first and runs the step where the
-        planner keeps any (plan_info.shared_groups); else the decode wrapper does, given the groups for its own
-        verdict. build() cannot tell a replayed step from an eager one, and a
-        captured graph launches both, so the other one always gets an idle plan (the same rows, no items)."""
-        active = self.decode
-        if groups is not None and decode_groups_pay(groups, len(kv_cpu)):
-            self.graph_prefill.plan(qo_cpu, kv_cpu, bsr, prefix_groups=groups, **kw)
-            if _kept_groups(self.graph_prefill):
-                active = self.graph_prefill
-        if active is self.decode:
-            # the decode kernel's own groups (a 16-row tile's requests read the prefix once), where its verdict keeps them
-            self.decode.plan(qo_cpu, kv_cpu, bsr, prefix_groups=groups, **kw)
-            _PLAN_COUNTS["decode"] += 1
-            if groups is not None and _kept_groups(self.decode):
-                _PLAN_COUNTS["grouped_decode"] += 1
-            idle = self.graph_prefill
-        else:
-            _PLAN_COUNTS["prefill"] += 1
-            _PLAN_COUNTS["grouped_decode"] += 1
-            idle = self.decode
-        idle.plan(qo_cpu, kv_cpu, bsr, idle=True, **kw)
-        return active, idle
 
     def _plan_mixed(self, cm, qo_cpu, kv_cpu, nd: int) -> FiAttentionMetadata:
         """Batch invariance: a mixed step's nd leading decodes on the decode wrapper, the rest on the prefill
