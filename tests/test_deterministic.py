@@ -219,7 +219,7 @@ def test_deterministic_decode_is_a_module_of_its_own(monkeypatch):
     from fi_backend.specs import attention_specs, decode_spec
     normal = decode_spec(V.DEFAULT, 128, "bf16", "bf16", 4)
     det = decode_spec(V.DEFAULT, 128, "bf16", "bf16", 4, deterministic=True)
-    assert normal.params["CONFIG"] == "128, 8, 4, __nv_bfloat16, __nv_bfloat16, 8, 3, 1"
+    assert normal.params["CONFIG"] == "128, 8, 4, __nv_bfloat16, __nv_bfloat16, 4, 2, 1"
     assert det.params["CONFIG"] == normal.params["CONFIG"] + ", true"
     assert det.tag == normal.tag + "_det"
     ident = [kernels.module_identity(s, ("90a",), "nvcc") for s in (normal, det)]
