@@ -21,13 +21,16 @@ SMEM_PER_CTA = 227 * 1024
 # ------------------------------------------------------------------------------------ decode
 
 # (warps per CTA, 16-token blocks per warp per tile, pipeline stages) by (head_dim, KV bytes per element):
-# about 8 warps per SM with two ~64 KiB tiles in flight. Variants with a KeyTransform (RoPE) do more work
-# per tile and run two 4-warp CTAs per SM.
+# about 8 warps per SM with two ~64 KiB tiles in flight. At head size 128, 16-bit KV, 8-row tiles run three
+# 4-warp CTAs of 64-token tiles an SM: short requests (ShareGPT-like steps) fill their tiles, and long ones
+# stream as fast. 16-row tiles (groups above 8) keep one 8-warp CTA (measured: docs/decode.md). Variants with
+# a KeyTransform (RoPE) do more work per tile and run two 4-warp CTAs per SM.
 _SHAPES = {
     (64, 2): (4, 2, 3), (64, 1): (4, 4, 3),
     (128, 2): (4, 1, 2), (128, 1): (4, 2, 3),
     (256, 2): (4, 1, 3), (256, 1): (4, 1, 3),
 }
+_SHAPES_ROWS16 = {(128, 2): (8, 1, 3)}
 _SHAPES_KEY_TRANSFORM = {(128, 2): (4, 1, 3)}
 
 
@@ -56,8 +59,9 @@ def _kernel_shape(head_dim: int, kv_bytes: int, group: int, key_transform: bool 
     max_rows = 8 if head_dim == 256 else 16
     hpc = max(d for d in range(1, min(group, max_rows) + 1) if group % d == 0)
     rows = 8 if hpc <= 8 else 16
-    warps, sub, stages = (_SHAPES_KEY_TRANSFORM if key_transform else {}).get((head_dim, kv_bytes),
-                                                                           _SHAPES[(head_dim, kv_bytes)])
+    key = (head_dim, kv_bytes)
+    warps, sub, stages = (_SHAPES_KEY_TRANSFORM.get(key) if key_transform else None) or \
+        (_SHAPES_ROWS16.get(key) if rows == 16 else None) or _SHAPES[key]
     return {"rows": rows, "hpc": hpc, "warps": warps, "sub": sub, "stages": stages}
 
 

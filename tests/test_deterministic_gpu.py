@@ -208,7 +208,8 @@ FOLD_LENGTHS = (129, 1000, 2048, 4097, 16389, 20000, 32768)   # pieces of 128 ..
 @pytest.mark.parametrize("variant", ["default", "window", "sigmoid"])
 def test_decode_fold_matches_split_merge(variant):
     """The decode kernel, deterministic: a request alone on the grid runs its pieces as items of their own
-    (partial states merged in piece order); among 255 companions of its length it runs whole, the kernel folding
+    (partial states merged in piece order); among companions of its length, a whole number of (request, KV head)
+    pairs a CTA of the grid, it runs whole, the kernel folding
     the same pieces. Output and LSE must agree in every bit (the fold and the merge do the same float
     operations on the same values), for KV lengths whose pieces run 128..2048 tokens; both against the
     reference too (the fold is the only path of a large batch). window: its edge inside a KV tile."""
@@ -217,8 +218,8 @@ def test_decode_fold_matches_split_merge(variant):
     var = {"default": V.DEFAULT, "window": V.SLIDING_WINDOW, "sigmoid": V.SIGMOID}[variant]
     params = {"window": {"window_left": 700}, "sigmoid": {"sigmoid_bias": -1.0}}.get(variant, {})
     ref_kw = {"window": {"window_left": 700}, "sigmoid": {"use_sigmoid": True, "sigmoid_bias": -1.0}}.get(variant, {})
-    B = 256
-    attn = make("decode", True, max_tokens=B, max_requests=B, variant=var)
+    attn = make("decode", True, max_tokens=1024, max_requests=1024, variant=var)
+    B = attn.workspace.num_ctas   # HKV pairs a CTA: balanced without splitting
     steps = Steps(B, B, max(FOLD_LENGTHS), seed=17)
     lse_on = var.use_softmax
     out = torch.zeros_like(steps.q)
