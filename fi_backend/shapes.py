@@ -21,14 +21,14 @@ SMEM_PER_CTA = 227 * 1024
 # ------------------------------------------------------------------------------------ decode
 
 # (warps per CTA, 16-token blocks per warp per tile, pipeline stages) by (head_dim, KV bytes per element):
-# about 8 warps per SM with two ~64 KiB tiles in flight. At head size 128, 16-bit KV, 8-row tiles run three
-# 4-warp CTAs of 64-token tiles an SM: short requests (ShareGPT-like steps) fill their tiles, and long ones
-# stream as fast. 16-row tiles (groups above 8) keep one 8-warp CTA (measured: docs/decode.md). Variants with
-# a KeyTransform (RoPE) do more work per tile and run two 4-warp CTAs per SM.
+# 16-bit KV runs 4-warp CTAs of 64-token tiles in 2 stages (3 CTAs an SM at head size 64 and 128): short
+# requests (ShareGPT-like steps) fill their tiles, and long ones stream as fast. 16-row tiles at head size 128
+# (groups above 8) keep one 8-warp CTA of 128-token tiles; fp8 keeps 128-token tiles (measured: docs/decode.md).
+# Variants with a KeyTransform (RoPE) do more work per tile and run two 4-warp CTAs per SM.
 _SHAPES = {
-    (64, 2): (4, 2, 3), (64, 1): (4, 4, 3),
+    (64, 2): (4, 1, 2), (64, 1): (4, 4, 3),
     (128, 2): (4, 1, 2), (128, 1): (4, 2, 3),
-    (256, 2): (4, 1, 3), (256, 1): (4, 1, 3),
+    (256, 2): (4, 1, 2), (256, 1): (4, 1, 3),
 }
 _SHAPES_ROWS16 = {(128, 2): (8, 1, 3)}
 _SHAPES_KEY_TRANSFORM = {(128, 2): (4, 1, 3)}
