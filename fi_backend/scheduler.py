@@ -17,9 +17,10 @@ a chunk's replicas share its partial rows, each writing its own heads); the plan
 keeps the candidate with the lowest LPT makespan (ties: fewer items) among "no split", the previous
 rule's chunk and a few chunks derived from the longest pair and the fair share of KV per CTA
 (csrc/scheduler/planner.cc, ChooseSplit). When the unsplit plan is already within BALANCED_SLACK of the
-lower bound num_units * total cost / num_ctas it is taken without a search. Split items write partial attention
+lower bound num_units * total cost / num_ctas, or within cost_q (one query row's fixed cost) if that is more,
+it is taken without a search. Split items write partial attention
 states, which the merge combines per row. Where one LPT pass serves every unit and that plan is still over
-BALANCED_SLACK above the bound, a partition (the pairs filling CTA after CTA up to a cap, cut where it
+that margin above the bound, a partition (the pairs filling CTA after CTA up to a cap, cut where it
 falls) replaces it when its makespan is strictly lower (plan_into's partition, PlanInfo.kind).
 
 A deterministic plan (plan_into's deterministic_pieces, docs/deterministic.md) replaces the search and the
@@ -240,8 +241,8 @@ def plan_into(views: PlanViews, qo_indptr, kv_lens, *, tile_q: int, num_ctas: in
     creation order fill CTA after CTA up to a cap of cost, cut where the cap falls (aligned, pieces of at least
     min_kv_chunk), the cap by bisection; considered only where one LPT pass serves every unit (num_units == 1,
     or num_ctas divisible by num_units), without group_requests, kv_window or a forced candidate, when LPT's
-    makespan is over BALANCED_SLACK above the bound, and kept only when strictly lower (PlanInfo.kind says
-    which plan it is; csrc/scheduler/planner.cc, ChoosePartition).
+    makespan is over BALANCED_SLACK (or cost_q, if more) above the bound, and kept only when strictly lower
+    (PlanInfo.kind says which plan it is; csrc/scheduler/planner.cc, ChoosePartition).
     deterministic_pieces (0: off): a deterministic plan. Each pair's KV is cut into pieces at the multiples of
     its request's chunk C, the smallest kv_chunk_align * 2^k >= ceil(kv_len / deterministic_pieces) and >=
     min_kv_chunk, from that request's kv_len alone. A pair runs whole (one item, partial_stride = C: the

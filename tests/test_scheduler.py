@@ -121,13 +121,18 @@ def total_cost(pairs, cost_q, cost_kv):
     return total
 
 
+def good_enough_of(bound, cost_q):
+    """The planner's stop rule: BALANCED_SLACK above the lower bound, or one query row's cost if more."""
+    return bound + max(S.BALANCED_SLACK * bound, cost_q)
+
+
 def search_model(plan, pairs, *, num_ctas, min_kv_chunk, align, cost_q, cost_kv, num_units=1, exhaustive=False):
     """The chunk search replayed with forced candidates: plan(force_kv_chunk, force_split_pairs) -> PlanInfo
     or ValueError (the candidate does not fit). Returns (makespan, num_items, kv_chunk, split pairs) of the
     choice the search must make; with exhaustive=True, of the best candidate with no early stop."""
     info = plan(0, None)
     best = (info.makespan, info.num_items, 0, 0)
-    good_enough = (1 + S.BALANCED_SLACK) * (num_units * total_cost(pairs, cost_q, cost_kv) / num_ctas)
+    good_enough = good_enough_of(num_units * total_cost(pairs, cost_q, cost_kv) / num_ctas, cost_q)
     if info.makespan <= good_enough and not exhaustive:
         return best
     order, seen = length_order(pairs), set()
@@ -426,7 +431,7 @@ def check_plan(d, info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align
                        causal=causal, min_kv_chunk=min_kv_chunk, align=align, cost_q=cost_q, cost_kv=cost_kv,
                        num_units=num_units)[1]
         assert lpt.kind == "lpt"
-        assert lpt.makespan > (1 + S.BALANCED_SLACK) * total_cost(pairs, cost_q, cost_kv) / mb
+        assert lpt.makespan > good_enough_of(total_cost(pairs, cost_q, cost_kv) / mb, cost_q)
         pieces, makespan = partition_model(pairs, lpt.makespan, num_ctas=mb, min_kv_chunk=min_kv_chunk, align=align,
                                            cost_q=cost_q, cost_kv=cost_kv)
         assert info.makespan == makespan < lpt.makespan
@@ -645,8 +650,8 @@ def test_group_requests_keeps_ctas_on_few_kv_streams(B, s):
 def check_partition_switch(qo, kv, views_of, **kw):
     """Plans with the partition allowed and not, on fresh sections from views_of(): the same bytes unless the
     result is the partition, which only comes where one LPT pass serves every unit (one unit, or unit blocks),
-    without group_requests, kv_window or a forced candidate, when LPT's plan is over BALANCED_SLACK above the
-    bound, and with a makespan strictly below LPT's. Returns the kind."""
+    without group_requests, kv_window or a forced candidate, when LPT's plan is over the stop margin
+    (good_enough_of) above the bound, and with a makespan strictly below LPT's. Returns the kind."""
     on, off = views_of(), views_of()
     a = S.plan_into(on, qo, kv, partition=True, **kw)
     b = S.plan_into(off, qo, kv, partition=False, **kw)
@@ -660,7 +665,7 @@ def check_partition_switch(qo, kv, views_of, **kw):
     pairs = pairs_of(qo, kv, kw["tile_q"], kw.get("causal", False))
     lin_ctas = m // units if units > 1 else m
     bound = total_cost(pairs, kw.get("cost_q", 1.0), kw.get("cost_kv", 1.0)) / lin_ctas
-    assert b.makespan > (1 + S.BALANCED_SLACK) * bound and a.makespan < b.makespan
+    assert b.makespan > good_enough_of(bound, kw.get("cost_q", 1.0)) and a.makespan < b.makespan
     return a.kind
 
 
@@ -798,13 +803,13 @@ def check_choice(info, qo, kv, *, tile_q, num_ctas, causal, min_kv_chunk, align,
         assert info.makespan <= old.makespan
     model = dict(num_ctas=num_ctas, min_kv_chunk=min_kv_chunk, align=align, cost_q=cost_q, cost_kv=cost_kv,
                  num_units=num_units)
-    # Exactly the search: the best candidate, in order, until one is within BALANCED_SLACK of the bound.
+    # Exactly the search: the best candidate, in order, until one is within the stop rule of the bound.
     assert (info.makespan, info.num_items, info.kv_chunk, info.num_split_pairs) == search_model(plan, pairs, **model)
-    # So against every candidate, with no early stop, the choice is at most BALANCED_SLACK worse.
+    # So against every candidate, with no early stop, the choice is at most the rule's margin worse.
     best = search_model(plan, pairs, exhaustive=True, **model)
-    assert info.makespan <= best[0] * (1 + S.BALANCED_SLACK)
+    assert info.makespan <= good_enough_of(best[0], cost_q)
     lower_bound = num_units * total_cost(pairs, cost_q, cost_kv) / num_ctas
-    assert info.makespan <= max(best[0], (1 + S.BALANCED_SLACK) * lower_bound)
+    assert info.makespan <= max(best[0], good_enough_of(lower_bound, cost_q))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -892,9 +897,9 @@ def test_batch_not_a_multiple_of_the_ctas(tile):
 
 
 def test_search_stops_within_slack_of_the_bound():
-    """Large skewed batches: an early candidate already comes within BALANCED_SLACK of the lower bound,
-    and the search stops there (an LPT pass or two, not dozens). The choice is the search model's, which
-    is often not the exhaustive best but never more than the slack above it."""
+    """Large skewed batches: an early candidate already comes within the stop margin (good_enough_of) of the
+    lower bound, and the search stops there (an LPT pass or two, not dozens). The choice is the search model's,
+    which is often not the exhaustive best but never more than the margin above it."""
     rng = np.random.default_rng()
     tile = 64
     kw = dict(H100_DECODE, causal=False, align=tile, cost_q=float(tile))
@@ -910,7 +915,7 @@ def test_search_stops_within_slack_of_the_bound():
         # A long request forces splits unless the unsplit plan is already within the slack of the bound
         # (a few long requests among many short ones sometimes are: the search then stops at once).
         pairs = pairs_of(qo, kv, kw["tile_q"], False)
-        good_enough = (1 + S.BALANCED_SLACK) * total_cost(pairs, float(tile), 1.0) / kw["num_ctas"]
+        good_enough = good_enough_of(total_cost(pairs, float(tile), 1.0) / kw["num_ctas"], float(tile))
         if forced(qo, kv, **kw)(0, None).makespan > good_enough:
             assert info.num_split_pairs > 0
         exhaustive = search_model(forced(qo, kv, **kw), pairs_of(qo, kv, kw["tile_q"], False), exhaustive=True,

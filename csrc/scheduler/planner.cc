@@ -1028,7 +1028,8 @@ PlanStatus Planner::Plan(const PlanInputs& in_arg, const PlanSection& section, P
   Split split;  // chunk 0: nothing split
   split.num_items = num_pairs;
   double lpt_makespan = unsplit_makespan;  // of the split chosen (when searched)
-  const double good_enough = (1.0 + kBalancedSlack) * ((double)lpt_units * total_cost / (double)m);
+  const double bound = (double)lpt_units * total_cost / (double)m;
+  const double good_enough = bound + std::max(kBalancedSlack * bound, in.cost_q);
   const bool det = in.deterministic_pieces > 0;
   if (det) {
     split = ChooseDeterministic(in, section, units, m, lpt_units, unsplit_makespan, good_enough, &lpt_makespan);
