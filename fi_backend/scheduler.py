@@ -18,10 +18,10 @@ keeps the candidate with the lowest LPT makespan (ties: fewer items) among "no s
 rule's chunk and a few chunks derived from the longest pair and the fair share of KV per CTA
 (csrc/scheduler/planner.cc, ChooseSplit). When the unsplit plan is already within BALANCED_SLACK of the
 lower bound num_units * total cost / num_ctas, or within cost_q (one query row's fixed cost) if that is more,
-it is taken without a search. Split items write partial attention
-states, which the merge combines per row. Where one LPT pass serves every unit and that plan is still over
-that margin above the bound, a partition (the pairs filling CTA after CTA up to a cap, cut where it
-falls) replaces it when its makespan is strictly lower (plan_into's partition, PlanInfo.kind).
+it is taken without a search. Split items write partial attention states, which the merge combines per row.
+Where one LPT pass serves every unit and that plan is still over that margin above the bound, a partition (the
+pairs filling CTA after CTA up to a cap, cut where it falls) replaces it when its makespan is strictly lower
+(plan_into's partition, PlanInfo.kind).
 
 A deterministic plan (plan_into's deterministic_pieces, docs/deterministic.md) replaces the search and the
 partition: each request's KV is cut into pieces at the multiples of a chunk taken from its own length, so a

@@ -22,15 +22,15 @@ SMEM_PER_CTA = 227 * 1024
 
 # (warps per CTA, 16-token blocks per warp per tile, pipeline stages) by (head_dim, KV bytes per element):
 # 16-bit KV runs 4-warp CTAs of 64-token tiles in 2 stages (3 CTAs an SM at head size 64 and 128): short
-# requests (ShareGPT-like steps) fill their tiles, and long ones stream as fast. 16-row tiles at head size 128
-# (groups above 8) keep one 8-warp CTA of 128-token tiles; fp8 keeps 128-token tiles (measured: docs/decode.md).
+# requests (ShareGPT-like steps) fill their tiles, and long ones stream as fast. 16-row tiles (groups above 8)
+# keep 128-token tiles (at 128: one 8-warp CTA); fp8 keeps 128-token tiles (measured: docs/decode.md).
 # Variants with a KeyTransform (RoPE) do more work per tile and run two 4-warp CTAs per SM.
 _SHAPES = {
     (64, 2): (4, 1, 2), (64, 1): (4, 4, 3),
     (128, 2): (4, 1, 2), (128, 1): (4, 2, 3),
     (256, 2): (4, 1, 2), (256, 1): (4, 1, 3),
 }
-_SHAPES_ROWS16 = {(128, 2): (8, 1, 3)}
+_SHAPES_ROWS16 = {(64, 2): (4, 2, 3), (128, 2): (8, 1, 3)}   # 4 x 1 x 2 lost at 128, not tried at 64
 _SHAPES_KEY_TRANSFORM = {(128, 2): (4, 1, 3)}
 
 
@@ -60,8 +60,12 @@ def _kernel_shape(head_dim: int, kv_bytes: int, group: int, key_transform: bool 
     hpc = max(d for d in range(1, min(group, max_rows) + 1) if group % d == 0)
     rows = 8 if hpc <= 8 else 16
     key = (head_dim, kv_bytes)
-    warps, sub, stages = (_SHAPES_KEY_TRANSFORM.get(key) if key_transform else None) or \
-        (_SHAPES_ROWS16.get(key) if rows == 16 else None) or _SHAPES[key]
+    if key_transform and key in _SHAPES_KEY_TRANSFORM:
+        warps, sub, stages = _SHAPES_KEY_TRANSFORM[key]
+    elif rows == 16 and key in _SHAPES_ROWS16:
+        warps, sub, stages = _SHAPES_ROWS16[key]
+    else:
+        warps, sub, stages = _SHAPES[key]
     return {"rows": rows, "hpc": hpc, "warps": warps, "sub": sub, "stages": stages}
 
 

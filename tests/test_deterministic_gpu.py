@@ -208,11 +208,11 @@ FOLD_LENGTHS = (129, 1000, 2048, 4097, 16389, 20000, 32768)   # pieces of 128 ..
 @pytest.mark.parametrize("variant", ["default", "window", "sigmoid"])
 def test_decode_fold_matches_split_merge(variant):
     """The decode kernel, deterministic: a request alone on the grid runs its pieces as items of their own
-    (partial states merged in piece order); among companions of its length, a whole number of (request, KV head)
-    pairs a CTA of the grid, it runs whole, the kernel folding
-    the same pieces. Output and LSE must agree in every bit (the fold and the merge do the same float
-    operations on the same values), for KV lengths whose pieces run 128..2048 tokens; both against the
-    reference too (the fold is the only path of a large batch). window: its edge inside a KV tile."""
+    (partial states merged in piece order); among companions of its length, a whole number of (request, KV
+    head) pairs a CTA of the grid, it runs whole, the kernel folding the same pieces. Output and LSE must
+    agree in every bit (the fold and the merge do the same float operations on the same values), for KV
+    lengths whose pieces run 128..2048 tokens; both against the reference too (the fold is the only path of
+    a large batch). window: its edge inside a KV tile."""
     from fi_backend import reference as R
     from fi_backend import variants as V
     var = {"default": V.DEFAULT, "window": V.SLIDING_WINDOW, "sigmoid": V.SIGMOID}[variant]
