@@ -207,6 +207,20 @@ def _workspace_pieces(kernel: str, deterministic: bool) -> int:
     return DETERMINISTIC_PIECES if deterministic and kernel == "decode" else 0
 
 
+def plan_cost_q(kernel: str, kv_tile: int, rows_per_tile: int) -> float:
+    """The planner's cost of a query row, in KV tokens: decode items cost a tile of KV per row tile (or
+    FI_BACKEND_PLAN_DECODE_COST_Q, for experiments); a prefill item's fixed work (its Q tile, its epilogue) is
+    about two KV tiles for a whole 128-row tile."""
+    if kernel != "decode":
+        return 2.0 * kv_tile / rows_per_tile
+    cost = env.number(env.PLAN_DECODE_COST_Q)
+    if cost is None:
+        return float(kv_tile)
+    if not cost > 0:
+        raise ValueError(f"{env.PLAN_DECODE_COST_Q} must be a number > 0, got {cost}")
+    return cost
+
+
 class BatchAttention:
     """Batch attention over the BSR KV format with a plan/run split (see the module docstring).
 
@@ -354,9 +368,7 @@ class BatchAttention:
         self._launch = self._launcher.run
         self.rows_per_tile = int(self._launcher.rows_per_tile)  # query rows per tile (the planner's tile_q)
         self.kv_tile = int(self._launcher.tile)                  # KV tokens per pipeline stage (chunk alignment)
-        # Planner cost of a query row, in KV tokens: decode items cost a tile of KV per row tile; a prefill
-        # item's fixed work (its Q tile, its epilogue) is about two KV tiles for a whole 128-row tile.
-        self._cost_q = float(self.kv_tile) if self.kernel == "decode" else 2.0 * self.kv_tile / self.rows_per_tile
+        self._cost_q = plan_cost_q(self.kernel, self.kv_tile, self.rows_per_tile)
         # Prefill plans go request by request (scheduler.plan_into's group_requests) for steps of two requests
         # or more with one of PLAN_GROUPED_MIN_KV KV tokens or more, so CTAs running at the same time read the
         # same request and head's KV; not for a mask that is the KV range, where it did not pay

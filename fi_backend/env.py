@@ -22,6 +22,9 @@ FI_BACKEND_PLAN_PARTITION   "0": plans are always LPT over the chunk search's sp
 FI_BACKEND_PLAN_SHARED_GAIN a float >= 0: the shared-prefix verdict's factor instead of SHARED_GAIN (0 keeps every
                             group that saves any KV; plan_into's shared_gain; read at each plan, for experiments:
                             perf composable's cells with the verdict forced)
+FI_BACKEND_PLAN_DECODE_COST_Q a float > 0: the decode planner's cost of a query row, in KV tokens, instead of the
+                            kernel's KV tile (how eagerly plans split KV; read when a wrapper is made, for
+                            experiments: perf/tools/decode_shapes.py's "cost_q")
 FI_BACKEND_DETERMINISTIC    "1": wrappers made without a deterministic= argument plan deterministically (a
                             request's KV splits and merge order depend on that request alone: batch-invariant
                             outputs; read when a wrapper is made; docs/deterministic.md)
@@ -46,6 +49,7 @@ PLAN_GROUPED = "FI_BACKEND_PLAN_GROUPED"
 PLAN_WINDOW = "FI_BACKEND_PLAN_WINDOW"
 PLAN_PARTITION = "FI_BACKEND_PLAN_PARTITION"
 PLAN_SHARED_GAIN = "FI_BACKEND_PLAN_SHARED_GAIN"
+PLAN_DECODE_COST_Q = "FI_BACKEND_PLAN_DECODE_COST_Q"
 DETERMINISTIC = "FI_BACKEND_DETERMINISTIC"
 VLLM_BATCH_INVARIANT = "VLLM_BATCH_INVARIANT"  # vLLM's own switch (the adapter and `fi-backend build --model` read it)
 SHARED_PREFIX = "FI_BACKEND_SHARED_PREFIX"

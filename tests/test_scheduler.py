@@ -1276,3 +1276,17 @@ def test_unit_blocks_when_the_ctas_divide_by_the_units():
         assert np.array_equal(d.cta_indptr[16 * u:16 * u + 17] - d.cta_indptr[16 * u], o.cta_indptr)
         block = d.items[d.cta_indptr[16 * u]:d.cta_indptr[16 * u + 16]]
         assert np.all(block["unit"] == u) and all(np.array_equal(block[f], o.items[f]) for f in fields)
+
+
+def test_plan_cost_q_default_and_override(monkeypatch):
+    """A query row's planner cost: decode a KV tile, prefill two KV tiles a whole 128-row tile;
+    FI_BACKEND_PLAN_DECODE_COST_Q replaces decode's (only), and a value that is not > 0 is refused by name."""
+    from fi_backend.attention import plan_cost_q
+    monkeypatch.delenv("FI_BACKEND_PLAN_DECODE_COST_Q", raising=False)
+    assert plan_cost_q("decode", 64, 2) == 64.0 and plan_cost_q("prefill", 64, 128) == 1.0
+    monkeypatch.setenv("FI_BACKEND_PLAN_DECODE_COST_Q", "128")
+    assert plan_cost_q("decode", 64, 2) == 128.0 and plan_cost_q("prefill", 64, 128) == 1.0
+    for bad in ("0", "-3", "many"):
+        monkeypatch.setenv("FI_BACKEND_PLAN_DECODE_COST_Q", bad)
+        with pytest.raises(ValueError, match="FI_BACKEND_PLAN_DECODE_COST_Q must be a number"):
+            plan_cost_q("decode", 64, 2)

@@ -10,17 +10,36 @@ Writes perf/results/decode_shapes.json (--name to rename)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import random
 import sys
 
 import torch
+
+from fi_backend import env
 
 from perf import decode as D
 from perf.common import device_info, log, rotating, time_rounds, write_result
 
 CELLS = "512x176,512x224,512x288,512x400,256x300~,256x1024,128x1280,64x4096,32x16384"
 TUNINGS = '[{}, {"warps": 4, "sub": 1, "stages": 3}, {"warps": 4, "sub": 1, "stages": 2}]'
+
+
+@contextlib.contextmanager
+def decode_cost_q(cost_q):
+    """FI_BACKEND_PLAN_DECODE_COST_Q set while a wrapper is made (None: as it is)."""
+    old = os.environ.get(env.PLAN_DECODE_COST_Q)
+    if cost_q is not None:
+        os.environ[env.PLAN_DECODE_COST_Q] = repr(float(cost_q))
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(env.PLAN_DECODE_COST_Q, None)
+        else:
+            os.environ[env.PLAN_DECODE_COST_Q] = old
 
 
 def lengths(cell: str) -> list[int]:
@@ -36,7 +55,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m perf.tools.decode_shapes", description=__doc__.split("\n\n")[0])
     ap.add_argument("--cells", default=CELLS)
     ap.add_argument("--pages", default="16")
-    ap.add_argument("--tunings", default=TUNINGS, help="JSON list of decode_spec tunings; {} is the default shape")
+    ap.add_argument("--tunings", default=TUNINGS, help="JSON list of decode_spec tunings; {} is the default shape; "
+                    "a \"cost_q\" key sets the planner's cost of a query row for that entry")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=int, default=30)
     ap.add_argument("--heads", default="32/8/128", help="query heads / KV heads / head_dim")
@@ -61,11 +81,15 @@ def main(argv=None) -> int:
                 fns[f"flashinfer_{'tc' if tc else 'cuda'}"] = rotating(lambda i, f=f, s=s: (s(i), f()), case.sets)
                 f()   # FlashInfer's output on set 0: each shape of ours is checked against it
             for t in tunings:
-                f, s, _ = D.ours(case, tuning=t or None)
+                t = dict(t)
+                cost_q = t.pop("cost_q", None)   # the planner's cost of a query row (FI_BACKEND_PLAN_DECODE_COST_Q)
+                with decode_cost_q(cost_q):
+                    f, s, _ = D.ours(case, tuning=t or None)
                 case.out.fill_(float("nan"))
                 f()
                 D.check_close(case, case.out, fi_out)
-                fns[f"ours_{label(t)}"] = rotating(lambda i, f=f, s=s: (s(i), f()), case.sets)
+                fns[f"ours_{label(t)}" + (f"_q{cost_q:g}" if cost_q else "")] = \
+                    rotating(lambda i, f=f, s=s: (s(i), f()), case.sets)
             times = time_rounds(fns, a.rounds, a.rep)
             med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
             fi = min(v for k, v in med.items() if k.startswith("flashinfer_"))
