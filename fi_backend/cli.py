@@ -126,18 +126,9 @@ def cmd_build(args) -> int:
     return _build_specs(specs, archs, args.jobs, ", ".join(names))
 
 
-@contextlib.contextmanager
 def _arch_list(archs):
     """The build's architectures in effect while specs are named: the prefill tile family follows them."""
-    saved = os.environ.get(env.CUDA_ARCH_LIST)
-    os.environ[env.CUDA_ARCH_LIST] = " ".join(archs)
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(env.CUDA_ARCH_LIST, None)
-        else:
-            os.environ[env.CUDA_ARCH_LIST] = saved
+    return env.setting(env.CUDA_ARCH_LIST, " ".join(archs))
 
 
 def _build_model(args) -> int:

@@ -36,6 +36,7 @@ FI_BACKEND_SHARED_PREFIX    "0": the vLLM adapter plans every step single-format
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Optional
 
@@ -90,3 +91,18 @@ def batch_invariant() -> bool:
     except ValueError:
         vllm_on = False
     return vllm_on or flag(DETERMINISTIC, False)
+
+
+@contextlib.contextmanager
+def setting(name: str, value: Optional[str]):
+    """The variable set to value inside the block (None: left as it is), restored after."""
+    saved = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved

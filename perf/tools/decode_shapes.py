@@ -10,9 +10,7 @@ Writes perf/results/decode_shapes.json (--name to rename)."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import random
 import sys
 
@@ -25,21 +23,6 @@ from perf.common import device_info, log, rotating, time_rounds, write_result
 
 CELLS = "512x176,512x224,512x288,512x400,256x300~,256x1024,128x1280,64x4096,32x16384"
 TUNINGS = '[{}, {"warps": 4, "sub": 1, "stages": 3}, {"warps": 4, "sub": 1, "stages": 2}]'
-
-
-@contextlib.contextmanager
-def decode_cost_q(cost_q):
-    """FI_BACKEND_PLAN_DECODE_COST_Q set while a wrapper is made (None: as it is)."""
-    old = os.environ.get(env.PLAN_DECODE_COST_Q)
-    if cost_q is not None:
-        os.environ[env.PLAN_DECODE_COST_Q] = repr(float(cost_q))
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(env.PLAN_DECODE_COST_Q, None)
-        else:
-            os.environ[env.PLAN_DECODE_COST_Q] = old
 
 
 def lengths(cell: str) -> list[int]:
@@ -83,7 +66,7 @@ def main(argv=None) -> int:
             for t in tunings:
                 t = dict(t)
                 cost_q = t.pop("cost_q", None)   # the planner's cost of a query row (FI_BACKEND_PLAN_DECODE_COST_Q)
-                with decode_cost_q(cost_q):
+                with env.setting(env.PLAN_DECODE_COST_Q, None if cost_q is None else repr(float(cost_q))):
                     f, s, _ = D.ours(case, tuning=t or None)
                 case.out.fill_(float("nan"))
                 f()
@@ -101,7 +84,8 @@ def main(argv=None) -> int:
                 + " | FI/ours " + ", ".join(f"{k[5:]} {v:.3f}" for k, v in row["flashinfer_best_over_ours"].items()))
             del case, fns
             torch.cuda.empty_cache()
-    write_result(a.name, {"device": device_info(), "heads": a.heads, "kv_dtype": a.kv_dtype, "tunings": tunings, "rows": rows,
+    write_result(a.name, {"device": device_info(), "heads": a.heads, "kv_dtype": a.kv_dtype, "tunings": tunings,
+                          "rows": rows,
                           "anchor": "FlashInfer 0.6.14 BatchDecodeWithPagedKVCacheWrapper, tensor cores on and off"})
     return 0
 
