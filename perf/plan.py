@@ -18,9 +18,10 @@ by the units plans as unit blocks (one LPT pass over the items), another places 
 replica on its own (csrc/scheduler/planner.h).
 
 --write NAME times the project's table into perf/results/NAME.json (plan_host_time): the decode wrapper's
-settings, uniform / skewed / sharegpt batches of 256 and 1024, 8 units on 128 CTAs (unit blocks) and on
-132 (replicas), each against the anchor on the same inputs in the same process: the plan of queues per
-KV head (num_ctas // units CTAs, one unit) that the planner made before items named their unit.
+settings, uniform / skewed / sharegpt batches of 256 and 1024, 8 units on 128 CTAs (unit blocks), on 132
+(replicas) and on 392 (unit blocks: the decode grid of 3 CTAs an SM, docs/decode.md), each against the
+anchor on the same inputs in the same process: the plan of queues per KV head (num_ctas // units CTAs, one
+unit) that the planner made before items named their unit.
 """
 from __future__ import annotations
 
@@ -127,7 +128,7 @@ def write_table(name: str, repeat: int, sets: int, seed: int) -> None:
     from perf.common import write_result
     rows = []
     for dist in ("uniform", "skewed", "sharegpt"):
-        for num_ctas in (128, 132):
+        for num_ctas in (128, 132, 392):
             for batch in (256, 1024):
                 r = bench(batch, num_ctas, repeat, sets, seed, dist=dist, wrapper=True)
                 a = bench(batch, num_ctas // DEFAULT_NUM_UNITS, repeat, sets, seed, workspace=False, dist=dist,
