@@ -1,7 +1,7 @@
 """Decode kernel shapes (warps x 16-token blocks a warp x stages) against FlashInfer's best decode path, on the
 same inputs in the same process, alternating rounds: which shape suits short KV at large batches (ShareGPT-like
-steps) and which long KV. 32/8 heads, head_dim 128, bf16, pages in random order (perf.decode.Case, KV sets
-rotated past the L2); median of CUDA-event timings.
+steps) and which long KV. Heads and KV type by --heads (default 32/8/128) and --kv-dtype, pages in random
+order (perf.decode.Case, KV sets rotated past the L2); median of CUDA-event timings.
 
     python -m perf.tools.decode_shapes [--cells 512x176,256x1024,...] [--pages 16,1] [--tunings JSON]
 
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     tunings = json.loads(a.tunings)
     hq, hkv, d = (int(x) for x in a.heads.split("/"))
     kv_dtype = torch.float8_e4m3fn if a.kv_dtype == "fp8" else D.DTYPE
-    label = lambda t: "default" if not t else "{warps}x{sub}x{stages}".format(**t)
+    label = lambda t: "default" if not t else "x".join(str(t.get(k, "-")) for k in ("warps", "sub", "stages"))
     rows = []
     for page in (int(p) for p in a.pages.split(",")):
         for cell in a.cells.split(","):
@@ -63,6 +63,8 @@ def main(argv=None) -> int:
                     continue
                 fns[f"flashinfer_{'tc' if tc else 'cuda'}"] = rotating(lambda i, f=f, s=s: (s(i), f()), case.sets)
                 f()   # FlashInfer's output on set 0: each shape of ours is checked against it
+            if not fns:
+                raise RuntimeError(f"no FlashInfer decode path runs heads {a.heads} ({a.kv_dtype}): no anchor")
             for t in tunings:
                 t = dict(t)
                 cost_q = t.pop("cost_q", None)   # the planner's cost of a query row (FI_BACKEND_PLAN_DECODE_COST_Q)
