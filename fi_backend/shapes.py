@@ -54,7 +54,7 @@ def _kernel_shape(head_dim: int, kv_bytes: int, group: int, key_transform: bool 
 
     Heads per chunk: the largest divisor of the group that fits a 16-row tile (8 rows for head_dim
     256, where 16 rows exceed the register file); 8-row tiles when the chunk fits (half the P.V work).
-    Warps / tile / stages from _SHAPES: about 8 warps per SM with two ~64 KiB tiles in flight."""
+    Warps / tile / stages from _SHAPES (16-row tiles and key transforms from their own tables)."""
     head_dim = _row_dim(head_dim)
     max_rows = 8 if head_dim == 256 else 16
     hpc = max(d for d in range(1, min(group, max_rows) + 1) if group % d == 0)

@@ -24,10 +24,11 @@
 // CTA, so the kernel leaves them zeroed for the next launch and CUDA-graph replay) merges the row's
 // partial states into the output. No second launch.
 //
-// Shapes (_SHAPES in fi_backend/shapes.py). Decode is bound by bytes in flight: ~8 warps per SM (the
-// per-warp latency of a 16-token step is what overlaps the loads) and two ~64 KiB tiles in flight per SM
-// read KV at about a device copy's rate. kv_indices lines are prefetched into L2 a few tiles ahead, for
-// fp8 KV's short tiles (without it the next tile's page-id loads miss to DRAM on the issue path).
+// Shapes (_SHAPES in fi_backend/shapes.py). Decode is bound by bytes in flight: 8-16 warps per SM (the
+// per-warp latency of a 16-token step is what overlaps the loads) read KV at about a device copy's rate,
+// and tiles short enough (64 tokens) that a short request's last one is not mostly empty. kv_indices lines
+// are prefetched into L2 a few tiles ahead, for fp8 KV's short tiles (without it the next tile's page-id
+// loads miss to DRAM on the issue path).
 // Measurements: docs/decode.md.
 #pragma once
 
