@@ -365,7 +365,7 @@ class _StepPlanner:
         else:
             wrapper.plan(qo_cpu, kv_cpu, bsr, prefix_groups=groups, **kw)
             _PLAN_COUNTS[kernel] += 1
-            if groups is not None and _kept_groups(wrapper):
+            if groups is not None and wrapper.plan_info.shared_groups > 0:
                 _PLAN_COUNTS["grouped_decode" if kernel == "decode" else "grouped_extend"] += 1
         return FiAttentionMetadata(wrapper=wrapper, num_rows=int(qo_cpu[n]), num_actual_tokens=cm.num_actual_tokens,
                                    max_query_len=cm.max_query_len, query_start_loc=cm.query_start_loc,
@@ -408,11 +408,6 @@ class _StepPlanner:
         self._kv_indices = table.as_strided((span,), (1,))
         self._kv_block_start = starts.to(torch.int32) if rows * row_stride < 2 ** 31 else starts
         self._table_key = (table.data_ptr(), row_stride)
-
-
-def _kept_groups(wrapper) -> int:
-    """Shared-prefix groups the wrapper's last plan kept (the planner's verdict)."""
-    return int(getattr(getattr(wrapper, "plan_info", None), "shared_groups", 0) or 0)
 
 
 def _warn_unordered() -> None:
