@@ -34,7 +34,7 @@ from . import env, kernels
 from .formats import BSR, check_prefix_groups
 from .kv_cache import parse_cached
 from .scheduler import DETERMINISTIC_MIN_CHUNK, DETERMINISTIC_PIECES
-from .shapes import FAMILY_TILES_PER_CTA, FAMILY_WAVE_SLACK, HEAD_DIMS
+from .shapes import FAMILY_TILES_PER_CTA, FAMILY_WAVE_SLACK, HEAD_DIMS, decode_grid_per_sm
 from .specs import _SPECS, KERNELS, attention_specs
 from .variants import DEFAULT, PARAM_TYPES, Variant, VariantError
 from .workspace import Workspace
@@ -197,6 +197,14 @@ def _check_index_tensor(name: str, t, device, dtypes=(torch.int32,)) -> None:
         raise ValueError(f"{name} must be a contiguous 1-D tensor (got shape {tuple(t.shape)}, strides {t.stride()})")
 
 
+def _decode_ctas(sms: int, per_sm: int, units: int) -> int:
+    """A decode grid: per_sm CTAs on every SM, down to a multiple of the units where that leaves any (the kernel
+    is memory-bound, so the last few SMs add little bandwidth, while a grid that divides by the units splits a
+    uniform batch evenly and plans as unit blocks: csrc/scheduler/planner.h)."""
+    total = max(1, sms * per_sm)
+    return total - total % units if total >= units else total
+
+
 def _deterministic(deterministic: Optional[bool]) -> bool:
     return env.flag(env.DETERMINISTIC, False) if deterministic is None else bool(deterministic)
 
@@ -301,8 +309,18 @@ class BatchAttention:
             raise ValueError(f"the workspace's max_tile_q={workspace.max_tile_q} is below the kernel's query tile "
                              f"({tile_q} rows); construct the Workspace with max_tile_q >= {tile_q} "
                              f"(BatchAttention.query_tile_rows gives it)")
-        if len({f.blocks_per_sm() for f in self._family}) > 1:  # one fixed grid serves every member
+        if kernel == "prefill" and len({f.blocks_per_sm() for f in self._family}) > 1:  # one grid serves them all
             raise RuntimeError(f"prefill tile family of head_dim {head_dim}: members differ in CTAs per SM")
+        self.num_head_chunks = self.group // int(self._family[0].heads_per_chunk)
+        # Units: the query-head groups a work item runs for (KV head unit // num_head_chunks). The plan
+        # spreads (item, unit) pairs over the whole grid, so no SM idles for want of a head's queue.
+        self.num_units = num_kv_heads * self.num_head_chunks
+        # Each member's grid: the workspace's for member 0 (and every prefill member); the decode family's
+        # member 1 (one CTA an SM) plans over and launches the CTAs it keeps resident (_decode_ctas).
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self._grids = [workspace.num_ctas if m == 0 or kernel == "prefill" else
+                       min(workspace.num_ctas, _decode_ctas(sms, f.blocks_per_sm(), self.num_units))
+                       for m, f in enumerate(self._family)]
         self._use_member(0)
         # Deterministic mode: decode splits each request at its own chunk (scheduler.DETERMINISTIC_*); prefill
         # splits nothing and keeps tile member 0, since the member would otherwise follow the batch.
@@ -317,11 +335,6 @@ class BatchAttention:
         # shared-prefix groups run where the variant's hooks allow them and plans are not deterministic
         self._shared_ok = shared_prefix_supported(variant) and not self.deterministic
         self.plan_info = None     # the last plan's scheduler.PlanInfo
-        self.num_head_chunks = self.group // int(self._launcher.heads_per_chunk)
-        # Units: the query-head groups a work item runs for (KV head unit // num_head_chunks). The plan
-        # spreads (item, unit) pairs over the whole grid, so no SM idles for want of a head's queue.
-        self.num_units = num_kv_heads * self.num_head_chunks
-        self.grid = (workspace.num_ctas, 1)
 
         dev = self.device
         self._error_flags = torch.zeros(4, dtype=torch.int32, device=dev)
@@ -364,7 +377,9 @@ class BatchAttention:
 
     def _use_member(self, member: int) -> None:
         """Make family member `member` the kernel that plan() plans for and run() launches."""
+        self._member = member
         self._launcher = self._family[member]
+        self.grid = (self._grids[member], 1)
         self._launch = self._launcher.run
         self.rows_per_tile = int(self._launcher.rows_per_tile)  # query rows per tile (the planner's tile_q)
         self.kv_tile = int(self._launcher.tile)                  # KV tokens per pipeline stage (chunk alignment)
@@ -380,6 +395,14 @@ class BatchAttention:
         self._group_requests = (self.kernel == "prefill" and not self.variant.mask_is_kv_range
                                 and env.flag(env.PLAN_GROUPED, True))
         self._partition = env.flag(env.PLAN_PARTITION, True)  # read once, not per plan (docs/planner.md)
+
+    def _decode_member(self, requests: int) -> int:
+        """The decode family's member for a step of `requests` requests: 1 (deeper per-CTA pipelines) when the
+        step has fewer (request, unit) pairs than member 0 has CTAs, so every pair is split; else 0. CUDA graphs
+        need no pin: the pick falls as requests grow, and member 1's plans run correctly on member 0's kernel
+        (the same query tile; chunks on its tiles' bounds; its CTAs a prefix of member 0's grid), so a graph
+        captured with B requests replays any plan of B requests or fewer (vLLM and SGLang pad to B)."""
+        return 1 if requests * self.num_units < self._grids[0] else 0
 
     def _pick_member(self, q_lens: torch.Tensor) -> int:
         """The largest query tile that gives each CTA FAMILY_TILES_PER_CTA tiles on this step, or that fills
@@ -406,11 +429,9 @@ class BatchAttention:
         with. Builds (or loads) the kernel module to read its occupancy (deterministic: the module of that mode,
         as the constructor's argument).
 
-        The decode kernel takes the largest multiple of its units (query-head groups) within that: it is
-        memory-bound, and 128 CTAs already read KV at the copy rate, so 4 more SMs add no bandwidth, while
-        a grid that divides by the units splits a uniform batch evenly without cutting KV into chunks to
-        merge, and plans as unit blocks (csrc/scheduler/planner.h). Prefill is compute-bound and takes every
-        SM (docs/decode.md, docs/prefill.md)."""
+        The decode kernel takes the largest multiple of its units (query-head groups) within that (_decode_ctas),
+        at no more CTAs an SM than shapes.decode_grid_per_sm allows its first member. Prefill is compute-bound and
+        takes every SM (docs/decode.md, docs/prefill.md)."""
         device = torch.device(device)
         kv_dtype = q_dtype if kv_dtype is None else kv_dtype
         group = num_qo_heads // num_kv_heads
@@ -419,11 +440,13 @@ class BatchAttention:
         with torch.cuda.device(device):
             per_sm = launcher.blocks_per_sm()
             sms = torch.cuda.get_device_properties(device).multi_processor_count
-        total = max(1, sms * per_sm)
+        if kernel != "decode":
+            return max(1, sms * per_sm)
         units = num_kv_heads * (group // int(launcher.heads_per_chunk))
-        if kernel == "decode" and total >= units:
-            total -= total % units
-        return total
+        kv_bytes = 1 if KV_DTYPES[kv_dtype].startswith("fp8") else 2
+        cap = None if tuning or _deterministic(deterministic) else decode_grid_per_sm(
+            head_dim, kv_bytes, group, bool(variant.key_transform))
+        return _decode_ctas(sms, per_sm if cap is None else min(per_sm, cap), units)
 
     @staticmethod
     def workspace_for(device, num_qo_heads: int, num_kv_heads: int, head_dim: int, *, max_requests: int,
@@ -536,8 +559,13 @@ class BatchAttention:
                                           num_units=self.num_units)
         else:
             qo32 = qo_cpu.to(torch.int32)
-            if len(self._family) > 1 and self._frozen is None and not self.deterministic:  # a captured graph keeps its kernel
-                self._use_member(self._pick_member(qo32[1:] - qo32[:-1]))
+            member = self._member
+            if len(self._family) > 1 and self.kernel == "decode":
+                member = self._decode_member(B)
+            elif len(self._family) > 1 and self._frozen is None and not self.deterministic:  # a captured graph keeps its kernel
+                member = self._pick_member(qo32[1:] - qo32[:-1])
+            if member != self._member:
+                self._use_member(member)
             kv32 = kv_cpu.to(torch.int32)
             group = self._group_requests and len(kv32) > 1 and int(kv32.numpy().max()) >= PLAN_GROUPED_MIN_KV
             # A causal sliding window (a KV-range mask with a window_left): a row sees window_left + 1 positions.
@@ -546,7 +574,7 @@ class BatchAttention:
             self.plan_info = ws.plan(qo32, kv32, tile_q=self.rows_per_tile, num_units=self.num_units,
                                      causal=bool(causal), kv_chunk_align=self.kv_tile, cost_q=self._cost_q,
                                      group_requests=group, kv_window=kv_window, partition=self._partition,
-                                     groups=groups, **self._det_plan_args)
+                                     groups=groups, num_ctas=self.grid[0], **self._det_plan_args)
 
         p = self._params
         p.kv_indices, p.kv_lens, p.qo_indptr = bsr_ptrs[2], bsr_ptrs[1], bsr_ptrs[0]

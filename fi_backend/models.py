@@ -267,7 +267,7 @@ def modules_of(model: Model, kv_dtypes: Sequence[str] = ("bf16", "fp8_e4m3"), q_
     the target's before calling. Errors for an accepted model propagate: they are bugs."""
     if not check(model)[0]:
         return []
-    from fi_backend.wrappers import decode_spec, prefill_family_size, prefill_spec
+    from fi_backend.wrappers import attention_specs, decode_spec, prefill_family_size, prefill_spec
     d, group = model.head_dim, model.num_qo_heads // model.num_kv_heads
     specs, seen = [], set()
 
@@ -282,7 +282,8 @@ def modules_of(model: Model, kv_dtypes: Sequence[str] = ("bf16", "fp8_e4m3"), q_
             if not kv.startswith("fp8") and kv != q_dtype:
                 raise ValueError(f"KV dtype {kv} with query dtype {q_dtype}: the kernels read KV in the query's "
                                  "dtype or in fp8")
-            add(decode_spec(variant, d, q_dtype, kv, group))
+            for spec in attention_specs(variant, d, q_dtype, kv, group, kernel="decode"):
+                add(spec)
             if deterministic:
                 add(decode_spec(variant, d, q_dtype, kv, group, deterministic=True))
             for m in range(prefill_family_size(d, kv)):

@@ -18,7 +18,7 @@ from . import variants as V
 from .kernels import ModuleSpec
 from .kernels.sets import module_set, specs_of
 from .shapes import HEAD_DIMS, PREFILL_FA3_TUNINGS, PREFILL_WS_TUNINGS, prefill_family_shapes, prefill_family_size, prefill_uses_wgmma
-from .specs import attention_specs, decode_spec, prefill_spec
+from .specs import attention_specs, prefill_spec
 
 _BOTH = ("decode", "prefill")
 
@@ -44,8 +44,8 @@ def _prefill_set() -> List[ModuleSpec]:
 @module_set("decode", "decode attention, default variant: head_dim 64/80/96/128/256 x bf16/fp16 x (same, fp8 e4m3) "
                       "KV x GQA group 1/4/8")
 def _decode_set() -> List[ModuleSpec]:
-    return [decode_spec(V.DEFAULT, d, q, kv, g) for d in HEAD_DIMS for q in ("bf16", "fp16")
-            for kv in (q, "fp8_e4m3") for g in (1, 4, 8)]
+    return [s for d in HEAD_DIMS for q in ("bf16", "fp16") for kv in (q, "fp8_e4m3") for g in (1, 4, 8)
+            for s in attention_specs(V.DEFAULT, d, q, kv, g, kernel="decode")]
 
 
 # The GPU tests' built-in variants by name (tests/attention_cases.py's cases).

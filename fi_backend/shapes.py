@@ -32,6 +32,14 @@ _SHAPES = {
 }
 _SHAPES_ROWS16 = {(64, 2): (4, 2, 3), (128, 2): (8, 1, 3)}   # 4 x 1 x 2 lost at 128, not tried at 64
 _SHAPES_KEY_TRANSFORM = {(128, 2): (4, 1, 3)}
+# CTAs an SM the grid of 64-token tiles takes where shared memory allows more: at head size 128, two of the three
+# ran 1-5% faster in every cell measured, short requests or long (docs/decode.md).
+_GRID_PER_SM = {(128, 2): 2}
+# The decode family's second member (8-row tiles, no KeyTransform): one 8-warp CTA an SM of 128-token tiles in 3
+# stages, for steps with fewer (request, unit) pairs than the first member has CTAs. Every pair is then split,
+# and a CTA's bytes in flight, not its tiles' fill, set the time (28/4 heads, 1 x 8192: 1.05 of FlashInfer
+# against 0.81 on 64-token tiles). BatchAttention._pick_member picks per step.
+_SHAPES_FEW_PAIRS = {(128, 2): (8, 1, 3)}
 
 
 def _row_dim(head_dim: int) -> int:
@@ -48,19 +56,43 @@ def _check_head_dim(head_dim: int, variant: Variant) -> None:
                          f"head_dim 64, 128 or 256, got {head_dim}; apply RoPE before attention")
 
 
-def _kernel_shape(head_dim: int, kv_bytes: int, group: int, key_transform: bool = False) -> dict:
+def _decode_rows_hpc(head_dim: int, group: int) -> tuple:
+    """(packed rows per tile, query heads per chunk): the largest divisor of the group that fits a 16-row tile
+    (8 rows for head_dim 256, where 16 rows exceed the register file); 8-row tiles when the chunk fits (half the
+    P.V work)."""
+    max_rows = 8 if _row_dim(head_dim) == 256 else 16
+    hpc = max(d for d in range(1, min(group, max_rows) + 1) if group % d == 0)
+    return (8 if hpc <= 8 else 16), hpc
+
+
+def decode_family_size(head_dim: int, kv_bytes: int, group: int, key_transform: bool = False) -> int:
+    """Decode modules a wrapper loads: 2 where _SHAPES_FEW_PAIRS has a member for the shape, else 1."""
+    rows, _ = _decode_rows_hpc(head_dim, group)
+    return 2 if rows == 8 and not key_transform and (_row_dim(head_dim), kv_bytes) in _SHAPES_FEW_PAIRS else 1
+
+
+def decode_grid_per_sm(head_dim: int, kv_bytes: int, group: int, key_transform: bool = False,
+                       member: int = 0) -> Optional[int]:
+    """The most CTAs an SM a decode member's grid takes (None: as many as fit, shared memory's count)."""
+    if member == 0 and decode_family_size(head_dim, kv_bytes, group, key_transform) == 2:
+        return _GRID_PER_SM.get((_row_dim(head_dim), kv_bytes))
+    return None
+
+
+def _kernel_shape(head_dim: int, kv_bytes: int, group: int, key_transform: bool = False, member: int = 0) -> dict:
     """Kernel shape for a head_dim, KV element size and GQA group: rows (packed rows per tile),
     hpc (query heads per chunk), warps, sub (16-token blocks per warp per tile), stages.
 
-    Heads per chunk: the largest divisor of the group that fits a 16-row tile (8 rows for head_dim
-    256, where 16 rows exceed the register file); 8-row tiles when the chunk fits (half the P.V work).
-    Warps / tile / stages from _SHAPES (16-row tiles and key transforms from their own tables)."""
-    head_dim = _row_dim(head_dim)
-    max_rows = 8 if head_dim == 256 else 16
-    hpc = max(d for d in range(1, min(group, max_rows) + 1) if group % d == 0)
-    rows = 8 if hpc <= 8 else 16
-    key = (head_dim, kv_bytes)
-    if key_transform and key in _SHAPES_KEY_TRANSFORM:
+    Rows and heads per chunk from _decode_rows_hpc; warps / tile / stages from _SHAPES (16-row tiles, key
+    transforms and the family's member 1 from their own tables)."""
+    if not 0 <= member < decode_family_size(head_dim, kv_bytes, group, key_transform):
+        raise ValueError(f"decode member must be in [0, {decode_family_size(head_dim, kv_bytes, group, key_transform)})"
+                         f" for head_dim {head_dim}, group {group} (got {member})")
+    rows, hpc = _decode_rows_hpc(head_dim, group)
+    key = (_row_dim(head_dim), kv_bytes)
+    if member == 1:
+        warps, sub, stages = _SHAPES_FEW_PAIRS[key]
+    elif key_transform and key in _SHAPES_KEY_TRANSFORM:
         warps, sub, stages = _SHAPES_KEY_TRANSFORM[key]
     elif rows == 16 and key in _SHAPES_ROWS16:
         warps, sub, stages = _SHAPES_ROWS16[key]

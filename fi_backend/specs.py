@@ -9,7 +9,7 @@ from typing import Optional
 from . import kernels
 from .shapes import (SMEM_PER_CTA, _bias_mma_possible, _fa3_blockers, _fa3_q_buffers, _blocks_by_smem, _check_head_dim, _kernel_shape,
                      _prefill_q_buffers, _prefill_q_copy_possible, _prefill_shape, _prefill_smem_bytes,
-                     _producer_blockers, _smem_bytes, prefill_family_size, prefill_uses_wgmma)
+                     _producer_blockers, _smem_bytes, decode_family_size, prefill_family_size, prefill_uses_wgmma)
 from .variants import Variant
 
 _C_TYPE = {"bf16": "__nv_bfloat16", "fp16": "__half", "fp8_e4m3": "__nv_fp8_e4m3", "fp8_e5m2": "__nv_fp8_e5m2"}
@@ -19,8 +19,9 @@ PREFILL_TUNING_KEYS = frozenset({"warps", "mfrags", "tile", "stages", "step", "w
 
 
 def decode_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, group: int, *,
-                tuning: Optional[dict] = None, deterministic: bool = False) -> kernels.ModuleSpec:
-    """The JIT module of the decode kernel for one (variant, head_dim, dtypes, GQA group).
+                tuning: Optional[dict] = None, deterministic: bool = False, member: int = 0) -> kernels.ModuleSpec:
+    """The JIT module of the decode kernel for one (variant, head_dim, dtypes, GQA group), family member `member`
+    (1: the shape for steps with few (request, unit) pairs, where shapes.decode_family_size is 2).
 
     tuning (benchmarks): overrides of warps / sub / stages.
     deterministic: the module deterministic wrappers load (decode::Config's kDeterministic: the fold of a whole
@@ -28,7 +29,7 @@ def decode_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, gr
     normal one carries none of that code."""
     _check_head_dim(head_dim, variant)
     kv_bytes = 1 if kv_dtype.startswith("fp8") else 2
-    shape = _kernel_shape(head_dim, kv_bytes, group, key_transform=bool(variant.key_transform))
+    shape = _kernel_shape(head_dim, kv_bytes, group, key_transform=bool(variant.key_transform), member=member)
     tuning = dict(tuning or {})
     unknown = set(tuning) - DECODE_TUNING_KEYS
     if unknown:
@@ -44,6 +45,8 @@ def decode_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, gr
     tag = f"{variant.name}_{q_dtype}_{kv_dtype}_d{head_dim}_r{shape['rows']}_h{shape['hpc']}"
     if tuning:
         tag += "_w{warps}s{stages}k{sub}".format(**shape)
+    elif member:
+        tag += f"_m{member}"
     if deterministic:
         tag += "_det"
     return _attention_spec("decode", variant, config, _blocks_by_smem(head_dim, kv_bytes, shape), tag)
@@ -150,11 +153,15 @@ KERNELS = tuple(_SPECS)
 
 def attention_specs(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, group: int,
                     tuning: Optional[dict] = None, kernel: str = "decode", deterministic: bool = False) -> list:
-    """The modules a BatchAttention of `kernel` loads: the prefill tile family (largest query tile first), else
-    the one module (deterministic wrappers: the decode module of that mode; prefill's modules serve both)."""
+    """The modules a BatchAttention of `kernel` loads: the tile family (prefill: largest query tile first; decode:
+    shapes.decode_family_size members, one with a tuning or in deterministic mode, whose wrappers load the decode
+    module of that mode; prefill's modules serve both)."""
     if kernel not in _SPECS:
         raise ValueError(f"kernel must be one of {KERNELS} (got {kernel!r})")
     if kernel == "decode":
-        return [decode_spec(variant, head_dim, q_dtype, kv_dtype, group, tuning=tuning, deterministic=deterministic)]
+        size = 1 if tuning or deterministic else decode_family_size(
+            head_dim, 1 if kv_dtype.startswith("fp8") else 2, group, bool(variant.key_transform))
+        return [decode_spec(variant, head_dim, q_dtype, kv_dtype, group, tuning=tuning, deterministic=deterministic,
+                            **({"member": m} if m else {})) for m in range(size)]
     return [prefill_spec(variant, head_dim, q_dtype, kv_dtype, group, tuning=tuning, **({"member": m} if m else {}))
             for m in range(prefill_family_size(head_dim, kv_dtype, tuning))]

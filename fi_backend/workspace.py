@@ -111,18 +111,24 @@ class Workspace:
              min_kv_chunk: int = DEFAULT_MIN_KV_CHUNK, kv_chunk_align: int = 1,
              cost_q: float = DEFAULT_COST_Q, cost_kv: float = DEFAULT_COST_KV,
              group_requests: bool = False, kv_window: int = 0, deterministic_pieces: int = 0,
-             partition: Optional[bool] = None, groups=None) -> PlanInfo:
+             partition: Optional[bool] = None, groups=None, num_ctas: Optional[int] = None) -> PlanInfo:
         """Plan a step (see fi_backend.scheduler.plan_into) and copy it into the plan section.
 
         qo_indptr: int32 [B + 1], kv_lens: int32 [B] (numpy arrays or CPU tensors). num_units: the
         query-head groups of the kernel that runs the plan (num_kv_heads * head chunks; None: num_kv_heads,
         one unit per KV head). groups: shared-prefix groups (scheduler.plan_into). Raises ValueError
         naming the workspace bound a step exceeds (max_requests, max_tokens, max_tile_q, num_units).
+        num_ctas: the CTAs the items are spread over (None: all of the grid's num_ctas; the rest find their queues
+        empty).
         """
         qo = _host_int32(qo_indptr, "qo_indptr")
         kv = _host_int32(kv_lens, "kv_lens")
         num_units = self._begin_step(int(qo[-1]) if len(qo) else 0, len(kv), tile_q, num_units)
-        info = plan_into(self._views, qo, kv, tile_q=tile_q, num_ctas=self.num_ctas, num_units=num_units,
+        if num_ctas is None:
+            num_ctas = self.num_ctas
+        elif not 1 <= num_ctas <= self.num_ctas:
+            raise ValueError(f"num_ctas must be in [1, {self.num_ctas}] (the workspace's grid), got {num_ctas}")
+        info = plan_into(self._views, qo, kv, tile_q=tile_q, num_ctas=num_ctas, num_units=num_units,
                          causal=causal, min_kv_chunk=min_kv_chunk, kv_chunk_align=kv_chunk_align, cost_q=cost_q,
                          cost_kv=cost_kv, group_requests=group_requests, kv_window=kv_window,
                          deterministic_pieces=deterministic_pieces, partition=partition, groups=groups)

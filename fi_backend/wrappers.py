@@ -6,7 +6,7 @@ from .attention import (KV_DTYPES, MAX_PAGE_SIZE, PLAN_GROUPED_MIN_KV, Q_DTYPES,
 from .shapes import (FAMILY_TILES_PER_CTA, FAMILY_WAVE_SLACK, HEAD_DIMS, PREFILL_FA3_TUNINGS, PREFILL_MAX_HEADS_PER_CHUNK,  # noqa: F401
                      PREFILL_PRODUCER_Q_BUFFERS, PREFILL_WS_TUNINGS, SMEM_PER_CTA, SMEM_PER_SM, _kernel_shape,
                      _prefill_family, _prefill_q_buffers, _prefill_shape, _prefill_smem_bytes, _smem_bytes,
-                     prefill_family_shapes, prefill_family_size, prefill_uses_wgmma)
+                     decode_family_size, prefill_family_shapes, prefill_family_size, prefill_uses_wgmma)
 from .specs import (_SPECS, DECODE_TUNING_KEYS, KERNELS, PREFILL_TUNING_KEYS, attention_specs,  # noqa: F401
                     decode_spec, prefill_spec)
 

@@ -62,10 +62,13 @@ class Case:
         self.bytes = kv_bytes + 2 * self.q.numel() * self.q.element_size()
 
 
-def ours(case: Case, *, split=True, variant=None, plan_kw=None, num_ctas=None, tuning=None):
+def ours(case: Case, *, split=True, variant=None, plan_kw=None, num_ctas=None, tuning=None, min_kv_chunk=None,
+         plan_ctas=None):
     """(fn, setup, workspace): our decode kernel on the case; setup(i) picks KV set i; num_ctas: CTAs of the grid
-    (default: the recommended count); tuning: a kernel-shape override (fi_backend.wrappers.decode_spec)."""
-    from fi_backend import formats
+    (default: the recommended count); tuning: a kernel-shape override (fi_backend.wrappers.decode_spec);
+    min_kv_chunk: the plan's shortest KV split (experiments; split=False: no split at all); plan_ctas: the CTAs of
+    the grid the plan gives work to (experiments)."""
+    from fi_backend import formats, scheduler
     from fi_backend.workspace import Workspace
     from fi_backend.wrappers import BatchAttention
 
@@ -82,8 +85,11 @@ def ours(case: Case, *, split=True, variant=None, plan_kw=None, num_ctas=None, t
                                    num_kv_blocks=case.num_pages)
     attn.plan(case.qo_indptr, case.kv_lens, bsr, **(plan_kw or {}))
     if not split:  # the same kernel with one work item per request: the plan without KV splitting
-        ws.plan(case.qo_indptr, case.kv_lens, tile_q=attn.rows_per_tile, num_units=attn.num_units, min_kv_chunk=1 << 30,
-                kv_chunk_align=int(attn.kv_tile), cost_q=float(attn.kv_tile))
+        min_kv_chunk = 1 << 30
+    if min_kv_chunk is not None or plan_ctas is not None:
+        ws.plan(case.qo_indptr, case.kv_lens, tile_q=attn.rows_per_tile, num_units=attn.num_units,
+                min_kv_chunk=int(min_kv_chunk or scheduler.DEFAULT_MIN_KV_CHUNK), kv_chunk_align=int(attn.kv_tile),
+                cost_q=attn._cost_q, num_ctas=plan_ctas)
     kv = case.kv_pairs
     state = {"i": 0}
 

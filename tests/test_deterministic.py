@@ -225,7 +225,8 @@ def test_deterministic_decode_is_a_module_of_its_own(monkeypatch):
     ident = [kernels.module_identity(s, ("90a",), "nvcc") for s in (normal, det)]
     assert ident[0].key != ident[1].key and ident[0].name != ident[1].name
     assert attention_specs(V.DEFAULT, 128, "bf16", "bf16", 4, None, "decode", True) == [det]
-    assert attention_specs(V.DEFAULT, 128, "bf16", "bf16", 4, None, "decode") == [normal]
+    assert attention_specs(V.DEFAULT, 128, "bf16", "bf16", 4, None, "decode") == [
+        normal, decode_spec(V.DEFAULT, 128, "bf16", "bf16", 4, member=1)]   # the family of two: one mode each
     assert (attention_specs(V.DEFAULT, 128, "bf16", "bf16", 4, None, "prefill", True)
             == attention_specs(V.DEFAULT, 128, "bf16", "bf16", 4, None, "prefill"))
     tests = {s.memo_key for s in specs_of(["tests"])}

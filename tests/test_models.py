@@ -169,13 +169,15 @@ def test_modules_of_llama(sm90a):
     specs = modules_of(find("Llama-3.1-8B"))
     families = [s.family for s in specs]
     members = wrappers.prefill_family_size(128, "bf16") + wrappers.prefill_family_size(128, "fp8_e4m3")
-    assert families.count("decode") == 2 and families.count("prefill") == members
+    # decode: the family of two for bf16 KV (shapes.decode_family_size), one module for fp8
+    assert families.count("decode") == 3 and families.count("prefill") == members
     assert len({s.memo_key for s in specs}) == len(specs)
     tags = [s.readable_tag() for s in specs]
     assert all("_d128_" in t and t.startswith("default_bf16_") for t in tags)
     assert any("_bf16_fp8_e4m3_" in t for t in tags) and any("_bf16_bf16_" in t for t in tags)
-    expected = wrappers.decode_spec(variants.DEFAULT, 128, "bf16", "bf16", 4)
-    assert expected.memo_key in {s.memo_key for s in specs}
+    for member in (0, 1):
+        expected = wrappers.decode_spec(variants.DEFAULT, 128, "bf16", "bf16", 4, member=member)
+        assert expected.memo_key in {s.memo_key for s in specs}
     only_bf16 = modules_of(find("Llama-3.1-8B"), kv_dtypes=("auto",))
     assert {s.memo_key for s in only_bf16} < {s.memo_key for s in specs}
 
@@ -356,7 +358,7 @@ def test_modules_of_a_rank(sm90a):
     rank = models.tp_slice(find("Llama-3.1-70B"), 8)
     specs = modules_of(rank, kv_dtypes=("auto",))
     assert wrappers.decode_spec(variants.DEFAULT, 128, "bf16", "bf16", 8).memo_key in {s.memo_key for s in specs}
-    assert len(specs) == 1 + wrappers.prefill_family_size(128, "bf16")
+    assert len(specs) == wrappers.decode_family_size(128, 2, 8) + wrappers.prefill_family_size(128, "bf16")
     starcoder = {s.memo_key for s in modules_of(models.tp_slice(find("StarCoder2-15B"), 8))}
     assert starcoder != {s.memo_key for s in modules_of(find("StarCoder2-15B"))}
 

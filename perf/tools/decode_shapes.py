@@ -39,7 +39,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cells", default=CELLS)
     ap.add_argument("--pages", default="16")
     ap.add_argument("--tunings", default=TUNINGS, help="JSON list of decode_spec tunings; {} is the default shape; "
-                    "a \"cost_q\" key sets the planner's cost of a query row for that entry")
+                    "a \"cost_q\" key sets the planner's cost of a query row for that entry, \"min_chunk\" its shortest KV "
+                    "split, \"ctas\" the grid (the workspace's num_ctas), \"plan_ctas\" the CTAs of it given work")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=int, default=30)
     ap.add_argument("--heads", default="32/8/128", help="query heads / KV heads / head_dim")
@@ -68,12 +69,15 @@ def main(argv=None) -> int:
             for t in tunings:
                 t = dict(t)
                 cost_q = t.pop("cost_q", None)   # the planner's cost of a query row (FI_BACKEND_PLAN_DECODE_COST_Q)
+                min_chunk, ctas, plan_ctas = t.pop("min_chunk", None), t.pop("ctas", None), t.pop("plan_ctas", None)
                 with env.setting(env.PLAN_DECODE_COST_Q, None if cost_q is None else repr(float(cost_q))):
-                    f, s, _ = D.ours(case, tuning=t or None)
+                    f, s, _ = D.ours(case, tuning=t or None, min_kv_chunk=min_chunk, num_ctas=ctas,
+                                     plan_ctas=plan_ctas)
                 case.out.fill_(float("nan"))
                 f()
                 D.check_close(case, case.out, fi_out)
-                fns[f"ours_{label(t)}" + (f"_q{cost_q:g}" if cost_q else "")] = \
+                fns[f"ours_{label(t)}" + (f"_q{cost_q:g}" if cost_q else "") + (f"_c{min_chunk}" if min_chunk else "")
+                    + (f"_g{ctas}" if ctas else "") + (f"_p{plan_ctas}" if plan_ctas else "")] = \
                     rotating(lambda i, f=f, s=s: (s(i), f()), case.sets)
             times = time_rounds(fns, a.rounds, a.rep)
             med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
