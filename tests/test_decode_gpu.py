@@ -159,6 +159,56 @@ def test_cuda_graph_replay_after_replan(name):
     attn.release_graph()
 
 
+def test_cuda_graph_across_family_members():
+    """The decode family (shapes.decode_family_size): a graph captured on member 0 (64-token tiles) replays a
+    plan of fewer requests made for member 1 (128-token tiles, fewer CTAs), and eager runs of both members agree
+    with the reference. Llama-3.1-8B's heads: member 1 below 33 requests on the H100's 264-CTA grid."""
+    Hq, Hkv, D, page = 32, 8, 128, 16
+    attn = make_wrapper(Hq, Hkv, D, page_size=page, max_tokens=64, max_requests=64)
+    if len(attn.module_names) < 2:
+        pytest.skip("this build has one decode member for these heads")
+    small = max(1, (attn._grids[0] - 1) // attn.num_units)   # the most requests member 1 takes
+    big = small + 7
+    batch = PersistentBatch(big, 300, page)
+    cache, k, v = random_kv(batch.num_blocks, page, Hkv, D, torch.bfloat16)
+    q_buf = torch.zeros(big, Hq, D, dtype=torch.bfloat16, device=DEV)
+    out_buf = torch.zeros_like(q_buf)
+
+    def step(B):
+        q_lens = [1] * B
+        q_lens[-1] += big - B   # the graph's rows: the last request takes the padding
+        kv_lens = [random.randint(q, 4700) for q in q_lens]
+        bsr, qo, kv_cpu = batch.write(q_lens, kv_lens)
+        attn.plan(qo, kv_cpu, bsr, causal=True)
+        return bsr
+
+    for B, member in ((big, 0), (small, 1)):   # eager, each member
+        bsr = step(B)
+        assert attn._member == member and attn.grid[0] == attn._grids[member]
+        q_buf.normal_()
+        out_buf.fill_(float("nan"))
+        attn.run(q_buf, cache, out=out_buf)
+        o_ref, _ = reference(q_buf, k, v, bsr, causal=True)
+        check(out_buf, None, o_ref, None, TOL[torch.bfloat16] * 2, f"eager member {member} B={B}")
+    assert attn._grids[1] < attn._grids[0]
+    step(big)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn.run(q_buf, cache, out=out_buf)
+    for B, member in ((big, 0), (small, 1), (3, 1), (big, 0)):
+        bsr = step(B)
+        assert attn._member == member
+        q_buf.normal_()
+        out_buf.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        attn.check_errors()
+        o_ref, _ = reference(q_buf, k, v, bsr, causal=True)
+        check(out_buf, None, o_ref, None, TOL[torch.bfloat16] * 2, f"graph of member 0, plan of member {member} B={B}")
+    attn.release_graph()
+
+
 def test_graph_rejects_new_bsr_storage():
     attn = make_wrapper(8, 8, 64, page_size=16, max_tokens=16, max_requests=16)
     bsr, qo, kl, nb = make_bsr([40, 50], [1, 1], 16)

@@ -37,22 +37,31 @@ _IDS = [f"{hq}-{hkv}-{d}-p{page}-{kvd}-{len(kv)}x{kv[0]}-q{q}" for hq, hkv, d, p
 _KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
-def _grid(hq, hkv, d, kv_bytes, sms=132):
-    """plan_into's grid arguments as the decode wrapper makes them (recommended_num_ctas, _use_member), with
-    the CTAs per SM that shared memory allows (registers allow at least as many for these shapes)."""
+def _grid(hq, hkv, d, kv_bytes, requests, sms=132):
+    """plan_into's grid arguments as the decode wrapper makes them for a step of `requests` requests
+    (recommended_num_ctas, _decode_member, _use_member), with the CTAs per SM that shared memory allows
+    (registers allow at least as many for these shapes) under shapes.decode_grid_per_sm."""
     group = hq // hkv
-    shape = shapes._kernel_shape(d, kv_bytes, group)
-    units = hkv * (group // shape["hpc"])
-    total = sms * shapes._blocks_by_smem(d, kv_bytes, shape)
+
+    def ctas(member):
+        shape = shapes._kernel_shape(d, kv_bytes, group, member=member)
+        units = hkv * (group // shape["hpc"])
+        per_sm = shapes._blocks_by_smem(d, kv_bytes, shape)
+        cap = shapes.decode_grid_per_sm(d, kv_bytes, group, member=member)
+        total = sms * (per_sm if cap is None else min(per_sm, cap))
+        return shape, units, total - total % units
+    shape, units, grid0 = ctas(0)
+    member = int(shapes.decode_family_size(d, kv_bytes, group) > 1 and requests * units < grid0)
+    shape, units, grid = ctas(member)
     tile = 16 * shape["sub"] * shape["warps"]
-    return dict(num_ctas=total - total % units, num_units=units, tile_q=shape["rows"] // shape["hpc"],
+    return dict(num_ctas=min(grid, grid0), num_units=units, tile_q=shape["rows"] // shape["hpc"],
                 kv_chunk_align=tile, cost_q=float(tile), min_kv_chunk=S.DEFAULT_MIN_KV_CHUNK)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_IDS)
 def test_cases_are_partitioned_on_the_h100_grid(case):
     hq, hkv, d, _, kvd, kv, q = case
-    g = _grid(hq, hkv, d, 1 if kvd == "fp8" else 2)
+    g = _grid(hq, hkv, d, 1 if kvd == "fp8" else 2, len(kv))
     kv = np.asarray(kv, np.int32)
     qo = np.arange(len(kv) + 1, dtype=np.int32) * q
     views = S.PlanViews.allocate(g["num_ctas"], S.max_items_for(int(qo[-1]), g["num_ctas"], g["num_units"]),
