@@ -321,6 +321,8 @@ class BatchAttention:
         self._grids = [workspace.num_ctas if m == 0 or kernel == "prefill" else
                        min(workspace.num_ctas, _decode_ctas(sms, f.blocks_per_sm(), self.num_units))
                        for m, f in enumerate(self._family)]
+        self._captured = {}  # decode: request count -> the member a CUDA graph was captured with
+        self._requests = 0
         self._use_member(0)
         # Deterministic mode: decode splits each request at its own chunk (scheduler.DETERMINISTIC_*); prefill
         # splits nothing and keeps tile member 0, since the member would otherwise follow the batch.
@@ -398,11 +400,17 @@ class BatchAttention:
 
     def _decode_member(self, requests: int) -> int:
         """The decode family's member for a step of `requests` requests: 1 (deeper per-CTA pipelines) when the
-        step has fewer (request, unit) pairs than member 0 has CTAs, so every pair is split; else 0. CUDA graphs
-        need no pin: the pick falls as requests grow, and member 1's plans run correctly on member 0's kernel
-        (the same query tile; chunks on its tiles' bounds; its CTAs a prefix of member 0's grid), so a graph
-        captured with B requests replays any plan of B requests or fewer (vLLM and SGLang pad to B)."""
-        return 1 if requests * self.num_units < self._grids[0] else 0
+        step has fewer (request, unit) pairs than member 0 has CTAs, so every pair is split; else 0.
+
+        CUDA graphs hold the kernel they were captured with. A count a graph was captured with plans for that
+        graph's member (vLLM and SGLang replay a decode graph with the request count it was captured with,
+        padding included). Any other count after a capture plans for a member whose plans every captured kernel
+        runs correctly: member 1's run on member 0's kernel (the same query tile; chunks on its tiles' bounds;
+        its CTAs a prefix of member 0's grid), not the other way round."""
+        if requests in self._captured:
+            return self._captured[requests]
+        pick = 1 if requests * self.num_units < self._grids[0] else 0
+        return 1 if 1 in self._captured.values() else pick
 
     def _pick_member(self, q_lens: torch.Tensor) -> int:
         """The largest query tile that gives each CTA FAMILY_TILES_PER_CTA tiles on this step, or that fills
@@ -592,11 +600,13 @@ class BatchAttention:
         self._num_rows = int(qo_cpu[-1]) if qo_cpu.numel() else 0
         self._q_shape = torch.Size((self._num_rows, self.num_qo_heads, self.head_dim))
         self._num_kv_blocks_hint = bsr.num_kv_blocks
+        self._requests = B
         self._planned = True
 
     def release_graph(self) -> None:
-        """Forget a captured graph's BSR tensors and settings (after the graph is destroyed)."""
+        """Forget the captured graphs' BSR tensors, settings and decode members (after the graphs are destroyed)."""
         self._frozen = None
+        self._captured = {}
 
     @staticmethod
     def _scalar_values(values: dict) -> tuple:
@@ -713,6 +723,8 @@ class BatchAttention:
         if rc:
             if rc == _CAPTURED:  # captured into a CUDA graph: pin what the graph reads (see plan())
                 self._frozen = (self._bsr_ptrs, self._settings)
+                if self.kernel == "decode":
+                    self._captured[self._requests] = self._member
             else:
                 self._launcher.module.check(rc, "fi_attention_run")
         return (out, lse) if lse is not None else out
