@@ -34,7 +34,7 @@ from . import env, kernels
 from .formats import BSR, check_prefix_groups
 from .kv_cache import parse_cached
 from .scheduler import DETERMINISTIC_MIN_CHUNK, DETERMINISTIC_PIECES
-from .shapes import FAMILY_TILES_PER_CTA, FAMILY_WAVE_SLACK, HEAD_DIMS, decode_grid_per_sm
+from .shapes import FAMILY_TILES_PER_CTA, FAMILY_WAVE_SLACK, HEAD_DIMS
 from .specs import _SPECS, KERNELS, attention_specs
 from .variants import DEFAULT, PARAM_TYPES, Variant, VariantError
 from .workspace import Workspace
@@ -437,9 +437,9 @@ class BatchAttention:
         with. Builds (or loads) the kernel module to read its occupancy (deterministic: the module of that mode,
         as the constructor's argument).
 
-        The decode kernel takes the largest multiple of its units (query-head groups) within that (_decode_ctas),
-        at no more CTAs an SM than shapes.decode_grid_per_sm allows its first member. Prefill is compute-bound and
-        takes every SM (docs/decode.md, docs/prefill.md)."""
+        The decode kernel takes the largest multiple of its units (query-head groups) within that (_decode_ctas;
+        the family's first member). Prefill is compute-bound and takes every SM (docs/decode.md,
+        docs/prefill.md)."""
         device = torch.device(device)
         kv_dtype = q_dtype if kv_dtype is None else kv_dtype
         group = num_qo_heads // num_kv_heads
@@ -450,11 +450,7 @@ class BatchAttention:
             sms = torch.cuda.get_device_properties(device).multi_processor_count
         if kernel != "decode":
             return max(1, sms * per_sm)
-        units = num_kv_heads * (group // int(launcher.heads_per_chunk))
-        kv_bytes = 1 if KV_DTYPES[kv_dtype].startswith("fp8") else 2
-        cap = None if tuning or _deterministic(deterministic) else decode_grid_per_sm(
-            head_dim, kv_bytes, group, bool(variant.key_transform))
-        return _decode_ctas(sms, per_sm if cap is None else min(per_sm, cap), units)
+        return _decode_ctas(sms, per_sm, num_kv_heads * (group // int(launcher.heads_per_chunk)))
 
     @staticmethod
     def workspace_for(device, num_qo_heads: int, num_kv_heads: int, head_dim: int, *, max_requests: int,

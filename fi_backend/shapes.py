@@ -32,9 +32,6 @@ _SHAPES = {
 }
 _SHAPES_ROWS16 = {(64, 2): (4, 2, 3), (128, 2): (8, 1, 3)}   # 4 x 1 x 2 lost at 128, not tried at 64
 _SHAPES_KEY_TRANSFORM = {(128, 2): (4, 1, 3)}
-# CTAs an SM the grid of 64-token tiles takes where shared memory allows more: at head size 128, two of the three
-# ran 1-5% faster in every cell measured, short requests or long (docs/decode.md).
-_GRID_PER_SM = {(128, 2): 2}
 # The decode family's second member (8-row tiles, no KeyTransform): one 8-warp CTA an SM of 128-token tiles in 3
 # stages, for steps with fewer (request, unit) pairs than the first member has CTAs. Every pair is then split,
 # and a CTA's bytes in flight, not its tiles' fill, set the time (28/4 heads, 1 x 8192: 1.05 of FlashInfer
@@ -69,14 +66,6 @@ def decode_family_size(head_dim: int, kv_bytes: int, group: int, key_transform: 
     """Decode modules a wrapper loads: 2 where _SHAPES_FEW_PAIRS has a member for the shape, else 1."""
     rows, _ = _decode_rows_hpc(head_dim, group)
     return 2 if rows == 8 and not key_transform and (_row_dim(head_dim), kv_bytes) in _SHAPES_FEW_PAIRS else 1
-
-
-def decode_grid_per_sm(head_dim: int, kv_bytes: int, group: int, key_transform: bool = False,
-                       member: int = 0) -> Optional[int]:
-    """The most CTAs an SM a decode member's grid takes (None: as many as fit, shared memory's count)."""
-    if member == 0 and decode_family_size(head_dim, kv_bytes, group, key_transform) == 2:
-        return _GRID_PER_SM.get((_row_dim(head_dim), kv_bytes))
-    return None
 
 
 def _kernel_shape(head_dim: int, kv_bytes: int, group: int, key_transform: bool = False, member: int = 0) -> dict:

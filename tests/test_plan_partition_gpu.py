@@ -40,15 +40,13 @@ _KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 def _grid(hq, hkv, d, kv_bytes, requests, sms=132):
     """plan_into's grid arguments as the decode wrapper makes them for a step of `requests` requests
     (recommended_num_ctas, _decode_member, _use_member), with the CTAs per SM that shared memory allows
-    (registers allow at least as many for these shapes) under shapes.decode_grid_per_sm."""
+    (registers allow at least as many for these shapes)."""
     group = hq // hkv
 
     def ctas(member):
         shape = shapes._kernel_shape(d, kv_bytes, group, member=member)
         units = hkv * (group // shape["hpc"])
-        per_sm = shapes._blocks_by_smem(d, kv_bytes, shape)
-        cap = shapes.decode_grid_per_sm(d, kv_bytes, group, member=member)
-        total = sms * (per_sm if cap is None else min(per_sm, cap))
+        total = sms * shapes._blocks_by_smem(d, kv_bytes, shape)
         return shape, units, total - total % units
     shape, units, grid0 = ctas(0)
     member = int(shapes.decode_family_size(d, kv_bytes, group) > 1 and requests * units < grid0)
