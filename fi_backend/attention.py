@@ -323,6 +323,9 @@ class BatchAttention:
                        for m, f in enumerate(self._family)]
         self._captured = {}  # decode: request count -> the member a CUDA graph was captured with
         self._requests = 0
+        # An engine that replays a decode graph only with the request count it was captured with (vLLM, SGLang:
+        # padding included) sets this: other counts are then eager steps, free to take either member.
+        self.graphs_keep_request_count = False
         self._use_member(0)
         # Deterministic mode: decode splits each request at its own chunk (scheduler.DETERMINISTIC_*); prefill
         # splits nothing and keeps tile member 0, since the member would otherwise follow the batch.
@@ -403,14 +406,15 @@ class BatchAttention:
         step has fewer (request, unit) pairs than member 0 has CTAs, so every pair is split; else 0.
 
         CUDA graphs hold the kernel they were captured with. A count a graph was captured with plans for that
-        graph's member (vLLM and SGLang replay a decode graph with the request count it was captured with,
-        padding included). Any other count after a capture plans for a member whose plans every captured kernel
+        graph's member. Any other count after a capture plans for a member whose plans every captured kernel
         runs correctly: member 1's run on member 0's kernel (the same query tile; chunks on its tiles' bounds;
-        its CTAs a prefix of member 0's grid), not the other way round."""
+        its CTAs a prefix of member 0's grid), not the other way round; unless graphs_keep_request_count (an
+        engine that replays a decode graph only with the request count, padding included, it was captured
+        with: such a step is eager)."""
         if requests in self._captured:
             return self._captured[requests]
         pick = 1 if requests * self.num_units < self._grids[0] else 0
-        return 1 if 1 in self._captured.values() else pick
+        return 1 if 1 in self._captured.values() and not self.graphs_keep_request_count else pick
 
     def _pick_member(self, q_lens: torch.Tensor) -> int:
         """The largest query tile that gives each CTA FAMILY_TILES_PER_CTA tiles on this step, or that fills

@@ -208,6 +208,27 @@ def test_cuda_graph_across_family_members():
         check(out_buf, None, o_ref, None, TOL[torch.bfloat16] * 2, f"graph of member 0, plan of member {member} B={B}")
     attn.release_graph()
 
+    # A graph of member 1: other counts plan for member 1 (a graph may replay them), unless the engine replays
+    # graphs only at their captured count (graphs_keep_request_count): then they are eager and free.
+    step(small)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn.run(q_buf, cache, out=out_buf)
+    for keep, B, member, replay in ((False, big, 1, False), (True, big, 0, False), (True, small, 1, True)):
+        attn.graphs_keep_request_count = keep
+        bsr = step(B)
+        assert attn._member == member
+        q_buf.normal_()
+        out_buf.fill_(float("nan"))
+        if replay:
+            graph.replay()
+        else:
+            attn.run(q_buf, cache, out=out_buf)
+        torch.cuda.synchronize()
+        o_ref, _ = reference(q_buf, k, v, bsr, causal=True)
+        check(out_buf, None, o_ref, None, TOL[torch.bfloat16] * 2, f"graph of member 1, keep={keep} B={B}")
+    attn.release_graph()
+
 
 def test_graph_rejects_new_bsr_storage():
     attn = make_wrapper(8, 8, 64, page_size=16, max_tokens=16, max_requests=16)

@@ -658,6 +658,7 @@ def _make_wrapper(kernel: str, *, device, settings: LayerSettings, variant, q_dt
                                       shared_prefix_requests=SHARED_PREFIX_MAX_REQUESTS)
     wrapper = BatchAttention(ws, hq, hkv, d, q_dtype=q_dtype, kv_dtype=kv_dtype, page_size=page_size,
                              kv_layout=kv_layout, variant=variant, kernel=kernel, deterministic=deterministic)
+    wrapper.graphs_keep_request_count = True   # decode graphs replay with the padded batch they were captured at
     _wrappers.add(wrapper)
     return wrapper
 

@@ -438,6 +438,7 @@ def _make_wrapper(kernel: str, *, device, num_qo_heads: int, num_kv_heads: int, 
     wrapper = BatchAttention(ws, num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype,
                              page_size=page_size, kv_layout="NHD", variant=variant, kernel=kernel,
                              deterministic=deterministic)
+    wrapper.graphs_keep_request_count = True   # FULL decode graphs replay at their captured num_reqs
     _wrappers.add(wrapper)
     return wrapper
 
