@@ -53,7 +53,7 @@ def _grid(hq, hkv, d, kv_bytes, requests, sms=132):
     shape, units, grid = ctas(member)
     tile = 16 * shape["sub"] * shape["warps"]
     return dict(num_ctas=min(grid, grid0), num_units=units, tile_q=shape["rows"] // shape["hpc"],
-                kv_chunk_align=tile, cost_q=float(tile), min_kv_chunk=S.DEFAULT_MIN_KV_CHUNK)
+                kv_chunk_align=tile, cost_q=float(tile), min_kv_chunk=S.DECODE_MIN_KV_CHUNK)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_IDS)
