@@ -1,7 +1,7 @@
 """Plot a serving result JSON (perf.e2e.vllm_bench or sglang_bench): median ITL and median TTFT against request
 rate, one line per backend.
 
-    python -m perf plot perf/results/e2e_vllm_sharegpt_a2a3a06.json [-o out.png]      (pip install matplotlib)
+    python -m perf plot perf/results/e2e_vllm_sharegpt_b10fecd.json [-o out.png]      (pip install matplotlib)
 
 One column per dataset; rows are median ITL, p99 ITL and median TTFT. Rates are evenly spaced labels
 ("inf" last), since an infinite rate has no place on a numeric axis.
