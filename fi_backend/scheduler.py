@@ -78,8 +78,7 @@ PREFILL_DECODE_ITEM_TOKENS = 330
 # tile, filling the pipeline, writing and later merging a partial state) outweighs the extra parallelism.
 DEFAULT_MIN_KV_CHUNK = 128
 # The decode wrappers' floor: a step of few (request, unit) pairs is cut into as many chunks as CTAs, and the
-# merge of a row's partial states (by the CTA that completes it) grows with their count; 256 ran 2 KV heads x 1 x
-# 8192 tokens in 16.0 us against 18.6 at 128, and no measured cell slower (docs/decode.md).
+# merge of a row's partial states (by the CTA that completes it) grows with their count (measured: docs/decode.md).
 DECODE_MIN_KV_CHUNK = 256
 # Deterministic plans (plan_into's deterministic_pieces): at most this many pieces per request, none
 # shorter than DETERMINISTIC_MIN_CHUNK tokens (the normal plan's floor): one request alone then spreads over
