@@ -33,7 +33,7 @@ import torch
 from . import env, kernels
 from .formats import BSR, check_prefix_groups
 from .kv_cache import parse_cached
-from .scheduler import DECODE_MIN_KV_CHUNK, DEFAULT_MIN_KV_CHUNK, DETERMINISTIC_MIN_CHUNK, DETERMINISTIC_PIECES
+from .scheduler import DECODE_MAX_CHUNKS, DEFAULT_MIN_KV_CHUNK, DETERMINISTIC_MIN_CHUNK, DETERMINISTIC_PIECES
 from .shapes import FAMILY_TILES_PER_CTA, FAMILY_WAVE_SLACK, HEAD_DIMS
 from .specs import _SPECS, KERNELS, attention_specs
 from .variants import DEFAULT, PARAM_TYPES, Variant, VariantError
@@ -327,12 +327,11 @@ class BatchAttention:
         # padding included) sets this: other counts are then eager steps, free to take either member.
         self.graphs_keep_request_count = False
         self._use_member(0)
-        # plan_into's arguments of this mode, made once. Deterministic mode: decode splits each request at its own
-        # chunk (scheduler.DETERMINISTIC_*); prefill splits nothing (deterministic_pieces 1) and keeps tile member
-        # 0, since the member would otherwise follow the batch. Else decode's shortest split (DECODE_MIN_KV_CHUNK).
-        self._plan_args = ({"deterministic_pieces": DETERMINISTIC_PIECES if kernel == "decode" else 1,
-                                "min_kv_chunk": DETERMINISTIC_MIN_CHUNK} if self.deterministic else
-                               {"min_kv_chunk": DECODE_MIN_KV_CHUNK if kernel == "decode" else DEFAULT_MIN_KV_CHUNK})
+        # Deterministic mode: decode splits each request at its own chunk (scheduler.DETERMINISTIC_*); prefill
+        # splits nothing and keeps tile member 0, since the member would otherwise follow the batch.
+        # plan_into's arguments in this mode, made once (deterministic_pieces 1: prefill cuts nothing)
+        self._det_plan_args = ({"deterministic_pieces": DETERMINISTIC_PIECES if kernel == "decode" else 1,
+                                "min_kv_chunk": DETERMINISTIC_MIN_CHUNK} if self.deterministic else {})
         needed = _workspace_pieces(kernel, self.deterministic)
         if workspace.deterministic_pieces < needed:
             raise ValueError(f"deterministic=True with the decode kernel needs a Workspace made with "
@@ -580,10 +579,16 @@ class BatchAttention:
             # A causal sliding window (a KV-range mask with a window_left): a row sees window_left + 1 positions.
             window = values.get("window_left") if self._window_cost and causal else None
             kv_window = int(window) + 1 if window is not None and int(window) >= 0 else 0
+            # decode steps of so few pairs that the grid could cut each into more than DECODE_MAX_CHUNKS chunks: a
+            # floor that keeps the merge's depth near it
+            min_chunk = DEFAULT_MIN_KV_CHUNK
+            if self.kernel == "decode" and 0 < B * self.num_units * DECODE_MAX_CHUNKS < self.grid[0]:
+                min_chunk = max(min_chunk, -(-int(kv32.numpy().max()) // DECODE_MAX_CHUNKS))
             self.plan_info = ws.plan(qo32, kv32, tile_q=self.rows_per_tile, num_units=self.num_units,
                                      causal=bool(causal), kv_chunk_align=self.kv_tile, cost_q=self._cost_q,
                                      group_requests=group, kv_window=kv_window, partition=self._partition,
-                                     groups=groups, num_ctas=self.grid[0], **self._plan_args)
+                                     groups=groups, num_ctas=self.grid[0],
+                                     **(self._det_plan_args or {"min_kv_chunk": min_chunk}))
 
         p = self._params
         p.kv_indices, p.kv_lens, p.qo_indptr = bsr_ptrs[2], bsr_ptrs[1], bsr_ptrs[0]

@@ -77,9 +77,10 @@ PREFILL_DECODE_ITEM_TOKENS = 330
 # Smallest KV chunk a split produces: below ~128 tokens the fixed cost of an item (loading the query
 # tile, filling the pipeline, writing and later merging a partial state) outweighs the extra parallelism.
 DEFAULT_MIN_KV_CHUNK = 128
-# The decode wrappers' floor: a step of few (request, unit) pairs is cut into as many chunks as CTAs, and the
-# merge of a row's partial states (by the CTA that completes it) grows with their count (measured: docs/decode.md).
-DECODE_MIN_KV_CHUNK = 256
+# Decode steps of so few (request, unit) pairs that the grid could cut each into more chunks than this plan with a
+# chunk floor of the longest KV / this (at least DEFAULT_MIN_KV_CHUNK): the merge of a row's partial states (by the
+# CTA that completes it) grows with their count (measured: docs/decode.md).
+DECODE_MAX_CHUNKS = 32
 # Deterministic plans (plan_into's deterministic_pieces): at most this many pieces per request, none
 # shorter than DETERMINISTIC_MIN_CHUNK tokens (the normal plan's floor): one request alone then spreads over
 # the grid as the normal plan would, while a large batch runs its requests whole, the kernel folding their

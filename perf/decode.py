@@ -88,7 +88,7 @@ def ours(case: Case, *, split=True, variant=None, plan_kw=None, num_ctas=None, t
         min_kv_chunk = 1 << 30
     if min_kv_chunk is not None or plan_ctas is not None:
         ws.plan(case.qo_indptr, case.kv_lens, tile_q=attn.rows_per_tile, num_units=attn.num_units,
-                min_kv_chunk=int(min_kv_chunk or scheduler.DECODE_MIN_KV_CHUNK), kv_chunk_align=int(attn.kv_tile),
+                min_kv_chunk=int(min_kv_chunk or scheduler.DEFAULT_MIN_KV_CHUNK), kv_chunk_align=int(attn.kv_tile),
                 cost_q=attn._cost_q, num_ctas=plan_ctas or attn.grid[0])   # the member's grid
     kv = case.kv_pairs
     state = {"i": 0}

@@ -37,9 +37,9 @@ _IDS = [f"{hq}-{hkv}-{d}-p{page}-{kvd}-{len(kv)}x{kv[0]}-q{q}" for hq, hkv, d, p
 _KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
-def _grid(hq, hkv, d, kv_bytes, requests, sms=132):
-    """plan_into's grid arguments as the decode wrapper makes them for a step of `requests` requests
-    (recommended_num_ctas, _decode_member, _use_member), with the CTAs per SM that shared memory allows
+def _grid(hq, hkv, d, kv_bytes, kv_lens, sms=132):
+    """plan_into's grid arguments as the decode wrapper makes them for a step of these KV lengths
+    (recommended_num_ctas, _decode_member, _use_member, plan's decode chunk floor), with the CTAs per SM that shared memory allows
     (registers allow at least as many for these shapes)."""
     group = hq // hkv
 
@@ -48,18 +48,22 @@ def _grid(hq, hkv, d, kv_bytes, requests, sms=132):
         units = hkv * (group // shape["hpc"])
         total = sms * shapes._blocks_by_smem(d, kv_bytes, shape)
         return shape, units, total - total % units
+    requests = len(kv_lens)
     shape, units, grid0 = ctas(0)
     member = int(shapes.decode_family_size(d, kv_bytes, group) > 1 and requests * units < grid0)
     shape, units, grid = ctas(member)
+    min_chunk = S.DEFAULT_MIN_KV_CHUNK
+    if requests * units * S.DECODE_MAX_CHUNKS < min(grid, grid0):
+        min_chunk = max(min_chunk, -(-max(kv_lens) // S.DECODE_MAX_CHUNKS))
     tile = 16 * shape["sub"] * shape["warps"]
     return dict(num_ctas=min(grid, grid0), num_units=units, tile_q=shape["rows"] // shape["hpc"],
-                kv_chunk_align=tile, cost_q=float(tile), min_kv_chunk=S.DECODE_MIN_KV_CHUNK)
+                kv_chunk_align=tile, cost_q=float(tile), min_kv_chunk=min_chunk)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_IDS)
 def test_cases_are_partitioned_on_the_h100_grid(case):
     hq, hkv, d, _, kvd, kv, q = case
-    g = _grid(hq, hkv, d, 1 if kvd == "fp8" else 2, len(kv))
+    g = _grid(hq, hkv, d, 1 if kvd == "fp8" else 2, kv)
     kv = np.asarray(kv, np.int32)
     qo = np.arange(len(kv) + 1, dtype=np.int32) * q
     views = S.PlanViews.allocate(g["num_ctas"], S.max_items_for(int(qo[-1]), g["num_ctas"], g["num_units"]),
