@@ -217,3 +217,34 @@ def test_cuda_workspace_copies_each_plan():
     S.plan_into(ref, qo, kv, num_ctas=ws.num_ctas, **kw)
     d = ws.host_plan()
     assert np.array_equal(d.items, S.decode_plan(ref).items)
+
+
+def test_plan_on_fewer_ctas_than_the_grid():
+    """Workspace.plan(num_ctas=...): the decode family's member 1 plans over a prefix of the grid; the CTAs past it
+    get empty queues, and a count past the grid is refused naming num_ctas."""
+    ws = make(num_ctas=40)
+    qo = np.arange(9, dtype=np.int32)
+    kv = np.full(8, 3000, dtype=np.int32)
+    info = ws.plan(qo, kv, tile_q=8, num_units=2, kv_chunk_align=128, cost_q=128.0, num_ctas=13)
+    plan = ws.host_plan()
+    assert info.num_items > 16   # split: more items than the 16 (request, unit) pairs
+    assert (plan.cta_indptr[14:] == plan.cta_indptr[13]).all() and plan.cta_indptr[13] == info.num_items
+    with pytest.raises(ValueError, match="num_ctas must be in"):
+        ws.plan(qo, kv, tile_q=8, num_units=2, num_ctas=41)
+
+
+def test_decode_member_pick_and_cuda_graphs():
+    """BatchAttention._decode_member: member 1 below the first member's CTAs in (request, unit) pairs; a request
+    count captured in a graph keeps its member; other counts after a member-1 capture plan for member 1 (its
+    plans run on both kernels), unless the engine replays graphs only at their captured counts."""
+    from types import SimpleNamespace
+    from fi_backend.attention import BatchAttention
+    w = SimpleNamespace(num_units=8, _grids=[392, 128], _captured={}, graphs_keep_request_count=False)
+    pick = lambda b: BatchAttention._decode_member(w, b)
+    assert [pick(b) for b in (1, 48, 49, 512)] == [1, 1, 0, 0]
+    w._captured = {512: 0}
+    assert [pick(b) for b in (1, 48, 49, 512)] == [1, 1, 0, 0]   # member-1 plans run on member 0's kernel
+    w._captured = {512: 0, 8: 1}
+    assert [pick(b) for b in (1, 8, 100, 512)] == [1, 1, 1, 0]
+    w.graphs_keep_request_count = True
+    assert [pick(b) for b in (1, 8, 100, 512, 1024)] == [1, 1, 0, 0, 0]
