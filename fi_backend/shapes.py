@@ -1,7 +1,7 @@
 """The choice of kernel shape and tile family per (variant, head size, dtypes, GQA group, architecture).
 
 Decode (csrc/attention/decode.cuh) runs one shape per module: query rows per tile, heads per chunk, warps,
-16-token KV blocks per warp per tile, stages. Prefill (csrc/attention/prefill.cuh) runs a family of shapes
+16-token KV blocks per warp per tile, stages; a family of two modules where decode_family_size says so. Prefill (csrc/attention/prefill.cuh) runs a family of shapes
 per module set, largest query tile first; BatchAttention.plan picks a member per step. Hopper (modules built
 for sm_90a only) runs warpgroup MMAs and, where the variant and KV type allow, a warp-specialised member 0.
 Why each shape, and what was measured against it: docs/decode.md, docs/prefill.md.
@@ -35,7 +35,7 @@ _SHAPES_KEY_TRANSFORM = {(128, 2): (4, 1, 3)}
 # The decode family's second member (8-row tiles, no KeyTransform): one 8-warp CTA an SM of 128-token tiles in 3
 # stages, for steps with fewer (request, unit) pairs than the first member has CTAs. Every pair is then split,
 # and a CTA's bytes in flight, not its tiles' fill, set the time (28/4 heads, 1 x 8192: 1.05 of FlashInfer
-# against 0.81 on 64-token tiles). BatchAttention._pick_member picks per step.
+# against 0.81 on 64-token tiles). BatchAttention._decode_member picks per step.
 _SHAPES_FEW_PAIRS = {(128, 2): (8, 1, 3)}
 
 
