@@ -33,7 +33,7 @@ import torch
 from . import env, kernels
 from .formats import BSR, check_prefix_groups
 from .kv_cache import parse_cached
-from .scheduler import DECODE_MAX_CHUNKS, DEFAULT_MIN_KV_CHUNK, DETERMINISTIC_MIN_CHUNK, DETERMINISTIC_PIECES
+from .scheduler import DEFAULT_MIN_KV_CHUNK, DETERMINISTIC_MIN_CHUNK, DETERMINISTIC_PIECES, decode_min_kv_chunk
 from .shapes import FAMILY_TILES_PER_CTA, FAMILY_WAVE_SLACK, HEAD_DIMS
 from .specs import _SPECS, KERNELS, attention_specs
 from .variants import DEFAULT, PARAM_TYPES, Variant, VariantError
@@ -579,11 +579,9 @@ class BatchAttention:
             # A causal sliding window (a KV-range mask with a window_left): a row sees window_left + 1 positions.
             window = values.get("window_left") if self._window_cost and causal else None
             kv_window = int(window) + 1 if window is not None and int(window) >= 0 else 0
-            # decode steps of so few pairs that the grid could cut each into more than DECODE_MAX_CHUNKS chunks: a
-            # floor that keeps the merge's depth near it
-            min_chunk = DEFAULT_MIN_KV_CHUNK
-            if self.kernel == "decode" and 0 < B * self.num_units * DECODE_MAX_CHUNKS < self.grid[0]:
-                min_chunk = max(min_chunk, -(-int(kv32.numpy().max()) // DECODE_MAX_CHUNKS))
+            # decode: a floor that keeps the merge's depth near DECODE_MAX_CHUNKS on steps of very few pairs
+            min_chunk = (decode_min_kv_chunk(B * self.num_units, self.grid[0], int(kv32.numpy().max()))
+                         if self.kernel == "decode" and B else DEFAULT_MIN_KV_CHUNK)
             self.plan_info = ws.plan(qo32, kv32, tile_q=self.rows_per_tile, num_units=self.num_units,
                                      causal=bool(causal), kv_chunk_align=self.kv_tile, cost_q=self._cost_q,
                                      group_requests=group, kv_window=kv_window, partition=self._partition,

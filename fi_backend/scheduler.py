@@ -81,6 +81,15 @@ DEFAULT_MIN_KV_CHUNK = 128
 # chunk floor of the longest KV / this (at least DEFAULT_MIN_KV_CHUNK): the merge of a row's partial states (by the
 # CTA that completes it) grows with their count (measured: docs/decode.md).
 DECODE_MAX_CHUNKS = 32
+
+
+def decode_min_kv_chunk(pairs: int, num_ctas: int, max_kv_len: int) -> int:
+    """The decode planner's shortest split for a step of `pairs` (request, unit) pairs on num_ctas CTAs whose longest
+    request has max_kv_len KV tokens: DEFAULT_MIN_KV_CHUNK, or max_kv_len / DECODE_MAX_CHUNKS where the grid could
+    cut every pair into more than DECODE_MAX_CHUNKS chunks."""
+    if 0 < pairs * DECODE_MAX_CHUNKS < num_ctas:
+        return max(DEFAULT_MIN_KV_CHUNK, -(-max_kv_len // DECODE_MAX_CHUNKS))
+    return DEFAULT_MIN_KV_CHUNK
 # Deterministic plans (plan_into's deterministic_pieces): at most this many pieces per request, none
 # shorter than DETERMINISTIC_MIN_CHUNK tokens (the normal plan's floor): one request alone then spreads over
 # the grid as the normal plan would, while a large batch runs its requests whole, the kernel folding their

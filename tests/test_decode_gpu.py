@@ -20,7 +20,7 @@ from fi_backend import variants as V
 from fi_backend.formats import BSR
 
 from attention_cases import (_VARIANT_NAMES, DEV, TOL, PersistentBatch, _lazy, _variant_case, check, make_bsr, make_wrapper, random_kv, reference,
-                             run_case, run_variant_case)
+                             replay_check, run_case, run_variant_case)
 
 pytestmark = pytest.mark.gpu
 
@@ -182,14 +182,18 @@ def test_cuda_graph_across_family_members():
         attn.plan(qo, kv_cpu, bsr, causal=True)
         return bsr
 
-    for B, member in ((big, 0), (small, 1)):   # eager, each member
-        bsr = step(B)
-        assert attn._member == member and attn.grid[0] == attn._grids[member]
+    def eager_check(bsr, what):
         q_buf.normal_()
         out_buf.fill_(float("nan"))
         attn.run(q_buf, cache, out=out_buf)
+        attn.check_errors()
         o_ref, _ = reference(q_buf, k, v, bsr, causal=True)
-        check(out_buf, None, o_ref, None, TOL[torch.bfloat16] * 2, f"eager member {member} B={B}")
+        check(out_buf, None, o_ref, None, TOL[torch.bfloat16] * 2, what)
+
+    for B, member in ((big, 0), (small, 1)):   # eager, each member
+        bsr = step(B)
+        assert attn._member == member and attn.grid[0] == attn._grids[member]
+        eager_check(bsr, f"eager member {member} B={B}")
     assert attn._grids[1] < attn._grids[0]
     step(big)
     torch.cuda.synchronize()
@@ -199,13 +203,8 @@ def test_cuda_graph_across_family_members():
     for B, member in ((big, 0), (small, 1), (3, 1), (big, 0)):
         bsr = step(B)
         assert attn._member == member
-        q_buf.normal_()
-        out_buf.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        attn.check_errors()
-        o_ref, _ = reference(q_buf, k, v, bsr, causal=True)
-        check(out_buf, None, o_ref, None, TOL[torch.bfloat16] * 2, f"graph of member 0, plan of member {member} B={B}")
+        replay_check(graph, attn, q_buf, out_buf, k, v, bsr, TOL[torch.bfloat16] * 2,
+                     f"graph of member 0, plan of member {member} B={B}")
     attn.release_graph()
 
     # A graph of member 1: other counts plan for member 1 (a graph may replay them), unless the engine replays
@@ -218,15 +217,11 @@ def test_cuda_graph_across_family_members():
         attn.graphs_keep_request_count = keep
         bsr = step(B)
         assert attn._member == member
-        q_buf.normal_()
-        out_buf.fill_(float("nan"))
+        what = f"graph of member 1, keep={keep} B={B}"
         if replay:
-            graph.replay()
+            replay_check(graph, attn, q_buf, out_buf, k, v, bsr, TOL[torch.bfloat16] * 2, what)
         else:
-            attn.run(q_buf, cache, out=out_buf)
-        torch.cuda.synchronize()
-        o_ref, _ = reference(q_buf, k, v, bsr, causal=True)
-        check(out_buf, None, o_ref, None, TOL[torch.bfloat16] * 2, f"graph of member 1, keep={keep} B={B}")
+            eager_check(bsr, what)
     attn.release_graph()
 
 

@@ -52,9 +52,7 @@ def _grid(hq, hkv, d, kv_bytes, kv_lens, sms=132):
     shape, units, grid0 = ctas(0)
     member = int(shapes.decode_family_size(d, kv_bytes, group) > 1 and requests * units < grid0)
     shape, units, grid = ctas(member)
-    min_chunk = S.DEFAULT_MIN_KV_CHUNK
-    if requests * units * S.DECODE_MAX_CHUNKS < min(grid, grid0):
-        min_chunk = max(min_chunk, -(-max(kv_lens) // S.DECODE_MAX_CHUNKS))
+    min_chunk = S.decode_min_kv_chunk(requests * units, min(grid, grid0), max(kv_lens))
     tile = 16 * shape["sub"] * shape["warps"]
     return dict(num_ctas=min(grid, grid0), num_units=units, tile_q=shape["rows"] // shape["hpc"],
                 kv_chunk_align=tile, cost_q=float(tile), min_kv_chunk=min_chunk)
