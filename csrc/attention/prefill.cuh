@@ -896,7 +896,8 @@ struct Kernel {
     static_assert(L::kQCopy, "overlapped consumers: the producer copies the query tiles");
     const int warp = threadIdx.x >> 5, unit = warp >> 2;
     uint32_t* merge_flags = reinterpret_cast<uint32_t*>(smem + Cfg::kFlagsAt);
-    const uint32_t qs0 = ptx::smem_u32(smem + Cfg::kQAt);
+    const uint32_t qs0 = uniform(ptx::smem_u32(smem + Cfg::kQAt));
+    constexpr bool kOneQ = Cfg::kQBuffers == 1;  // the query buffer is always slot 0: no record read, no shuffle
     float m_run[1][2], d_run[1][4], o[1][kDTiles][4];
     float s[kNTiles][4];
     uint32_t pa[kStep / 16][4];  // P of the pending tile, packed
@@ -908,19 +909,27 @@ struct Kernel {
     constexpr int kUnitRows = Cfg::kUnitRows;
     const int first_pr = kUnitRows * unit;
     if (unit == 1) turn_end(1);  // warpgroup 0 takes the first turn
+    // The tile's stage and its full barrier's parity, kept as counters (j % kStages and (j / kStages) & 1 cost a
+    // multiply-high chain a tile); the sub-item's values, read from its first tile's record only.
+    int sj = 0, parity = 0;
+    int kv_head = 0, last_r = 0, climit_lo = 0, climit_hi = 0;
+    bool unit_active = false;
 #pragma unroll 1
-    for (int j = 0;; ++j) {
-      const int sj = j % kStages;
-      ptx::mbar_wait(full + 8 * sj, (j / kStages) & 1);
+    for (;;) {
+      ptx::mbar_wait(full + 8 * sj, parity);
       wgmma::fence_proxy_async();  // the landed tile (cp.async writes, generic proxy), for the tensor cores
       const TileRecord* rec = Cfg::record(smem, sj);
       const int flags = rec->flags;
       if (flags & kEnd) break;
       const Work& w = rec->w;
-      const int kv_head = kv_head_of(p, w.unit);
-      int last_r;
-      const bool unit_active = unit_rows(w, first_pr, last_r);
-      const uint32_t qs = uniform(qs0 + rec->qslot * Cfg::kQBytes);
+      if (flags & kFirst) {
+        kv_head = kv_head_of(p, w.unit);
+        unit_active = unit_rows(w, first_pr, last_r);
+        climit_lo = w.kv_len - w.q_len + w.q_idx0 + first_pr / kHPC;
+        climit_hi = w.kv_len - w.q_len + w.q_idx0 + last_r;
+      }
+      const int qslot = kOneQ ? 0 : rec->qslot;
+      const uint32_t qs = kOneQ ? qs0 : uniform(qs0 + qslot * Cfg::kQBytes);
       if (flags & kFirst) {
         __syncwarp();  // the producer copied Q (see run)
         q_held = true;
@@ -932,8 +941,6 @@ struct Kernel {
           for (int e = 0; e < 4; ++e) o[0][dt][e] = 0.f;
       }
       const uint32_t ks = uniform(ptx::smem_u32(smem + sj * Cfg::kStageBytes)), vs = ks + Cfg::kKvTileBytes;
-      const int climit_lo = w.kv_len - w.q_len + w.q_idx0 + first_pr / kHPC;
-      const int climit_hi = w.kv_len - w.q_len + w.q_idx0 + last_r;
       const int tile_begin = rec->tile_kv_begin, n_valid = rec->n_valid;
       // Causal: a tile wholly past the unit's last row is skipped (and every later one of the sub-item); the
       // per-element mask only on a diagonal or partial tile (or a non-positive scale: softmax_frag).
@@ -947,7 +954,7 @@ struct Kernel {
       // tile q_last holds.
       const bool q_last = !active || last || n_valid <= kStep || (p.causal && tile_begin + kStep > climit_hi);
       const bool q_release = L::kQCopy && q_held && q_last;
-      const uint32_t qbar = qempty + 8 * rec->qslot;
+      const uint32_t qbar = qempty + 8 * qslot;
       q_held = q_held && !q_last;
       // Three exclusive cases, each with its own wgmmas, all waited for inside it (a first active tile
       // followed by a separate flush on the same path made ptxas serialise every wgmma, C7518). Ping-pong: a
@@ -1014,6 +1021,10 @@ struct Kernel {
         release(empty + 8 * sj);
       } else if (!pending || held != sj) {
         release(empty + 8 * sj);
+      }
+      if (++sj == kStages) {
+        sj = 0;
+        parity ^= 1;
       }
     }
   }
