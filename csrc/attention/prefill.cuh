@@ -128,7 +128,7 @@ struct Config {
   static constexpr int kEntryRegs = (65536 / kLaunchThreads > 255 ? 255 : 65536 / kLaunchThreads) / 8 * 8;
   static constexpr int kRegPool = kEntryRegs * kLaunchThreads;
   static constexpr int kComputeRegsFit = (kRegPool - 128 * 40) / kThreads / 8 * 8;
-  static constexpr int kComputeRegsMax = kOverlap ? 224 : 240;
+  static constexpr int kComputeRegsMax = kOverlap ? 216 : 240;
   static constexpr int kComputeRegs = kComputeRegsFit > kComputeRegsMax ? kComputeRegsMax : kComputeRegsFit;
   static constexpr int kProducerRegs = (kRegPool - kThreads * kComputeRegs) / 128 / 8 * 8;
   static_assert(!kMoveRegs || (kProducerRegs >= 24 && kProducerRegs <= kEntryRegs && kComputeRegs >= kEntryRegs &&
@@ -917,10 +917,10 @@ struct Kernel {
 #pragma unroll 1
     for (;;) {
       ptx::mbar_wait(full + 8 * sj, parity);
-      wgmma::fence_proxy_async();  // the landed tile (cp.async writes, generic proxy), for the tensor cores
       const TileRecord* rec = Cfg::record(smem, sj);
       const int flags = rec->flags;
       if (flags & kEnd) break;
+      if (flags & kCopied) wgmma::fence_proxy_async();  // cp.async writes (generic proxy), for the tensor cores
       const Work& w = rec->w;
       if (flags & kFirst) {
         kv_head = kv_head_of(p, w.unit);

@@ -147,7 +147,9 @@ struct Work {
   int64_t block_start;   // offset of the request's first KV block in kv_indices
 };
 
-enum RecordFlags : int32_t { kFirst = 1, kLast = 2, kEnd = 4 };
+// kCopied: threads wrote the stage or the query buffer by cp.async (generic proxy): a consumer whose MMAs
+// read shared memory through the async proxy fences first. TMA-boxed K and V need no fence.
+enum RecordFlags : int32_t { kFirst = 1, kLast = 2, kEnd = 4, kCopied = 8 };
 
 struct alignas(16) TileRecord {
   Work w;
@@ -425,7 +427,8 @@ struct Loader {
       }
       rec->tile_kv_begin = tile_begin;
       rec->n_valid = cur.w.kv_hi - tile_begin;
-      rec->flags = (cur.tile == 0 ? kFirst : 0) | (cur.tile == cur.w.ntiles - 1 ? kLast : 0);
+      rec->flags = (cur.tile == 0 ? kFirst : 0) | (cur.tile == cur.w.ntiles - 1 ? kLast : 0) |
+                   (gather || (kQCopy && cur.tile == 0) ? kCopied : 0);
       rec->qslot = qslot;
     }
     if constexpr (kQCopy) {
@@ -595,18 +598,22 @@ struct Loader {
     // prefill's overlapped consumers (Cfg::kOverlap) release a query buffer after their last QK^T of its
     // sub-item, while they finish it: the boxes of the next sub-item's first tile go before the wait for it.
     constexpr bool kBoxesFirst = Cfg::kOverlap;
+    // One warp waits for the stage's (and the query buffer's) release; the named barrier below passes it on
+    // to the other three, which would otherwise spin in try-wait loops beside the consumers' softmax.
+    const bool waiter = tid() < 32;
 #pragma unroll 1
     for (int j = 0;; ++j) {
       const int s = j % kStages;
-      ptx::mbar_wait(empty + 8 * s, ((j / kStages) & 1) ^ 1);
+      if (waiter) ptx::mbar_wait(empty + 8 * s, ((j / kStages) & 1) ^ 1);
       const bool new_q = kQCopy && !cur.done && cur.tile == 0;
       auto wait_q = [&]() {
-        ptx::mbar_wait(qempty + 8 * (nsub % Cfg::kQBuffers), ((nsub / Cfg::kQBuffers) & 1) ^ 1);
+        if (waiter) ptx::mbar_wait(qempty + 8 * (nsub % Cfg::kQBuffers), ((nsub / Cfg::kQBuffers) & 1) ^ 1);
         ++nsub;
       };
       if (!kBoxesFirst && new_q) wait_q();
       // Row offsets are double-buffered by tile parity: the barrier below also orders this tile's
-      // publish after every loading thread's copies of tile j - 2 (issued before the last barrier).
+      // publish after every loading thread's copies of tile j - 2 (issued before the last barrier), and
+      // passes the waiter's view of the released stage to the threads that write it.
       if (cur.tile == 0) vote = maps;
       publish(p, smem, j, cur, page, slot);
       if (vote) tma_vote(p, smem, j, cur, page, slot);
@@ -627,7 +634,10 @@ struct Loader {
       };
       if (kBoxesFirst) {  // (the barrier's phase cannot complete before this thread's arrivals below)
         if (box && tid() == 0) boxes();
-        if (new_q) wait_q();
+        if (new_q) {
+          wait_q();
+          ptx::bar_sync(kBarrierId, kThreads);  // the waiter saw the buffer released
+        }
       }
       issue(p, vp, smem, j, cur, !box);
       if (!kBoxesFirst && box && tid() == 0) boxes();
