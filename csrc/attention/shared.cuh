@@ -598,9 +598,10 @@ struct Loader {
     // prefill's overlapped consumers (Cfg::kOverlap) release a query buffer after their last QK^T of its
     // sub-item, while they finish it: the boxes of the next sub-item's first tile go before the wait for it.
     constexpr bool kBoxesFirst = Cfg::kOverlap;
-    // One warp waits for the stage's (and the query buffer's) release; the named barrier below passes it on
-    // to the other three, which would otherwise spin in try-wait loops beside the consumers' softmax.
-    const bool waiter = tid() < 32;
+    // The FA3 member's producer: one warp waits for the stage's (and the query buffer's) release, and the named
+    // barrier below passes it on to the other three, which would otherwise spin in try-wait loops beside the
+    // consumers' softmax. (Member 0 measured the same either way; its 24-register producer spills more with it.)
+    const bool waiter = !Cfg::kOverlap || tid() < 32;
 #pragma unroll 1
     for (int j = 0;; ++j) {
       const int s = j % kStages;
