@@ -120,9 +120,9 @@ struct Config {
   // Registers a thread (multiples of 8). The CTA's pool is what it launched with (64K / threads a thread,
   // rounded down to 8, as ptxas allocates under __launch_bounds__(threads, 1)); setmaxnreg only moves
   // registers within it (an increase beyond what the producer gave back waits forever). The compute
-  // warps' share after 40 for the producer, at most 240 (224 in the overlapped loop, whose consumers use
-  // fewer than 200: its producer, which copies the query tiles too, then keeps 56 and spills 20 bytes, not
-  // 84); the producer then takes what is left (it keeps the cursor and the copy addresses). Only where the
+  // warps' share after 40 for the producer, at most 240 (216 in the overlapped loop, whose consumers use
+  // fewer than 200: its producer, which copies the query tiles too, then keeps 72 and does not spill); the
+  // producer then takes what is left (it keeps the cursor and the copy addresses). Only where the
   // launch leaves fewer than 240 a thread (384 threads and more): else every warp has enough.
   static constexpr bool kMoveRegs = kProducer && kLaunchThreads >= 384;
   static constexpr int kEntryRegs = (65536 / kLaunchThreads > 255 ? 255 : 65536 / kLaunchThreads) / 8 * 8;
