@@ -127,7 +127,7 @@ _PLAN_COUNTS = {"decode": 0, "prefill": 0, "graph_steps": 0, "grouped_decode": 0
 _FORWARD_BATCH_INIT = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
 SHARED_PREFIX_MAX_REQUESTS = 512
 # Off unless FI_BACKEND_SHARED_PREFIX=1: every decode-graph step would launch a second (idle) kernel a layer, a cost
-# not yet measured, and no GPU has run this path yet (docs/composable.md)
+# not measured on its own (the engine runs and end-to-end figures with it on: docs/composable.md)
 SGLANG_SHARED_PREFIX_DEFAULT = False
 _hook_registered = False
 _shared_prefix_backends = 0     # backends of this process that plan groups: the hook works only when > 0
