@@ -575,13 +575,14 @@ class BatchAttention:
             if member != self._member:
                 self._use_member(member)
             kv32 = kv_cpu.to(torch.int32)
-            group = self._group_requests and len(kv32) > 1 and int(kv32.numpy().max()) >= PLAN_GROUPED_MIN_KV
+            max_kv = int(kv32.numpy().max()) if B else 0
+            group = self._group_requests and B > 1 and max_kv >= PLAN_GROUPED_MIN_KV
             # A causal sliding window (a KV-range mask with a window_left): a row sees window_left + 1 positions.
             window = values.get("window_left") if self._window_cost and causal else None
             kv_window = int(window) + 1 if window is not None and int(window) >= 0 else 0
             # decode: a floor that keeps the merge's depth near DECODE_MAX_CHUNKS on steps of very few pairs
-            min_chunk = (decode_min_kv_chunk(B * self.num_units, self.grid[0], int(kv32.numpy().max()))
-                         if self.kernel == "decode" and B else DEFAULT_MIN_KV_CHUNK)
+            min_chunk = (decode_min_kv_chunk(B * self.num_units, self.grid[0], max_kv)
+                         if self.kernel == "decode" else DEFAULT_MIN_KV_CHUNK)
             self.plan_info = ws.plan(qo32, kv32, tile_q=self.rows_per_tile, num_units=self.num_units,
                                      causal=bool(causal), kv_chunk_align=self.kv_tile, cost_q=self._cost_q,
                                      group_requests=group, kv_window=kv_window, partition=self._partition,

@@ -39,6 +39,11 @@ _SHAPES_KEY_TRANSFORM = {(128, 2): (4, 1, 3)}
 _SHAPES_FEW_PAIRS = {(128, 2): (8, 1, 3)}
 
 
+def _kv_bytes(kv_dtype: str) -> int:
+    """Bytes of a KV element of dtype kv_dtype ("bf16", "fp16", "fp8_e4m3", ...)."""
+    return 1 if kv_dtype.startswith("fp8") else 2
+
+
 def _row_dim(head_dim: int) -> int:
     """The width of the kernels' shared-memory rows for a head size: whole 64-column blocks (80 and 96 run in
     128-wide rows, their pad never loaded from memory), so tile shapes and shared memory go by it."""
@@ -74,9 +79,9 @@ def _kernel_shape(head_dim: int, kv_bytes: int, group: int, key_transform: bool 
 
     Rows and heads per chunk from _decode_rows_hpc; warps / tile / stages from _SHAPES (16-row tiles, key
     transforms and the family's member 1 from their own tables)."""
-    if not 0 <= member < decode_family_size(head_dim, kv_bytes, group, key_transform):
-        raise ValueError(f"decode member must be in [0, {decode_family_size(head_dim, kv_bytes, group, key_transform)})"
-                         f" for head_dim {head_dim}, group {group} (got {member})")
+    size = decode_family_size(head_dim, kv_bytes, group, key_transform)
+    if not 0 <= member < size:
+        raise ValueError(f"decode member must be in [0, {size}) for head_dim {head_dim}, group {group} (got {member})")
     rows, hpc = _decode_rows_hpc(head_dim, group)
     key = (_row_dim(head_dim), kv_bytes)
     if member == 1:
@@ -302,7 +307,7 @@ def prefill_family_shapes(head_dim: int, kv_dtype: str, wgmma: Optional[bool] = 
     family when the modules are built for sm_90a only (wgmma None: decide so), else the mma.sync one; a
     sliding-window variant's own where it has one (_PREFILL_SHAPES_WGMMA_WINDOW). Without rowsum and bias,
     which prefill_spec derives from the shape."""
-    family = _prefill_family(head_dim, 1 if kv_dtype.startswith("fp8") else 2, wgmma, variant)
+    family = _prefill_family(head_dim, _kv_bytes(kv_dtype), wgmma, variant)
     return [{k: v for k, v in shape.items() if k not in ("rowsum", "bias")} for shape in family]
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Optional
 
 from . import kernels
-from .shapes import (SMEM_PER_CTA, _bias_mma_possible, _fa3_blockers, _fa3_q_buffers, _blocks_by_smem, _check_head_dim, _kernel_shape,
+from .shapes import (SMEM_PER_CTA, _bias_mma_possible, _fa3_blockers, _fa3_q_buffers, _blocks_by_smem, _check_head_dim, _kernel_shape, _kv_bytes,
                      _prefill_q_buffers, _prefill_q_copy_possible, _prefill_shape, _prefill_smem_bytes,
                      _producer_blockers, _smem_bytes, decode_family_size, prefill_family_size, prefill_uses_wgmma)
 from .variants import Variant
@@ -28,7 +28,7 @@ def decode_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, gr
     item's pieces and the fold merge, docs/deterministic.md); a module of its own (tag suffix _det), so the
     normal one carries none of that code."""
     _check_head_dim(head_dim, variant)
-    kv_bytes = 1 if kv_dtype.startswith("fp8") else 2
+    kv_bytes = _kv_bytes(kv_dtype)
     shape = _kernel_shape(head_dim, kv_bytes, group, key_transform=bool(variant.key_transform), member=member)
     tuning = dict(tuning or {})
     unknown = set(tuning) - DECODE_TUNING_KEYS
@@ -66,7 +66,7 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     warpgroups' ping-pong, kPingPong; shapes.PREFILL_FA3_TUNINGS). The softmax's row sums go by MMA wherever there are warpgroup MMAs
     (prefill::Config::kRowSumMma) and a variant's ALiBi wherever _bias_mma_possible (kBiasMma)."""
     _check_head_dim(head_dim, variant)
-    kv_bytes = 1 if kv_dtype.startswith("fp8") else 2
+    kv_bytes = _kv_bytes(kv_dtype)
     size = prefill_family_size(head_dim, kv_dtype, tuning)
     if not 0 <= member < size:
         raise ValueError(f"member must be in [0, {size}) (got {member})")
@@ -160,7 +160,7 @@ def attention_specs(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str
         raise ValueError(f"kernel must be one of {KERNELS} (got {kernel!r})")
     if kernel == "decode":
         size = 1 if tuning or deterministic else decode_family_size(
-            head_dim, 1 if kv_dtype.startswith("fp8") else 2, group, bool(variant.key_transform))
+            head_dim, _kv_bytes(kv_dtype), group, bool(variant.key_transform))
         return [decode_spec(variant, head_dim, q_dtype, kv_dtype, group, tuning=tuning, deterministic=deterministic,
                             **({"member": m} if m else {})) for m in range(size)]
     return [prefill_spec(variant, head_dim, q_dtype, kv_dtype, group, tuning=tuning, **({"member": m} if m else {}))
