@@ -81,7 +81,8 @@ def gpu_test_specs() -> List[ModuleSpec]:
         for g, q in itertools.product((1, 4, 8), ("bf16", "fp16")):
             out += _family(V.DEFAULT, 128, q, q, g, tuning, ("prefill",))
     # FA3's consumer loop (test_fa3_member's cases, test_fa3_member_ragged's groups)
-    fa3 = ((128, 1, "bf16"), (128, 4, "fp16"), (128, 7, "bf16"), (64, 4, "bf16"), (64, 1, "fp16"), (128, 4, "bf16"))
+    fa3 = ((128, 1, "bf16"), (128, 4, "fp16"), (128, 7, "bf16"), (64, 4, "bf16"), (64, 1, "fp16"), (128, 4, "bf16"),
+           (96, 1, "bf16"), (96, 4, "bf16"), (80, 4, "bf16"))  # (and test_fa3_member_head_sizes_80_96's)
     for d, g, q in fa3 if prefill_uses_wgmma() else ():
         out += _family(V.DEFAULT, d, q, q, g, PREFILL_FA3_TUNINGS[d], ("prefill",))
     # ... with one query buffer at head size 64, and without the ping-pong (fa3=1)

@@ -191,8 +191,8 @@ def _producer_blockers(variant: Optional[Variant], head_dim: int, kv_bytes: int,
 # picks it): two consumer warpgroups of 64 rows and a producer, 128-token tiles and steps, three stages (the
 # deferred P.V holds a tile's V through the next tile). docs/prefill.md, "The FA3-style member".
 PREFILL_FA3_TUNINGS = {
-    64: {"warps": 8, "mfrags": 1, "tile": 128, "stages": 3, "step": 128, "wgmma": 1, "producer": 1, "fa3": 2},
-    128: {"warps": 8, "mfrags": 1, "tile": 128, "stages": 3, "step": 128, "wgmma": 1, "producer": 1, "fa3": 2},
+    d: {"warps": 8, "mfrags": 1, "tile": 128, "stages": 3, "step": 128, "wgmma": 1, "producer": 1, "fa3": 2}
+    for d in (64, 80, 96, 128)
 }
 
 
@@ -212,8 +212,8 @@ def _fa3_blockers(variant: Optional[Variant], head_dim: int, kv_bytes: int, shap
         why.append("step equal to the tile")
     if shape["stages"] < 3:
         why.append("stages >= 3 (a tile's V is held through the next tile)")
-    if head_dim % 64:
-        why.append("head_dim 64, 128 or 256")
+    if head_dim > 128:
+        why.append("head_dim 64, 80, 96 or 128")
     if variant is not None and (not variant.use_softmax or variant.alibi_slope or variant.logits_transform
                                 or variant.logits_mask or variant.mask_is_kv_range):
         why.append("a variant with softmax and without logits hooks, ALiBi or masks")

@@ -329,6 +329,14 @@ def test_fa3_member(D, group, page, consecutive):
     _fa3_cases(attn, dtype, consecutive, f"fa3 D={D} group={group} page={page} consecutive={consecutive}")
 
 
+# Head sizes 80 and 96 (Phi-3's): P.V as a 64-column MMA and a 16- or 32-column one, the pad columns never read.
+@pytest.mark.parametrize("D,group,page,consecutive", [(96, 1, 16, False), (96, 4, 1, True), (80, 4, 16, False)])
+def test_fa3_member_head_sizes_80_96(D, group, page, consecutive):
+    Hkv = 2
+    attn = prefill(Hkv * group, Hkv, D, page_size=page, tuning=PREFILL_FA3_TUNINGS[D])
+    _fa3_cases(attn, torch.bfloat16, consecutive, f"fa3 D={D} group={group} page={page} consecutive={consecutive}")
+
+
 # Head size 64 with one query buffer, as at 128 (where two do not fit): each compute warp releases it to the
 # producer after its last QK^T of a sub-item (units without rows at once, causal units that stop early before
 # the sub-item's last tile), and the producer copies the next sub-item's query tile into it.

@@ -221,7 +221,7 @@ struct Config {
                 "warp-specialised: wgmma, the loader's query copy, 16-bit KV (no conversion pass)");
   static_assert(kChunksPerRow >= 4, "rows of at least 64 bytes");
   static_assert(!kOverlap || (kProducer && kMFrags == 1 && kStep == kTile && kStages >= 3 && !kRowSumMma &&
-                              !kBiasMma && kHeadDim % 64 == 0),
+                              !kBiasMma && kHeadDim % 16 == 0),
                 "overlapped consumers: producer, one fragment, a step per tile, three stages, row sums by FADD");
   static_assert(!kPingPong || (kOverlap && kWarps == 8), "ping-pong: the overlapped loop's two consumer warpgroups");
   static_assert(!kWgmma || (kWarps % 4 == 0 && (kStep == 32 || kStep == 64 || kStep == 128 || kStep == 256)),
@@ -816,10 +816,16 @@ struct Kernel {
                                                    float (&o)[kDTiles][4]) {
     wgmma::fence();
     const uint64_t b0 = wgmma::desc(vs, kTile * 128, 1024);
+    // as pv_wgmma: a head size of 80 or 96 as its whole 64-column blocks in one MMA and the rest in a second
+    constexpr int kFull = kHeadDim % 64 == 0 ? kHeadDim : kHeadDim / 64 * 64, kRest = kHeadDim - kFull;
 #pragma unroll
-    for (int kk = 0; kk < kStep / 16; ++kk)
-      wgmma::Mma<kHeadDim, kBf16>::template rs<1>(reinterpret_cast<float(&)[kHeadDim / 2]>(o), pa[kk],
-                                                  wgmma::desc_advance(b0, Cfg::mma_offset(16 * kk, 0)), 1);
+    for (int kk = 0; kk < kStep / 16; ++kk) {
+      const uint64_t b = wgmma::desc_advance(b0, Cfg::mma_offset(16 * kk, 0));
+      wgmma::Mma<kFull, kBf16>::template rs<1>(reinterpret_cast<float(&)[kFull / 2]>(o), pa[kk], b, 1);
+      if constexpr (kRest > 0)
+        wgmma::Mma<kRest, kBf16>::template rs<1>(reinterpret_cast<float(&)[kRest / 2]>(o[kFull / 8]), pa[kk],
+                                                 wgmma::desc_advance(b, kFull / 64 * kTile * 128), 1);
+    }
   }
 
   // O += P V, committed and waited for (a sub-item's last P.V).
