@@ -655,18 +655,19 @@ struct Loader {
         ptx::cp_async_mbar_arrive(full + 8 * s);
         if (tid() == 0) ptx::mbar_arrive(full + 8 * s);
         if (cur.done) return;
-        // V: the waiter sees its half released (the V of tile j - kStages, read by that tile's P.V); threads
-        // that copy nothing arrive at once (their next arrival on this barrier follows the barrier at tile j + 1,
-        // which the waiter reaches only after its own arrival here: no arrival runs a phase ahead).
+        // V: the waiter sees its half released (the V of tile j - kStages, read by that tile's P.V). Boxed, thread
+        // 0's one arrival stands for every loading thread's: the others must not arrive before that release, as
+        // the consumers may free tile j - kStages's K, and so let them on to tile j, before its V has landed.
         if (waiter) ptx::mbar_wait(emptyv + 8 * s, ((j / kStages) & 1) ^ 1);
         if (!box) {
           ptx::bar_sync(kBarrierId, kThreads);
           gather_rows<false, true>(p, smem, j);
+          ptx::cp_async_mbar_arrive(fullv + 8 * s);
+          if (tid() == 0) ptx::mbar_arrive(fullv + 8 * s);
         } else if (tid() == 0) {
           boxes(fullv + 8 * s, false, true);
+          ptx::mbar_arrive_count(fullv + 8 * s, kThreads + 1);
         }
-        ptx::cp_async_mbar_arrive(fullv + 8 * s);
-        if (tid() == 0) ptx::mbar_arrive(fullv + 8 * s);
         advance(p, vp, cur);
         prefetch_pages(p, cur, page, slot);
         continue;
