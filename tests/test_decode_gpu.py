@@ -56,6 +56,18 @@ def test_big_batch_and_long_sequences():
     run_case(attn, [33000, 20000, 17, 1, 4096, 8191, 12345], [1] * 7, dtype=torch.bfloat16, what="7 long")
 
 
+@pytest.mark.parametrize("name,Hq,Hkv,D", [("default", 16, 2, 128), ("default", 12, 2, 128), ("default", 2, 2, 64),
+                                             ("default", 16, 16, 128), ("default", 8, 2, 256), ("sigmoid", 8, 2, 128),
+                                             ("sigmoid", 4, 1, 128)])
+def test_merge_lanes(name, Hq, Hkv, D):
+    """Few (request, unit) pairs split 16-64 ways: the completing CTA merges a row's states with several lanes a
+    (row, head, 8 dims) unit, combined by shuffles (shared.cuh merge_rows). With and without softmax, rows whose
+    states outnumber the lanes' batches or fall short of them, a short request among long ones."""
+    attn = make_wrapper(Hq, Hkv, D, page_size=16, variant=_variant_case(name, Hq)[1])
+    for kv_lens, q_lens in (([8191], [1]), ([20000], [1]), ([33000, 300, 4099], [1, 1, 2]), ([1000, 1], [1, 1])):
+        run_variant_case(attn, name, kv_lens, q_lens, torch.bfloat16)
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_fp8_kv(kv_dtype, D):

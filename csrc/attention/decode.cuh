@@ -613,7 +613,7 @@ struct Kernel {
     const int mask = *merge_mask;
     if (mask) {
       __threadfence();
-      E::template merge_rows<8, kDet>(p, vp, unit, row0, nrows, [mask](int r) { return (mask >> r) & 1; });
+      E::template merge_rows<8, kDet, 8>(p, vp, unit, row0, nrows, [mask](int r) { return (mask >> r) & 1; });
     }
   }
 };

@@ -1357,7 +1357,7 @@ struct Kernel {
     for (int k = 0; k < (nrows + 31) / 32; ++k) any |= merge_flags[k] != 0;
     if (any) {
       __threadfence();
-      E::template merge_rows<2, false>(p, vp, unit, row0, nrows,
+      E::template merge_rows<2, false, 1>(p, vp, unit, row0, nrows,
                                 [merge_flags](int r) { return (merge_flags[r >> 5] >> (r & 31)) & 1u; });
     }
     sync_compute();  // merge_flags are reused by the next split sub-item

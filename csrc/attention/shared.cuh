@@ -782,6 +782,10 @@ struct Epilogue {
   // L2 round trip (a loop that skipped empty states issued one state's loads per round trip, and a
   // 16-chunk row took ~16 of them), and merged online (one pass: no separate pass for the max).
   // kBatch costs 9 registers per state: decode affords 8; prefill, at its 128-register cap, 2 (4 spilled).
+  // Where the rows leave threads idle (a decode row of one unit: kHPC x kVecs units for 128 or 256 threads), up to
+  // kMaxLanes neighbouring lanes share a unit, each merging every lanes-th batch of its states, and combine their
+  // states by shuffles: a row of n states then takes n / (kBatch x lanes) round trips, not n / kBatch (single
+  // requests of few KV heads split 32-64 ways, where the merge is the step's tail).
   // Row q_row's arrival counter for the query heads of `unit` (Params::merge_counters: [rows][units]).
   static __device__ __forceinline__ int32_t* merge_counter(const Params& p, int q_row, int unit) {
     return p.merge_counters + (int64_t)q_row * (p.num_qo_heads / kHPC) + unit;
@@ -838,17 +842,24 @@ struct Epilogue {
 
   // kDet: the kernel may run deterministic plans (p.deterministic): their split rows merge by det_add. Without
   // it (normal decode modules; prefill, whose deterministic plans split nothing) the code below is the merge.
-  template <int kBatch, bool kDet, class Merged>
+  template <int kBatch, bool kDet, int kMaxLanes, class Merged>
   static __device__ __forceinline__ void merge_rows(const Params& p, const VariantParams& vp, int unit, int row0,
                                                     int nrows, Merged merged) {
+    static_assert(kMaxLanes >= 1 && kMaxLanes <= 32 && (kMaxLanes & (kMaxLanes - 1)) == 0, "lanes a unit: 2^k <= 32");
     const int32_t* mi = p.plan + p.merge_indptr_offset;
     constexpr int kVecs = kHeadDim / 8;
-    for (int i = threadIdx.x; i < nrows * kHPC * kVecs; i += kThreads) {
-      const int r = i / (kHPC * kVecs);
+    const int units = nrows * kHPC * kVecs;
+    int lanes_log2 = 0;  // deterministic plans fold states in order: one lane a unit
+    if (!(kDet && p.deterministic))
+      while ((1 << lanes_log2) < kMaxLanes && (units << (lanes_log2 + 1)) <= kThreads) ++lanes_log2;
+    const int lanes = 1 << lanes_log2;
+    for (int i = threadIdx.x; i < units * lanes; i += kThreads) {
+      const int u = i >> lanes_log2, lane = i & (lanes - 1);  // a unit's lanes: neighbours in one warp
+      const int r = u / (kHPC * kVecs);
       if (!merged(r)) continue;
       const int q_row = row0 + r;
       const int j0 = __ldcg(mi + q_row), j1 = __ldcg(mi + q_row + 1);
-      const int h = (i / kVecs) % kHPC, d0 = (i % kVecs) * 8;
+      const int h = (u / kVecs) % kHPC, d0 = (u % kVecs) * 8;
       const int qo_head = unit * kHPC + h;
       if constexpr (kDet) {
         if (p.deterministic) {  // the states kBatch at a time (one L2 round trip), added one by one
@@ -878,7 +889,7 @@ struct Epilogue {
       }
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       float mx = -INFINITY, den = 0.f;
-      for (int jb = j0; jb < j1; jb += kBatch) {
+      for (int jb = j0 + lane * kBatch; jb < j1; jb += lanes * kBatch) {
         float l[kBatch];
         float4 u[kBatch], v[kBatch];
 #pragma unroll
@@ -916,6 +927,30 @@ struct Epilogue {
           if (wgt[k] == 0.f) continue;  // an empty state's O is never used (nor one past the end)
           acc[0] += wgt[k] * u[k].x; acc[1] += wgt[k] * u[k].y; acc[2] += wgt[k] * u[k].z; acc[3] += wgt[k] * u[k].w;
           acc[4] += wgt[k] * v[k].x; acc[5] += wgt[k] * v[k].y; acc[6] += wgt[k] * v[k].z; acc[7] += wgt[k] * v[k].w;
+        }
+      }
+      if constexpr (kMaxLanes > 1) {
+        if (lanes > 1) {  // the unit's lanes (all in this branch: they share r) combine their states
+          const unsigned group = (lanes == 32 ? ~0u : (1u << lanes) - 1) << ((threadIdx.x & 31) & ~(lanes - 1));
+          for (int o = 1; o < lanes; o <<= 1) {
+            const float omx = __shfl_xor_sync(group, mx, o), oden = __shfl_xor_sync(group, den, o);
+            float oacc[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) oacc[e] = __shfl_xor_sync(group, acc[e], o);
+            if constexpr (Variant::kUseSoftmax) {
+              const float m = fmaxf(mx, omx);
+              if (m == -INFINITY) continue;  // both empty
+              const float a = __expf(mx - m), b = __expf(omx - m);  // 0 for an empty side
+              den = den * a + oden * b;
+#pragma unroll
+              for (int e = 0; e < 8; ++e) acc[e] = acc[e] * a + oacc[e] * b;
+              mx = m;
+            } else {
+#pragma unroll
+              for (int e = 0; e < 8; ++e) acc[e] += oacc[e];
+            }
+          }
+          if (lane != 0) continue;
         }
       }
       if constexpr (Variant::kUseSoftmax) {
