@@ -842,6 +842,65 @@ struct Epilogue {
 
   // kDet: the kernel may run deterministic plans (p.deterministic): their split rows merge by det_add. Without
   // it (normal decode modules; prefill, whose deterministic plans split nothing) the code below is the merge.
+  // The states jfirst, jfirst + jstep, ... (< j1) of one (row, head, 8 dims) unit, kBatch at a time, merged online
+  // into (mx, den, acc) (empty: -inf, 0, 0).
+  template <int kBatch>
+  static __device__ __forceinline__ void merge_states(const Params& p, int qo_head, int d0, int jfirst, int jstep,
+                                                      int j1, float (&acc)[8], float& mx, float& den) {
+    for (int jb = jfirst; jb < j1; jb += jstep) {
+      float l[kBatch];
+      float4 u[kBatch], v[kBatch];
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        const int j = min(jb + k, j1 - 1);  // past the end: reload the last state (weight 0 below)
+        const int64_t at = (int64_t)j * p.num_qo_heads + qo_head;
+        l[k] = Variant::kUseSoftmax ? __ldcg(p.partial_lse + at) : 0.f;
+        const float4* src = reinterpret_cast<const float4*>(p.partial_o + at * kHeadDim + d0);
+        u[k] = __ldcg(src);
+        v[k] = __ldcg(src + 1);
+      }
+      float wgt[kBatch];
+      if constexpr (Variant::kUseSoftmax) {
+        float bm = mx;
+#pragma unroll
+        for (int k = 0; k < kBatch; ++k)
+          if (jb + k < j1) bm = fmaxf(bm, l[k]);
+        if (bm == -INFINITY) continue;  // every state so far is empty
+        const float rescale = __expf(mx - bm);  // 0 while mx is -inf
+        den *= rescale;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] *= rescale;
+        mx = bm;
+#pragma unroll
+        for (int k = 0; k < kBatch; ++k) {
+          wgt[k] = (jb + k < j1 && l[k] != -INFINITY) ? __expf(l[k] - bm) : 0.f;
+          den += wgt[k];
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < kBatch; ++k) wgt[k] = jb + k < j1 ? 1.f : 0.f;
+      }
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        if (wgt[k] == 0.f) continue;  // an empty state's O is never used (nor one past the end)
+        acc[0] += wgt[k] * u[k].x; acc[1] += wgt[k] * u[k].y; acc[2] += wgt[k] * u[k].z; acc[3] += wgt[k] * u[k].w;
+        acc[4] += wgt[k] * v[k].x; acc[5] += wgt[k] * v[k].y; acc[6] += wgt[k] * v[k].z; acc[7] += wgt[k] * v[k].w;
+      }
+    }
+  }
+  // A merged unit's output (and LSE) from its online state.
+  static __device__ __forceinline__ void merge_store(const Params& p, const VariantParams& vp, int q_row, int qo_head,
+                                                     int d0, float (&acc)[8], float mx, float den) {
+    if constexpr (Variant::kUseSoftmax) {
+      const float inv = den > 0.f ? 1.f / den : 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] *= inv;
+      if (p.lse != nullptr && d0 == 0)
+        p.lse[(int64_t)q_row * p.lse_stride_row + qo_head] = den > 0.f ? mx + logf(den) : -INFINITY;
+    }
+    store_out(p, vp, q_row, qo_head, d0, acc);
+  }
+
   template <int kBatch, bool kDet, int kMaxLanes, class Merged>
   static __device__ __forceinline__ void merge_rows(const Params& p, const VariantParams& vp, int unit, int row0,
                                                     int nrows, Merged merged) {
@@ -849,17 +908,53 @@ struct Epilogue {
     const int32_t* mi = p.plan + p.merge_indptr_offset;
     constexpr int kVecs = kHeadDim / 8;
     const int units = nrows * kHPC * kVecs;
-    int lanes_log2 = 0;  // deterministic plans fold states in order: one lane a unit
-    if (!(kDet && p.deterministic))
-      while ((1 << lanes_log2) < kMaxLanes && (units << (lanes_log2 + 1)) <= kThreads) ++lanes_log2;
-    const int lanes = 1 << lanes_log2;
-    for (int i = threadIdx.x; i < units * lanes; i += kThreads) {
-      const int u = i >> lanes_log2, lane = i & (lanes - 1);  // a unit's lanes: neighbours in one warp
-      const int r = u / (kHPC * kVecs);
+    if constexpr (kMaxLanes > 1) {
+      int lanes_log2 = 0;  // deterministic plans fold states in order: one lane a unit
+      if (!(kDet && p.deterministic))
+        while ((1 << lanes_log2) < kMaxLanes && (units << (lanes_log2 + 1)) <= kThreads) ++lanes_log2;
+      if (lanes_log2 > 0) {
+        // One pass (units x lanes <= kThreads) in which every thread of every warp reaches the shuffles, so their
+        // mask is the full warp's (a group's own mask makes ptxas add its slow collective path).
+        const int lanes = 1 << lanes_log2;
+        const int u = threadIdx.x >> lanes_log2, lane = threadIdx.x & (lanes - 1);
+        const int r = u / (kHPC * kVecs);
+        const bool live = u < units && merged(r);
+        const int q_row = row0 + r;
+        const int h = (u / kVecs) % kHPC, d0 = (u % kVecs) * 8;
+        const int qo_head = unit * kHPC + h;
+        float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        float mx = -INFINITY, den = 0.f;
+        if (live) {
+          const int j0 = __ldcg(mi + q_row), j1 = __ldcg(mi + q_row + 1);
+          merge_states<kBatch>(p, qo_head, d0, j0 + lane * kBatch, lanes * kBatch, j1, acc, mx, den);
+        }
+        for (int o = 1; o < lanes; o <<= 1) {  // a unit's lanes are neighbours: xor partners within it
+          const float omx = __shfl_xor_sync(0xffffffffu, mx, o), oden = __shfl_xor_sync(0xffffffffu, den, o);
+          float oacc[8];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) oacc[e] = __shfl_xor_sync(0xffffffffu, acc[e], o);
+          if constexpr (Variant::kUseSoftmax) {
+            const float m = fmaxf(mx, omx);
+            const float a = m == -INFINITY ? 0.f : __expf(mx - m), b = m == -INFINITY ? 0.f : __expf(omx - m);
+            den = den * a + oden * b;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[e] = acc[e] * a + oacc[e] * b;
+            mx = m;
+          } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[e] += oacc[e];
+          }
+        }
+        if (live && lane == 0) merge_store(p, vp, q_row, qo_head, d0, acc, mx, den);
+        return;
+      }
+    }
+    for (int i = threadIdx.x; i < units; i += kThreads) {
+      const int r = i / (kHPC * kVecs);
       if (!merged(r)) continue;
       const int q_row = row0 + r;
       const int j0 = __ldcg(mi + q_row), j1 = __ldcg(mi + q_row + 1);
-      const int h = (u / kVecs) % kHPC, d0 = (u % kVecs) * 8;
+      const int h = (i / kVecs) % kHPC, d0 = (i % kVecs) * 8;
       const int qo_head = unit * kHPC + h;
       if constexpr (kDet) {
         if (p.deterministic) {  // the states kBatch at a time (one L2 round trip), added one by one
@@ -889,78 +984,8 @@ struct Epilogue {
       }
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       float mx = -INFINITY, den = 0.f;
-      for (int jb = j0 + lane * kBatch; jb < j1; jb += lanes * kBatch) {
-        float l[kBatch];
-        float4 u[kBatch], v[kBatch];
-#pragma unroll
-        for (int k = 0; k < kBatch; ++k) {
-          const int j = min(jb + k, j1 - 1);  // past the end: reload the last state (weight 0 below)
-          const int64_t at = (int64_t)j * p.num_qo_heads + qo_head;
-          l[k] = Variant::kUseSoftmax ? __ldcg(p.partial_lse + at) : 0.f;
-          const float4* src = reinterpret_cast<const float4*>(p.partial_o + at * kHeadDim + d0);
-          u[k] = __ldcg(src);
-          v[k] = __ldcg(src + 1);
-        }
-        float wgt[kBatch];
-        if constexpr (Variant::kUseSoftmax) {
-          float bm = mx;
-#pragma unroll
-          for (int k = 0; k < kBatch; ++k)
-            if (jb + k < j1) bm = fmaxf(bm, l[k]);
-          if (bm == -INFINITY) continue;  // every state so far is empty
-          const float rescale = __expf(mx - bm);  // 0 while mx is -inf
-          den *= rescale;
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[e] *= rescale;
-          mx = bm;
-#pragma unroll
-          for (int k = 0; k < kBatch; ++k) {
-            wgt[k] = (jb + k < j1 && l[k] != -INFINITY) ? __expf(l[k] - bm) : 0.f;
-            den += wgt[k];
-          }
-        } else {
-#pragma unroll
-          for (int k = 0; k < kBatch; ++k) wgt[k] = jb + k < j1 ? 1.f : 0.f;
-        }
-#pragma unroll
-        for (int k = 0; k < kBatch; ++k) {
-          if (wgt[k] == 0.f) continue;  // an empty state's O is never used (nor one past the end)
-          acc[0] += wgt[k] * u[k].x; acc[1] += wgt[k] * u[k].y; acc[2] += wgt[k] * u[k].z; acc[3] += wgt[k] * u[k].w;
-          acc[4] += wgt[k] * v[k].x; acc[5] += wgt[k] * v[k].y; acc[6] += wgt[k] * v[k].z; acc[7] += wgt[k] * v[k].w;
-        }
-      }
-      if constexpr (kMaxLanes > 1) {
-        if (lanes > 1) {  // the unit's lanes (all in this branch: they share r) combine their states
-          const unsigned group = (lanes == 32 ? ~0u : (1u << lanes) - 1) << ((threadIdx.x & 31) & ~(lanes - 1));
-          for (int o = 1; o < lanes; o <<= 1) {
-            const float omx = __shfl_xor_sync(group, mx, o), oden = __shfl_xor_sync(group, den, o);
-            float oacc[8];
-#pragma unroll
-            for (int e = 0; e < 8; ++e) oacc[e] = __shfl_xor_sync(group, acc[e], o);
-            if constexpr (Variant::kUseSoftmax) {
-              const float m = fmaxf(mx, omx);
-              if (m == -INFINITY) continue;  // both empty
-              const float a = __expf(mx - m), b = __expf(omx - m);  // 0 for an empty side
-              den = den * a + oden * b;
-#pragma unroll
-              for (int e = 0; e < 8; ++e) acc[e] = acc[e] * a + oacc[e] * b;
-              mx = m;
-            } else {
-#pragma unroll
-              for (int e = 0; e < 8; ++e) acc[e] += oacc[e];
-            }
-          }
-          if (lane != 0) continue;
-        }
-      }
-      if constexpr (Variant::kUseSoftmax) {
-        const float inv = den > 0.f ? 1.f / den : 0.f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] *= inv;
-        if (p.lse != nullptr && d0 == 0)
-          p.lse[(int64_t)q_row * p.lse_stride_row + qo_head] = den > 0.f ? mx + logf(den) : -INFINITY;
-      }
-      store_out(p, vp, q_row, qo_head, d0, acc);
+      merge_states<kBatch>(p, qo_head, d0, j0, kBatch, j1, acc, mx, den);
+      merge_store(p, vp, q_row, qo_head, d0, acc, mx, den);
     }
   }
 };
