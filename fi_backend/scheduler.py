@@ -81,14 +81,17 @@ DEFAULT_MIN_KV_CHUNK = 128
 # chunk floor of the longest KV / this (at least DEFAULT_MIN_KV_CHUNK): the merge of a row's partial states (by the
 # CTA that completes it) grows with their count (measured: docs/decode.md).
 DECODE_MAX_CHUNKS = 32
+# ... that floor kept within these bounds: chunks under 256 tokens cost more than the parallelism they add, and past
+# 512 a longer KV runs faster in more chunks (1 x 32k in 64 chunks of 512, not 32 of 1024; docs/decode.md).
+DECODE_FEW_PAIRS_CHUNK = (256, 512)
 
 
 def decode_min_kv_chunk(pairs: int, num_ctas: int, max_kv_len: int) -> int:
     """The decode planner's shortest split for a step of `pairs` (request, unit) pairs on num_ctas CTAs whose longest
-    request has max_kv_len KV tokens: DEFAULT_MIN_KV_CHUNK, or max_kv_len / DECODE_MAX_CHUNKS where the grid could
-    cut every pair into more than DECODE_MAX_CHUNKS chunks."""
+    request has max_kv_len KV tokens: DEFAULT_MIN_KV_CHUNK, or max_kv_len / DECODE_MAX_CHUNKS within
+    DECODE_FEW_PAIRS_CHUNK where the grid could cut every pair into more than DECODE_MAX_CHUNKS chunks."""
     if 0 < pairs * DECODE_MAX_CHUNKS < num_ctas:
-        return max(DEFAULT_MIN_KV_CHUNK, -(-max_kv_len // DECODE_MAX_CHUNKS))
+        return max(DECODE_FEW_PAIRS_CHUNK[0], min(DECODE_FEW_PAIRS_CHUNK[1], -(-max_kv_len // DECODE_MAX_CHUNKS)))
     return DEFAULT_MIN_KV_CHUNK
 # Deterministic plans (plan_into's deterministic_pieces): at most this many pieces per request, none
 # shorter than DETERMINISTIC_MIN_CHUNK tokens (the normal plan's floor): one request alone then spreads over

@@ -928,6 +928,7 @@ struct Epilogue {
           const int j0 = __ldcg(mi + q_row), j1 = __ldcg(mi + q_row + 1);
           merge_states<kBatch>(p, qo_head, d0, j0 + lane * kBatch, lanes * kBatch, j1, acc, mx, den);
         }
+        __syncwarp();  // lanes that ran fewer batches wait here, so the shuffles find the warp converged
         for (int o = 1; o < lanes; o <<= 1) {  // a unit's lanes are neighbours: xor partners within it
           const float omx = __shfl_xor_sync(0xffffffffu, mx, o), oden = __shfl_xor_sync(0xffffffffu, den, o);
           float oacc[8];
