@@ -202,7 +202,7 @@ def _fa3_blockers(variant: Optional[Variant], head_dim: int, kv_bytes: int, shap
     softmax and without per-element hooks (ALiBi, LogitsTransform, LogitsMask); with ping-pong (fa3 2) two
     consumer warpgroups."""
     why = []
-    if fa3 >= 2 and shape["warps"] != 8:
+    if fa3 == 2 and shape["warps"] != 8:
         why.append("warps=8 (ping-pong: two consumer warpgroups)")
     if not shape.get("producer"):
         why.append("producer=1")
@@ -326,8 +326,7 @@ def _prefill_smem_bytes(head_dim: int, kv_bytes: int, shape: dict, q_buffers: in
     tile_rows = 16 * shape["mfrags"] * shape["warps"]
     row_offsets = 2 * shape["tile"] * 8  # the loader's published row offsets, two tiles
     # full / empty mbarriers per stage, qempty per query buffer; the producer's TMA votes (two tiles x 4 warps)
-    # (and fullv / emptyv per stage with K and V on barriers of their own: tuning fa3=3)
-    barriers = 16 * shape["stages"] * (2 if shape.get("kvsplit") else 1) + 8 * q_buffers + 32 if shape.get("producer") else 0
+    barriers = 16 * shape["stages"] + 8 * q_buffers + 32 if shape.get("producer") else 0
     flags = (tile_rows // 8 + 15) // 16 * 16  # a bit a row
     # the bias MMA's A blocks (128 bytes a warpgroup), zeros and columns (16 bytes a token of a step); the
     # row-sum MMA's ones

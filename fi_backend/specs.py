@@ -63,8 +63,7 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     _prefill_q_buffers's choice), min_blocks (CTAs per SM the register budget is cut for; default 1: the
     kernel's own need) and fa3 (1: FlashAttention-3's consumer loop, prefill::Config::kOverlap; with producer=1,
     one fragment, a step per tile, three stages or more; row sums by FADD; 2: the same with its two consumer
-    warpgroups' ping-pong, kPingPong; shapes.PREFILL_FA3_TUNINGS; 3: and K and V on barriers of their own,
-    kSplitKv, an experiment). The softmax's row sums go by MMA wherever there are warpgroup MMAs
+    warpgroups' ping-pong, kPingPong; shapes.PREFILL_FA3_TUNINGS). The softmax's row sums go by MMA wherever there are warpgroup MMAs
     (prefill::Config::kRowSumMma) and a variant's ALiBi wherever _bias_mma_possible (kBiasMma)."""
     _check_head_dim(head_dim, variant)
     kv_bytes = _kv_bytes(kv_dtype)
@@ -80,9 +79,8 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
     min_blocks = int(tuning.pop("min_blocks", 1))
     q_buffers = tuning.pop("q_buffers", None)
     fa3 = int(tuning.pop("fa3", 0))
-    if fa3 not in (0, 1, 2, 3):
-        raise ValueError(f"tuning fa3 must be 0, 1 (FlashAttention-3's consumer loop), 2 (with ping-pong) or 3 (and K "
-                         f"and V on barriers of their own); got {fa3}")
+    if fa3 not in (0, 1, 2):
+        raise ValueError(f"tuning fa3 must be 0, 1 (FlashAttention-3's consumer loop) or 2 (with ping-pong); got {fa3}")
     shape.update(tuning)
     if shape["wgmma"] and not prefill_uses_wgmma():
         raise ValueError("tuning wgmma=1 needs modules built for sm_90a only: set FI_BACKEND_CUDA_ARCH_LIST=90a, or "
@@ -104,8 +102,6 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
         raise ValueError(f"tuning producer=1 (warp-specialised prefill) needs {', '.join(why)}; shape {shape}")
     shape["rowsum"] = int(shape["wgmma"] and not fa3)  # by MMA wherever there are warpgroup MMAs (fa3: FADD)
     shape["bias"] = int(_bias_mma_possible(variant, shape, shape["hpc"]) and not fa3)
-    if fa3 == 3:
-        shape["kvsplit"] = 1  # K and V on barriers of their own (prefill::Config::kSplitKv): two more per stage
     smem = _prefill_smem_bytes(head_dim, kv_bytes, shape)
     if smem > SMEM_PER_CTA:
         raise ValueError(f"prefill kernel shape {shape} for head_dim {head_dim} needs {smem} bytes of shared "
@@ -132,13 +128,12 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
                         "true" if shape["wgmma"] else "false", str(q_buffers),
                         "true" if shape["producer"] else "false",
                         "true" if shape["rowsum"] else "false", "true" if shape["bias"] else "false"]
-                       + (["true"] if fa3 else []) + (["true"] if fa3 >= 2 else []) + (["true"] if fa3 == 3 else []))
+                       + (["true"] if fa3 else []) + (["true"] if fa3 == 2 else []))
     tag = f"{variant.name}_{q_dtype}_{kv_dtype}_d{head_dim}_h{shape['hpc']}"
     if shape != default_shape:  # a tuning equal to the largest member is that member's module
         tag += ("_w{warps}m{mfrags}t{tile}s{stages}k{step}".format(**shape) + ("_wg" if shape["wgmma"] else "")
                 + ("_p" if shape["producer"] else "") + ("_rs" if shape["rowsum"] else "")
-                + ("_ab" if shape["bias"] else "") + ("_fa3" if fa3 else "") + ("pp" if fa3 >= 2 else "")
-                + ("kv" if fa3 == 3 else ""))
+                + ("_ab" if shape["bias"] else "") + ("_fa3" if fa3 else "") + ("pp" if fa3 == 2 else ""))
     if q_buffers != chosen:
         tag += f"_q{q_buffers}"
     if min_blocks != 1:

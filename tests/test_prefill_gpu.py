@@ -355,16 +355,6 @@ def test_fa3_member_no_pingpong(D, group, page, consecutive):
     _fa3_cases(attn, torch.bfloat16, consecutive, f"fa3=1 D={D} group={group} page={page} consecutive={consecutive}")
 
 
-# K and V on barriers of their own (fa3=3, prefill::Config::kSplitKv, an experiment): a tile's K half released after
-# its QK^T, its V half after its P.V; gathered V (page 16 in random order) waits for its own barrier, boxed V (pages in
-# order) arrives by TMA, both in one request ("runs"); skipped causal tiles release a V no P.V reads.
-@pytest.mark.parametrize("D,group,page,consecutive", [(128, 4, 16, False), (128, 7, 1, "runs"), (64, 1, 1, True)])
-def test_fa3_member_split_kv(D, group, page, consecutive):
-    Hkv = 2
-    attn = prefill(Hkv * group, Hkv, D, page_size=page, tuning={**PREFILL_FA3_TUNINGS[D], "fa3": 3})
-    _fa3_cases(attn, torch.bfloat16, consecutive, f"fa3=3 D={D} group={group} page={page} consecutive={consecutive}")
-
-
 def _fa3_cases(attn, dtype, consecutive, what):
     for q_lens, kv_lens in (([1000, 17, 128, 3, 300, 129], [1000, 1017, 128, 3, 16000, 255]),
                             ([1, 127, 129, 255], [4097, 127, 129, 511])):

@@ -388,10 +388,7 @@ def test_fa3_member_specs(monkeypatch):
     with pytest.raises(ValueError, match="fa3=2 takes q_buffers 1 or 2"):
         W.prefill_spec(V.DEFAULT, 64, "bf16", "bf16", 1, tuning={**t64, "q_buffers": 3})
     with pytest.raises(ValueError, match="fa3 must be 0, 1"):
-        W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**t128, "fa3": 4})
-    # fa3=3: K and V on barriers of their own (kSplitKv after kPingPong), two more barriers a stage
-    kv = W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**t128, "fa3": 3})
-    assert cfg(kv)[-7:] == ["1", "true", "false", "false", "true", "true", "true"] and kv.tag.endswith("_fa3ppkv")
+        W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning={**t128, "fa3": 3})
     # head sizes 80 and 96 (P.V as a 64-column MMA and a 16- or 32-column one); 256 is refused by name
     assert W.prefill_spec(V.DEFAULT, 96, "bf16", "bf16", 1, tuning=W.PREFILL_FA3_TUNINGS[96]).tag.endswith("_fa3pp")
     with pytest.raises(ValueError, match="fa3=2 .*head_dim 64, 80, 96 or 128"):

@@ -74,8 +74,7 @@ using namespace attn;  // Params, Work, TileRecord, Loader, Epilogue (shared.cuh
 
 template <int kHeadDim_, int kHeadsPerChunk_, class DQ_, class DKV_, int kWarps_, int kMFrags_, int kTileKv_,
           int kStages_, int kStepKv_, bool kWgmma_ = false, int kQBuffers_ = 1, bool kProducer_ = false,
-          bool kRowSumMma_ = false, bool kBiasMma_ = false, bool kOverlap_ = false, bool kPingPong_ = false,
-          bool kSplitKv_ = false>
+          bool kRowSumMma_ = false, bool kBiasMma_ = false, bool kOverlap_ = false, bool kPingPong_ = false>
 struct Config {
   using DQ = DQ_;
   using DKV = DKV_;
@@ -116,11 +115,6 @@ struct Config {
   // MMAs hold the tensor cores.
   static constexpr bool kPingPong = kPingPong_;
   static constexpr int kSchedBar = 4;
-  // ... and K and V of a stage on barriers of their own (full / empty for K, the record and the query tile;
-  // fullv / emptyv for V): a tile's K half is free once its QK^T has been read, not held with its V through
-  // the next tile's P.V, so the producer runs about two tiles ahead instead of one (FlashAttention-3's K and V
-  // pipelines, in the same stages).
-  static constexpr bool kSplitKv = kSplitKv_;
   static constexpr int kLoaderThreads = kProducer ? 128 : kThreads;
   static constexpr int kLoaderThread0 = kProducer ? kThreads : 0;
   // Registers a thread (multiples of 8). The CTA's pool is what it launched with (64K / threads a thread,
@@ -205,8 +199,8 @@ struct Config {
   static constexpr int kRowOffsetsAt = kRecordsAt + kStages * (int)sizeof(TileRecord);
   // After the loader's row offsets (shared.cuh) and, warp-specialised, its TMA votes (two tiles x 4 warps).
   static constexpr int kBarriersAt = kRowOffsetsAt + 2 * kTile * 8 + (kProducer ? 32 : 0);
-  // full[kStages], empty[kStages], qempty[kQBuffers] mbarriers; with kSplitKv then fullv[kStages], emptyv[kStages]
-  static constexpr int kSmemBytes = kBarriersAt + (kProducer ? 16 * kStages * (kSplitKv ? 2 : 1) + 8 * kQBuffers : 0);
+  // full[kStages], empty[kStages], qempty[kQBuffers] mbarriers
+  static constexpr int kSmemBytes = kBarriersAt + (kProducer ? 16 * kStages + 8 * kQBuffers : 0);
   // Named barriers: 8 the compute side's, 9 the producer's; bias_setup's kBiasBar + warpgroup.
   static constexpr int kBiasBar = 10 + kWarps / 4;
   static_assert(sizeof(TileRecord) % 8 == 0 && kRecordsAt % 16 == 0, "tile records, row offsets: 8-byte aligned");
@@ -230,7 +224,6 @@ struct Config {
                               !kBiasMma && kHeadDim % 16 == 0),
                 "overlapped consumers: producer, one fragment, a step per tile, three stages, row sums by FADD");
   static_assert(!kPingPong || (kOverlap && kWarps == 8), "ping-pong: the overlapped loop's two consumer warpgroups");
-  static_assert(!kSplitKv || kOverlap, "K and V on barriers of their own: the overlapped loop");
   static_assert(!kWgmma || (kWarps % 4 == 0 && (kStep == 32 || kStep == 64 || kStep == 128 || kStep == 256)),
                 "wgmma: whole warpgroups, a compute step of 32, 64, 128 or 256 tokens (the MMA's n)");
 
@@ -901,11 +894,8 @@ struct Kernel {
   // its V is read, so the producer runs with kStages - 2 tiles ahead. The producer copies each sub-item's query
   // tile (Cfg::kQCopy); a warp releases its buffer after its last QK^T of the sub-item, so with one buffer (head
   // size 128) the next query tile lands while the last softmax, P.V and epilogue run.
-  // With K and V on barriers of their own (Cfg::kSplitKv), a tile's K half is released at the end of its step and
-  // its V half once its P.V has been waited for; a P.V first waits for its V (fullv) before the turn.
   static __device__ __forceinline__ void consume_overlap(const Params& p, const VariantParams& vp, uint8_t* smem,
-                                                         uint32_t full, uint32_t empty, uint32_t qempty,
-                                                         uint32_t fullv = 0, uint32_t emptyv = 0) {
+                                                         uint32_t full, uint32_t empty, uint32_t qempty) {
     static_assert(kMF == 1 && !kRowSum && !kBias && Variant::kUseSoftmax && !Variant::kHasLogitsMask &&
                       !Variant::kMaskIsKvRange,
                   "overlapped consumers: one fragment, softmax, row sums by FADD, no bias MMA, no LogitsMask");
@@ -922,14 +912,6 @@ struct Kernel {
     bool q_held = false;  // the sub-item's query buffer, until this warp's last QK^T of it has been waited for
     int held = 0;     // the pending tile's stage
     uint32_t vs_held = 0;
-    int held_parity = 0;        // kSplitKv: the pending tile's phase, and whether threads copied its V
-    bool held_copied = false;
-    constexpr bool kSplit = Cfg::kSplitKv;
-    // kSplitKv: tile t's V (stage st, phase ph) has landed, and the tensor cores see it
-    auto wait_v = [&](int st, int ph, bool copied) {
-      ptx::mbar_wait(fullv + 8 * st, ph);
-      if (copied) wgmma::fence_proxy_async();
-    };
     constexpr int kUnitRows = Cfg::kUnitRows;
     const int first_pr = kUnitRows * unit;
     if (unit == 1) turn_end(1);  // warpgroup 0 takes the first turn
@@ -980,7 +962,6 @@ struct Kernel {
       const bool q_release = L::kQCopy && q_held && q_last;
       const uint32_t qbar = qempty + 8 * qslot;
       q_held = q_held && !q_last;
-      if (kSplit && pending) wait_v(held, held_parity, held_copied);  // the pending P.V's V, before any wgmma
       // Three exclusive cases, each with its own wgmmas, all waited for inside it (a first active tile
       // followed by a separate flush on the same path made ptxas serialise every wgmma, C7518). Ping-pong: a
       // warpgroup's turn (turn_begin .. turn_end) is one a tile in every case, so the two take turns in step.
@@ -1002,17 +983,13 @@ struct Kernel {
         wgmma::wait<0>();
         fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o[0]));
         fence_regs(pa);  // P.V's A registers stay P's to the wait: no softmax temporary reuses them
-        release(kSplit ? emptyv + 8 * held : empty + 8 * held);
+        release(empty + 8 * held);
         pack_p(s, pa);
         held = sj;
         vs_held = vs;
-        held_parity = parity;
-        held_copied = (flags & kCopied) != 0;
         if (last) {  // the sub-item's last P.V
           if (rescale) rescale_o(o[0], alpha);
-          if (kSplit) wait_v(sj, parity, held_copied);
           pv_now(vs, pa, o[0]);
-          if (kSplit) release(emptyv + 8 * sj);
           pending = false;
         }
       } else if (active) {  // a sub-item's first active tile: S and its softmax alone (P.V with the next)
@@ -1026,15 +1003,11 @@ struct Kernel {
         softmax_deferred(p, vp, w, tile_begin, n_valid, kv_head, masked, s, m_run[0], d_run[0], alpha, rescale);
         pack_p(s, pa);
         if (last) {  // and its last: the P.V now (O is zero: no rescale)
-          if (kSplit) wait_v(sj, parity, (flags & kCopied) != 0);
           pv_now(vs, pa, o[0]);
-          if (kSplit) release(emptyv + 8 * sj);
         } else {
           pending = true;
           held = sj;
           vs_held = vs;
-          held_parity = parity;
-          held_copied = (flags & kCopied) != 0;
         }
       } else if (pending) {  // a skipped tile ends the sub-item's active ones: the pending P.V
         if (rescale) rescale_o(o[0], alpha);
@@ -1043,20 +1016,16 @@ struct Kernel {
         turn_end(unit);
         wgmma::wait<0>();
         fence_regs(reinterpret_cast<float(&)[kDTiles * 4]>(o[0]));
-        release(kSplit ? emptyv + 8 * held : empty + 8 * held);
+        release(empty + 8 * held);
         pending = false;
       } else {
         turn_end(unit);
       }
       if (!active) release_if(qbar, q_release);
-      if (kSplit && !active) {  // a V no P.V reads: released once landed (a copy still in flight must not race the next)
-        wait_v(sj, parity, false);
-        release(emptyv + 8 * sj);
-      }
       if (last) {  // the record is read by finish: release after it
         finish(p, vp, w, m_run, d_run, o, merge_flags);
         release(empty + 8 * sj);
-      } else if (kSplit || !pending || held != sj) {  // (kSplitKv: K is never held)
+      } else if (!pending || held != sj) {
         release(empty + 8 * sj);
       }
       if (++sj == kStages) {
@@ -1111,7 +1080,7 @@ struct Kernel {
     Cursor cur;
     int page[L::kLookups], slot[L::kLookups];
     const uint32_t full = ptx::smem_u32(smem + Cfg::kBarriersAt), empty = full + 8 * kStages,
-                   qempty = empty + 8 * kStages, fullv = qempty + 8 * Cfg::kQBuffers, emptyv = fullv + 8 * kStages;
+                   qempty = empty + 8 * kStages;
     // The row-sum MMA's ones and the bias MMA's column indices (published by the first barrier below, or the
     // first tile's, into the async proxy).
     if constexpr (kRowSum || kBias) {
@@ -1136,22 +1105,16 @@ struct Kernel {
           ptx::mbar_init(empty + 8 * s, Cfg::kWarps);     // every compute warp
         }
         for (int b = 0; b < Cfg::kQBuffers; ++b) ptx::mbar_init(qempty + 8 * b, Cfg::kWarps);
-        if constexpr (Cfg::kSplitKv) {
-          for (int s = 0; s < kStages; ++s) {
-            ptx::mbar_init(fullv + 8 * s, L::kThreads + 1);
-            ptx::mbar_init(emptyv + 8 * s, Cfg::kWarps);
-          }
-        }
       }
       __syncthreads();
       if (threadIdx.x >= kThreads) {
         if constexpr (Cfg::kMoveRegs) ptx::setmaxnreg_dec<Cfg::kProducerRegs>();
-        L::produce(p, vp, smem, full, empty, qempty, tma, fullv, emptyv);
+        L::produce(p, vp, smem, full, empty, qempty, tma);
         return;
       }
       if constexpr (Cfg::kMoveRegs) ptx::setmaxnreg_inc<Cfg::kComputeRegs>();
       if constexpr (Cfg::kOverlap) {
-        consume_overlap(p, vp, smem, full, empty, qempty, fullv, emptyv);
+        consume_overlap(p, vp, smem, full, empty, qempty);
         return;
       }
     } else {

@@ -398,10 +398,9 @@ struct Loader {
 
   // Issue the cursor's tile, the CTA's tile number tile_no, into its stage (tile_no % kStages): record,
   // Q slot (first tile of a sub-item), K and V rows.
-  // gather = false: the K and V rows are not copied here (produce() issues them through TMA, or with K and V
-  // on barriers of their own, gathers them itself: copied = true marks the record kCopied).
+  // gather = false: the K and V rows are not copied here (produce() issues them through TMA).
   static __device__ __forceinline__ void issue(const Params& p, const VariantParams& vp, uint8_t* smem, int tile_no,
-                                               const Cursor& cur, bool gather = true, bool copied = false) {
+                                               const Cursor& cur, bool gather = true) {
     const int tid = Loader::tid();
     uint8_t* stage = smem + (tile_no % kStages) * Cfg::kStageBytes;
     TileRecord* rec = Cfg::record(smem, tile_no % kStages);
@@ -429,7 +428,7 @@ struct Loader {
       rec->tile_kv_begin = tile_begin;
       rec->n_valid = cur.w.kv_hi - tile_begin;
       rec->flags = (cur.tile == 0 ? kFirst : 0) | (cur.tile == cur.w.ntiles - 1 ? kLast : 0) |
-                   (gather || copied || (kQCopy && cur.tile == 0) ? kCopied : 0);
+                   (gather || (kQCopy && cur.tile == 0) ? kCopied : 0);
       rec->qslot = qslot;
     }
     if constexpr (kQCopy) {
@@ -482,14 +481,8 @@ struct Loader {
       }
     }
     }
-    if (gather) gather_rows<true, true>(p, smem, tile_no);
-  }
-
-  // The K and / or V rows of tile number tile_no from its published row offsets, into its stage.
-  template <bool kK, bool kV>
-  static __device__ __forceinline__ void gather_rows(const Params& p, uint8_t* smem, int tile_no) {
-    const int tid = Loader::tid();
-    const uint32_t ks = ptx::smem_u32(smem + (tile_no % kStages) * Cfg::kStageBytes), vs = ks + Cfg::kKvTileBytes;
+    if (!gather) return;
+    const uint32_t ks = ptx::smem_u32(stage), vs = ks + Cfg::kKvTileBytes;
     const int row_base = tid / Cfg::kChunksPerRow, chunk = tid % Cfg::kChunksPerRow;
     const char* kbase = static_cast<const char*>(p.k);
     const char* vbase = static_cast<const char*>(p.v);
@@ -502,8 +495,8 @@ struct Loader {
       const bool ok = row_off >= 0 && chunk < kLoadChunks;
       const int64_t off = ok ? row_off + chunk * 16 : 0;
       const uint32_t dst = Cfg::tile_offset(row, chunk);
-      if constexpr (kK) ptx::cp_async_16(ks + dst, kbase + off, ok);
-      if constexpr (kV) ptx::cp_async_16(vs + dst, vbase + off, ok);
+      ptx::cp_async_16(ks + dst, kbase + off, ok);
+      ptx::cp_async_16(vs + dst, vbase + off, ok);
     }
   }
 
@@ -590,11 +583,8 @@ struct Loader {
   // A sub-item stops voting at its first gathered tile: its later tiles are gathered without a vote (an
   // engine's scattered pages stay scattered; ragged KV fails only on its partial last tile), so a failed
   // vote is not paid on every tile.
-  // With K and V on barriers of their own (Cfg::kSplitKv: fullv / emptyv for V), a tile's K half (and its record
-  // and query tile) goes as soon as its K half is free, then its V half once that is free too.
   static __device__ __forceinline__ void produce(const Params& p, const VariantParams& vp, uint8_t* smem,
-                                                 uint32_t full, uint32_t empty, uint32_t qempty, const KvTma& tma,
-                                                 uint32_t fullv = 0, uint32_t emptyv = 0) {
+                                                 uint32_t full, uint32_t empty, uint32_t qempty, const KvTma& tma) {
     static_assert(kThreads == 128 && Cfg::kLoaderThread0 > 0, "a producer warpgroup after the compute warps");
     static_assert(!Cfg::kFp8, "TMA boxes: 64 16-bit elements (128 bytes) of a row");
     constexpr int kBarrierId = 9;  // the producer's own named barrier (the compute side's is 8)
@@ -632,55 +622,26 @@ struct Loader {
       const int token0 = vote ? tma_decide(smem, j) : INT32_MIN;
       const bool box = token0 != INT32_MIN;
       vote = box;
-      // The tile's K and / or V as kHeadDimPad / 64 boxes each, their bytes added to `bar` before this thread's
-      // arrival on it (so its phase cannot complete without them).
-      auto boxes = [&](uint32_t bar, bool k, bool v) {
+      auto boxes = [&]() {
+        const uint32_t bar = full + 8 * s;
         const uint32_t ks = ptx::smem_u32(smem + s * Cfg::kStageBytes), vs = ks + Cfg::kKvTileBytes;
         const int kv_head = kv_head_of(p, cur.w.unit);
-        ptx::mbar_expect_tx(bar, (k + v) * Cfg::kKvTileBytes);
+        ptx::mbar_expect_tx(bar, 2 * Cfg::kKvTileBytes);
 #pragma unroll
         for (int cb = 0; cb < Cfg::kHeadDimPad / 64; ++cb) {  // a box past the head's columns reads zeros
-          if (k) ptx::tma_load_3d(ks + cb * kTile * 128, &tma.k, 64 * cb, kv_head, token0, bar);
-          if (v) ptx::tma_load_3d(vs + cb * kTile * 128, &tma.v, 64 * cb, kv_head, token0, bar);
+          ptx::tma_load_3d(ks + cb * kTile * 128, &tma.k, 64 * cb, kv_head, token0, bar);
+          ptx::tma_load_3d(vs + cb * kTile * 128, &tma.v, 64 * cb, kv_head, token0, bar);
         }
       };
-      if constexpr (Cfg::kSplitKv) {
-        if (box && tid() == 0) boxes(full + 8 * s, true, false);
-        if (new_q) {
-          wait_q();
-          ptx::bar_sync(kBarrierId, kThreads);  // the waiter saw the buffer released
-        }
-        issue(p, vp, smem, j, cur, false, !box);  // the record, the query tile
-        if (!box && !cur.done) gather_rows<true, false>(p, smem, j);
-        ptx::cp_async_mbar_arrive(full + 8 * s);
-        if (tid() == 0) ptx::mbar_arrive(full + 8 * s);
-        if (cur.done) return;
-        // V: the waiter sees its half released (the V of tile j - kStages, read by that tile's P.V). Boxed, thread
-        // 0's one arrival stands for every loading thread's: the others must not arrive before that release, as
-        // the consumers may free tile j - kStages's K, and so let them on to tile j, before its V has landed.
-        if (waiter) ptx::mbar_wait(emptyv + 8 * s, ((j / kStages) & 1) ^ 1);
-        if (!box) {
-          ptx::bar_sync(kBarrierId, kThreads);
-          gather_rows<false, true>(p, smem, j);
-          ptx::cp_async_mbar_arrive(fullv + 8 * s);
-          if (tid() == 0) ptx::mbar_arrive(fullv + 8 * s);
-        } else if (tid() == 0) {
-          boxes(fullv + 8 * s, false, true);
-          ptx::mbar_arrive_count(fullv + 8 * s, kThreads + 1);
-        }
-        advance(p, vp, cur);
-        prefetch_pages(p, cur, page, slot);
-        continue;
-      }
       if (kBoxesFirst) {  // (the barrier's phase cannot complete before this thread's arrivals below)
-        if (box && tid() == 0) boxes(full + 8 * s, true, true);
+        if (box && tid() == 0) boxes();
         if (new_q) {
           wait_q();
           ptx::bar_sync(kBarrierId, kThreads);  // the waiter saw the buffer released
         }
       }
       issue(p, vp, smem, j, cur, !box);
-      if (!kBoxesFirst && box && tid() == 0) boxes(full + 8 * s, true, true);
+      if (!kBoxesFirst && box && tid() == 0) boxes();
       ptx::cp_async_mbar_arrive(full + 8 * s);
       if (tid() == 0) ptx::mbar_arrive(full + 8 * s);  // the record (ordinary stores): released here
       if (cur.done) return;
