@@ -874,8 +874,8 @@ struct Epilogue {
       if (!(kDet && p.deterministic))
         while ((1 << lanes_log2) < kMaxLanes && (units << (lanes_log2 + 1)) <= kThreads) ++lanes_log2;
       if (lanes_log2 > 0) {
-        // One pass (units x lanes <= kThreads) in which every thread of every warp reaches the shuffles, so their
-        // mask is the full warp's (a group's own mask makes ptxas add its slow collective path).
+        // One pass (units x lanes <= kThreads) in which every thread of every warp reaches the shuffles with the full
+        // warp's mask (under a group's own mask, lanes that left the state loop apart took ptxas's slow collective path).
         const int lanes = 1 << lanes_log2;
         const int u = threadIdx.x >> lanes_log2, lane = threadIdx.x & (lanes - 1);
         const int r = u / (kHPC * kVecs);
