@@ -81,8 +81,8 @@ DEFAULT_MIN_KV_CHUNK = 128
 # chunk floor of the longest KV / this (at least DEFAULT_MIN_KV_CHUNK): the merge of a row's partial states (by the
 # CTA that completes it) grows with their count (measured: docs/decode.md).
 DECODE_MAX_CHUNKS = 32
-# ... that floor kept within these bounds: chunks under 256 tokens cost more than the parallelism they add, and past
-# 512 a longer KV runs faster in more chunks (1 x 32k in 64 chunks of 512, not 32 of 1024; docs/decode.md).
+# ... that floor kept within these bounds: 1 x 8192 and 2 x 4096 ran faster in chunks of 256 than of 128 (1 x 4096
+# mixed), and 1 x 32k faster in 64 chunks of 512 than in 32 of 1024 (docs/decode.md).
 DECODE_FEW_PAIRS_CHUNK = (256, 512)
 
 
