@@ -1290,3 +1290,18 @@ def test_plan_cost_q_default_and_override(monkeypatch):
         monkeypatch.setenv("FI_BACKEND_PLAN_DECODE_COST_Q", bad)
         with pytest.raises(ValueError, match="FI_BACKEND_PLAN_DECODE_COST_Q must be a number"):
             plan_cost_q("decode", 64, 2)
+
+
+def test_decode_min_kv_chunk_few_pairs():
+    """A decode step whose (request, unit) pairs the grid could cut into more than DECODE_MAX_CHUNKS chunks each takes
+    a floor of its longest KV / DECODE_MAX_CHUNKS, kept within DECODE_FEW_PAIRS_CHUNK; other steps the default."""
+    decode_min_kv_chunk, DEFAULT_MIN_KV_CHUNK = S.decode_min_kv_chunk, S.DEFAULT_MIN_KV_CHUNK
+    lo, hi = S.DECODE_FEW_PAIRS_CHUNK
+    assert (lo, hi) == (256, 512) and S.DECODE_MAX_CHUNKS == 32
+    assert decode_min_kv_chunk(2, 128, 4096) == lo          # 4096 / 32 = 128, raised to the floor's lower bound
+    assert decode_min_kv_chunk(2, 128, 8192) == 256
+    assert decode_min_kv_chunk(2, 128, 12000) == 375        # ceil(12000 / 32)
+    assert decode_min_kv_chunk(2, 128, 32768) == hi         # 1024, capped: 64 chunks of 512
+    assert decode_min_kv_chunk(4, 132, 4096) == lo          # 4 x 32 = 128 < 132 CTAs
+    assert decode_min_kv_chunk(4, 128, 4096) == DEFAULT_MIN_KV_CHUNK  # the grid cuts no pair into more than 32
+    assert decode_min_kv_chunk(0, 128, 4096) == DEFAULT_MIN_KV_CHUNK  # an idle step
