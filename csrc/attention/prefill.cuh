@@ -534,19 +534,7 @@ struct Kernel {
     uint32_t a[kStep / 16][4];
 #pragma unroll
     for (int kk = 0; kk < kStep / 16; ++kk) p_fragment(s, kk, a[kk]);
-    wgmma::fence();  // P and the rescaled O, written by this thread, before the MMAs read them
-    const uint64_t b0 = wgmma::desc(vs + Cfg::mma_offset(t0, 0), kTile * 128, 1024);
-    // A head size that is not a whole number of 64-column blocks (80, 96): the full blocks in one MMA, the rest
-    // (16 or 32 columns of the next block) in a second.
-    constexpr int kFull = kHeadDim % 64 == 0 ? kHeadDim : kHeadDim / 64 * 64, kRest = kHeadDim - kFull;
-#pragma unroll
-    for (int kk = 0; kk < kStep / 16; ++kk) {
-      const uint64_t b = wgmma::desc_advance(b0, Cfg::mma_offset(16 * kk, 0));
-      wgmma::Mma<kFull, kBf16>::template rs<1>(reinterpret_cast<float(&)[kFull / 2]>(o), a[kk], b, 1);
-      if constexpr (kRest > 0)
-        wgmma::Mma<kRest, kBf16>::template rs<1>(reinterpret_cast<float(&)[kRest / 2]>(o[kFull / 8]), a[kk],
-                                                 wgmma::desc_advance(b, kFull / 64 * kTile * 128), 1);
-    }
+    pv_packed(vs + Cfg::mma_offset(t0, 0), a, o);
     if constexpr (kRowSum) {  // the row sums: P . ones (Cfg::kRowSumMma)
       const uint64_t ones = wgmma::desc_plain(os, 128, 256);
 #pragma unroll
@@ -811,12 +799,13 @@ struct Kernel {
   }
 
   // O += P V for a tile's kStep tokens, P packed in registers (A of the rs form), V from shared memory; issued,
-  // not committed. The wgmma fence orders the rescaled O and P before the MMAs read them.
+  // not committed. The wgmma fence orders the rescaled O and P, written by this thread, before the MMAs read them.
   static __device__ __forceinline__ void pv_packed(uint32_t vs, const uint32_t (&pa)[kStep / 16][4],
                                                    float (&o)[kDTiles][4]) {
     wgmma::fence();
     const uint64_t b0 = wgmma::desc(vs, kTile * 128, 1024);
-    // as pv_wgmma: a head size of 80 or 96 as its whole 64-column blocks in one MMA and the rest in a second
+    // A head size that is not a whole number of 64-column blocks (80, 96): the full blocks in one MMA, the rest
+    // (16 or 32 columns of the next block) in a second.
     constexpr int kFull = kHeadDim % 64 == 0 ? kHeadDim : kHeadDim / 64 * 64, kRest = kHeadDim - kFull;
 #pragma unroll
     for (int kk = 0; kk < kStep / 16; ++kk) {
