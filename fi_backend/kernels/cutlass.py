@@ -48,9 +48,19 @@ def version() -> str:
     return ".".join(parts) or "unknown"
 
 
-def qk_tile_spec(head_dim: int) -> ModuleSpec:
-    """The CuTe probe: S = Q K^T of 64 x 128 tiles (csrc/attention/cute/qk_tile.cu), head size 64 or 128."""
+def _probe_spec(name: str, head_dim: int) -> ModuleSpec:
     if head_dim not in (64, 128):
         raise ValueError(f"head_dim must be 64 or 128 (got {head_dim})")
-    return ModuleSpec(family="cute_qk_tile", template="attention/cute/qk_tile.cu", params={"HEAD_DIM": str(head_dim)},
-                      include_dirs=(include_dir(),), key_extra=f"cutlass {version()}", tag=f"cute_qk_tile_d{head_dim}")
+    return ModuleSpec(family=f"cute_{name}", template=f"attention/cute/{name}.cu", params={"HEAD_DIM": str(head_dim)},
+                      include_dirs=(include_dir(),), key_extra=f"cutlass {version()}", tag=f"d{head_dim}")
+
+
+def qk_tile_spec(head_dim: int) -> ModuleSpec:
+    """The CuTe probe: S = Q K^T of 64 x 128 tiles (csrc/attention/cute/qk_tile.cu), head size 64 or 128."""
+    return _probe_spec("qk_tile", head_dim)
+
+
+def attn_tile_spec(head_dim: int) -> ModuleSpec:
+    """The CuTe probe: one warpgroup's attention of 64-row query tiles over 128-token KV tiles, S and P.V by GMMA
+    (csrc/attention/cute/attn_tile.cu), head size 64 or 128."""
+    return _probe_spec("attn_tile", head_dim)
