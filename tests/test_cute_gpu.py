@@ -58,3 +58,33 @@ def test_attn_tile(D, kv_len):
     err = ((o.double() - ref).abs() / (ref.abs() + 1)).max().item()
     lse_err = (lse.double() - ref_lse).abs().max().item()
     assert err < 2e-2 and lse_err < 1e-3, f"D={D} kv_len={kv_len}: O error {err}, LSE error {lse_err}"
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("kv_len", [128, 384, 2048])
+def test_attn_ws(D, kv_len):
+    """The warp-specialised CTA: a TMA producer warp, K and V pipelines of 2 stages, two consumer warpgroups."""
+    pytest.importorskip("cutlass_library")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm_90a only")
+    from fi_backend import kernels
+    from fi_backend.kernels import cutlass
+    module = kernels.load(cutlass.attn_ws_spec(D))
+    run = module.function("fi_cute_attn_ws", [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
+                                                                       ctypes.c_void_p])
+    tiles, scale = 9, D ** -0.5
+    q = torch.randn(tiles, 128, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(tiles, kv_len, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(tiles, kv_len, D, device="cuda", dtype=torch.bfloat16)
+    o = torch.full((tiles, 128, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    lse = torch.full((tiles, 128), float("nan"), device="cuda", dtype=torch.float32)
+    rc = run(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), tiles, kv_len, scale,
+             torch.cuda.current_stream().cuda_stream)
+    assert rc == 0, f"launch failed: {rc}"
+    torch.cuda.synchronize()
+    s = (q.double() @ k.double().transpose(1, 2)) * scale
+    ref_lse = torch.logsumexp(s, dim=-1)
+    ref = torch.softmax(s, dim=-1) @ v.double()
+    err = ((o.double() - ref).abs() / (ref.abs() + 1)).max().item()
+    lse_err = (lse.double() - ref_lse).abs().max().item()
+    assert err < 2e-2 and lse_err < 1e-3, f"D={D} kv_len={kv_len}: O error {err}, LSE error {lse_err}"

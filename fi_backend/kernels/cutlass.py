@@ -48,11 +48,13 @@ def version() -> str:
     return ".".join(parts) or "unknown"
 
 
-def _probe_spec(name: str, head_dim: int) -> ModuleSpec:
+def _probe_spec(name: str, head_dim: int, **params: int) -> ModuleSpec:
     if head_dim not in (64, 128):
         raise ValueError(f"head_dim must be 64 or 128 (got {head_dim})")
-    return ModuleSpec(family=f"cute_{name}", template=f"attention/cute/{name}.cu", params={"HEAD_DIM": str(head_dim)},
-                      include_dirs=(include_dir(),), key_extra=f"cutlass {version()}", tag=f"d{head_dim}")
+    tag = f"d{head_dim}" + "".join(f"_{k[0]}{v}" for k, v in sorted(params.items()))
+    return ModuleSpec(family=f"cute_{name}", template=f"attention/cute/{name}.cu",
+                      params={"HEAD_DIM": str(head_dim), **{k.upper(): str(v) for k, v in params.items()}},
+                      include_dirs=(include_dir(),), key_extra=f"cutlass {version()}", tag=tag)
 
 
 def qk_tile_spec(head_dim: int) -> ModuleSpec:
@@ -64,3 +66,11 @@ def attn_tile_spec(head_dim: int) -> ModuleSpec:
     """The CuTe probe: one warpgroup's attention of 64-row query tiles over 128-token KV tiles, S and P.V by GMMA
     (csrc/attention/cute/attn_tile.cu), head size 64 or 128."""
     return _probe_spec("attn_tile", head_dim)
+
+
+def attn_ws_spec(head_dim: int, stages: int = 2) -> ModuleSpec:
+    """The CuTe probe: FlashAttention-3's CTA without its overlap (a TMA producer warp, K and V pipelines, two
+    consumer warpgroups of a 128-row query tile; csrc/attention/cute/attn_ws.cu), head size 64 or 128."""
+    if stages not in (2, 3):
+        raise ValueError(f"stages must be 2 or 3 (got {stages})")
+    return _probe_spec("attn_ws", head_dim, stages=stages)

@@ -1,0 +1,213 @@
+// The third piece of issue 30's CuTe member (docs/prefill.md): FlashAttention-3's CTA, without its overlap yet. A
+// producer warpgroup whose first warp issues every TMA load (Q once, then K and V tiles through two
+// PipelineTmaAsync rings), and two consumer warpgroups of 64 rows each (a 128-row query tile), with registers moved to
+// them by setmaxnreg (24 / 240). Per KV tile a consumer waits for K, runs S = Q K^T, frees K, runs the online softmax
+// (attn_tile.cu's indexing), waits for V, runs O += P V and frees V. Non-causal; one head a tile.
+// Template parameters: HEAD_DIM 64 or 128, STAGES (2).
+// fi_cute_attn_ws: q [tiles, 128, D], k / v [tiles, kv_len, D] bf16 row-major (kv_len a multiple of 128, > 0),
+// o [tiles, 128, D] bf16, lse [tiles, 128] float32 (natural log), logits scaled by sm_scale.
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "common.h"
+
+namespace fi {
+namespace cute_probe {  // named: cute has anonymous namespaces of its own, which the kernel stub must not meet
+
+using namespace cute;
+using Elem = cute::bfloat16_t;
+constexpr int kHeadDim = {{HEAD_DIM}}, kStages = {{STAGES}};
+static_assert(kHeadDim % 64 == 0, "head size: whole 128-byte swizzle atoms");
+constexpr int kRows = 128, kKv = 128, kThreads = 384, kConsumers = 256;
+using D = Int<kHeadDim>;
+using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape<Int<kRows>, D>{}));
+using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape<Int<kKv>, D, Int<kStages>>{}));
+// V as P.V's B operand: (N = head dim, K = token), head dims contiguous; TMA fills it from V's transposed view. Atoms
+// tiled along the tokens first, so each 64-dim block holds all 128 tokens in a row: one TMA box a block (tiled along
+// the dims first, a box spans 8 tokens: 32 TMA copies a tile at head size 128)
+using SmemLayoutVt = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{}, Shape<D, Int<kKv>, Int<kStages>>{},
+                                            Step<_2, _1, _3>{}));
+using AtomQK = decltype(GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<kKv>, D>>());
+using AtomPV = decltype(GMMA::rs_op_selector<Elem, Elem, float, Shape<_64, D, Int<kKv>>, GMMA::Major::K, GMMA::Major::MN>());
+using MmaQK = decltype(make_tiled_mma(AtomQK{}, Layout<Shape<_2, _1, _1>>{}));  // two warpgroups, 64 rows each
+using MmaPV = decltype(make_tiled_mma(AtomPV{}, Layout<Shape<_2, _1, _1>>{}));
+using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+using PipelineState = cutlass::PipelineState<kStages>;
+constexpr uint32_t kTileBytes = kKv * kHeadDim * sizeof(Elem), kQBytes = kRows * kHeadDim * sizeof(Elem);
+constexpr float kLog2e = 1.4426950408889634f;
+
+struct SharedStorage {
+  cute::array_aligned<Elem, cosize_v<SmemLayoutQ>, 1024> q;
+  cute::array_aligned<Elem, cosize_v<SmemLayoutK>, 1024> k;
+  cute::array_aligned<Elem, cosize_v<SmemLayoutVt>, 1024> v;
+  typename Pipeline::SharedStorage pipe_k, pipe_v;
+  alignas(8) uint64_t q_full;
+};
+constexpr int kSmemBytes = sizeof(SharedStorage);
+
+template <class TmaQ, class TmaK, class TmaV>
+__global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ const tma_q,
+                                                        CUTE_GRID_CONSTANT TmaK const tma_k,
+                                                        CUTE_GRID_CONSTANT TmaV const tma_v, Elem* __restrict__ o,
+                                                        float* __restrict__ lse, int tiles, int kv_len, float sm_scale) {
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_raw);
+  const int tid = threadIdx.x, warp_group = tid / 128;
+  const int warp_in_group = __shfl_sync(0xffffffffu, (tid / 32) % 4, 0);
+  const int tile = blockIdx.x, ntiles = kv_len / kKv;
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), SmemLayoutK{});
+  Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), SmemLayoutVt{});
+
+  typename Pipeline::Params pp;
+  pp.transaction_bytes = kTileBytes;
+  pp.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pp.is_leader = tid == 0;
+  pp.num_consumers = kConsumers;
+  Pipeline pipe_k(ss.pipe_k, pp, Shape<_1, _1, _1>{});
+  Pipeline pipe_v(ss.pipe_v, pp, Shape<_1, _1, _1>{});
+  if (tid == 0) cutlass::arch::ClusterTransactionBarrier::init(&ss.q_full, 1);
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();  // barriers initialised before anyone waits on or arrives at them
+
+  if (warp_group == 0) {  // producer
+    cutlass::arch::warpgroup_reg_dealloc<24>();
+    if (warp_in_group == 0 && cute::elect_one_sync()) {
+      Tensor mQ = tma_q.get_tma_tensor(make_shape(tiles * kRows, D{}));
+      Tensor mK = tma_k.get_tma_tensor(make_shape(tiles * kv_len, D{}));
+      Tensor mVt = tma_v.get_tma_tensor(make_shape(D{}, tiles * kv_len));
+      Tensor gQ = local_tile(mQ, Shape<Int<kRows>, D>{}, make_coord(tile, 0));            // (128, D)
+      Tensor gK = local_tile(mK, Shape<Int<kKv>, D>{}, make_coord(_, 0));                 // (128, D, n)
+      Tensor gVt = local_tile(mVt, Shape<D, Int<kKv>>{}, make_coord(0, _));               // (D, 128, n)
+      auto [tQg, tQs] = tma_partition(tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      auto [tKg, tKs] = tma_partition(tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+      auto [tVg, tVs] = tma_partition(tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sVt), group_modes<0, 2>(gVt));
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full, kQBytes);
+      copy(tma_q.with(ss.q_full), tQg, tQs);
+      PipelineState st = cutlass::make_producer_start_state<Pipeline>();
+      const int first = tile * ntiles;  // this tile's KV tiles among all of them
+      for (int n = 0; n < ntiles; ++n) {
+        pipe_k.producer_acquire(st);
+        copy(tma_k.with(*pipe_k.producer_get_barrier(st)), tKg(_, first + n), tKs(_, st.index()));
+        pipe_v.producer_acquire(st);
+        copy(tma_v.with(*pipe_v.producer_get_barrier(st)), tVg(_, first + n), tVs(_, st.index()));
+        ++st;
+      }
+    }
+    return;
+  }
+
+  // consumers
+  cutlass::arch::warpgroup_reg_alloc<240>();
+  const int ctid = tid - 128, lane = tid & 31;
+  MmaQK mma_qk;
+  MmaPV mma_pv;
+  ThrMMA thr_qk = mma_qk.get_thread_slice(ctid);
+  ThrMMA thr_pv = mma_pv.get_thread_slice(ctid);
+  Tensor tQ = thr_qk.partition_fragment_A(sQ);
+  Tensor tK = thr_qk.partition_fragment_B(sK);    // (MMA, N, K, stage)
+  Tensor tVt = thr_pv.partition_fragment_B(sVt);  // (MMA, N, K, stage)
+  Tensor tS = partition_fragment_C(mma_qk, Shape<Int<kRows>, Int<kKv>>{});
+  Tensor tO = partition_fragment_C(mma_pv, Shape<Int<kRows>, D>{});
+  Tensor tP = thr_pv.partition_fragment_A(make_tensor(make_smem_ptr(ss.q.data()), Shape<Int<kRows>, Int<kKv>>{}));
+  static_assert(decltype(size(tS))::value == decltype(size(tP))::value, "P: S's accumulators in their order");
+  clear(tO);
+  float mx[2] = {-INFINITY, -INFINITY}, sum[2] = {0.f, 0.f};
+  const float scale2 = sm_scale * kLog2e;
+  cutlass::arch::ClusterTransactionBarrier::wait(&ss.q_full, 0);
+
+  PipelineState st;
+  for (int n = 0; n < ntiles; ++n, ++st) {
+    pipe_k.consumer_wait(st);
+    warpgroup_fence_operand(tS);
+    warpgroup_arrive();
+    mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tQ); ++kb) {
+      cute::gemm(mma_qk, tQ(_, _, kb), tK(_, _, kb, st.index()), tS);
+      mma_qk.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tS);
+    pipe_k.consumer_release(st);
+
+    float tmax[2] = {mx[0], mx[1]};
+    CUTE_UNROLL
+    for (int i = 0; i < size(tS); ++i) tmax[(i >> 1) & 1] = fmaxf(tmax[(i >> 1) & 1], tS(i));
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 1));
+      tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 2));
+    }
+    float alpha[2];
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      alpha[h] = mx[h] == -INFINITY ? 0.f : exp2f((mx[h] - tmax[h]) * scale2);
+      mx[h] = tmax[h];
+      sum[h] *= alpha[h];
+    }
+    CUTE_UNROLL
+    for (int i = 0; i < size(tO); ++i) tO(i) *= alpha[(i >> 1) & 1];
+    CUTE_UNROLL
+    for (int i = 0; i < size(tS); ++i) {
+      const int h = (i >> 1) & 1;
+      const float p = exp2f(tS(i) * scale2 - mx[h] * scale2);
+      sum[h] += p;
+      tP(i) = Elem(p);
+    }
+
+    pipe_v.consumer_wait(st);
+    warpgroup_fence_operand(tO);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tP); ++kb) cute::gemm(mma_pv, tP(_, _, kb), tVt(_, _, kb, st.index()), tO);
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tO);
+    pipe_v.consumer_release(st);
+  }
+
+  CUTE_UNROLL
+  for (int h = 0; h < 2; ++h) {
+    sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 1);
+    sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 2);
+  }
+  Tensor tOb = make_tensor_like<Elem>(tO);
+  CUTE_UNROLL
+  for (int i = 0; i < size(tO); ++i) tOb(i) = Elem(tO(i) / sum[(i >> 1) & 1]);
+  Tensor gO = make_tensor(make_gmem_ptr(o + (int64_t)tile * kRows * kHeadDim), Shape<Int<kRows>, D>{}, LayoutRight{});
+  copy(tOb, thr_pv.partition_C(gO));
+  if ((lane & 3) == 0) {
+    const int row0 = (ctid / 128) * 64 + ((ctid / 32) % 4) * 16 + (lane >> 2);
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) lse[(int64_t)tile * kRows + row0 + 8 * h] = mx[h] * sm_scale + logf(sum[h]);
+  }
+}
+
+}  // namespace cute_probe
+}  // namespace fi
+
+FI_EXPORT int fi_cute_attn_ws(const void* q, const void* k, const void* v, void* o, float* lse, int64_t tiles,
+                              int64_t kv_len, float sm_scale, void* stream) {
+  using namespace fi::cute_probe;
+  if (tiles <= 0) return 0;
+  if (kv_len <= 0 || kv_len % kKv) return (int)cudaErrorInvalidValue;
+  const int rows = (int)(tiles * kRows), toks = (int)(tiles * kv_len);
+  Tensor gQ = make_tensor(make_gmem_ptr(static_cast<const Elem*>(q)), make_shape(rows, D{}), make_stride(D{}, _1{}));
+  Tensor gK = make_tensor(make_gmem_ptr(static_cast<const Elem*>(k)), make_shape(toks, D{}), make_stride(D{}, _1{}));
+  Tensor gVt = make_tensor(make_gmem_ptr(static_cast<const Elem*>(v)), make_shape(D{}, toks), make_stride(_1{}, D{}));
+  auto tma_q = make_tma_copy(SM90_TMA_LOAD{}, gQ, SmemLayoutQ{});
+  auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, take<0, 2>(SmemLayoutK{}));
+  auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gVt, take<0, 2>(SmemLayoutVt{}));
+  auto kernel = attn_ws<decltype(tma_q), decltype(tma_k), decltype(tma_v)>;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (e != cudaSuccess) return (int)e;
+  kernel<<<(unsigned)tiles, kThreads, kSmemBytes, (cudaStream_t)stream>>>(
+      tma_q, tma_k, tma_v, static_cast<Elem*>(o), lse, (int)tiles, (int)kv_len, sm_scale);
+  return (int)cudaGetLastError();
+}
