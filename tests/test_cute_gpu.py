@@ -61,30 +61,38 @@ def test_attn_tile(D, kv_len):
 
 
 @pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("kv_len", [128, 384, 2048])
-def test_attn_ws(D, kv_len):
-    """The warp-specialised CTA: a TMA producer warp, K and V pipelines of 2 stages, two consumer warpgroups."""
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("batch,seq_len,heads,kv_heads", [(1, 128, 4, 4), (3, 384, 8, 2), (2, 2048, 7, 1)])
+def test_attn_ws(D, causal, batch, seq_len, heads, kv_heads):
+    """The warp-specialised CTA: a TMA producer warp, K and V pipelines of 2 stages, two consumer warpgroups; one
+    query head's 128-token tile a CTA, GQA by the KV head's index, the causal diagonal masked."""
     pytest.importorskip("cutlass_library")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm_90a only")
     from fi_backend import kernels
     from fi_backend.kernels import cutlass
-    module = kernels.load(cutlass.attn_ws_spec(D))
-    run = module.function("fi_cute_attn_ws", [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
-                                                                       ctypes.c_void_p])
-    tiles, scale = 9, D ** -0.5
-    q = torch.randn(tiles, 128, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(tiles, kv_len, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(tiles, kv_len, D, device="cuda", dtype=torch.bfloat16)
-    o = torch.full((tiles, 128, D), float("nan"), device="cuda", dtype=torch.bfloat16)
-    lse = torch.full((tiles, 128), float("nan"), device="cuda", dtype=torch.float32)
-    rc = run(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), tiles, kv_len, scale,
-             torch.cuda.current_stream().cuda_stream)
+    module = kernels.load(cutlass.attn_ws_spec(D, causal))
+    run = module.function("fi_cute_attn_ws", [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4 + [ctypes.c_float,
+                                                                                             ctypes.c_void_p])
+    tokens, scale = batch * seq_len, D ** -0.5
+    q = torch.randn(tokens, heads, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(tokens, kv_heads, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(tokens, kv_heads, D, device="cuda", dtype=torch.bfloat16)
+    o = torch.full_like(q, float("nan"))
+    lse = torch.full((tokens, heads), float("nan"), device="cuda", dtype=torch.float32)
+    rc = run(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), batch, seq_len, heads, kv_heads,
+             scale, torch.cuda.current_stream().cuda_stream)
     assert rc == 0, f"launch failed: {rc}"
     torch.cuda.synchronize()
-    s = (q.double() @ k.double().transpose(1, 2)) * scale
-    ref_lse = torch.logsumexp(s, dim=-1)
-    ref = torch.softmax(s, dim=-1) @ v.double()
+    g = heads // kv_heads
+    qd = q.double().view(batch, seq_len, heads, D).transpose(1, 2)                                  # b h s d
+    kd = k.double().view(batch, seq_len, kv_heads, D).transpose(1, 2).repeat_interleave(g, dim=1)
+    vd = v.double().view(batch, seq_len, kv_heads, D).transpose(1, 2).repeat_interleave(g, dim=1)
+    s = (qd @ kd.transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(seq_len, seq_len, device="cuda", dtype=torch.bool).triu(1), float("-inf"))
+    ref_lse = torch.logsumexp(s, dim=-1).transpose(1, 2).reshape(tokens, heads)
+    ref = (torch.softmax(s, dim=-1) @ vd).transpose(1, 2).reshape(tokens, heads, D)
     err = ((o.double() - ref).abs() / (ref.abs() + 1)).max().item()
     lse_err = (lse.double() - ref_lse).abs().max().item()
-    assert err < 2e-2 and lse_err < 1e-3, f"D={D} kv_len={kv_len}: O error {err}, LSE error {lse_err}"
+    assert err < 2e-2 and lse_err < 1e-3, f"{batch}x{seq_len} {heads}/{kv_heads} D={D} causal={causal}: O error {err}, LSE error {lse_err}"

@@ -68,9 +68,10 @@ def attn_tile_spec(head_dim: int) -> ModuleSpec:
     return _probe_spec("attn_tile", head_dim)
 
 
-def attn_ws_spec(head_dim: int, stages: int = 2) -> ModuleSpec:
+def attn_ws_spec(head_dim: int, causal: bool, stages: int = 2) -> ModuleSpec:
     """The CuTe probe: FlashAttention-3's CTA without its overlap (a TMA producer warp, K and V pipelines, two
-    consumer warpgroups of a 128-row query tile; csrc/attention/cute/attn_ws.cu), head size 64 or 128."""
+    consumer warpgroups of a 128-token tile of one query head; csrc/attention/cute/attn_ws.cu), head size 64 or 128,
+    causal or not."""
     if stages not in (2, 3):
         raise ValueError(f"stages must be 2 or 3 (got {stages})")
-    return _probe_spec("attn_ws", head_dim, stages=stages)
+    return _probe_spec("attn_ws", head_dim, stages=stages, causal=int(bool(causal)))

@@ -2,10 +2,12 @@
 // producer warpgroup whose first warp issues every TMA load (Q once, then K and V tiles through two
 // PipelineTmaAsync rings), and two consumer warpgroups of 64 rows each (a 128-row query tile), with registers moved to
 // them by setmaxnreg (24 / 240). Per KV tile a consumer waits for K, runs S = Q K^T, frees K, runs the online softmax
-// (attn_tile.cu's indexing), waits for V, runs O += P V and frees V. Non-causal; one head a tile.
-// Template parameters: HEAD_DIM 64 or 128, STAGES (2).
-// fi_cute_attn_ws: q [tiles, 128, D], k / v [tiles, kv_len, D] bf16 row-major (kv_len a multiple of 128, > 0),
-// o [tiles, 128, D] bf16, lse [tiles, 128] float32 (natural log), logits scaled by sm_scale.
+// (attn_tile.cu's indexing), waits for V, runs O += P V and frees V. A CTA is one query head's 128-token tile
+// (FlashAttention-3's work tile: GQA heads not packed), the causal tiles longest first; the diagonal tile is masked.
+// Template parameters: HEAD_DIM 64 or 128, STAGES (2), CAUSAL (0 / 1).
+// fi_cute_attn_ws: batch requests of seq_len tokens each (a multiple of 128), q [batch * seq_len, heads, D],
+// k / v [batch * seq_len, kv_heads, D] bf16 (heads a multiple of kv_heads), o like q, lse [batch * seq_len, heads]
+// float32 (natural log), logits scaled by sm_scale.
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/atom/copy_traits_sm90_tma.hpp>
@@ -21,6 +23,7 @@ namespace cute_probe {  // named: cute has anonymous namespaces of its own, whic
 using namespace cute;
 using Elem = cute::bfloat16_t;
 constexpr int kHeadDim = {{HEAD_DIM}}, kStages = {{STAGES}};
+constexpr bool kCausal = {{CAUSAL}};
 static_assert(kHeadDim % 64 == 0, "head size: whole 128-byte swizzle atoms");
 constexpr int kRows = 128, kKv = 128, kThreads = 384, kConsumers = 256;
 using D = Int<kHeadDim>;
@@ -53,12 +56,16 @@ template <class TmaQ, class TmaK, class TmaV>
 __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ const tma_q,
                                                         CUTE_GRID_CONSTANT TmaK const tma_k,
                                                         CUTE_GRID_CONSTANT TmaV const tma_v, Elem* __restrict__ o,
-                                                        float* __restrict__ lse, int tiles, int kv_len, float sm_scale) {
+                                                        float* __restrict__ lse, int batch, int seq_len, int heads,
+                                                        int kv_heads, float sm_scale) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_raw);
   const int tid = threadIdx.x, warp_group = tid / 128;
   const int warp_in_group = __shfl_sync(0xffffffffu, (tid / 32) % 4, 0);
-  const int tile = blockIdx.x, ntiles = kv_len / kKv;
+  const int seq_tiles = seq_len / kKv, qtile = kCausal ? seq_tiles - 1 - (int)blockIdx.x : (int)blockIdx.x;
+  const int head = blockIdx.y, b = blockIdx.z, kv_head = head / (heads / kv_heads);
+  const int ntiles = kCausal ? qtile + 1 : seq_tiles;
+  const int tokens = batch * seq_len;
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), SmemLayoutK{});
   Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), SmemLayoutVt{});
@@ -77,24 +84,24 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
   if (warp_group == 0) {  // producer
     cutlass::arch::warpgroup_reg_dealloc<24>();
     if (warp_in_group == 0 && cute::elect_one_sync()) {
-      Tensor mQ = tma_q.get_tma_tensor(make_shape(tiles * kRows, D{}));
-      Tensor mK = tma_k.get_tma_tensor(make_shape(tiles * kv_len, D{}));
-      Tensor mVt = tma_v.get_tma_tensor(make_shape(D{}, tiles * kv_len));
-      Tensor gQ = local_tile(mQ, Shape<Int<kRows>, D>{}, make_coord(tile, 0));            // (128, D)
-      Tensor gK = local_tile(mK, Shape<Int<kKv>, D>{}, make_coord(_, 0));                 // (128, D, n)
-      Tensor gVt = local_tile(mVt, Shape<D, Int<kKv>>{}, make_coord(0, _));               // (D, 128, n)
+      Tensor mQ = tma_q.get_tma_tensor(make_shape(tokens, D{}, heads));
+      Tensor mK = tma_k.get_tma_tensor(make_shape(tokens, D{}, kv_heads));
+      Tensor mVt = tma_v.get_tma_tensor(make_shape(D{}, tokens, kv_heads));
+      const int tile0 = b * seq_tiles;  // the request's first 128-token tile among all of them
+      Tensor gQ = local_tile(mQ(_, _, head), Shape<Int<kRows>, D>{}, make_coord(tile0 + qtile, 0));  // (128, D)
+      Tensor gK = local_tile(mK(_, _, kv_head), Shape<Int<kKv>, D>{}, make_coord(_, 0));           // (128, D, n)
+      Tensor gVt = local_tile(mVt(_, _, kv_head), Shape<D, Int<kKv>>{}, make_coord(0, _));         // (D, 128, n)
       auto [tQg, tQs] = tma_partition(tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
       auto [tKg, tKs] = tma_partition(tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
       auto [tVg, tVs] = tma_partition(tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sVt), group_modes<0, 2>(gVt));
       cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full, kQBytes);
       copy(tma_q.with(ss.q_full), tQg, tQs);
       PipelineState st = cutlass::make_producer_start_state<Pipeline>();
-      const int first = tile * ntiles;  // this tile's KV tiles among all of them
       for (int n = 0; n < ntiles; ++n) {
         pipe_k.producer_acquire(st);
-        copy(tma_k.with(*pipe_k.producer_get_barrier(st)), tKg(_, first + n), tKs(_, st.index()));
+        copy(tma_k.with(*pipe_k.producer_get_barrier(st)), tKg(_, tile0 + n), tKs(_, st.index()));
         pipe_v.producer_acquire(st);
-        copy(tma_v.with(*pipe_v.producer_get_barrier(st)), tVg(_, first + n), tVs(_, st.index()));
+        copy(tma_v.with(*pipe_v.producer_get_barrier(st)), tVg(_, tile0 + n), tVs(_, st.index()));
         ++st;
       }
     }
@@ -104,6 +111,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
   // consumers
   cutlass::arch::warpgroup_reg_alloc<240>();
   const int ctid = tid - 128, lane = tid & 31;
+  const int row0 = (ctid / 128) * 64 + ((ctid / 32) % 4) * 16 + (lane >> 2);  // this thread's rows: row0, row0 + 8
   MmaQK mma_qk;
   MmaPV mma_pv;
   ThrMMA thr_qk = mma_qk.get_thread_slice(ctid);
@@ -135,6 +143,11 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
     warpgroup_wait<0>();
     warpgroup_fence_operand(tS);
     pipe_k.consumer_release(st);
+    if (kCausal && n == qtile) {  // the diagonal tile: column > row is masked (query and KV tiles aligned)
+      CUTE_UNROLL
+      for (int i = 0; i < size(tS); ++i)
+        if ((i >> 2) * 8 + (lane & 3) * 2 + (i & 1) > row0 + 8 * ((i >> 1) & 1)) tS(i) = -INFINITY;
+    }
 
     float tmax[2] = {mx[0], mx[1]};
     CUTE_UNROLL
@@ -180,34 +193,39 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
   Tensor tOb = make_tensor_like<Elem>(tO);
   CUTE_UNROLL
   for (int i = 0; i < size(tO); ++i) tOb(i) = Elem(tO(i) / sum[(i >> 1) & 1]);
-  Tensor gO = make_tensor(make_gmem_ptr(o + (int64_t)tile * kRows * kHeadDim), Shape<Int<kRows>, D>{}, LayoutRight{});
+  const int64_t token0 = (int64_t)b * seq_len + qtile * kRows;
+  Tensor gO = make_tensor(make_gmem_ptr(o + (token0 * heads + head) * kHeadDim), Shape<Int<kRows>, D>{},
+                          make_stride(heads * kHeadDim, _1{}));
   copy(tOb, thr_pv.partition_C(gO));
   if ((lane & 3) == 0) {
-    const int row0 = (ctid / 128) * 64 + ((ctid / 32) % 4) * 16 + (lane >> 2);
     CUTE_UNROLL
-    for (int h = 0; h < 2; ++h) lse[(int64_t)tile * kRows + row0 + 8 * h] = mx[h] * sm_scale + logf(sum[h]);
+    for (int h = 0; h < 2; ++h) lse[(token0 + row0 + 8 * h) * heads + head] = mx[h] * sm_scale + logf(sum[h]);
   }
 }
 
 }  // namespace cute_probe
 }  // namespace fi
 
-FI_EXPORT int fi_cute_attn_ws(const void* q, const void* k, const void* v, void* o, float* lse, int64_t tiles,
-                              int64_t kv_len, float sm_scale, void* stream) {
+FI_EXPORT int fi_cute_attn_ws(const void* q, const void* k, const void* v, void* o, float* lse, int64_t batch,
+                              int64_t seq_len, int64_t heads, int64_t kv_heads, float sm_scale, void* stream) {
   using namespace fi::cute_probe;
-  if (tiles <= 0) return 0;
-  if (kv_len <= 0 || kv_len % kKv) return (int)cudaErrorInvalidValue;
-  const int rows = (int)(tiles * kRows), toks = (int)(tiles * kv_len);
-  Tensor gQ = make_tensor(make_gmem_ptr(static_cast<const Elem*>(q)), make_shape(rows, D{}), make_stride(D{}, _1{}));
-  Tensor gK = make_tensor(make_gmem_ptr(static_cast<const Elem*>(k)), make_shape(toks, D{}), make_stride(D{}, _1{}));
-  Tensor gVt = make_tensor(make_gmem_ptr(static_cast<const Elem*>(v)), make_shape(D{}, toks), make_stride(_1{}, D{}));
+  if (batch <= 0) return 0;
+  if (seq_len <= 0 || seq_len % kRows || kv_heads <= 0 || heads % kv_heads) return (int)cudaErrorInvalidValue;
+  const int toks = (int)(batch * seq_len), H = (int)heads, Hkv = (int)kv_heads;
+  Tensor gQ = make_tensor(make_gmem_ptr(static_cast<const Elem*>(q)), make_shape(toks, D{}, H),
+                          make_stride(H * kHeadDim, _1{}, D{}));
+  Tensor gK = make_tensor(make_gmem_ptr(static_cast<const Elem*>(k)), make_shape(toks, D{}, Hkv),
+                          make_stride(Hkv * kHeadDim, _1{}, D{}));
+  Tensor gVt = make_tensor(make_gmem_ptr(static_cast<const Elem*>(v)), make_shape(D{}, toks, Hkv),
+                           make_stride(_1{}, Hkv * kHeadDim, D{}));
   auto tma_q = make_tma_copy(SM90_TMA_LOAD{}, gQ, SmemLayoutQ{});
   auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, take<0, 2>(SmemLayoutK{}));
   auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gVt, take<0, 2>(SmemLayoutVt{}));
   auto kernel = attn_ws<decltype(tma_q), decltype(tma_k), decltype(tma_v)>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (e != cudaSuccess) return (int)e;
-  kernel<<<(unsigned)tiles, kThreads, kSmemBytes, (cudaStream_t)stream>>>(
-      tma_q, tma_k, tma_v, static_cast<Elem*>(o), lse, (int)tiles, (int)kv_len, sm_scale);
+  const dim3 grid((unsigned)(seq_len / kRows), (unsigned)heads, (unsigned)batch);
+  kernel<<<grid, kThreads, kSmemBytes, (cudaStream_t)stream>>>(tma_q, tma_k, tma_v, static_cast<Elem*>(o), lse,
+                                                                (int)batch, (int)seq_len, H, Hkv, sm_scale);
   return (int)cudaGetLastError();
 }
