@@ -3,11 +3,24 @@ CuTe SM90 atoms) against float64, the first piece of issue 30's CuTe member (doc
 the nvidia-cutlass wheel's headers (fi_backend.kernels.cutlass); the CPU tests of the header lookup are in
 test_kernels_build.py."""
 import ctypes
+import importlib.util
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built():
+    """The probe's modules built in parallel first (one at a time, lazily, they take about 40 s each)."""
+    if importlib.util.find_spec("cutlass_library") is None or not torch.cuda.is_available():
+        return
+    from fi_backend import kernels
+    from fi_backend.kernels import cutlass
+    failed = [(s.tag, r) for s, r in zip(cutlass.probe_specs(), kernels.build_many(cutlass.probe_specs()))
+              if isinstance(r, Exception)]
+    assert not failed, f"CuTe probe modules failed to build: {failed}"
 
 
 @pytest.mark.parametrize("D", [64, 128])
@@ -63,15 +76,17 @@ def test_attn_tile(D, kv_len):
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("batch,seq_len,heads,kv_heads", [(1, 128, 4, 4), (3, 384, 8, 2), (2, 2048, 7, 1)])
-def test_attn_ws(D, causal, batch, seq_len, heads, kv_heads):
+@pytest.mark.parametrize("overlap,pingpong", [(0, 0), (1, 0), (1, 1)])
+def test_attn_ws(D, causal, batch, seq_len, heads, kv_heads, overlap, pingpong):
     """The warp-specialised CTA: a TMA producer warp, K and V pipelines of 2 stages, two consumer warpgroups; one
-    query head's 128-token tile a CTA, GQA by the KV head's index, the causal diagonal masked."""
+    query head's 128-token tile a CTA, GQA by the KV head's index, the causal diagonal masked; the intra-warpgroup
+    overlap and the ping-pong on and off (one KV tile: the overlapped loop's first and last steps only)."""
     pytest.importorskip("cutlass_library")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm_90a only")
     from fi_backend import kernels
     from fi_backend.kernels import cutlass
-    module = kernels.load(cutlass.attn_ws_spec(D, causal))
+    module = kernels.load(cutlass.attn_ws_spec(D, causal, overlap=bool(overlap), pingpong=bool(pingpong)))
     run = module.function("fi_cute_attn_ws", [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4 + [ctypes.c_float,
                                                                                              ctypes.c_void_p])
     tokens, scale = batch * seq_len, D ** -0.5

@@ -68,10 +68,23 @@ def attn_tile_spec(head_dim: int) -> ModuleSpec:
     return _probe_spec("attn_tile", head_dim)
 
 
-def attn_ws_spec(head_dim: int, causal: bool, stages: int = 2) -> ModuleSpec:
-    """The CuTe probe: FlashAttention-3's CTA without its overlap (a TMA producer warp, K and V pipelines, two
-    consumer warpgroups of a 128-token tile of one query head; csrc/attention/cute/attn_ws.cu), head size 64 or 128,
-    causal or not."""
+def attn_ws_spec(head_dim: int, causal: bool, stages: int = 2, overlap: bool = True, pingpong: bool = True) -> ModuleSpec:
+    """The CuTe probe: FlashAttention-3's CTA (a TMA producer warp, K and V pipelines, two consumer warpgroups of a
+    128-token tile of one query head; csrc/attention/cute/attn_ws.cu), head size 64 or 128, causal or not; its
+    intra-warpgroup overlap and its ping-pong each on or off (ping-pong needs the overlap)."""
     if stages not in (2, 3):
         raise ValueError(f"stages must be 2 or 3 (got {stages})")
-    return _probe_spec("attn_ws", head_dim, stages=stages, causal=int(bool(causal)))
+    if pingpong and not overlap:
+        raise ValueError("pingpong needs overlap (the overlapped loop's two warpgroups take turns)")
+    return _probe_spec("attn_ws", head_dim, stages=stages, causal=int(bool(causal)), overlap=int(bool(overlap)),
+                       pingpong=int(bool(pingpong)))
+
+
+def probe_specs() -> list:
+    """Every CuTe probe module tests/test_cute_gpu.py loads (built in parallel before its first test)."""
+    out = [qk_tile_spec(d) for d in (64, 128)] + [attn_tile_spec(d) for d in (64, 128)]
+    for d in (64, 128):
+        for causal in (False, True):
+            for overlap, pingpong in ((False, False), (True, False), (True, True)):
+                out.append(attn_ws_spec(d, causal, overlap=overlap, pingpong=pingpong))
+    return out

@@ -1,6 +1,7 @@
-"""The CuTe probe's warp-specialised CTA (csrc/attention/cute/attn_ws.cu: FlashAttention-3's CTA without its overlap)
-against FlashInfer's FA3 template and our prefill (member 0 and the FA3 member), causal bf16, head size 128, the same
-ragged inputs in the same process, alternating rounds (issue 30's design change, docs/prefill.md).
+"""The CuTe probe's warp-specialised CTA (csrc/attention/cute/attn_ws.cu: FlashAttention-3's CTA) without its overlap,
+with the intra-warpgroup overlap, and with the ping-pong too, against FlashInfer's FA3 template and our prefill
+(member 0 and the FA3 member), causal bf16, head size 128, the same ragged inputs in the same process, alternating
+rounds (issue 30's design change, docs/prefill.md).
 
     python -m perf.tools.cute_probe [--shapes 16x1024,4x4096,1x16384] [--heads 32/8,32/32]
 
@@ -19,10 +20,13 @@ from perf import prefill as P
 from perf.common import diff_stats, log, stamp, time_rounds, write_result
 
 
-def probe_fn(case: P.Case):
+MODES = {"cute_plain": (False, False), "cute_overlap": (True, False), "cute_pingpong": (True, True)}
+
+
+def probe_fn(case: P.Case, overlap: bool, pingpong: bool):
     from fi_backend import kernels
     from fi_backend.kernels import cutlass
-    module = kernels.load(cutlass.attn_ws_spec(case.d, True))
+    module = kernels.load(cutlass.attn_ws_spec(case.d, True, overlap=overlap, pingpong=pingpong))
     run = module.function("fi_cute_attn_ws", [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4 + [ctypes.c_float,
                                                                                              ctypes.c_void_p])
     out = torch.empty_like(case.q)
@@ -55,7 +59,8 @@ def main(argv=None) -> int:
         for b, s in parse_shapes(a.shapes):
             case = P.Case(b, s, hq, hkv, seed=b + s)
             fns, outs = {}, {}
-            fns["cute_probe"], outs["cute_probe"] = probe_fn(case)
+            for name, (overlap, pingpong) in MODES.items():
+                fns[name], outs[name] = probe_fn(case, overlap, pingpong)
             fns["flashinfer_fa3"], outs["flashinfer_fa3"] = fi_fa3.fn(case)
             fns["ours"], outs["ours"], _ = P.ours_fn(case)
             fns["ours_fa3"], outs["ours_fa3"], _ = P.ours_fn(case, tuning=PREFILL_FA3_TUNINGS[case.d])

@@ -4,7 +4,12 @@
 // them by setmaxnreg (24 / 240). Per KV tile a consumer waits for K, runs S = Q K^T, frees K, runs the online softmax
 // (attn_tile.cu's indexing), waits for V, runs O += P V and frees V. A CTA is one query head's 128-token tile
 // (FlashAttention-3's work tile: GQA heads not packed), the causal tiles longest first; the diagonal tile is masked.
-// Template parameters: HEAD_DIM 64 or 128, STAGES (2), CAUSAL (0 / 1).
+// KV tiles run from the last to the first, as FlashAttention-3's: the causal diagonal (the one masked tile) comes
+// first. OVERLAP 1 is FlashAttention-3's intra-warpgroup overlap: S of tile n is issued with P.V of tile n + 1 (the
+// one before it in this order), and the softmax of S runs while that P.V is in flight. PINGPONG 1 (with OVERLAP) has
+// the two consumer warpgroups issue their MMAs in turns on two named barriers, so one's softmax runs under the other's
+// MMAs.
+// Template parameters: HEAD_DIM 64 or 128, STAGES (2), CAUSAL, OVERLAP, PINGPONG (0 / 1).
 // fi_cute_attn_ws: batch requests of seq_len tokens each (a multiple of 128), q [batch * seq_len, heads, D],
 // k / v [batch * seq_len, kv_heads, D] bf16 (heads a multiple of kv_heads), o like q, lse [batch * seq_len, heads]
 // float32 (natural log), logits scaled by sm_scale.
@@ -23,7 +28,8 @@ namespace cute_probe {  // named: cute has anonymous namespaces of its own, whic
 using namespace cute;
 using Elem = cute::bfloat16_t;
 constexpr int kHeadDim = {{HEAD_DIM}}, kStages = {{STAGES}};
-constexpr bool kCausal = {{CAUSAL}};
+constexpr bool kCausal = {{CAUSAL}}, kOverlap = {{OVERLAP}}, kPingPong = {{PINGPONG}};
+static_assert(!kPingPong || kOverlap, "ping-pong: the overlapped loop's two warpgroups");
 static_assert(kHeadDim % 64 == 0, "head size: whole 128-byte swizzle atoms");
 constexpr int kRows = 128, kKv = 128, kThreads = 384, kConsumers = 256;
 using D = Int<kHeadDim>;
@@ -97,7 +103,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
       cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full, kQBytes);
       copy(tma_q.with(ss.q_full), tQg, tQs);
       PipelineState st = cutlass::make_producer_start_state<Pipeline>();
-      for (int n = 0; n < ntiles; ++n) {
+      for (int n = ntiles - 1; n >= 0; --n) {  // the consumers' order: the diagonal first
         pipe_k.producer_acquire(st);
         copy(tma_k.with(*pipe_k.producer_get_barrier(st)), tKg(_, tile0 + n), tKs(_, st.index()));
         pipe_v.producer_acquire(st);
@@ -128,27 +134,39 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
   const float scale2 = sm_scale * kLog2e;
   cutlass::arch::ClusterTransactionBarrier::wait(&ss.q_full, 0);
 
-  PipelineState st;
-  for (int n = 0; n < ntiles; ++n, ++st) {
-    pipe_k.consumer_wait(st);
+  const int wg = ctid / 128;
+  auto turn_begin = [&]() {  // ping-pong: wait for this warpgroup's turn to issue MMAs
+    if constexpr (kPingPong) cutlass::arch::NamedBarrier::sync(kConsumers, wg);
+  };
+  auto turn_end = [&]() {  // ... and pass the turn to the other warpgroup
+    if constexpr (kPingPong) cutlass::arch::NamedBarrier::arrive(kConsumers, 1 - wg);
+  };
+  if (kPingPong && wg == 1) cutlass::arch::NamedBarrier::arrive(kConsumers, 0);  // warpgroup 0 goes first
+  auto issue_qk = [&](int stage) {
     warpgroup_fence_operand(tS);
     warpgroup_arrive();
     mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
     CUTE_UNROLL
     for (int kb = 0; kb < size<2>(tQ); ++kb) {
-      cute::gemm(mma_qk, tQ(_, _, kb), tK(_, _, kb, st.index()), tS);
+      cute::gemm(mma_qk, tQ(_, _, kb), tK(_, _, kb, stage), tS);
       mma_qk.accumulate_ = GMMA::ScaleOut::One;
     }
     warpgroup_commit_batch();
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(tS);
-    pipe_k.consumer_release(st);
-    if (kCausal && n == qtile) {  // the diagonal tile: column > row is masked (query and KV tiles aligned)
-      CUTE_UNROLL
-      for (int i = 0; i < size(tS); ++i)
-        if ((i >> 2) * 8 + (lane & 3) * 2 + (i & 1) > row0 + 8 * ((i >> 1) & 1)) tS(i) = -INFINITY;
-    }
-
+  };
+  auto issue_pv = [&](int stage) {
+    warpgroup_fence_operand(tO);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tP); ++kb) cute::gemm(mma_pv, tP(_, _, kb), tVt(_, _, kb, stage), tO);
+    warpgroup_commit_batch();
+  };
+  auto mask_diagonal = [&]() {  // column > row is masked (query and KV tiles aligned)
+    CUTE_UNROLL
+    for (int i = 0; i < size(tS); ++i)
+      if ((i >> 2) * 8 + (lane & 3) * 2 + (i & 1) > row0 + 8 * ((i >> 1) & 1)) tS(i) = -INFINITY;
+  };
+  // The online softmax of S in place (S becomes the tile's probabilities); alpha rescales what O and the sums held.
+  auto softmax = [&](float (&alpha)[2]) {
     float tmax[2] = {mx[0], mx[1]};
     CUTE_UNROLL
     for (int i = 0; i < size(tS); ++i) tmax[(i >> 1) & 1] = fmaxf(tmax[(i >> 1) & 1], tS(i));
@@ -156,33 +174,83 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
     for (int h = 0; h < 2; ++h) {
       tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 1));
       tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 2));
-    }
-    float alpha[2];
-    CUTE_UNROLL
-    for (int h = 0; h < 2; ++h) {
       alpha[h] = mx[h] == -INFINITY ? 0.f : exp2f((mx[h] - tmax[h]) * scale2);
       mx[h] = tmax[h];
       sum[h] *= alpha[h];
     }
     CUTE_UNROLL
-    for (int i = 0; i < size(tO); ++i) tO(i) *= alpha[(i >> 1) & 1];
-    CUTE_UNROLL
     for (int i = 0; i < size(tS); ++i) {
       const int h = (i >> 1) & 1;
-      const float p = exp2f(tS(i) * scale2 - mx[h] * scale2);
-      sum[h] += p;
-      tP(i) = Elem(p);
+      tS(i) = exp2f(tS(i) * scale2 - mx[h] * scale2);
+      sum[h] += tS(i);
     }
-
-    pipe_v.consumer_wait(st);
-    warpgroup_fence_operand(tO);
-    warpgroup_arrive();
+  };
+  auto rescale_o = [&](const float (&alpha)[2]) {
     CUTE_UNROLL
-    for (int kb = 0; kb < size<2>(tP); ++kb) cute::gemm(mma_pv, tP(_, _, kb), tVt(_, _, kb, st.index()), tO);
-    warpgroup_commit_batch();
+    for (int i = 0; i < size(tO); ++i) tO(i) *= alpha[(i >> 1) & 1];
+  };
+  auto to_p = [&]() {
+    CUTE_UNROLL
+    for (int i = 0; i < size(tS); ++i) tP(i) = Elem(tS(i));
+  };
+
+  PipelineState st;
+  float alpha[2];
+  if constexpr (kOverlap) {
+    // the first tile (the diagonal when causal): S and its softmax alone
+    pipe_k.consumer_wait(st);
+    turn_begin();
+    issue_qk(st.index());
+    turn_end();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tS);
+    pipe_k.consumer_release(st);
+    if (kCausal) mask_diagonal();
+    softmax(alpha);
+    to_p();
+    PipelineState prev = st;
+    ++st;
+    for (int n = ntiles - 2; n >= 0; --n) {
+      pipe_k.consumer_wait(st);
+      pipe_v.consumer_wait(prev);
+      turn_begin();
+      issue_qk(st.index());
+      issue_pv(prev.index());
+      turn_end();
+      warpgroup_wait<1>();  // S of this tile; the previous tile's P.V still in flight
+      warpgroup_fence_operand(tS);
+      pipe_k.consumer_release(st);
+      softmax(alpha);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tO);
+      pipe_v.consumer_release(prev);
+      rescale_o(alpha);
+      to_p();
+      prev = st;
+      ++st;
+    }
+    pipe_v.consumer_wait(prev);  // the last tile's P.V, outside the turns (as FlashAttention-3's)
+    issue_pv(prev.index());
     warpgroup_wait<0>();
     warpgroup_fence_operand(tO);
-    pipe_v.consumer_release(st);
+    pipe_v.consumer_release(prev);
+  } else {
+    for (int n = ntiles - 1; n >= 0; --n, ++st) {
+      pipe_k.consumer_wait(st);
+      issue_qk(st.index());
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tS);
+      pipe_k.consumer_release(st);
+      if (kCausal && n == ntiles - 1) mask_diagonal();
+      softmax(alpha);
+      rescale_o(alpha);
+      to_p();
+      pipe_v.consumer_wait(st);
+      issue_pv(st.index());
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tO);
+      pipe_v.consumer_release(st);
+    }
   }
 
   CUTE_UNROLL
