@@ -153,7 +153,9 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
     }
     warpgroup_commit_batch();
   };
+  Tensor tP32 = recast<uint32_t>(tP);  // P as the registers the RS MMA reads while in flight: fenced like O
   auto issue_pv = [&](int stage) {
+    warpgroup_fence_operand(tP32);
     warpgroup_fence_operand(tO);
     warpgroup_arrive();
     CUTE_UNROLL
@@ -189,7 +191,8 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
     CUTE_UNROLL
     for (int i = 0; i < size(tO); ++i) tO(i) *= alpha[(i >> 1) & 1];
   };
-  auto to_p = [&]() {
+  auto to_p = [&]() {  // only once the P.V reading the last P has been waited for
+    warpgroup_fence_operand(tP32);
     CUTE_UNROLL
     for (int i = 0; i < size(tS); ++i) tP(i) = Elem(tS(i));
   };
