@@ -78,9 +78,10 @@ def test_attn_tile(D, kv_len):
 @pytest.mark.parametrize("batch,seq_len,heads,kv_heads", [(1, 128, 4, 4), (3, 384, 8, 2), (2, 2048, 7, 1)])
 @pytest.mark.parametrize("overlap,pingpong", [(0, 0), (1, 0), (1, 1)])
 def test_attn_ws(D, causal, batch, seq_len, heads, kv_heads, overlap, pingpong):
-    """The warp-specialised CTA: a TMA producer warp, K and V pipelines of 2 stages, two consumer warpgroups; one
-    query head's 128-token tile a CTA, GQA by the KV head's index, the causal diagonal masked; the intra-warpgroup
-    overlap and the ping-pong on and off (one KV tile: the overlapped loop's first and last steps only)."""
+    """The warp-specialised CTA: a TMA producer warp, K and V pipelines of 2 stages, two consumer warpgroups, on a
+    persistent grid (2 x 2048 x 7 heads: 224 work tiles for the SMs, so CTAs take several and the producer runs into
+    the next one's Q); GQA by the KV head's index, the causal diagonal masked; the intra-warpgroup overlap and the
+    ping-pong on and off (1 x 128: one KV tile, the overlapped loop's first and last steps only)."""
     pytest.importorskip("cutlass_library")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm_90a only")

@@ -2,8 +2,10 @@
 // producer warpgroup whose first warp issues every TMA load (Q once, then K and V tiles through two
 // PipelineTmaAsync rings), and two consumer warpgroups of 64 rows each (a 128-row query tile), with registers moved to
 // them by setmaxnreg (24 / 240). Per KV tile a consumer waits for K, runs S = Q K^T, frees K, runs the online softmax
-// (attn_tile.cu's indexing), waits for V, runs O += P V and frees V. A CTA is one query head's 128-token tile
-// (FlashAttention-3's work tile: GQA heads not packed), the causal tiles longest first; the diagonal tile is masked.
+// (attn_tile.cu's indexing), waits for V, runs O += P V and frees V. A work tile is one query head's 128 tokens
+// (FlashAttention-3's: GQA heads not packed); the grid is persistent, one CTA an SM taking tiles gridDim.x apart,
+// causal ones longest first. The producer runs ahead across tiles: it loads a tile's Q once the consumers are done
+// with the last one's (barrier q_empty, before their epilogue) and its K and V as the rings free up.
 // KV tiles run from the last to the first, as FlashAttention-3's: the causal diagonal (the one masked tile) comes
 // first. OVERLAP 1 is FlashAttention-3's intra-warpgroup overlap: S of tile n is issued with P.V of tile n + 1 (the
 // one before it in this order), and the softmax of S runs while that P.V is in flight. PINGPONG 1 (with OVERLAP) has
@@ -54,7 +56,7 @@ struct SharedStorage {
   cute::array_aligned<Elem, cosize_v<SmemLayoutK>, 1024> k;
   cute::array_aligned<Elem, cosize_v<SmemLayoutVt>, 1024> v;
   typename Pipeline::SharedStorage pipe_k, pipe_v;
-  alignas(8) uint64_t q_full;
+  alignas(8) uint64_t q_full, q_empty;
 };
 constexpr int kSmemBytes = sizeof(SharedStorage);
 
@@ -68,10 +70,15 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
   SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_raw);
   const int tid = threadIdx.x, warp_group = tid / 128;
   const int warp_in_group = __shfl_sync(0xffffffffu, (tid / 32) % 4, 0);
-  const int seq_tiles = seq_len / kKv, qtile = kCausal ? seq_tiles - 1 - (int)blockIdx.x : (int)blockIdx.x;
-  const int head = blockIdx.y, b = blockIdx.z, kv_head = head / (heads / kv_heads);
-  const int ntiles = kCausal ? qtile + 1 : seq_tiles;
-  const int tokens = batch * seq_len;
+  const int seq_tiles = seq_len / kKv, tokens = batch * seq_len, work = seq_tiles * heads * batch;
+  // work tile t: query tile rank t / (heads x batch) (longest first when causal), then head, then request
+  auto coords = [&](int t, int& qtile, int& head, int& b, int& ntiles) {
+    const int rank = t / (heads * batch), rest = t % (heads * batch);
+    qtile = kCausal ? seq_tiles - 1 - rank : rank;
+    head = rest % heads;
+    b = rest / heads;
+    ntiles = kCausal ? qtile + 1 : seq_tiles;
+  };
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), SmemLayoutK{});
   Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), SmemLayoutVt{});
@@ -83,7 +90,10 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
   pp.num_consumers = kConsumers;
   Pipeline pipe_k(ss.pipe_k, pp, Shape<_1, _1, _1>{});
   Pipeline pipe_v(ss.pipe_v, pp, Shape<_1, _1, _1>{});
-  if (tid == 0) cutlass::arch::ClusterTransactionBarrier::init(&ss.q_full, 1);
+  if (tid == 0) {
+    cutlass::arch::ClusterTransactionBarrier::init(&ss.q_full, 1);
+    cutlass::arch::ClusterBarrier::init(&ss.q_empty, kConsumers);
+  }
   cutlass::arch::fence_barrier_init();
   __syncthreads();  // barriers initialised before anyone waits on or arrives at them
 
@@ -93,22 +103,27 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
       Tensor mQ = tma_q.get_tma_tensor(make_shape(tokens, D{}, heads));
       Tensor mK = tma_k.get_tma_tensor(make_shape(tokens, D{}, kv_heads));
       Tensor mVt = tma_v.get_tma_tensor(make_shape(D{}, tokens, kv_heads));
-      const int tile0 = b * seq_tiles;  // the request's first 128-token tile among all of them
-      Tensor gQ = local_tile(mQ(_, _, head), Shape<Int<kRows>, D>{}, make_coord(tile0 + qtile, 0));  // (128, D)
-      Tensor gK = local_tile(mK(_, _, kv_head), Shape<Int<kKv>, D>{}, make_coord(_, 0));           // (128, D, n)
-      Tensor gVt = local_tile(mVt(_, _, kv_head), Shape<D, Int<kKv>>{}, make_coord(0, _));         // (D, 128, n)
-      auto [tQg, tQs] = tma_partition(tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-      auto [tKg, tKs] = tma_partition(tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-      auto [tVg, tVs] = tma_partition(tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sVt), group_modes<0, 2>(gVt));
-      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full, kQBytes);
-      copy(tma_q.with(ss.q_full), tQg, tQs);
       PipelineState st = cutlass::make_producer_start_state<Pipeline>();
-      for (int n = ntiles - 1; n >= 0; --n) {  // the consumers' order: the diagonal first
-        pipe_k.producer_acquire(st);
-        copy(tma_k.with(*pipe_k.producer_get_barrier(st)), tKg(_, tile0 + n), tKs(_, st.index()));
-        pipe_v.producer_acquire(st);
-        copy(tma_v.with(*pipe_v.producer_get_barrier(st)), tVg(_, tile0 + n), tVs(_, st.index()));
-        ++st;
+      for (int t = blockIdx.x, j = 0; t < work; t += gridDim.x, ++j) {
+        int qtile, head, b, ntiles;
+        coords(t, qtile, head, b, ntiles);
+        const int kv_head = head / (heads / kv_heads), tile0 = b * seq_tiles;  // the request's first tile
+        Tensor gQ = local_tile(mQ(_, _, head), Shape<Int<kRows>, D>{}, make_coord(tile0 + qtile, 0));  // (128, D)
+        Tensor gK = local_tile(mK(_, _, kv_head), Shape<Int<kKv>, D>{}, make_coord(_, 0));           // (128, D, n)
+        Tensor gVt = local_tile(mVt(_, _, kv_head), Shape<D, Int<kKv>>{}, make_coord(0, _));         // (D, 128, n)
+        auto [tQg, tQs] = tma_partition(tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+        auto [tKg, tKs] = tma_partition(tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+        auto [tVg, tVs] = tma_partition(tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sVt), group_modes<0, 2>(gVt));
+        if (j > 0) cutlass::arch::ClusterBarrier::wait(&ss.q_empty, (j - 1) & 1);  // the last tile's Q is done with
+        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full, kQBytes);
+        copy(tma_q.with(ss.q_full), tQg, tQs);
+        for (int n = ntiles - 1; n >= 0; --n) {  // the consumers' order: the diagonal first
+          pipe_k.producer_acquire(st);
+          copy(tma_k.with(*pipe_k.producer_get_barrier(st)), tKg(_, tile0 + n), tKs(_, st.index()));
+          pipe_v.producer_acquire(st);
+          copy(tma_v.with(*pipe_v.producer_get_barrier(st)), tVg(_, tile0 + n), tVs(_, st.index()));
+          ++st;
+        }
       }
     }
     return;
@@ -129,10 +144,8 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
   Tensor tO = partition_fragment_C(mma_pv, Shape<Int<kRows>, D>{});
   Tensor tP = thr_pv.partition_fragment_A(make_tensor(make_smem_ptr(ss.q.data()), Shape<Int<kRows>, Int<kKv>>{}));
   static_assert(decltype(size(tS))::value == decltype(size(tP))::value, "P: S's accumulators in their order");
-  clear(tO);
-  float mx[2] = {-INFINITY, -INFINITY}, sum[2] = {0.f, 0.f};
+  float mx[2] = {-INFINITY, -INFINITY}, sum[2] = {0.f, 0.f};  // reset per work tile below
   const float scale2 = sm_scale * kLog2e;
-  cutlass::arch::ClusterTransactionBarrier::wait(&ss.q_full, 0);
 
   const int wg = ctid / 128;
   auto turn_begin = [&]() {  // ping-pong: wait for this warpgroup's turn to issue MMAs
@@ -199,78 +212,87 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
 
   PipelineState st;
   float alpha[2];
-  if constexpr (kOverlap) {
-    // the first tile (the diagonal when causal): S and its softmax alone
-    pipe_k.consumer_wait(st);
-    turn_begin();
-    issue_qk(st.index());
-    turn_end();
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(tS);
-    pipe_k.consumer_release(st);
-    if (kCausal) mask_diagonal();
-    softmax(alpha);
-    to_p();
-    PipelineState prev = st;
-    ++st;
-    for (int n = ntiles - 2; n >= 0; --n) {
+  for (int t = blockIdx.x, j = 0; t < work; t += gridDim.x, ++j) {
+    int qtile, head, b, ntiles;
+    coords(t, qtile, head, b, ntiles);
+    clear(tO);
+    mx[0] = mx[1] = -INFINITY;
+    sum[0] = sum[1] = 0.f;
+    cutlass::arch::ClusterTransactionBarrier::wait(&ss.q_full, j & 1);
+    if constexpr (kOverlap) {
+      // the first tile (the diagonal when causal): S and its softmax alone
       pipe_k.consumer_wait(st);
-      pipe_v.consumer_wait(prev);
       turn_begin();
       issue_qk(st.index());
-      issue_pv(prev.index());
       turn_end();
-      warpgroup_wait<1>();  // S of this tile; the previous tile's P.V still in flight
+      warpgroup_wait<0>();
       warpgroup_fence_operand(tS);
       pipe_k.consumer_release(st);
+      if (kCausal) mask_diagonal();
       softmax(alpha);
+      to_p();
+      PipelineState prev = st;
+      ++st;
+      for (int n = ntiles - 2; n >= 0; --n) {
+        pipe_k.consumer_wait(st);
+        pipe_v.consumer_wait(prev);
+        turn_begin();
+        issue_qk(st.index());
+        issue_pv(prev.index());
+        turn_end();
+        warpgroup_wait<1>();  // S of this tile; the previous tile's P.V still in flight
+        warpgroup_fence_operand(tS);
+        pipe_k.consumer_release(st);
+        softmax(alpha);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tO);
+        pipe_v.consumer_release(prev);
+        rescale_o(alpha);
+        to_p();
+        prev = st;
+        ++st;
+      }
+      pipe_v.consumer_wait(prev);  // the last tile's P.V, outside the turns (as FlashAttention-3's)
+      issue_pv(prev.index());
       warpgroup_wait<0>();
       warpgroup_fence_operand(tO);
       pipe_v.consumer_release(prev);
-      rescale_o(alpha);
-      to_p();
-      prev = st;
-      ++st;
+    } else {
+      for (int n = ntiles - 1; n >= 0; --n, ++st) {
+        pipe_k.consumer_wait(st);
+        issue_qk(st.index());
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tS);
+        pipe_k.consumer_release(st);
+        if (kCausal && n == ntiles - 1) mask_diagonal();
+        softmax(alpha);
+        rescale_o(alpha);
+        to_p();
+        pipe_v.consumer_wait(st);
+        issue_pv(st.index());
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tO);
+        pipe_v.consumer_release(st);
+      }
     }
-    pipe_v.consumer_wait(prev);  // the last tile's P.V, outside the turns (as FlashAttention-3's)
-    issue_pv(prev.index());
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(tO);
-    pipe_v.consumer_release(prev);
-  } else {
-    for (int n = ntiles - 1; n >= 0; --n, ++st) {
-      pipe_k.consumer_wait(st);
-      issue_qk(st.index());
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tS);
-      pipe_k.consumer_release(st);
-      if (kCausal && n == ntiles - 1) mask_diagonal();
-      softmax(alpha);
-      rescale_o(alpha);
-      to_p();
-      pipe_v.consumer_wait(st);
-      issue_pv(st.index());
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tO);
-      pipe_v.consumer_release(st);
-    }
-  }
+    cutlass::arch::ClusterBarrier::arrive(&ss.q_empty);  // every S of the tile is done: the next Q may land
 
-  CUTE_UNROLL
-  for (int h = 0; h < 2; ++h) {
-    sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 1);
-    sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 2);
-  }
-  Tensor tOb = make_tensor_like<Elem>(tO);
-  CUTE_UNROLL
-  for (int i = 0; i < size(tO); ++i) tOb(i) = Elem(tO(i) / sum[(i >> 1) & 1]);
-  const int64_t token0 = (int64_t)b * seq_len + qtile * kRows;
-  Tensor gO = make_tensor(make_gmem_ptr(o + (token0 * heads + head) * kHeadDim), Shape<Int<kRows>, D>{},
-                          make_stride(heads * kHeadDim, _1{}));
-  copy(tOb, thr_pv.partition_C(gO));
-  if ((lane & 3) == 0) {
     CUTE_UNROLL
-    for (int h = 0; h < 2; ++h) lse[(token0 + row0 + 8 * h) * heads + head] = mx[h] * sm_scale + logf(sum[h]);
+    for (int h = 0; h < 2; ++h) {
+      sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 1);
+      sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 2);
+    }
+    Tensor tOb = make_tensor_like<Elem>(tO);
+    CUTE_UNROLL
+    for (int i = 0; i < size(tO); ++i) tOb(i) = Elem(tO(i) / sum[(i >> 1) & 1]);
+    const int64_t token0 = (int64_t)b * seq_len + qtile * kRows;
+    Tensor gO = make_tensor(make_gmem_ptr(o + (token0 * heads + head) * kHeadDim), Shape<Int<kRows>, D>{},
+                            make_stride(heads * kHeadDim, _1{}));
+    copy(tOb, thr_pv.partition_C(gO));
+    if ((lane & 3) == 0) {
+      CUTE_UNROLL
+      for (int h = 0; h < 2; ++h) lse[(token0 + row0 + 8 * h) * heads + head] = mx[h] * sm_scale + logf(sum[h]);
+    }
   }
 }
 
@@ -295,7 +317,11 @@ FI_EXPORT int fi_cute_attn_ws(const void* q, const void* k, const void* v, void*
   auto kernel = attn_ws<decltype(tma_q), decltype(tma_k), decltype(tma_v)>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (e != cudaSuccess) return (int)e;
-  const dim3 grid((unsigned)(seq_len / kRows), (unsigned)heads, (unsigned)batch);
+  int device = 0, sms = 0;
+  if ((e = cudaGetDevice(&device)) != cudaSuccess) return (int)e;
+  if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return (int)e;
+  const int64_t work = seq_len / kRows * heads * batch;
+  const unsigned grid = (unsigned)(work < sms ? work : sms);  // persistent: one CTA an SM
   kernel<<<grid, kThreads, kSmemBytes, (cudaStream_t)stream>>>(tma_q, tma_k, tma_v, static_cast<Elem*>(o), lse,
                                                                 (int)batch, (int)seq_len, H, Hkv, sm_scale);
   return (int)cudaGetLastError();
