@@ -73,42 +73,59 @@ def test_attn_tile(D, kv_len):
     assert err < 2e-2 and lse_err < 1e-3, f"D={D} kv_len={kv_len}: O error {err}, LSE error {lse_err}"
 
 
+_WS_CASES = {  # (query lengths, KV lengths, heads, KV heads)
+    "1x128": ([128], [128], 4, 4),
+    "3x384": ([384] * 3, [384] * 3, 8, 2),
+    "2x2048": ([2048] * 2, [2048] * 2, 7, 1),  # 224 work tiles: CTAs take several, the producer runs ahead
+    "varlen": ([1, 130, 257, 1000, 64, 129], [1, 300, 257, 1500, 64, 4000], 8, 2),
+}
+
+
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("batch,seq_len,heads,kv_heads", [(1, 128, 4, 4), (3, 384, 8, 2), (2, 2048, 7, 1)])
+@pytest.mark.parametrize("case", sorted(_WS_CASES))
 @pytest.mark.parametrize("overlap,pingpong", [(0, 0), (1, 0), (1, 1)])
-def test_attn_ws(D, causal, batch, seq_len, heads, kv_heads, overlap, pingpong):
+def test_attn_ws(D, causal, case, overlap, pingpong):
     """The warp-specialised CTA: a TMA producer warp, K and V pipelines of 2 stages, two consumer warpgroups, on a
-    persistent grid (2 x 2048 x 7 heads: 224 work tiles for the SMs, so CTAs take several and the producer runs into
-    the next one's Q); GQA by the KV head's index, the causal diagonal masked; the intra-warpgroup overlap and the
-    ping-pong on and off (1 x 128: one KV tile, the overlapped loop's first and last steps only)."""
+    persistent grid; GQA by the KV head's index; ragged requests of any length (KV at least the query's), causal
+    bottom-right with the masked tiles found per tile, rows past a request's end not stored; the intra-warpgroup
+    overlap and the ping-pong on and off (1 x 128: one KV tile, the overlapped loop's first and last steps only)."""
     pytest.importorskip("cutlass_library")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm_90a only")
     from fi_backend import kernels
     from fi_backend.kernels import cutlass
     module = kernels.load(cutlass.attn_ws_spec(D, causal, overlap=bool(overlap), pingpong=bool(pingpong)))
-    run = module.function("fi_cute_attn_ws", [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4 + [ctypes.c_float,
+    run = module.function("fi_cute_attn_ws", [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float,
                                                                                              ctypes.c_void_p])
-    tokens, scale = batch * seq_len, D ** -0.5
-    q = torch.randn(tokens, heads, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(tokens, kv_heads, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(tokens, kv_heads, D, device="cuda", dtype=torch.bfloat16)
+    q_lens, kv_lens, heads, kv_heads = _WS_CASES[case]
+    qo_indptr = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    kv_indptr = torch.tensor([0] + kv_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    total_q, total_kv, scale = int(qo_indptr[-1]), int(kv_indptr[-1]), D ** -0.5
+    q = torch.randn(total_q, heads, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(total_kv, kv_heads, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(total_kv, kv_heads, D, device="cuda", dtype=torch.bfloat16)
     o = torch.full_like(q, float("nan"))
-    lse = torch.full((tokens, heads), float("nan"), device="cuda", dtype=torch.float32)
-    rc = run(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), batch, seq_len, heads, kv_heads,
-             scale, torch.cuda.current_stream().cuda_stream)
+    lse = torch.full((total_q, heads), float("nan"), device="cuda", dtype=torch.float32)
+    qi, ki = qo_indptr.cuda(), kv_indptr.cuda()
+    rc = run(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), qi.data_ptr(), ki.data_ptr(),
+             len(q_lens), max(q_lens), heads, kv_heads, total_q, total_kv, scale, torch.cuda.current_stream().cuda_stream)
     assert rc == 0, f"launch failed: {rc}"
     torch.cuda.synchronize()
     g = heads // kv_heads
-    qd = q.double().view(batch, seq_len, heads, D).transpose(1, 2)                                  # b h s d
-    kd = k.double().view(batch, seq_len, kv_heads, D).transpose(1, 2).repeat_interleave(g, dim=1)
-    vd = v.double().view(batch, seq_len, kv_heads, D).transpose(1, 2).repeat_interleave(g, dim=1)
-    s = (qd @ kd.transpose(-1, -2)) * scale
-    if causal:
-        s = s.masked_fill(torch.ones(seq_len, seq_len, device="cuda", dtype=torch.bool).triu(1), float("-inf"))
-    ref_lse = torch.logsumexp(s, dim=-1).transpose(1, 2).reshape(tokens, heads)
-    ref = (torch.softmax(s, dim=-1) @ vd).transpose(1, 2).reshape(tokens, heads, D)
-    err = ((o.double() - ref).abs() / (ref.abs() + 1)).max().item()
-    lse_err = (lse.double() - ref_lse).abs().max().item()
-    assert err < 2e-2 and lse_err < 1e-3, f"{batch}x{seq_len} {heads}/{kv_heads} D={D} causal={causal}: O error {err}, LSE error {lse_err}"
+    for b, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
+        q0, k0 = int(qo_indptr[b]), int(kv_indptr[b])
+        qd = q[q0:q0 + ql].double().transpose(0, 1)                                   # h q d
+        kd = k[k0:k0 + kl].double().transpose(0, 1).repeat_interleave(g, dim=0)
+        vd = v[k0:k0 + kl].double().transpose(0, 1).repeat_interleave(g, dim=0)
+        s = (qd @ kd.transpose(-1, -2)) * scale
+        if causal:  # bottom-right: query i sees keys <= kl - ql + i
+            i = torch.arange(ql, device="cuda")[:, None]
+            j = torch.arange(kl, device="cuda")[None, :]
+            s = s.masked_fill(j > kl - ql + i, float("-inf"))
+        ref_lse = torch.logsumexp(s, dim=-1).transpose(0, 1)
+        ref = (torch.softmax(s, dim=-1) @ vd).transpose(0, 1)
+        err = ((o[q0:q0 + ql].double() - ref).abs() / (ref.abs() + 1)).max().item()
+        lse_err = (lse[q0:q0 + ql].double() - ref_lse).abs().max().item()
+        assert err < 2e-2 and lse_err < 1e-3, (f"{case} request {b} ({ql} / {kl}) D={D} causal={causal}: "
+                                              f"O error {err}, LSE error {lse_err}")

@@ -12,9 +12,13 @@
 // the two consumer warpgroups issue their MMAs in turns on two named barriers, so one's softmax runs under the other's
 // MMAs.
 // Template parameters: HEAD_DIM 64 or 128, STAGES (2), CAUSAL, OVERLAP, PINGPONG (0 / 1).
-// fi_cute_attn_ws: batch requests of seq_len tokens each (a multiple of 128), q [batch * seq_len, heads, D],
-// k / v [batch * seq_len, kv_heads, D] bf16 (heads a multiple of kv_heads), o like q, lse [batch * seq_len, heads]
-// float32 (natural log), logits scaled by sm_scale.
+// fi_cute_attn_ws: ragged requests, q [total_q, heads, D] and k / v [total_kv, kv_heads, D] bf16 (heads a multiple of
+// kv_heads) with request b's rows at qo_indptr[b] .. qo_indptr[b + 1] and kv_indptr[b] .. (int32, device), any
+// lengths with 1 <= q_len <= kv_len, causal bottom-right aligned (query i sees keys <= kv_len - q_len + i);
+// max_q_len bounds the query tiles. o like q, lse [total_q, heads] float32 (natural log), logits scaled by sm_scale.
+// TMA reads tiles at each request's offset (zeros past the tensors' ends); keys past a request's KV (another
+// request's, or zeros) and past a row's causal limit are masked on the tiles that hold any, and query rows past the
+// request's end are computed but not stored.
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/atom/copy_traits_sm90_tma.hpp>
@@ -64,20 +68,35 @@ template <class TmaQ, class TmaK, class TmaV>
 __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ const tma_q,
                                                         CUTE_GRID_CONSTANT TmaK const tma_k,
                                                         CUTE_GRID_CONSTANT TmaV const tma_v, Elem* __restrict__ o,
-                                                        float* __restrict__ lse, int batch, int seq_len, int heads,
-                                                        int kv_heads, float sm_scale) {
+                                                        float* __restrict__ lse, const int* __restrict__ qo_indptr,
+                                                        const int* __restrict__ kv_indptr, int batch, int max_q_len,
+                                                        int heads, int kv_heads, int total_q, int total_kv,
+                                                        float sm_scale) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_raw);
   const int tid = threadIdx.x, warp_group = tid / 128;
   const int warp_in_group = __shfl_sync(0xffffffffu, (tid / 32) % 4, 0);
-  const int seq_tiles = seq_len / kKv, tokens = batch * seq_len, work = seq_tiles * heads * batch;
-  // work tile t: query tile rank t / (heads x batch) (longest first when causal), then head, then request
-  auto coords = [&](int t, int& qtile, int& head, int& b, int& ntiles) {
+  const int max_qtiles = (max_q_len + kRows - 1) / kRows, work = max_qtiles * heads * batch;
+  // Work tile t: query tile rank t / (heads x batch) (the causal ones last-first: the longest first where lengths are
+  // alike), then head, then request. False where the request has no such query tile (both roles skip it).
+  struct Tile {
+    int qtile, head, b, q_begin, q_len, kv_begin, kv_len, ntiles;
+  };
+  auto coords = [&](int t, Tile& w) -> bool {
     const int rank = t / (heads * batch), rest = t % (heads * batch);
-    qtile = kCausal ? seq_tiles - 1 - rank : rank;
-    head = rest % heads;
-    b = rest / heads;
-    ntiles = kCausal ? qtile + 1 : seq_tiles;
+    w.qtile = kCausal ? max_qtiles - 1 - rank : rank;
+    w.head = rest % heads;
+    w.b = rest / heads;
+    w.q_begin = __ldg(qo_indptr + w.b);
+    w.q_len = __ldg(qo_indptr + w.b + 1) - w.q_begin;
+    if (w.qtile * kRows >= w.q_len) return false;
+    w.kv_begin = __ldg(kv_indptr + w.b);
+    w.kv_len = __ldg(kv_indptr + w.b + 1) - w.kv_begin;
+    // keys the tile's last row sees (causal), or all of them
+    const int last_row = min(w.q_len, (w.qtile + 1) * kRows) - 1;
+    const int kv_end = kCausal ? min(w.kv_len, w.kv_len - w.q_len + last_row + 1) : w.kv_len;
+    w.ntiles = (kv_end + kKv - 1) / kKv;
+    return true;
   };
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), SmemLayoutK{});
@@ -100,28 +119,33 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
   if (warp_group == 0) {  // producer
     cutlass::arch::warpgroup_reg_dealloc<24>();
     if (warp_in_group == 0 && cute::elect_one_sync()) {
-      Tensor mQ = tma_q.get_tma_tensor(make_shape(tokens, D{}, heads));
-      Tensor mK = tma_k.get_tma_tensor(make_shape(tokens, D{}, kv_heads));
-      Tensor mVt = tma_v.get_tma_tensor(make_shape(D{}, tokens, kv_heads));
+      Tensor mQ = tma_q.get_tma_tensor(make_shape(total_q, D{}, heads));
+      Tensor mK = tma_k.get_tma_tensor(make_shape(total_kv, D{}, kv_heads));
+      Tensor mVt = tma_v.get_tma_tensor(make_shape(D{}, total_kv, kv_heads));
       PipelineState st = cutlass::make_producer_start_state<Pipeline>();
-      for (int t = blockIdx.x, j = 0; t < work; t += gridDim.x, ++j) {
-        int qtile, head, b, ntiles;
-        coords(t, qtile, head, b, ntiles);
-        const int kv_head = head / (heads / kv_heads), tile0 = b * seq_tiles;  // the request's first tile
-        Tensor gQ = local_tile(mQ(_, _, head), Shape<Int<kRows>, D>{}, make_coord(tile0 + qtile, 0));  // (128, D)
-        Tensor gK = local_tile(mK(_, _, kv_head), Shape<Int<kKv>, D>{}, make_coord(_, 0));           // (128, D, n)
-        Tensor gVt = local_tile(mVt(_, _, kv_head), Shape<D, Int<kKv>>{}, make_coord(0, _));         // (D, 128, n)
+      Tile w;
+      for (int t = blockIdx.x, j = 0; t < work; t += gridDim.x) {
+        if (!coords(t, w)) continue;
+        const int kv_head = w.head / (heads / kv_heads);
+        // tiles from the request's own first row / key (TMA coordinates: any offset)
+        Tensor gQ = local_tile(domain_offset(make_coord(w.q_begin, 0), mQ(_, _, w.head)), Shape<Int<kRows>, D>{},
+                               make_coord(w.qtile, 0));                                                    // (128, D)
+        Tensor gK = local_tile(domain_offset(make_coord(w.kv_begin, 0), mK(_, _, kv_head)), Shape<Int<kKv>, D>{},
+                               make_coord(_, 0));                                                          // (128, D, n)
+        Tensor gVt = local_tile(domain_offset(make_coord(0, w.kv_begin), mVt(_, _, kv_head)), Shape<D, Int<kKv>>{},
+                                make_coord(0, _));                                                         // (D, 128, n)
         auto [tQg, tQs] = tma_partition(tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
         auto [tKg, tKs] = tma_partition(tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
         auto [tVg, tVs] = tma_partition(tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sVt), group_modes<0, 2>(gVt));
         if (j > 0) cutlass::arch::ClusterBarrier::wait(&ss.q_empty, (j - 1) & 1);  // the last tile's Q is done with
+        ++j;
         cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full, kQBytes);
         copy(tma_q.with(ss.q_full), tQg, tQs);
-        for (int n = ntiles - 1; n >= 0; --n) {  // the consumers' order: the diagonal first
+        for (int n = w.ntiles - 1; n >= 0; --n) {  // the consumers' order: the diagonal first
           pipe_k.producer_acquire(st);
-          copy(tma_k.with(*pipe_k.producer_get_barrier(st)), tKg(_, tile0 + n), tKs(_, st.index()));
+          copy(tma_k.with(*pipe_k.producer_get_barrier(st)), tKg(_, n), tKs(_, st.index()));
           pipe_v.producer_acquire(st);
-          copy(tma_v.with(*pipe_v.producer_get_barrier(st)), tVg(_, tile0 + n), tVs(_, st.index()));
+          copy(tma_v.with(*pipe_v.producer_get_barrier(st)), tVg(_, n), tVs(_, st.index()));
           ++st;
         }
       }
@@ -175,10 +199,19 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
     for (int kb = 0; kb < size<2>(tP); ++kb) cute::gemm(mma_pv, tP(_, _, kb), tVt(_, _, kb, stage), tO);
     warpgroup_commit_batch();
   };
-  auto mask_diagonal = [&]() {  // column > row is masked (query and KV tiles aligned)
+  // KV tile n of work tile w needs a mask where it holds keys past the request's KV or, causal, past its first row's
+  // limit (then some row's); the mask: key >= kv_len, or key > kv_len - q_len + the row's query index
+  auto needs_mask = [&](const Tile& w, int n) {
+    const int end = (n + 1) * kKv;
+    return end > w.kv_len || (kCausal && end - 1 > w.kv_len - w.q_len + w.qtile * kRows);
+  };
+  auto mask_tile = [&](const Tile& w, int n) {
+    const int key0 = n * kKv + (lane & 3) * 2, limit0 = w.kv_len - w.q_len + w.qtile * kRows + row0;
     CUTE_UNROLL
-    for (int i = 0; i < size(tS); ++i)
-      if ((i >> 2) * 8 + (lane & 3) * 2 + (i & 1) > row0 + 8 * ((i >> 1) & 1)) tS(i) = -INFINITY;
+    for (int i = 0; i < size(tS); ++i) {
+      const int key = key0 + (i >> 2) * 8 + (i & 1);
+      if (key >= w.kv_len || (kCausal && key > limit0 + 8 * ((i >> 1) & 1))) tS(i) = -INFINITY;
+    }
   };
   // The online softmax of S in place (S becomes the tile's probabilities); alpha rescales what O and the sums held.
   auto softmax = [&](float (&alpha)[2]) {
@@ -193,10 +226,11 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
       mx[h] = tmax[h];
       sum[h] *= alpha[h];
     }
+    const float base[2] = {mx[0] == -INFINITY ? 0.f : mx[0] * scale2, mx[1] == -INFINITY ? 0.f : mx[1] * scale2};
     CUTE_UNROLL
-    for (int i = 0; i < size(tS); ++i) {
+    for (int i = 0; i < size(tS); ++i) {  // a row with no key yet: every probability 0, not NaN
       const int h = (i >> 1) & 1;
-      tS(i) = exp2f(tS(i) * scale2 - mx[h] * scale2);
+      tS(i) = exp2f(tS(i) * scale2 - base[h]);
       sum[h] += tS(i);
     }
   };
@@ -212,13 +246,15 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
 
   PipelineState st;
   float alpha[2];
-  for (int t = blockIdx.x, j = 0; t < work; t += gridDim.x, ++j) {
-    int qtile, head, b, ntiles;
-    coords(t, qtile, head, b, ntiles);
+  Tile w;
+  for (int t = blockIdx.x, j = 0; t < work; t += gridDim.x) {
+    if (!coords(t, w)) continue;
+    const int ntiles = w.ntiles;
     clear(tO);
     mx[0] = mx[1] = -INFINITY;
     sum[0] = sum[1] = 0.f;
     cutlass::arch::ClusterTransactionBarrier::wait(&ss.q_full, j & 1);
+    ++j;
     if constexpr (kOverlap) {
       // the first tile (the diagonal when causal): S and its softmax alone
       pipe_k.consumer_wait(st);
@@ -228,7 +264,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
       warpgroup_wait<0>();
       warpgroup_fence_operand(tS);
       pipe_k.consumer_release(st);
-      if (kCausal) mask_diagonal();
+      if (needs_mask(w, ntiles - 1)) mask_tile(w, ntiles - 1);
       softmax(alpha);
       to_p();
       PipelineState prev = st;
@@ -243,6 +279,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
         warpgroup_wait<1>();  // S of this tile; the previous tile's P.V still in flight
         warpgroup_fence_operand(tS);
         pipe_k.consumer_release(st);
+        if (needs_mask(w, n)) mask_tile(w, n);  // the second of a causal limit's two tiles
         softmax(alpha);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tO);
@@ -264,7 +301,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
         warpgroup_wait<0>();
         warpgroup_fence_operand(tS);
         pipe_k.consumer_release(st);
-        if (kCausal && n == ntiles - 1) mask_diagonal();
+        if (needs_mask(w, n)) mask_tile(w, n);
         softmax(alpha);
         rescale_o(alpha);
         to_p();
@@ -285,13 +322,19 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
     Tensor tOb = make_tensor_like<Elem>(tO);
     CUTE_UNROLL
     for (int i = 0; i < size(tO); ++i) tOb(i) = Elem(tO(i) / sum[(i >> 1) & 1]);
-    const int64_t token0 = (int64_t)b * seq_len + qtile * kRows;
-    Tensor gO = make_tensor(make_gmem_ptr(o + (token0 * heads + head) * kHeadDim), Shape<Int<kRows>, D>{},
+    const int64_t token0 = (int64_t)w.q_begin + w.qtile * kRows;
+    const int rows = min(kRows, w.q_len - w.qtile * kRows);  // the request's rows in this tile
+    Tensor gO = make_tensor(make_gmem_ptr(o + (token0 * heads + w.head) * kHeadDim), Shape<Int<kRows>, D>{},
                             make_stride(heads * kHeadDim, _1{}));
-    copy(tOb, thr_pv.partition_C(gO));
+    Tensor tOg = thr_pv.partition_C(gO);
+    Tensor tOc = thr_pv.partition_C(make_identity_tensor(Shape<Int<kRows>, D>{}));
+    CUTE_UNROLL
+    for (int i = 0; i < size(tOb); ++i)
+      if (get<0>(tOc(i)) < rows) tOg(i) = tOb(i);
     if ((lane & 3) == 0) {
       CUTE_UNROLL
-      for (int h = 0; h < 2; ++h) lse[(token0 + row0 + 8 * h) * heads + head] = mx[h] * sm_scale + logf(sum[h]);
+      for (int h = 0; h < 2; ++h)
+        if (row0 + 8 * h < rows) lse[(token0 + row0 + 8 * h) * heads + w.head] = mx[h] * sm_scale + logf(sum[h]);
     }
   }
 }
@@ -299,17 +342,18 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
 }  // namespace cute_probe
 }  // namespace fi
 
-FI_EXPORT int fi_cute_attn_ws(const void* q, const void* k, const void* v, void* o, float* lse, int64_t batch,
-                              int64_t seq_len, int64_t heads, int64_t kv_heads, float sm_scale, void* stream) {
+FI_EXPORT int fi_cute_attn_ws(const void* q, const void* k, const void* v, void* o, float* lse, const int* qo_indptr,
+                              const int* kv_indptr, int64_t batch, int64_t max_q_len, int64_t heads, int64_t kv_heads,
+                              int64_t total_q, int64_t total_kv, float sm_scale, void* stream) {
   using namespace fi::cute_probe;
-  if (batch <= 0) return 0;
-  if (seq_len <= 0 || seq_len % kRows || kv_heads <= 0 || heads % kv_heads) return (int)cudaErrorInvalidValue;
-  const int toks = (int)(batch * seq_len), H = (int)heads, Hkv = (int)kv_heads;
-  Tensor gQ = make_tensor(make_gmem_ptr(static_cast<const Elem*>(q)), make_shape(toks, D{}, H),
+  if (batch <= 0 || max_q_len <= 0) return 0;
+  if (kv_heads <= 0 || heads % kv_heads || total_q <= 0 || total_kv <= 0) return (int)cudaErrorInvalidValue;
+  const int H = (int)heads, Hkv = (int)kv_heads, tq = (int)total_q, tkv = (int)total_kv;
+  Tensor gQ = make_tensor(make_gmem_ptr(static_cast<const Elem*>(q)), make_shape(tq, D{}, H),
                           make_stride(H * kHeadDim, _1{}, D{}));
-  Tensor gK = make_tensor(make_gmem_ptr(static_cast<const Elem*>(k)), make_shape(toks, D{}, Hkv),
+  Tensor gK = make_tensor(make_gmem_ptr(static_cast<const Elem*>(k)), make_shape(tkv, D{}, Hkv),
                           make_stride(Hkv * kHeadDim, _1{}, D{}));
-  Tensor gVt = make_tensor(make_gmem_ptr(static_cast<const Elem*>(v)), make_shape(D{}, toks, Hkv),
+  Tensor gVt = make_tensor(make_gmem_ptr(static_cast<const Elem*>(v)), make_shape(D{}, tkv, Hkv),
                            make_stride(_1{}, Hkv * kHeadDim, D{}));
   auto tma_q = make_tma_copy(SM90_TMA_LOAD{}, gQ, SmemLayoutQ{});
   auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, take<0, 2>(SmemLayoutK{}));
@@ -320,9 +364,10 @@ FI_EXPORT int fi_cute_attn_ws(const void* q, const void* k, const void* v, void*
   int device = 0, sms = 0;
   if ((e = cudaGetDevice(&device)) != cudaSuccess) return (int)e;
   if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return (int)e;
-  const int64_t work = seq_len / kRows * heads * batch;
+  const int64_t work = (max_q_len + kRows - 1) / kRows * heads * batch;
   const unsigned grid = (unsigned)(work < sms ? work : sms);  // persistent: one CTA an SM
   kernel<<<grid, kThreads, kSmemBytes, (cudaStream_t)stream>>>(tma_q, tma_k, tma_v, static_cast<Elem*>(o), lse,
-                                                                (int)batch, (int)seq_len, H, Hkv, sm_scale);
+                                                                qo_indptr, kv_indptr, (int)batch, (int)max_q_len, H,
+                                                                Hkv, tq, tkv, sm_scale);
   return (int)cudaGetLastError();
 }
