@@ -27,16 +27,17 @@ def probe_fn(case: P.Case, overlap: bool, pingpong: bool):
     from fi_backend import kernels
     from fi_backend.kernels import cutlass
     module = kernels.load(cutlass.attn_ws_spec(case.d, True, overlap=overlap, pingpong=pingpong))
-    run = module.function("fi_cute_attn_ws", [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_float,
+    run = module.function("fi_cute_attn_ws", [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6 + [ctypes.c_float,
                                                                                              ctypes.c_void_p])
     out = torch.empty_like(case.q)
     lse = torch.empty(case.rows, case.hq, device=case.q.device, dtype=torch.float32)
     stream = torch.cuda.current_stream().cuda_stream
     indptr = case.indptr_dev
+    counter = torch.zeros(1, device=case.q.device, dtype=torch.int32)
 
     def fn():
         rc = run(case.q.data_ptr(), case.k.data_ptr(), case.v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                 indptr.data_ptr(), indptr.data_ptr(), case.batch, case.seq_len, case.hq, case.hkv, case.rows,
+                 indptr.data_ptr(), indptr.data_ptr(), counter.data_ptr(), case.batch, case.seq_len, case.hq, case.hkv, case.rows,
                  case.rows, case.d ** -0.5, stream)
         if rc:
             raise RuntimeError(f"fi_cute_attn_ws failed: {rc}")

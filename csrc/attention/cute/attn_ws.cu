@@ -3,9 +3,12 @@
 // PipelineTmaAsync rings), and two consumer warpgroups of 64 rows each (a 128-row query tile), with registers moved to
 // them by setmaxnreg (24 / 240). Per KV tile a consumer waits for K, runs S = Q K^T, frees K, runs the online softmax
 // (attn_tile.cu's indexing), waits for V, runs O += P V and frees V. A work tile is one query head's 128 tokens
-// (FlashAttention-3's: GQA heads not packed); the grid is persistent, one CTA an SM taking tiles gridDim.x apart,
-// causal ones longest first. The producer runs ahead across tiles: it loads a tile's Q once the consumers are done
-// with the last one's (barrier q_empty, before their epilogue) and its K and V as the rings free up.
+// (FlashAttention-3's: GQA heads not packed); the grid is persistent, one CTA an SM, each taking its next tile from a
+// counter in global memory (dynamic: causal tiles' lengths differ). Tiles are ordered in sections of (request, head)
+// pairs whose KV fits in L2 together (the CTAs at work at once read the same KV), causal ones longest first within a
+// section. The producer picks the tiles: it fetches the next index while the current one loads, hands it to the
+// consumers in shared memory with the tile's Q (barrier q_full), loads a tile's first K as the ring frees up and its Q
+// once the consumers are done with the last one's (barrier q_empty, before their epilogue).
 // KV tiles run from the last to the first, as FlashAttention-3's: the causal diagonal (the one masked tile) comes
 // first. OVERLAP 1 is FlashAttention-3's intra-warpgroup overlap: S of tile n is issued with P.V of tile n + 1 (the
 // one before it in this order), and the softmax of S runs while that P.V is in flight. PINGPONG 1 (with OVERLAP) has
@@ -16,6 +19,7 @@
 // kv_heads) with request b's rows at qo_indptr[b] .. qo_indptr[b + 1] and kv_indptr[b] .. (int32, device), any
 // lengths with 1 <= q_len <= kv_len, causal bottom-right aligned (query i sees keys <= kv_len - q_len + i);
 // max_q_len bounds the query tiles. o like q, lse [total_q, heads] float32 (natural log), logits scaled by sm_scale.
+// counter: one int32 of device memory the call zeroes on its stream before the launch (the tile counter).
 // TMA reads tiles at each request's offset (zeros past the tensors' ends); keys past a request's KV (another
 // request's, or zeros) and past a row's causal limit are masked on the tiles that hold any, and query rows past the
 // request's end are computed but not stored.
@@ -40,6 +44,7 @@ static_assert(kHeadDim % 64 == 0, "head size: whole 128-byte swizzle atoms");
 constexpr int kRows = 128, kKv = 128, kThreads = 384, kConsumers = 256;
 using D = Int<kHeadDim>;
 using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape<Int<kRows>, D>{}));
+using SmemLayoutO = SmemLayoutQ;  // O staged for coalesced stores
 using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape<Int<kKv>, D, Int<kStages>>{}));
 // V as P.V's B operand: (N = head dim, K = token), head dims contiguous; TMA fills it from V's transposed view. Atoms
 // tiled along the tokens first, so each 64-dim block holds all 128 tokens in a row: one TMA box a block (tiled along
@@ -54,13 +59,16 @@ using Pipeline = cutlass::PipelineTmaAsync<kStages>;
 using PipelineState = cutlass::PipelineState<kStages>;
 constexpr uint32_t kTileBytes = kKv * kHeadDim * sizeof(Elem), kQBytes = kRows * kHeadDim * sizeof(Elem);
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kEpilogueBarrier = 2;  // named barriers 2, 3: a warpgroup's epilogue (0, 1: the ping-pong's turns)
 
 struct SharedStorage {
   cute::array_aligned<Elem, cosize_v<SmemLayoutQ>, 1024> q;
   cute::array_aligned<Elem, cosize_v<SmemLayoutK>, 1024> k;
   cute::array_aligned<Elem, cosize_v<SmemLayoutVt>, 1024> v;
+  cute::array_aligned<Elem, cosize_v<SmemLayoutO>, 1024> o;
   typename Pipeline::SharedStorage pipe_k, pipe_v;
   alignas(8) uint64_t q_full, q_empty;
+  int tile;  // the work tile whose Q q_full announces (work: none left)
 };
 constexpr int kSmemBytes = sizeof(SharedStorage);
 
@@ -69,24 +77,27 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
                                                         CUTE_GRID_CONSTANT TmaK const tma_k,
                                                         CUTE_GRID_CONSTANT TmaV const tma_v, Elem* __restrict__ o,
                                                         float* __restrict__ lse, const int* __restrict__ qo_indptr,
-                                                        const int* __restrict__ kv_indptr, int batch, int max_q_len,
-                                                        int heads, int kv_heads, int total_q, int total_kv,
-                                                        float sm_scale) {
+                                                        const int* __restrict__ kv_indptr, int* __restrict__ counter,
+                                                        int batch, int max_q_len, int heads, int kv_heads, int total_q,
+                                                        int total_kv, int section, float sm_scale) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_raw);
   const int tid = threadIdx.x, warp_group = tid / 128;
   const int warp_in_group = __shfl_sync(0xffffffffu, (tid / 32) % 4, 0);
-  const int max_qtiles = (max_q_len + kRows - 1) / kRows, work = max_qtiles * heads * batch;
-  // Work tile t: query tile rank t / (heads x batch) (the causal ones last-first: the longest first where lengths are
-  // alike), then head, then request. False where the request has no such query tile (both roles skip it).
+  const int max_qtiles = (max_q_len + kRows - 1) / kRows, pairs = heads * batch, work = max_qtiles * pairs;
+  // Work tile t: section t / (section x max_qtiles) of `section` (request, head) pairs (heads of one KV head
+  // adjacent), within it the query tile rank (the causal ones last-first: the longest first where lengths are
+  // alike), then the pair. False where the request has no such query tile (the producer skips it).
   struct Tile {
     int qtile, head, b, q_begin, q_len, kv_begin, kv_len, ntiles;
   };
   auto coords = [&](int t, Tile& w) -> bool {
-    const int rank = t / (heads * batch), rest = t % (heads * batch);
+    const int sec = t / (section * max_qtiles), r = t - sec * section * max_qtiles;
+    const int in_sec = min(section, pairs - sec * section);  // the last section may be short
+    const int rank = r / in_sec, pair = sec * section + r % in_sec;
     w.qtile = kCausal ? max_qtiles - 1 - rank : rank;
-    w.head = rest % heads;
-    w.b = rest / heads;
+    w.head = pair % heads;
+    w.b = pair / heads;
     w.q_begin = __ldg(qo_indptr + w.b);
     w.q_len = __ldg(qo_indptr + w.b + 1) - w.q_begin;
     if (w.qtile * kRows >= w.q_len) return false;
@@ -101,6 +112,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), SmemLayoutK{});
   Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), SmemLayoutVt{});
+  Tensor sO = make_tensor(make_smem_ptr(ss.o.data()), SmemLayoutO{});
 
   typename Pipeline::Params pp;
   pp.transaction_bytes = kTileBytes;
@@ -124,8 +136,19 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
       Tensor mVt = tma_v.get_tma_tensor(make_shape(D{}, total_kv, kv_heads));
       PipelineState st = cutlass::make_producer_start_state<Pipeline>();
       Tile w;
-      for (int t = blockIdx.x, j = 0; t < work; t += gridDim.x) {
-        if (!coords(t, w)) continue;
+      auto next_valid = [&](int t) {  // the first tile from t on that has query rows (work: none)
+        while (t < work && !coords(t, w)) t = gridDim.x + atomicAdd(counter, 1);
+        return t;
+      };
+      int t = next_valid(blockIdx.x);
+      for (int j = 0;; ++j) {
+        if (t >= work) {  // none left: tell the consumers (no bytes to wait for)
+          if (j > 0) cutlass::arch::ClusterBarrier::wait(&ss.q_empty, (j - 1) & 1);
+          ss.tile = work;
+          cutlass::arch::ClusterBarrier::arrive(&ss.q_full);
+          break;
+        }
+        const int next = gridDim.x + atomicAdd(counter, 1);  // in flight while this tile's loads go out
         const int kv_head = w.head / (heads / kv_heads);
         // tiles from the request's own first row / key (TMA coordinates: any offset)
         Tensor gQ = local_tile(domain_offset(make_coord(w.q_begin, 0), mQ(_, _, w.head)), Shape<Int<kRows>, D>{},
@@ -137,17 +160,20 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
         auto [tQg, tQs] = tma_partition(tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
         auto [tKg, tKs] = tma_partition(tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
         auto [tVg, tVs] = tma_partition(tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sVt), group_modes<0, 2>(gVt));
-        if (j > 0) cutlass::arch::ClusterBarrier::wait(&ss.q_empty, (j - 1) & 1);  // the last tile's Q is done with
-        ++j;
-        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full, kQBytes);
-        copy(tma_q.with(ss.q_full), tQg, tQs);
         for (int n = w.ntiles - 1; n >= 0; --n) {  // the consumers' order: the diagonal first
           pipe_k.producer_acquire(st);
           copy(tma_k.with(*pipe_k.producer_get_barrier(st)), tKg(_, n), tKs(_, st.index()));
+          if (n == w.ntiles - 1) {  // Q after the first K: that K may land while the last tile's S still runs
+            if (j > 0) cutlass::arch::ClusterBarrier::wait(&ss.q_empty, (j - 1) & 1);  // its Q is done with
+            ss.tile = t;
+            cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full, kQBytes);
+            copy(tma_q.with(ss.q_full), tQg, tQs);
+          }
           pipe_v.producer_acquire(st);
           copy(tma_v.with(*pipe_v.producer_get_barrier(st)), tVg(_, n), tVs(_, st.index()));
           ++st;
         }
+        t = next_valid(next);
       }
     }
     return;
@@ -247,14 +273,15 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
   PipelineState st;
   float alpha[2];
   Tile w;
-  for (int t = blockIdx.x, j = 0; t < work; t += gridDim.x) {
-    if (!coords(t, w)) continue;
+  for (int j = 0;; ++j) {
+    cutlass::arch::ClusterTransactionBarrier::wait(&ss.q_full, j & 1);
+    const int t = ss.tile;  // read before q_empty's arrive: the producer then writes the next
+    if (t >= work) break;
+    coords(t, w);
     const int ntiles = w.ntiles;
     clear(tO);
     mx[0] = mx[1] = -INFINITY;
     sum[0] = sum[1] = 0.f;
-    cutlass::arch::ClusterTransactionBarrier::wait(&ss.q_full, j & 1);
-    ++j;
     if constexpr (kOverlap) {
       // the first tile (the diagonal when causal): S and its softmax alone
       pipe_k.consumer_wait(st);
@@ -319,18 +346,23 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
       sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 1);
       sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 2);
     }
-    Tensor tOb = make_tensor_like<Elem>(tO);
-    CUTE_UNROLL
-    for (int i = 0; i < size(tO); ++i) tOb(i) = Elem(tO(i) / sum[(i >> 1) & 1]);
+    // O through shared memory: each warpgroup its own 64 rows, then 16-byte stores a row's 256 bytes at a time
+    // (rows past the request's end not stored: they are the next request's)
     const int64_t token0 = (int64_t)w.q_begin + w.qtile * kRows;
     const int rows = min(kRows, w.q_len - w.qtile * kRows);  // the request's rows in this tile
-    Tensor gO = make_tensor(make_gmem_ptr(o + (token0 * heads + w.head) * kHeadDim), Shape<Int<kRows>, D>{},
-                            make_stride(heads * kHeadDim, _1{}));
-    Tensor tOg = thr_pv.partition_C(gO);
-    Tensor tOc = thr_pv.partition_C(make_identity_tensor(Shape<Int<kRows>, D>{}));
+    cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + wg);  // the last tile's rows read out of sO
+    Tensor tOs = thr_pv.partition_C(sO);
     CUTE_UNROLL
-    for (int i = 0; i < size(tOb); ++i)
-      if (get<0>(tOc(i)) < rows) tOg(i) = tOb(i);
+    for (int i = 0; i < size(tO); ++i) tOs(i) = Elem(tO(i) / sum[(i >> 1) & 1]);
+    cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + wg);
+    constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks a row
+    CUTE_UNROLL
+    for (int i = 0; i < 64 * kChunks / 128; ++i) {
+      const int c = ctid % 128 + 128 * i, r = wg * 64 + c / kChunks, col = (c % kChunks) * 8;
+      if (r < rows)
+        *reinterpret_cast<uint4*>(o + ((token0 + r) * heads + w.head) * kHeadDim + col) =
+            *reinterpret_cast<const uint4*>(&sO(r, col));
+    }
     if ((lane & 3) == 0) {
       CUTE_UNROLL
       for (int h = 0; h < 2; ++h)
@@ -343,7 +375,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
 }  // namespace fi
 
 FI_EXPORT int fi_cute_attn_ws(const void* q, const void* k, const void* v, void* o, float* lse, const int* qo_indptr,
-                              const int* kv_indptr, int64_t batch, int64_t max_q_len, int64_t heads, int64_t kv_heads,
+                              const int* kv_indptr, int* counter, int64_t batch, int64_t max_q_len, int64_t heads, int64_t kv_heads,
                               int64_t total_q, int64_t total_kv, float sm_scale, void* stream) {
   using namespace fi::cute_probe;
   if (batch <= 0 || max_q_len <= 0) return 0;
@@ -366,8 +398,13 @@ FI_EXPORT int fi_cute_attn_ws(const void* q, const void* k, const void* v, void*
   if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return (int)e;
   const int64_t work = (max_q_len + kRows - 1) / kRows * heads * batch;
   const unsigned grid = (unsigned)(work < sms ? work : sms);  // persistent: one CTA an SM
+  // a section: as many KV heads' KV (a request of the mean KV length) as fit in 32 MB of L2, with their query heads
+  const int64_t kv_head_bytes = (total_kv + batch - 1) / batch * kHeadDim * (int64_t)sizeof(Elem) * 2;
+  const int64_t kv_per_section = std::max<int64_t>(1, (int64_t(32) << 20) / std::max<int64_t>(1, kv_head_bytes));
+  const int section = (int)std::min<int64_t>(heads * batch, kv_per_section * (heads / kv_heads));
+  if ((e = cudaMemsetAsync(counter, 0, sizeof(int), (cudaStream_t)stream)) != cudaSuccess) return (int)e;
   kernel<<<grid, kThreads, kSmemBytes, (cudaStream_t)stream>>>(tma_q, tma_k, tma_v, static_cast<Elem*>(o), lse,
-                                                                qo_indptr, kv_indptr, (int)batch, (int)max_q_len, H,
-                                                                Hkv, tq, tkv, sm_scale);
+                                                                qo_indptr, kv_indptr, counter, (int)batch,
+                                                                (int)max_q_len, H, Hkv, tq, tkv, section, sm_scale);
   return (int)cudaGetLastError();
 }
