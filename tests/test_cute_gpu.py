@@ -78,7 +78,8 @@ _WS_CASES = {  # (query lengths, KV lengths, heads, KV heads)
     "3x384": ([384] * 3, [384] * 3, 8, 2),
     "2x2048": ([2048] * 2, [2048] * 2, 7, 1),  # 224 work tiles: CTAs take several, the producer runs ahead
     "varlen": ([1, 130, 257, 1000, 64, 129], [1, 300, 257, 1500, 64, 4000], 8, 2),
-    # KV of 8 / 16 MB a KV head: L2 sections of 4 / 2 KV heads, the last one short at head size 64
+    # KV of 8 / 16 MB a KV head, sections of 32 MB: 4 / 2 KV heads, the last one short at head size 64 (the other
+    # cases: sections of one KV head)
     "sections": ([512], [32768], 12, 6),
 }
 
@@ -98,7 +99,7 @@ def test_attn_ws(D, causal, case, overlap, pingpong):
     from fi_backend import kernels
     from fi_backend.kernels import cutlass
     module = kernels.load(cutlass.attn_ws_spec(D, causal, overlap=bool(overlap), pingpong=bool(pingpong)))
-    run = module.function("fi_cute_attn_ws", [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6 + [ctypes.c_float,
+    run = module.function("fi_cute_attn_ws", [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7 + [ctypes.c_float,
                                                                                              ctypes.c_void_p])
     q_lens, kv_lens, heads, kv_heads = _WS_CASES[case]
     qo_indptr = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
@@ -112,7 +113,8 @@ def test_attn_ws(D, causal, case, overlap, pingpong):
     qi, ki = qo_indptr.cuda(), kv_indptr.cuda()
     counter = torch.full((1,), 12345, device="cuda", dtype=torch.int32)  # the call zeroes it
     rc = run(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), qi.data_ptr(), ki.data_ptr(),
-             counter.data_ptr(), len(q_lens), max(q_lens), heads, kv_heads, total_q, total_kv, scale, torch.cuda.current_stream().cuda_stream)
+             counter.data_ptr(), len(q_lens), max(q_lens), heads, kv_heads, total_q, total_kv,
+             32 << 20 if case == "sections" else 0, scale, torch.cuda.current_stream().cuda_stream)
     assert rc == 0, f"launch failed: {rc}"
     torch.cuda.synchronize()
     g = heads // kv_heads

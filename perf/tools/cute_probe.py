@@ -20,14 +20,16 @@ from perf import prefill as P
 from perf.common import diff_stats, log, stamp, time_rounds, write_result
 
 
-MODES = {"cute_plain": (False, False), "cute_overlap": (True, False), "cute_pingpong": (True, True)}
+# (overlap, ping-pong, L2 section bytes: 0 one KV head's KV)
+MODES = {"cute_plain": (False, False, 0), "cute_overlap": (True, False, 0), "cute_pingpong": (True, True, 0),
+         "cute_overlap_l2_32m": (True, False, 32 << 20)}
 
 
-def probe_fn(case: P.Case, overlap: bool, pingpong: bool):
+def probe_fn(case: P.Case, overlap: bool, pingpong: bool, l2_section_bytes: int = 0):
     from fi_backend import kernels
     from fi_backend.kernels import cutlass
     module = kernels.load(cutlass.attn_ws_spec(case.d, True, overlap=overlap, pingpong=pingpong))
-    run = module.function("fi_cute_attn_ws", [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6 + [ctypes.c_float,
+    run = module.function("fi_cute_attn_ws", [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7 + [ctypes.c_float,
                                                                                              ctypes.c_void_p])
     out = torch.empty_like(case.q)
     lse = torch.empty(case.rows, case.hq, device=case.q.device, dtype=torch.float32)
@@ -38,7 +40,7 @@ def probe_fn(case: P.Case, overlap: bool, pingpong: bool):
     def fn():
         rc = run(case.q.data_ptr(), case.k.data_ptr(), case.v.data_ptr(), out.data_ptr(), lse.data_ptr(),
                  indptr.data_ptr(), indptr.data_ptr(), counter.data_ptr(), case.batch, case.seq_len, case.hq, case.hkv, case.rows,
-                 case.rows, case.d ** -0.5, stream)
+                 case.rows, l2_section_bytes, case.d ** -0.5, stream)
         if rc:
             raise RuntimeError(f"fi_cute_attn_ws failed: {rc}")
     return fn, out
@@ -62,8 +64,8 @@ def main(argv=None) -> int:
         for b, s in parse_shapes(a.shapes):
             case = P.Case(b, s, hq, hkv, seed=b + s)
             fns, outs = {}, {}
-            for name, (overlap, pingpong) in MODES.items():
-                fns[name], outs[name] = probe_fn(case, overlap, pingpong)
+            for name, (overlap, pingpong, l2) in MODES.items():
+                fns[name], outs[name] = probe_fn(case, overlap, pingpong, l2)
             fns["flashinfer_fa3"], outs["flashinfer_fa3"] = fi_fa3.fn(case)
             fns["ours"], outs["ours"], _ = P.ours_fn(case)
             fns["ours_fa3"], outs["ours_fa3"], _ = P.ours_fn(case, tuning=PREFILL_FA3_TUNINGS[case.d])

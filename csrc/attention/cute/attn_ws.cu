@@ -20,6 +20,7 @@
 // lengths with 1 <= q_len <= kv_len, causal bottom-right aligned (query i sees keys <= kv_len - q_len + i);
 // max_q_len bounds the query tiles. o like q, lse [total_q, heads] float32 (natural log), logits scaled by sm_scale.
 // counter: one int32 of device memory the call zeroes on its stream before the launch (the tile counter).
+// l2_section_bytes: the KV a section of tiles may span (0: one KV head's).
 // TMA reads tiles at each request's offset (zeros past the tensors' ends); keys past a request's KV (another
 // request's, or zeros) and past a row's causal limit are masked on the tiles that hold any, and query rows past the
 // request's end are computed but not stored.
@@ -30,6 +31,7 @@
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
+#include "attention/ptx.cuh"
 #include "common.h"
 
 namespace fi {
@@ -241,35 +243,38 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
   };
   // The online softmax of S in place (S becomes the tile's probabilities); alpha rescales what O and the sums held.
   auto softmax = [&](float (&alpha)[2]) {
-    float tmax[2] = {mx[0], mx[1]};
+    float tmax[2][2] = {{mx[0], mx[1]}, {mx[0], mx[1]}};  // two chains a row: half the max's latency
     CUTE_UNROLL
-    for (int i = 0; i < size(tS); ++i) tmax[(i >> 1) & 1] = fmaxf(tmax[(i >> 1) & 1], tS(i));
+    for (int i = 0; i < size(tS); ++i) tmax[(i >> 2) & 1][(i >> 1) & 1] = fmaxf(tmax[(i >> 2) & 1][(i >> 1) & 1], tS(i));
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
-      tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 1));
-      tmax[h] = fmaxf(tmax[h], __shfl_xor_sync(0xffffffffu, tmax[h], 2));
-      alpha[h] = mx[h] == -INFINITY ? 0.f : exp2f((mx[h] - tmax[h]) * scale2);
-      mx[h] = tmax[h];
+      float m = fmaxf(tmax[0][h], tmax[1][h]);
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      alpha[h] = mx[h] == -INFINITY ? 0.f : ptx::exp2((mx[h] - m) * scale2);
+      mx[h] = m;
       sum[h] *= alpha[h];
     }
     const float base[2] = {mx[0] == -INFINITY ? 0.f : mx[0] * scale2, mx[1] == -INFINITY ? 0.f : mx[1] * scale2};
+    float part[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
     CUTE_UNROLL
     for (int i = 0; i < size(tS); ++i) {  // a row with no key yet: every probability 0, not NaN
       const int h = (i >> 1) & 1;
-      tS(i) = exp2f(tS(i) * scale2 - base[h]);
-      sum[h] += tS(i);
+      tS(i) = ptx::exp2(fmaf(tS(i), scale2, -base[h]));
+      part[(i >> 2) & 1][h] += tS(i);
     }
+    sum[0] += part[0][0] + part[1][0];
+    sum[1] += part[0][1] + part[1][1];
   };
   auto rescale_o = [&](const float (&alpha)[2]) {
     CUTE_UNROLL
     for (int i = 0; i < size(tO); ++i) tO(i) *= alpha[(i >> 1) & 1];
   };
-  auto to_p = [&]() {  // only once the P.V reading the last P has been waited for
+  auto to_p = [&]() {  // only once the P.V reading the last P has been waited for; two values a cvt
     warpgroup_fence_operand(tP32);
     CUTE_UNROLL
-    for (int i = 0; i < size(tS); ++i) tP(i) = Elem(tS(i));
+    for (int i = 0; i < size(tP32); ++i) tP32(i) = ptx::pack2<true>(tS(2 * i), tS(2 * i + 1));
   };
-
   PipelineState st;
   float alpha[2];
   Tile w;
@@ -352,8 +357,9 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
     const int rows = min(kRows, w.q_len - w.qtile * kRows);  // the request's rows in this tile
     cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + wg);  // the last tile's rows read out of sO
     Tensor tOs = thr_pv.partition_C(sO);
+    const float inv[2] = {1.f / sum[0], 1.f / sum[1]};
     CUTE_UNROLL
-    for (int i = 0; i < size(tO); ++i) tOs(i) = Elem(tO(i) / sum[(i >> 1) & 1]);
+    for (int i = 0; i < size(tO); ++i) tOs(i) = Elem(tO(i) * inv[(i >> 1) & 1]);
     cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + wg);
     constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks a row
     CUTE_UNROLL
@@ -376,7 +382,8 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
 
 FI_EXPORT int fi_cute_attn_ws(const void* q, const void* k, const void* v, void* o, float* lse, const int* qo_indptr,
                               const int* kv_indptr, int* counter, int64_t batch, int64_t max_q_len, int64_t heads, int64_t kv_heads,
-                              int64_t total_q, int64_t total_kv, float sm_scale, void* stream) {
+                              int64_t total_q, int64_t total_kv, int64_t l2_section_bytes, float sm_scale,
+                              void* stream) {
   using namespace fi::cute_probe;
   if (batch <= 0 || max_q_len <= 0) return 0;
   if (kv_heads <= 0 || heads % kv_heads || total_q <= 0 || total_kv <= 0) return (int)cudaErrorInvalidValue;
@@ -398,9 +405,10 @@ FI_EXPORT int fi_cute_attn_ws(const void* q, const void* k, const void* v, void*
   if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return (int)e;
   const int64_t work = (max_q_len + kRows - 1) / kRows * heads * batch;
   const unsigned grid = (unsigned)(work < sms ? work : sms);  // persistent: one CTA an SM
-  // a section: as many KV heads' KV (a request of the mean KV length) as fit in 32 MB of L2, with their query heads
+  // a section: as many KV heads' KV (a request of the mean KV length) as fit in l2_section_bytes, at least one, with
+  // their query heads
   const int64_t kv_head_bytes = (total_kv + batch - 1) / batch * kHeadDim * (int64_t)sizeof(Elem) * 2;
-  const int64_t kv_per_section = std::max<int64_t>(1, (int64_t(32) << 20) / std::max<int64_t>(1, kv_head_bytes));
+  const int64_t kv_per_section = std::max<int64_t>(1, l2_section_bytes / std::max<int64_t>(1, kv_head_bytes));
   const int section = (int)std::min<int64_t>(heads * batch, kv_per_section * (heads / kv_heads));
   if ((e = cudaMemsetAsync(counter, 0, sizeof(int), (cudaStream_t)stream)) != cudaSuccess) return (int)e;
   kernel<<<grid, kThreads, kSmemBytes, (cudaStream_t)stream>>>(tma_q, tma_k, tma_v, static_cast<Elem*>(o), lse,
