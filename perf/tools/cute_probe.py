@@ -1,7 +1,7 @@
-"""The CuTe probe's warp-specialised CTA (csrc/attention/cute/attn_ws.cu: FlashAttention-3's CTA) without its overlap,
-with the intra-warpgroup overlap, and with the ping-pong too, against FlashInfer's FA3 template and our prefill
-(member 0 and the FA3 member), causal bf16, head size 128, the same ragged inputs in the same process, alternating
-rounds (issue 30's design change, docs/prefill.md).
+"""The CuTe probe's warp-specialised CTA (csrc/attention/cute/attn_ws.cu: FlashAttention-3's CTA) without its
+overlap, with the intra-warpgroup overlap, with the ping-pong too, and with the overlap in L2 sections of one KV
+head, against FlashInfer's FA3 template and our prefill (member 0 and the FA3 member), causal bf16, head size 128,
+the same ragged inputs in the same process, alternating rounds (issue 30's design change, docs/prefill.md).
 
     python -m perf.tools.cute_probe [--shapes 16x1024,4x4096,1x16384] [--heads 32/8,32/32]
 
@@ -20,12 +20,13 @@ from perf import prefill as P
 from perf.common import diff_stats, log, stamp, time_rounds, write_result
 
 
+L2_SECTION = 32 << 20  # KV bytes a section of work tiles spans (the better in 5 of 6 cells, docs/prefill.md)
 # (overlap, ping-pong, L2 section bytes: 0 one KV head's KV)
-MODES = {"cute_plain": (False, False, 0), "cute_overlap": (True, False, 0), "cute_pingpong": (True, True, 0),
-         "cute_overlap_l2_32m": (True, False, 32 << 20)}
+MODES = {"cute_plain": (False, False, L2_SECTION), "cute_overlap": (True, False, L2_SECTION),
+         "cute_pingpong": (True, True, L2_SECTION), "cute_overlap_kv1": (True, False, 0)}
 
 
-def probe_fn(case: P.Case, overlap: bool, pingpong: bool, l2_section_bytes: int = 0):
+def probe_fn(case: P.Case, overlap: bool, pingpong: bool, l2_section_bytes: int = L2_SECTION):
     from fi_backend import kernels
     from fi_backend.kernels import cutlass
     module = kernels.load(cutlass.attn_ws_spec(case.d, True, overlap=overlap, pingpong=pingpong))
