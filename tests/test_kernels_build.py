@@ -432,3 +432,23 @@ def test_killed_lock_holder_does_not_block_next_build(tmp_path):
     files = {p.name for p in (cache / name).iterdir()}
     assert {"build.ninja", f"{name}.cu", f"{name}.so", "meta.json"} <= files and "partial" not in files
     assert not [p for p in cache.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_cutlass_headers_lookup(tmp_path, monkeypatch):
+    """The CuTe kernels' headers: a bad FI_BACKEND_CUTLASS_DIR is named; a good one (or the wheel) gives include/ and
+    the version enters the spec's identity, not the path; head sizes other than 64 / 128 are refused by name."""
+    from fi_backend.kernels import cutlass
+    monkeypatch.setenv(cutlass.ENV, str(tmp_path))
+    with pytest.raises(cutlass.CutlassNotFound, match=cutlass.ENV):
+        cutlass.include_dir()
+    (tmp_path / "include" / "cute").mkdir(parents=True)
+    (tmp_path / "include" / "cute" / "tensor.hpp").write_text("")
+    (tmp_path / "include" / "cutlass").mkdir()
+    (tmp_path / "include" / "cutlass" / "version.h").write_text(
+        "#define CUTLASS_MAJOR 4\n#define CUTLASS_MINOR 2\n#define CUTLASS_PATCH 0\n")
+    assert cutlass.include_dir() == str(tmp_path / "include")
+    assert cutlass.version() == "4.2.0"
+    spec = cutlass.qk_tile_spec(128)
+    assert spec.include_dirs == (str(tmp_path / "include"),) and "cutlass 4.2.0" in spec.key_extra
+    with pytest.raises(ValueError, match="head_dim must be 64 or 128"):
+        cutlass.qk_tile_spec(96)

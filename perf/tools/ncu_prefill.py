@@ -2,7 +2,8 @@
 
     ncu --profile-from-start off --set full -o ours python3 -m perf.tools.ncu_prefill ours 1x16384 32 [TUNING_JSON]
 
-argv: impl (ours, fa2, fa3), BxS, KV heads (32 query heads), optionally our kernel shape as JSON."""
+argv: impl (ours, fa2, fa3, cute: the CuTe probe's CTA with overlap and ping-pong, branch cute-sm90), BxS, KV heads
+(32 query heads), optionally our kernel shape as JSON."""
 import json
 import sys
 
@@ -10,7 +11,7 @@ import torch
 
 from perf.prefill import Case, FlashInferRagged, ours_fn
 
-IMPLS = ("ours", "fa2", "fa3")
+IMPLS = ("ours", "fa2", "fa3", "cute")
 
 
 def main(argv=None) -> int:
@@ -25,6 +26,9 @@ def main(argv=None) -> int:
     if impl == "ours":
         fn, out, info = ours_fn(case, tuning=json.loads(argv[3]) if len(argv) > 3 else None)
         print(info, flush=True)
+    elif impl == "cute":
+        from perf.tools.cute_probe import probe_fn
+        fn, out = probe_fn(case, True, True)
     else:
         fn, out = FlashInferRagged(impl).fn(case)
     for _ in range(3):

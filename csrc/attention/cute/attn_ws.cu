@@ -1,0 +1,418 @@
+// The third piece of issue 30's CuTe member (docs/prefill.md): FlashAttention-3's CTA, without its overlap yet. A
+// producer warpgroup whose first warp issues every TMA load (Q once, then K and V tiles through two
+// PipelineTmaAsync rings), and two consumer warpgroups of 64 rows each (a 128-row query tile), with registers moved to
+// them by setmaxnreg (24 / 240). Per KV tile a consumer waits for K, runs S = Q K^T, frees K, runs the online softmax
+// (attn_tile.cu's indexing), waits for V, runs O += P V and frees V. A work tile is one query head's 128 tokens
+// (FlashAttention-3's: GQA heads not packed); the grid is persistent, one CTA an SM, each taking its next tile from a
+// counter in global memory (dynamic: causal tiles' lengths differ). Tiles are ordered in sections of (request, head)
+// pairs whose KV fits in L2 together (the CTAs at work at once read the same KV), causal ones longest first within a
+// section. The producer picks the tiles: it fetches the next index while the current one loads, hands it to the
+// consumers in shared memory with the tile's Q (barrier q_full), loads a tile's first K as the ring frees up and its Q
+// once the consumers are done with the last one's (barrier q_empty, before their epilogue).
+// KV tiles run from the last to the first, as FlashAttention-3's: the causal diagonal (the one masked tile) comes
+// first. OVERLAP 1 is FlashAttention-3's intra-warpgroup overlap: S of tile n is issued with P.V of tile n + 1 (the
+// one before it in this order), and the softmax of S runs while that P.V is in flight. PINGPONG 1 (with OVERLAP) has
+// the two consumer warpgroups issue their MMAs in turns on two named barriers, so one's softmax runs under the other's
+// MMAs.
+// Template parameters: HEAD_DIM 64 or 128, STAGES (2), CAUSAL, OVERLAP, PINGPONG (0 / 1).
+// fi_cute_attn_ws: ragged requests, q [total_q, heads, D] and k / v [total_kv, kv_heads, D] bf16 (heads a multiple of
+// kv_heads) with request b's rows at qo_indptr[b] .. qo_indptr[b + 1] and kv_indptr[b] .. (int32, device), any
+// lengths with 1 <= q_len <= kv_len, causal bottom-right aligned (query i sees keys <= kv_len - q_len + i);
+// max_q_len bounds the query tiles. o like q, lse [total_q, heads] float32 (natural log), logits scaled by sm_scale.
+// counter: one int32 of device memory the call zeroes on its stream before the launch (the tile counter).
+// l2_section_bytes: the KV a section of tiles may span (0: one KV head's).
+// TMA reads tiles at each request's offset (zeros past the tensors' ends); keys past a request's KV (another
+// request's, or zeros) and past a row's causal limit are masked on the tiles that hold any, and query rows past the
+// request's end are computed but not stored.
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "attention/ptx.cuh"
+#include "common.h"
+
+namespace fi {
+namespace cute_probe {  // named: cute has anonymous namespaces of its own, which the kernel stub must not meet
+
+using namespace cute;
+using Elem = cute::bfloat16_t;
+constexpr int kHeadDim = {{HEAD_DIM}}, kStages = {{STAGES}};
+constexpr bool kCausal = {{CAUSAL}}, kOverlap = {{OVERLAP}}, kPingPong = {{PINGPONG}};
+static_assert(!kPingPong || kOverlap, "ping-pong: the overlapped loop's two warpgroups");
+static_assert(kHeadDim % 64 == 0, "head size: whole 128-byte swizzle atoms");
+constexpr int kRows = 128, kKv = 128, kThreads = 384, kConsumers = 256;
+using D = Int<kHeadDim>;
+using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape<Int<kRows>, D>{}));
+using SmemLayoutO = SmemLayoutQ;  // O staged for coalesced stores
+using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape<Int<kKv>, D, Int<kStages>>{}));
+// V as P.V's B operand: (N = head dim, K = token), head dims contiguous; TMA fills it from V's transposed view. Atoms
+// tiled along the tokens first, so each 64-dim block holds all 128 tokens in a row: one TMA box a block (tiled along
+// the dims first, a box spans 8 tokens: 32 TMA copies a tile at head size 128)
+using SmemLayoutVt = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{}, Shape<D, Int<kKv>, Int<kStages>>{},
+                                            Step<_2, _1, _3>{}));
+using AtomQK = decltype(GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<kKv>, D>>());
+using AtomPV = decltype(GMMA::rs_op_selector<Elem, Elem, float, Shape<_64, D, Int<kKv>>, GMMA::Major::K, GMMA::Major::MN>());
+using MmaQK = decltype(make_tiled_mma(AtomQK{}, Layout<Shape<_2, _1, _1>>{}));  // two warpgroups, 64 rows each
+using MmaPV = decltype(make_tiled_mma(AtomPV{}, Layout<Shape<_2, _1, _1>>{}));
+using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+using PipelineState = cutlass::PipelineState<kStages>;
+constexpr uint32_t kTileBytes = kKv * kHeadDim * sizeof(Elem), kQBytes = kRows * kHeadDim * sizeof(Elem);
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kEpilogueBarrier = 2;  // named barriers 2, 3: a warpgroup's epilogue (0, 1: the ping-pong's turns)
+
+struct SharedStorage {
+  cute::array_aligned<Elem, cosize_v<SmemLayoutQ>, 1024> q;
+  cute::array_aligned<Elem, cosize_v<SmemLayoutK>, 1024> k;
+  cute::array_aligned<Elem, cosize_v<SmemLayoutVt>, 1024> v;
+  cute::array_aligned<Elem, cosize_v<SmemLayoutO>, 1024> o;
+  typename Pipeline::SharedStorage pipe_k, pipe_v;
+  alignas(8) uint64_t q_full, q_empty;
+  int tile;  // the work tile whose Q q_full announces (work: none left)
+};
+constexpr int kSmemBytes = sizeof(SharedStorage);
+
+template <class TmaQ, class TmaK, class TmaV>
+__global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ const tma_q,
+                                                        CUTE_GRID_CONSTANT TmaK const tma_k,
+                                                        CUTE_GRID_CONSTANT TmaV const tma_v, Elem* __restrict__ o,
+                                                        float* __restrict__ lse, const int* __restrict__ qo_indptr,
+                                                        const int* __restrict__ kv_indptr, int* __restrict__ counter,
+                                                        int batch, int max_q_len, int heads, int kv_heads, int total_q,
+                                                        int total_kv, int section, float sm_scale) {
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_raw);
+  const int tid = threadIdx.x, warp_group = tid / 128;
+  const int warp_in_group = __shfl_sync(0xffffffffu, (tid / 32) % 4, 0);
+  const int max_qtiles = (max_q_len + kRows - 1) / kRows, pairs = heads * batch, work = max_qtiles * pairs;
+  // Work tile t: section t / (section x max_qtiles) of `section` (request, head) pairs (heads of one KV head
+  // adjacent), within it the query tile rank (the causal ones last-first: the longest first where lengths are
+  // alike), then the pair. False where the request has no such query tile (the producer skips it).
+  struct Tile {
+    int qtile, head, b, q_begin, q_len, kv_begin, kv_len, ntiles;
+  };
+  auto coords = [&](int t, Tile& w) -> bool {
+    const int sec = t / (section * max_qtiles), r = t - sec * section * max_qtiles;
+    const int in_sec = min(section, pairs - sec * section);  // the last section may be short
+    const int rank = r / in_sec, pair = sec * section + r % in_sec;
+    w.qtile = kCausal ? max_qtiles - 1 - rank : rank;
+    w.head = pair % heads;
+    w.b = pair / heads;
+    w.q_begin = __ldg(qo_indptr + w.b);
+    w.q_len = __ldg(qo_indptr + w.b + 1) - w.q_begin;
+    if (w.qtile * kRows >= w.q_len) return false;
+    w.kv_begin = __ldg(kv_indptr + w.b);
+    w.kv_len = __ldg(kv_indptr + w.b + 1) - w.kv_begin;
+    // keys the tile's last row sees (causal), or all of them
+    const int last_row = min(w.q_len, (w.qtile + 1) * kRows) - 1;
+    const int kv_end = kCausal ? min(w.kv_len, w.kv_len - w.q_len + last_row + 1) : w.kv_len;
+    w.ntiles = (kv_end + kKv - 1) / kKv;
+    return true;
+  };
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), SmemLayoutK{});
+  Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), SmemLayoutVt{});
+  Tensor sO = make_tensor(make_smem_ptr(ss.o.data()), SmemLayoutO{});
+
+  typename Pipeline::Params pp;
+  pp.transaction_bytes = kTileBytes;
+  pp.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pp.is_leader = tid == 0;
+  pp.num_consumers = kConsumers;
+  Pipeline pipe_k(ss.pipe_k, pp, Shape<_1, _1, _1>{});
+  Pipeline pipe_v(ss.pipe_v, pp, Shape<_1, _1, _1>{});
+  if (tid == 0) {
+    cutlass::arch::ClusterTransactionBarrier::init(&ss.q_full, 1);
+    cutlass::arch::ClusterBarrier::init(&ss.q_empty, kConsumers);
+  }
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();  // barriers initialised before anyone waits on or arrives at them
+
+  if (warp_group == 0) {  // producer
+    cutlass::arch::warpgroup_reg_dealloc<24>();
+    if (warp_in_group == 0 && cute::elect_one_sync()) {
+      Tensor mQ = tma_q.get_tma_tensor(make_shape(total_q, D{}, heads));
+      Tensor mK = tma_k.get_tma_tensor(make_shape(total_kv, D{}, kv_heads));
+      Tensor mVt = tma_v.get_tma_tensor(make_shape(D{}, total_kv, kv_heads));
+      PipelineState st = cutlass::make_producer_start_state<Pipeline>();
+      Tile w;
+      auto next_valid = [&](int t) {  // the first tile from t on that has query rows (work: none)
+        while (t < work && !coords(t, w)) t = gridDim.x + atomicAdd(counter, 1);
+        return t;
+      };
+      int t = next_valid(blockIdx.x);
+      for (int j = 0;; ++j) {
+        if (t >= work) {  // none left: tell the consumers (no bytes to wait for)
+          if (j > 0) cutlass::arch::ClusterBarrier::wait(&ss.q_empty, (j - 1) & 1);
+          ss.tile = work;
+          cutlass::arch::ClusterBarrier::arrive(&ss.q_full);
+          break;
+        }
+        const int next = gridDim.x + atomicAdd(counter, 1);  // in flight while this tile's loads go out
+        const int kv_head = w.head / (heads / kv_heads);
+        // tiles from the request's own first row / key (TMA coordinates: any offset)
+        Tensor gQ = local_tile(domain_offset(make_coord(w.q_begin, 0), mQ(_, _, w.head)), Shape<Int<kRows>, D>{},
+                               make_coord(w.qtile, 0));                                                    // (128, D)
+        Tensor gK = local_tile(domain_offset(make_coord(w.kv_begin, 0), mK(_, _, kv_head)), Shape<Int<kKv>, D>{},
+                               make_coord(_, 0));                                                          // (128, D, n)
+        Tensor gVt = local_tile(domain_offset(make_coord(0, w.kv_begin), mVt(_, _, kv_head)), Shape<D, Int<kKv>>{},
+                                make_coord(0, _));                                                         // (D, 128, n)
+        auto [tQg, tQs] = tma_partition(tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+        auto [tKg, tKs] = tma_partition(tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+        auto [tVg, tVs] = tma_partition(tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sVt), group_modes<0, 2>(gVt));
+        for (int n = w.ntiles - 1; n >= 0; --n) {  // the consumers' order: the diagonal first
+          pipe_k.producer_acquire(st);
+          copy(tma_k.with(*pipe_k.producer_get_barrier(st)), tKg(_, n), tKs(_, st.index()));
+          if (n == w.ntiles - 1) {  // Q after the first K: that K may land while the last tile's S still runs
+            if (j > 0) cutlass::arch::ClusterBarrier::wait(&ss.q_empty, (j - 1) & 1);  // its Q is done with
+            ss.tile = t;
+            cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full, kQBytes);
+            copy(tma_q.with(ss.q_full), tQg, tQs);
+          }
+          pipe_v.producer_acquire(st);
+          copy(tma_v.with(*pipe_v.producer_get_barrier(st)), tVg(_, n), tVs(_, st.index()));
+          ++st;
+        }
+        t = next_valid(next);
+      }
+    }
+    return;
+  }
+
+  // consumers
+  cutlass::arch::warpgroup_reg_alloc<240>();
+  const int ctid = tid - 128, lane = tid & 31;
+  const int row0 = (ctid / 128) * 64 + ((ctid / 32) % 4) * 16 + (lane >> 2);  // this thread's rows: row0, row0 + 8
+  MmaQK mma_qk;
+  MmaPV mma_pv;
+  ThrMMA thr_qk = mma_qk.get_thread_slice(ctid);
+  ThrMMA thr_pv = mma_pv.get_thread_slice(ctid);
+  Tensor tQ = thr_qk.partition_fragment_A(sQ);
+  Tensor tK = thr_qk.partition_fragment_B(sK);    // (MMA, N, K, stage)
+  Tensor tVt = thr_pv.partition_fragment_B(sVt);  // (MMA, N, K, stage)
+  Tensor tS = partition_fragment_C(mma_qk, Shape<Int<kRows>, Int<kKv>>{});
+  Tensor tO = partition_fragment_C(mma_pv, Shape<Int<kRows>, D>{});
+  Tensor tP = thr_pv.partition_fragment_A(make_tensor(make_smem_ptr(ss.q.data()), Shape<Int<kRows>, Int<kKv>>{}));
+  static_assert(decltype(size(tS))::value == decltype(size(tP))::value, "P: S's accumulators in their order");
+  float mx[2] = {-INFINITY, -INFINITY}, sum[2] = {0.f, 0.f};  // reset per work tile below
+  const float scale2 = sm_scale * kLog2e;
+
+  const int wg = ctid / 128;
+  auto turn_begin = [&]() {  // ping-pong: wait for this warpgroup's turn to issue MMAs
+    if constexpr (kPingPong) cutlass::arch::NamedBarrier::sync(kConsumers, wg);
+  };
+  auto turn_end = [&]() {  // ... and pass the turn to the other warpgroup
+    if constexpr (kPingPong) cutlass::arch::NamedBarrier::arrive(kConsumers, 1 - wg);
+  };
+  if (kPingPong && wg == 1) cutlass::arch::NamedBarrier::arrive(kConsumers, 0);  // warpgroup 0 goes first
+  auto issue_qk = [&](int stage) {
+    warpgroup_fence_operand(tS);
+    warpgroup_arrive();
+    mma_qk.accumulate_ = GMMA::ScaleOut::Zero;
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tQ); ++kb) {
+      cute::gemm(mma_qk, tQ(_, _, kb), tK(_, _, kb, stage), tS);
+      mma_qk.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+  };
+  Tensor tP32 = recast<uint32_t>(tP);  // P as the registers the RS MMA reads while in flight: fenced like O
+  auto issue_pv = [&](int stage) {
+    warpgroup_fence_operand(tP32);
+    warpgroup_fence_operand(tO);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int kb = 0; kb < size<2>(tP); ++kb) cute::gemm(mma_pv, tP(_, _, kb), tVt(_, _, kb, stage), tO);
+    warpgroup_commit_batch();
+  };
+  // KV tile n of work tile w needs a mask where it holds keys past the request's KV or, causal, past its first row's
+  // limit (then some row's); the mask: key >= kv_len, or key > kv_len - q_len + the row's query index
+  auto needs_mask = [&](const Tile& w, int n) {
+    const int end = (n + 1) * kKv;
+    return end > w.kv_len || (kCausal && end - 1 > w.kv_len - w.q_len + w.qtile * kRows);
+  };
+  auto mask_tile = [&](const Tile& w, int n) {
+    const int key0 = n * kKv + (lane & 3) * 2, limit0 = w.kv_len - w.q_len + w.qtile * kRows + row0;
+    CUTE_UNROLL
+    for (int i = 0; i < size(tS); ++i) {
+      const int key = key0 + (i >> 2) * 8 + (i & 1);
+      if (key >= w.kv_len || (kCausal && key > limit0 + 8 * ((i >> 1) & 1))) tS(i) = -INFINITY;
+    }
+  };
+  // The online softmax of S in place (S becomes the tile's probabilities); alpha rescales what O and the sums held.
+  auto softmax = [&](float (&alpha)[2]) {
+    float tmax[2][2] = {{mx[0], mx[1]}, {mx[0], mx[1]}};  // two chains a row: half the max's latency
+    CUTE_UNROLL
+    for (int i = 0; i < size(tS); ++i) tmax[(i >> 2) & 1][(i >> 1) & 1] = fmaxf(tmax[(i >> 2) & 1][(i >> 1) & 1], tS(i));
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      float m = fmaxf(tmax[0][h], tmax[1][h]);
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      alpha[h] = mx[h] == -INFINITY ? 0.f : ptx::exp2((mx[h] - m) * scale2);
+      mx[h] = m;
+      sum[h] *= alpha[h];
+    }
+    const float base[2] = {mx[0] == -INFINITY ? 0.f : mx[0] * scale2, mx[1] == -INFINITY ? 0.f : mx[1] * scale2};
+    float part[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+    CUTE_UNROLL
+    for (int i = 0; i < size(tS); ++i) {  // a row with no key yet: every probability 0, not NaN
+      const int h = (i >> 1) & 1;
+      tS(i) = ptx::exp2(fmaf(tS(i), scale2, -base[h]));
+      part[(i >> 2) & 1][h] += tS(i);
+    }
+    sum[0] += part[0][0] + part[1][0];
+    sum[1] += part[0][1] + part[1][1];
+  };
+  auto rescale_o = [&](const float (&alpha)[2]) {
+    CUTE_UNROLL
+    for (int i = 0; i < size(tO); ++i) tO(i) *= alpha[(i >> 1) & 1];
+  };
+  auto to_p = [&]() {  // only once the P.V reading the last P has been waited for; two values a cvt
+    warpgroup_fence_operand(tP32);
+    CUTE_UNROLL
+    for (int i = 0; i < size(tP32); ++i) tP32(i) = ptx::pack2<true>(tS(2 * i), tS(2 * i + 1));
+  };
+  PipelineState st;
+  float alpha[2];
+  Tile w;
+  for (int j = 0;; ++j) {
+    cutlass::arch::ClusterTransactionBarrier::wait(&ss.q_full, j & 1);
+    const int t = ss.tile;  // read before q_empty's arrive: the producer then writes the next
+    if (t >= work) break;
+    coords(t, w);
+    const int ntiles = w.ntiles;
+    clear(tO);
+    mx[0] = mx[1] = -INFINITY;
+    sum[0] = sum[1] = 0.f;
+    if constexpr (kOverlap) {
+      // the first tile (the diagonal when causal): S and its softmax alone
+      pipe_k.consumer_wait(st);
+      turn_begin();
+      issue_qk(st.index());
+      turn_end();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tS);
+      pipe_k.consumer_release(st);
+      if (needs_mask(w, ntiles - 1)) mask_tile(w, ntiles - 1);
+      softmax(alpha);
+      to_p();
+      PipelineState prev = st;
+      ++st;
+      for (int n = ntiles - 2; n >= 0; --n) {
+        pipe_k.consumer_wait(st);
+        pipe_v.consumer_wait(prev);
+        turn_begin();
+        issue_qk(st.index());
+        issue_pv(prev.index());
+        turn_end();
+        warpgroup_wait<1>();  // S of this tile; the previous tile's P.V still in flight
+        warpgroup_fence_operand(tS);
+        pipe_k.consumer_release(st);
+        if (needs_mask(w, n)) mask_tile(w, n);  // the second of a causal limit's two tiles
+        softmax(alpha);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tO);
+        pipe_v.consumer_release(prev);
+        rescale_o(alpha);
+        to_p();
+        prev = st;
+        ++st;
+      }
+      pipe_v.consumer_wait(prev);  // the last tile's P.V, outside the turns (as FlashAttention-3's)
+      issue_pv(prev.index());
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tO);
+      pipe_v.consumer_release(prev);
+    } else {
+      for (int n = ntiles - 1; n >= 0; --n, ++st) {
+        pipe_k.consumer_wait(st);
+        issue_qk(st.index());
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tS);
+        pipe_k.consumer_release(st);
+        if (needs_mask(w, n)) mask_tile(w, n);
+        softmax(alpha);
+        rescale_o(alpha);
+        to_p();
+        pipe_v.consumer_wait(st);
+        issue_pv(st.index());
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tO);
+        pipe_v.consumer_release(st);
+      }
+    }
+    cutlass::arch::ClusterBarrier::arrive(&ss.q_empty);  // every S of the tile is done: the next Q may land
+
+    CUTE_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 1);
+      sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 2);
+    }
+    // O through shared memory: each warpgroup its own 64 rows, then 16-byte stores a row's 256 bytes at a time
+    // (rows past the request's end not stored: they are the next request's)
+    const int64_t token0 = (int64_t)w.q_begin + w.qtile * kRows;
+    const int rows = min(kRows, w.q_len - w.qtile * kRows);  // the request's rows in this tile
+    cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + wg);  // the last tile's rows read out of sO
+    Tensor tOs = thr_pv.partition_C(sO);
+    const float inv[2] = {1.f / sum[0], 1.f / sum[1]};
+    CUTE_UNROLL
+    for (int i = 0; i < size(tO); ++i) tOs(i) = Elem(tO(i) * inv[(i >> 1) & 1]);
+    cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + wg);
+    constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks a row
+    CUTE_UNROLL
+    for (int i = 0; i < 64 * kChunks / 128; ++i) {
+      const int c = ctid % 128 + 128 * i, r = wg * 64 + c / kChunks, col = (c % kChunks) * 8;
+      if (r < rows)
+        *reinterpret_cast<uint4*>(o + ((token0 + r) * heads + w.head) * kHeadDim + col) =
+            *reinterpret_cast<const uint4*>(&sO(r, col));
+    }
+    if ((lane & 3) == 0) {
+      CUTE_UNROLL
+      for (int h = 0; h < 2; ++h)
+        if (row0 + 8 * h < rows) lse[(token0 + row0 + 8 * h) * heads + w.head] = mx[h] * sm_scale + logf(sum[h]);
+    }
+  }
+}
+
+}  // namespace cute_probe
+}  // namespace fi
+
+FI_EXPORT int fi_cute_attn_ws(const void* q, const void* k, const void* v, void* o, float* lse, const int* qo_indptr,
+                              const int* kv_indptr, int* counter, int64_t batch, int64_t max_q_len, int64_t heads, int64_t kv_heads,
+                              int64_t total_q, int64_t total_kv, int64_t l2_section_bytes, float sm_scale,
+                              void* stream) {
+  using namespace fi::cute_probe;
+  if (batch <= 0 || max_q_len <= 0) return 0;
+  if (kv_heads <= 0 || heads % kv_heads || total_q <= 0 || total_kv <= 0) return (int)cudaErrorInvalidValue;
+  const int H = (int)heads, Hkv = (int)kv_heads, tq = (int)total_q, tkv = (int)total_kv;
+  Tensor gQ = make_tensor(make_gmem_ptr(static_cast<const Elem*>(q)), make_shape(tq, D{}, H),
+                          make_stride(H * kHeadDim, _1{}, D{}));
+  Tensor gK = make_tensor(make_gmem_ptr(static_cast<const Elem*>(k)), make_shape(tkv, D{}, Hkv),
+                          make_stride(Hkv * kHeadDim, _1{}, D{}));
+  Tensor gVt = make_tensor(make_gmem_ptr(static_cast<const Elem*>(v)), make_shape(D{}, tkv, Hkv),
+                           make_stride(_1{}, Hkv * kHeadDim, D{}));
+  auto tma_q = make_tma_copy(SM90_TMA_LOAD{}, gQ, SmemLayoutQ{});
+  auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, take<0, 2>(SmemLayoutK{}));
+  auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gVt, take<0, 2>(SmemLayoutVt{}));
+  auto kernel = attn_ws<decltype(tma_q), decltype(tma_k), decltype(tma_v)>;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (e != cudaSuccess) return (int)e;
+  int device = 0, sms = 0;
+  if ((e = cudaGetDevice(&device)) != cudaSuccess) return (int)e;
+  if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return (int)e;
+  const int64_t work = (max_q_len + kRows - 1) / kRows * heads * batch;
+  const unsigned grid = (unsigned)(work < sms ? work : sms);  // persistent: one CTA an SM
+  // a section: as many KV heads' KV (a request of the mean KV length) as fit in l2_section_bytes, at least one, with
+  // their query heads
+  const int64_t kv_head_bytes = (total_kv + batch - 1) / batch * kHeadDim * (int64_t)sizeof(Elem) * 2;
+  const int64_t kv_per_section = std::max<int64_t>(1, l2_section_bytes / std::max<int64_t>(1, kv_head_bytes));
+  const int section = (int)std::min<int64_t>(heads * batch, kv_per_section * (heads / kv_heads));
+  if ((e = cudaMemsetAsync(counter, 0, sizeof(int), (cudaStream_t)stream)) != cudaSuccess) return (int)e;
+  kernel<<<grid, kThreads, kSmemBytes, (cudaStream_t)stream>>>(tma_q, tma_k, tma_v, static_cast<Elem*>(o), lse,
+                                                                qo_indptr, kv_indptr, counter, (int)batch,
+                                                                (int)max_q_len, H, Hkv, tq, tkv, section, sm_scale);
+  return (int)cudaGetLastError();
+}

@@ -1,0 +1,90 @@
+"""The CUTLASS / CuTe headers the sm90 CuTe kernels build with (issue 30's design change, docs/prefill.md): those of
+the nvidia-cutlass wheel (package `cutlass_library`), pinned to the version below, or a checkout named by
+FI_BACKEND_CUTLASS_DIR (its include/ directory)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .spec import ModuleSpec
+
+VERSION = "4.2.0.0"
+ENV = "FI_BACKEND_CUTLASS_DIR"
+
+
+class CutlassNotFound(RuntimeError):
+    pass
+
+
+def include_dir() -> str:
+    """The directory holding cute/ and cutlass/; a clear error naming what to install when there is none."""
+    root = os.environ.get(ENV)
+    if root:
+        d = Path(root) / "include"
+        if not (d / "cute" / "tensor.hpp").is_file():
+            raise CutlassNotFound(f"{ENV}={root!r} has no include/cute/tensor.hpp (a CUTLASS checkout's root)")
+        return str(d)
+    try:
+        import cutlass_library
+    except ImportError:
+        raise CutlassNotFound(f"the CuTe kernels need CUTLASS's headers: pip install nvidia-cutlass=={VERSION} "
+                              f"(or set {ENV} to a CUTLASS checkout)") from None
+    d = Path(cutlass_library.__file__).resolve().parent / "source" / "include"
+    if not (d / "cute" / "tensor.hpp").is_file():
+        raise CutlassNotFound(f"nvidia-cutlass is installed but {d} has no cute/tensor.hpp: pip install "
+                              f"--force-reinstall nvidia-cutlass=={VERSION}")
+    return str(d)
+
+
+def version() -> str:
+    """CUTLASS's version as its headers state it (part of a CuTe module's identity: the path is not)."""
+    text = (Path(include_dir()) / "cutlass" / "version.h").read_text()
+    parts = []
+    for name in ("CUTLASS_MAJOR", "CUTLASS_MINOR", "CUTLASS_PATCH"):
+        for line in text.splitlines():
+            if line.startswith(f"#define {name} "):
+                parts.append(line.split()[2])
+                break
+    return ".".join(parts) or "unknown"
+
+
+def _probe_spec(name: str, head_dim: int, **params: int) -> ModuleSpec:
+    if head_dim not in (64, 128):
+        raise ValueError(f"head_dim must be 64 or 128 (got {head_dim})")
+    tag = f"d{head_dim}" + "".join(f"_{k[0]}{v}" for k, v in sorted(params.items()))
+    return ModuleSpec(family=f"cute_{name}", template=f"attention/cute/{name}.cu",
+                      params={"HEAD_DIM": str(head_dim), **{k.upper(): str(v) for k, v in params.items()}},
+                      include_dirs=(include_dir(),), key_extra=f"cutlass {version()}", tag=tag)
+
+
+def qk_tile_spec(head_dim: int) -> ModuleSpec:
+    """The CuTe probe: S = Q K^T of 64 x 128 tiles (csrc/attention/cute/qk_tile.cu), head size 64 or 128."""
+    return _probe_spec("qk_tile", head_dim)
+
+
+def attn_tile_spec(head_dim: int) -> ModuleSpec:
+    """The CuTe probe: one warpgroup's attention of 64-row query tiles over 128-token KV tiles, S and P.V by GMMA
+    (csrc/attention/cute/attn_tile.cu), head size 64 or 128."""
+    return _probe_spec("attn_tile", head_dim)
+
+
+def attn_ws_spec(head_dim: int, causal: bool, stages: int = 2, overlap: bool = True, pingpong: bool = True) -> ModuleSpec:
+    """The CuTe probe: FlashAttention-3's CTA (a TMA producer warp, K and V pipelines, two consumer warpgroups of a
+    128-token tile of one query head; csrc/attention/cute/attn_ws.cu), head size 64 or 128, causal or not; its
+    intra-warpgroup overlap and its ping-pong each on or off (ping-pong needs the overlap)."""
+    if stages not in (2, 3):
+        raise ValueError(f"stages must be 2 or 3 (got {stages})")
+    if pingpong and not overlap:
+        raise ValueError("pingpong needs overlap (the overlapped loop's two warpgroups take turns)")
+    return _probe_spec("attn_ws", head_dim, stages=stages, causal=int(bool(causal)), overlap=int(bool(overlap)),
+                       pingpong=int(bool(pingpong)))
+
+
+def probe_specs() -> list:
+    """Every CuTe probe module tests/test_cute_gpu.py loads (built in parallel before its first test)."""
+    out = [qk_tile_spec(d) for d in (64, 128)] + [attn_tile_spec(d) for d in (64, 128)]
+    for d in (64, 128):
+        for causal in (False, True):
+            for overlap, pingpong in ((False, False), (True, False), (True, True)):
+                out.append(attn_ws_spec(d, causal, overlap=overlap, pingpong=pingpong))
+    return out

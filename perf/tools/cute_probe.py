@@ -1,0 +1,92 @@
+"""The CuTe probe's warp-specialised CTA (csrc/attention/cute/attn_ws.cu: FlashAttention-3's CTA) without its
+overlap, with the intra-warpgroup overlap, with the ping-pong too, and with the overlap in L2 sections of one KV
+head, against FlashInfer's FA3 template and our prefill (member 0 and the FA3 member), causal bf16, head size 128,
+the same ragged inputs in the same process, alternating rounds (issue 30's design change, docs/prefill.md).
+
+    python -m perf.tools.cute_probe [--shapes 16x1024,4x4096,1x16384] [--heads 32/8,32/32]
+
+Needs FlashInfer staged and the nvidia-cutlass headers (fi_backend.kernels.cutlass). Writes perf/results/<name>.json
+(default cute_probe)."""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import sys
+
+import torch
+
+from perf import prefill as P
+from perf.common import diff_stats, log, stamp, time_rounds, write_result
+
+
+L2_SECTION = 32 << 20  # KV bytes a section of work tiles spans (the better in 5 of 6 cells, docs/prefill.md)
+# (overlap, ping-pong, L2 section bytes: 0 one KV head's KV)
+MODES = {"cute_plain": (False, False, L2_SECTION), "cute_overlap": (True, False, L2_SECTION),
+         "cute_pingpong": (True, True, L2_SECTION), "cute_overlap_kv1": (True, False, 0)}
+
+
+def probe_fn(case: P.Case, overlap: bool, pingpong: bool, l2_section_bytes: int = L2_SECTION):
+    from fi_backend import kernels
+    from fi_backend.kernels import cutlass
+    module = kernels.load(cutlass.attn_ws_spec(case.d, True, overlap=overlap, pingpong=pingpong))
+    run = module.function("fi_cute_attn_ws", [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7 + [ctypes.c_float,
+                                                                                             ctypes.c_void_p])
+    out = torch.empty_like(case.q)
+    lse = torch.empty(case.rows, case.hq, device=case.q.device, dtype=torch.float32)
+    stream = torch.cuda.current_stream().cuda_stream
+    indptr = case.indptr_dev
+    counter = torch.zeros(1, device=case.q.device, dtype=torch.int32)
+
+    def fn():
+        rc = run(case.q.data_ptr(), case.k.data_ptr(), case.v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                 indptr.data_ptr(), indptr.data_ptr(), counter.data_ptr(), case.batch, case.seq_len, case.hq, case.hkv, case.rows,
+                 case.rows, l2_section_bytes, case.d ** -0.5, stream)
+        if rc:
+            raise RuntimeError(f"fi_cute_attn_ws failed: {rc}")
+    return fn, out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m perf.tools.cute_probe", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="16x1024,4x4096,1x16384", help="batch x length, comma-separated")
+    ap.add_argument("--heads", default="32/8,32/32", help="query heads / KV heads, comma-separated")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rep", type=int, default=50)
+    ap.add_argument("--name", default="cute_probe")
+    a = ap.parse_args(argv)
+    from fi_backend.shapes import PREFILL_FA3_TUNINGS
+    from perf.zoo import parse_shapes
+    fi_fa3 = P.FlashInferRagged("fa3")
+    rows = []
+    for heads in a.heads.split(","):
+        hq, hkv = (int(x) for x in heads.split("/"))
+        for b, s in parse_shapes(a.shapes):
+            case = P.Case(b, s, hq, hkv, seed=b + s)
+            fns, outs = {}, {}
+            for name, (overlap, pingpong, l2) in MODES.items():
+                fns[name], outs[name] = probe_fn(case, overlap, pingpong, l2)
+            fns["flashinfer_fa3"], outs["flashinfer_fa3"] = fi_fa3.fn(case)
+            fns["ours"], outs["ours"], _ = P.ours_fn(case)
+            fns["ours_fa3"], outs["ours_fa3"], _ = P.ours_fn(case, tuning=PREFILL_FA3_TUNINGS[case.d])
+            times = time_rounds(fns, a.rounds, a.rep)
+            us = {k: statistics.median(v) for k, v in times.items()}
+            fi = us["flashinfer_fa3"]
+            r = {**case.shape(), "us": us, "us_per_round": times,
+                 "flashinfer_fa3_time_over": {k: fi / v for k, v in us.items() if k != "flashinfer_fa3"},
+                 "checks": {k: P.check(f"{heads} {b}x{s} {k} vs FlashInfer FA3", diff_stats(o, outs["flashinfer_fa3"]))
+                            for k, o in outs.items() if k != "flashinfer_fa3"}}
+            rows.append(r)
+            log(f"{heads} {b}x{s}: " + ", ".join(f"{k} {v:.1f} us" for k, v in us.items())
+                + " | FI FA3 time / " + ", ".join(f"{k} {v:.3f}" for k, v in r["flashinfer_fa3_time_over"].items()))
+            del fns, outs, case
+            torch.cuda.empty_cache()
+    write_result(a.name, {**stamp(), "causal": True, "head_dim": P.D, "rows": rows,
+                          "anchor": "FlashInfer 0.6.14 BatchPrefillWithRaggedKVCacheWrapper(backend='fa3')",
+                          "ratios": "flashinfer_fa3_time_over: FlashInfer FA3's time / that kernel's (> 1: it is faster)"})
+    return 1 if P.failures() else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""The CuTe probe (csrc/attention/cute/qk_tile.cu: S = Q K^T of 64 x 128 tiles by one warpgroup's GMMA, CUTLASS /
+CuTe SM90 atoms) against float64, the first piece of issue 30's CuTe member (docs/prefill.md). Needs an sm_90a GPU and
+the nvidia-cutlass wheel's headers (fi_backend.kernels.cutlass); the CPU tests of the header lookup are in
+test_kernels_build.py."""
+import ctypes
+import importlib.util
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built():
+    """The probe's modules built in parallel first (one at a time, lazily, they take about 40 s each)."""
+    if importlib.util.find_spec("cutlass_library") is None or not torch.cuda.is_available():
+        return
+    from fi_backend import kernels
+    from fi_backend.kernels import cutlass
+    failed = [(s.tag, r) for s, r in zip(cutlass.probe_specs(), kernels.build_many(cutlass.probe_specs()))
+              if isinstance(r, Exception)]
+    assert not failed, f"CuTe probe modules failed to build: {failed}"
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_qk_tile(D):
+    pytest.importorskip("cutlass_library")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm_90a only")
+    from fi_backend import kernels
+    from fi_backend.kernels import cutlass
+    module = kernels.load(cutlass.qk_tile_spec(D))
+    run = module.function("fi_cute_qk_tile", [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p])
+    tiles = 7
+    q = torch.randn(tiles, 64, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(tiles, 128, D, device="cuda", dtype=torch.bfloat16)
+    s = torch.full((tiles, 64, 128), float("nan"), device="cuda", dtype=torch.float32)
+    rc = run(q.data_ptr(), k.data_ptr(), s.data_ptr(), tiles, torch.cuda.current_stream().cuda_stream)
+    assert rc == 0, f"launch failed: {rc}"
+    torch.cuda.synchronize()
+    ref = q.double() @ k.double().transpose(1, 2)
+    err = ((s.double() - ref).abs() / (ref.abs() + 1)).max().item()
+    assert err < 1e-5, f"max relative error {err} (D={D})"
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("kv_len", [128, 384, 1024])
+def test_attn_tile(D, kv_len):
+    pytest.importorskip("cutlass_library")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm_90a only")
+    from fi_backend import kernels
+    from fi_backend.kernels import cutlass
+    module = kernels.load(cutlass.attn_tile_spec(D))
+    run = module.function("fi_cute_attn_tile", [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
+                                                                         ctypes.c_void_p])
+    tiles, scale = 5, D ** -0.5
+    q = torch.randn(tiles, 64, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(tiles, kv_len, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(tiles, kv_len, D, device="cuda", dtype=torch.bfloat16)
+    o = torch.full((tiles, 64, D), float("nan"), device="cuda", dtype=torch.bfloat16)
+    lse = torch.full((tiles, 64), float("nan"), device="cuda", dtype=torch.float32)
+    rc = run(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), tiles, kv_len, scale,
+             torch.cuda.current_stream().cuda_stream)
+    assert rc == 0, f"launch failed: {rc}"
+    torch.cuda.synchronize()
+    s = (q.double() @ k.double().transpose(1, 2)) * scale
+    ref_lse = torch.logsumexp(s, dim=-1)
+    ref = torch.softmax(s, dim=-1) @ v.double()
+    err = ((o.double() - ref).abs() / (ref.abs() + 1)).max().item()
+    lse_err = (lse.double() - ref_lse).abs().max().item()
+    assert err < 2e-2 and lse_err < 1e-3, f"D={D} kv_len={kv_len}: O error {err}, LSE error {lse_err}"
+
+
+_WS_CASES = {  # (query lengths, KV lengths, heads, KV heads)
+    "1x128": ([128], [128], 4, 4),
+    "3x384": ([384] * 3, [384] * 3, 8, 2),
+    "2x2048": ([2048] * 2, [2048] * 2, 7, 1),  # 224 work tiles: CTAs take several, the producer runs ahead
+    "varlen": ([1, 130, 257, 1000, 64, 129], [1, 300, 257, 1500, 64, 4000], 8, 2),
+    # KV of 8 / 16 MB a KV head, sections of 32 MB: 4 / 2 KV heads, the last one short at head size 64 (the other
+    # cases: sections of one KV head)
+    "sections": ([512], [32768], 12, 6),
+}
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", sorted(_WS_CASES))
+@pytest.mark.parametrize("overlap,pingpong", [(0, 0), (1, 0), (1, 1)])
+def test_attn_ws(D, causal, case, overlap, pingpong):
+    """The warp-specialised CTA: a TMA producer warp, K and V pipelines of 2 stages, two consumer warpgroups, on a
+    persistent grid; GQA by the KV head's index; ragged requests of any length (KV at least the query's), causal
+    bottom-right with the masked tiles found per tile, rows past a request's end not stored; the intra-warpgroup
+    overlap and the ping-pong on and off (1 x 128: one KV tile, the overlapped loop's first and last steps only)."""
+    pytest.importorskip("cutlass_library")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm_90a only")
+    from fi_backend import kernels
+    from fi_backend.kernels import cutlass
+    module = kernels.load(cutlass.attn_ws_spec(D, causal, overlap=bool(overlap), pingpong=bool(pingpong)))
+    run = module.function("fi_cute_attn_ws", [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7 + [ctypes.c_float,
+                                                                                             ctypes.c_void_p])
+    q_lens, kv_lens, heads, kv_heads = _WS_CASES[case]
+    qo_indptr = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    kv_indptr = torch.tensor([0] + kv_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    total_q, total_kv, scale = int(qo_indptr[-1]), int(kv_indptr[-1]), D ** -0.5
+    q = torch.randn(total_q, heads, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(total_kv, kv_heads, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(total_kv, kv_heads, D, device="cuda", dtype=torch.bfloat16)
+    o = torch.full_like(q, float("nan"))
+    lse = torch.full((total_q, heads), float("nan"), device="cuda", dtype=torch.float32)
+    qi, ki = qo_indptr.cuda(), kv_indptr.cuda()
+    counter = torch.full((1,), 12345, device="cuda", dtype=torch.int32)  # the call zeroes it
+    rc = run(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), qi.data_ptr(), ki.data_ptr(),
+             counter.data_ptr(), len(q_lens), max(q_lens), heads, kv_heads, total_q, total_kv,
+             32 << 20 if case == "sections" else 0, scale, torch.cuda.current_stream().cuda_stream)
+    assert rc == 0, f"launch failed: {rc}"
+    torch.cuda.synchronize()
+    g = heads // kv_heads
+    for b, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
+        q0, k0 = int(qo_indptr[b]), int(kv_indptr[b])
+        qd = q[q0:q0 + ql].double().transpose(0, 1)                                   # h q d
+        kd = k[k0:k0 + kl].double().transpose(0, 1).repeat_interleave(g, dim=0)
+        vd = v[k0:k0 + kl].double().transpose(0, 1).repeat_interleave(g, dim=0)
+        s = (qd @ kd.transpose(-1, -2)) * scale
+        if causal:  # bottom-right: query i sees keys <= kl - ql + i
+            i = torch.arange(ql, device="cuda")[:, None]
+            j = torch.arange(kl, device="cuda")[None, :]
+            s = s.masked_fill(j > kl - ql + i, float("-inf"))
+        ref_lse = torch.logsumexp(s, dim=-1).transpose(0, 1)
+        ref = (torch.softmax(s, dim=-1) @ vd).transpose(0, 1)
+        err = ((o[q0:q0 + ql].double() - ref).abs() / (ref.abs() + 1)).max().item()
+        lse_err = (lse[q0:q0 + ql].double() - ref_lse).abs().max().item()
+        assert err < 2e-2 and lse_err < 1e-3, (f"{case} request {b} ({ql} / {kl}) D={D} causal={causal}: "
+                                              f"O error {err}, LSE error {lse_err}")
