@@ -2,7 +2,7 @@
 
     ncu --profile-from-start off --set full -o ours python3 -m perf.tools.ncu_prefill ours 1x16384 32 [TUNING_JSON]
 
-argv: impl (ours, fa2, fa3, cute: the CuTe probe's CTA with overlap and ping-pong, branch cute-sm90), BxS, KV heads
+argv: impl (ours, fa2, fa3, cute: the CuTe probe's CTA with overlap and ping-pong), BxS, KV heads
 (32 query heads), optionally our kernel shape as JSON."""
 import json
 import sys
