@@ -448,7 +448,7 @@ def test_cutlass_headers_lookup(tmp_path, monkeypatch):
         "#define CUTLASS_MAJOR 4\n#define CUTLASS_MINOR 2\n#define CUTLASS_PATCH 0\n")
     assert cutlass.include_dir() == str(tmp_path / "include")
     assert cutlass.version() == "4.2.0"
-    spec = cutlass.qk_tile_spec(128)
+    spec = cutlass.attn_ws_spec(128, True)
     assert spec.include_dirs == (str(tmp_path / "include"),) and "cutlass 4.2.0" in spec.key_extra
     with pytest.raises(ValueError, match="head_dim must be 64 or 128"):
-        cutlass.qk_tile_spec(96)
+        cutlass.attn_ws_spec(96, True)

@@ -57,17 +57,6 @@ def _probe_spec(name: str, head_dim: int, **params: int) -> ModuleSpec:
                       include_dirs=(include_dir(),), key_extra=f"cutlass {version()}", tag=tag)
 
 
-def qk_tile_spec(head_dim: int) -> ModuleSpec:
-    """The CuTe probe: S = Q K^T of 64 x 128 tiles (csrc/attention/cute/qk_tile.cu), head size 64 or 128."""
-    return _probe_spec("qk_tile", head_dim)
-
-
-def attn_tile_spec(head_dim: int) -> ModuleSpec:
-    """The CuTe probe: one warpgroup's attention of 64-row query tiles over 128-token KV tiles, S and P.V by GMMA
-    (csrc/attention/cute/attn_tile.cu), head size 64 or 128."""
-    return _probe_spec("attn_tile", head_dim)
-
-
 def attn_ws_spec(head_dim: int, causal: bool, stages: int = 2, overlap: bool = True, pingpong: bool = True) -> ModuleSpec:
     """The CuTe probe: FlashAttention-3's CTA (a TMA producer warp, K and V pipelines, two consumer warpgroups of a
     128-token tile of one query head; csrc/attention/cute/attn_ws.cu), head size 64 or 128, causal or not; its
@@ -82,9 +71,5 @@ def attn_ws_spec(head_dim: int, causal: bool, stages: int = 2, overlap: bool = T
 
 def probe_specs() -> list:
     """Every CuTe probe module tests/test_cute_gpu.py loads (built in parallel before its first test)."""
-    out = [qk_tile_spec(d) for d in (64, 128)] + [attn_tile_spec(d) for d in (64, 128)]
-    for d in (64, 128):
-        for causal in (False, True):
-            for overlap, pingpong in ((False, False), (True, False), (True, True)):
-                out.append(attn_ws_spec(d, causal, overlap=overlap, pingpong=pingpong))
-    return out
+    return [attn_ws_spec(d, causal, overlap=overlap, pingpong=pingpong) for d in (64, 128) for causal in (False, True)
+            for overlap, pingpong in ((False, False), (True, False), (True, True))]
