@@ -57,7 +57,8 @@ def _probe_spec(name: str, head_dim: int, **params: int) -> ModuleSpec:
                       include_dirs=(include_dir(),), key_extra=f"cutlass {version()}", tag=tag)
 
 
-def attn_ws_spec(head_dim: int, causal: bool, stages: int = 2, overlap: bool = True, pingpong: bool = True) -> ModuleSpec:
+def attn_ws_spec(head_dim: int, causal: bool, stages: int = 2, overlap: bool = True,
+                 pingpong: bool = True) -> ModuleSpec:
     """The CuTe probe: FlashAttention-3's CTA (a TMA producer warp, K and V pipelines, two consumer warpgroups of a
     128-token tile of one query head; csrc/attention/cute/attn_ws.cu), head size 64 or 128, causal or not; its
     intra-warpgroup overlap and its ping-pong each on or off (ping-pong needs the overlap)."""

@@ -40,8 +40,8 @@ def probe_fn(case: P.Case, overlap: bool, pingpong: bool, l2_section_bytes: int 
 
     def fn():
         rc = run(case.q.data_ptr(), case.k.data_ptr(), case.v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                 indptr.data_ptr(), indptr.data_ptr(), counter.data_ptr(), case.batch, case.seq_len, case.hq, case.hkv, case.rows,
-                 case.rows, l2_section_bytes, case.d ** -0.5, stream)
+                 indptr.data_ptr(), indptr.data_ptr(), counter.data_ptr(), case.batch, case.seq_len, case.hq,
+                 case.hkv, case.rows, case.rows, l2_section_bytes, case.d ** -0.5, stream)
         if rc:
             raise RuntimeError(f"fi_cute_attn_ws failed: {rc}")
     return fn, out
@@ -84,7 +84,8 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     write_result(a.name, {**stamp(), "causal": True, "head_dim": P.D, "rows": rows,
                           "anchor": "FlashInfer 0.6.14 BatchPrefillWithRaggedKVCacheWrapper(backend='fa3')",
-                          "ratios": "flashinfer_fa3_time_over: FlashInfer FA3's time / that kernel's (> 1: it is faster)"})
+                          "ratios": "flashinfer_fa3_time_over: FlashInfer FA3's time / that kernel's "
+                                    "(> 1: it is faster)"})
     return 1 if P.failures() else 0
 
 

@@ -54,7 +54,8 @@ using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Sh
 using SmemLayoutVt = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{}, Shape<D, Int<kKv>, Int<kStages>>{},
                                             Step<_2, _1, _3>{}));
 using AtomQK = decltype(GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<kKv>, D>>());
-using AtomPV = decltype(GMMA::rs_op_selector<Elem, Elem, float, Shape<_64, D, Int<kKv>>, GMMA::Major::K, GMMA::Major::MN>());
+using AtomPV = decltype(GMMA::rs_op_selector<Elem, Elem, float, Shape<_64, D, Int<kKv>>, GMMA::Major::K,
+                                             GMMA::Major::MN>());
 using MmaQK = decltype(make_tiled_mma(AtomQK{}, Layout<Shape<_2, _1, _1>>{}));  // two warpgroups, 64 rows each
 using MmaPV = decltype(make_tiled_mma(AtomPV{}, Layout<Shape<_2, _1, _1>>{}));
 using Pipeline = cutlass::PipelineTmaAsync<kStages>;
@@ -156,9 +157,9 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
         Tensor gQ = local_tile(domain_offset(make_coord(w.q_begin, 0), mQ(_, _, w.head)), Shape<Int<kRows>, D>{},
                                make_coord(w.qtile, 0));                                                    // (128, D)
         Tensor gK = local_tile(domain_offset(make_coord(w.kv_begin, 0), mK(_, _, kv_head)), Shape<Int<kKv>, D>{},
-                               make_coord(_, 0));                                                          // (128, D, n)
+                               make_coord(_, 0));  // (128, D, n)
         Tensor gVt = local_tile(domain_offset(make_coord(0, w.kv_begin), mVt(_, _, kv_head)), Shape<D, Int<kKv>>{},
-                                make_coord(0, _));                                                         // (D, 128, n)
+                                make_coord(0, _));  // (D, 128, n)
         auto [tQg, tQs] = tma_partition(tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
         auto [tKg, tKs] = tma_partition(tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
         auto [tVg, tVs] = tma_partition(tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sVt), group_modes<0, 2>(gVt));
@@ -245,7 +246,10 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
   auto softmax = [&](float (&alpha)[2]) {
     float tmax[2][2] = {{mx[0], mx[1]}, {mx[0], mx[1]}};  // two chains a row: half the max's latency
     CUTE_UNROLL
-    for (int i = 0; i < size(tS); ++i) tmax[(i >> 2) & 1][(i >> 1) & 1] = fmaxf(tmax[(i >> 2) & 1][(i >> 1) & 1], tS(i));
+    for (int i = 0; i < size(tS); ++i) {
+      float& m = tmax[(i >> 2) & 1][(i >> 1) & 1];
+      m = fmaxf(m, tS(i));
+    }
     CUTE_UNROLL
     for (int h = 0; h < 2; ++h) {
       float m = fmaxf(tmax[0][h], tmax[1][h]);
@@ -381,9 +385,9 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
 }  // namespace fi
 
 FI_EXPORT int fi_cute_attn_ws(const void* q, const void* k, const void* v, void* o, float* lse, const int* qo_indptr,
-                              const int* kv_indptr, int* counter, int64_t batch, int64_t max_q_len, int64_t heads, int64_t kv_heads,
-                              int64_t total_q, int64_t total_kv, int64_t l2_section_bytes, float sm_scale,
-                              void* stream) {
+                              const int* kv_indptr, int* counter, int64_t batch, int64_t max_q_len, int64_t heads,
+                              int64_t kv_heads, int64_t total_q, int64_t total_kv, int64_t l2_section_bytes,
+                              float sm_scale, void* stream) {
   using namespace fi::cute_probe;
   if (batch <= 0 || max_q_len <= 0) return 0;
   if (kv_heads <= 0 || heads % kv_heads || total_q <= 0 || total_kv <= 0) return (int)cudaErrorInvalidValue;
