@@ -60,9 +60,10 @@ using SmemLayoutVt = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{}, 
 // as the layouts below.
 constexpr int kBox = kPage == 0 || kPage >= kKv ? kKv : kPage, kBoxes = kKv / kBox;
 static_assert(kPage == 0 || (kPage >= 16 && (kPage & (kPage - 1)) == 0), "page size: a power of two, 16 or more");
-// Registers by setmaxnreg (128 x producer + 256 x consumer <= 64K): a producer looking up several pages a KV tile
-// holds their ids (24 spilled them)
-constexpr int kProducerRegs = kBoxes > 1 ? 48 : 24, kConsumerRegs = kBoxes > 1 ? 232 : 240;
+// Registers by setmaxnreg: 128 x producer + 256 x consumer must not pass the 384 threads' launch share (168 each,
+// 64512), or the consumers' setmaxnreg waits forever; a producer looking up several pages a KV tile needs more than 24
+constexpr int kProducerRegs = kBoxes > 1 ? 40 : 24, kConsumerRegs = kBoxes > 1 ? 232 : 240;
+static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 168 * kThreads, "setmaxnreg: more than the launch gave");
 using SmemLayoutKBox = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape<Int<kBox>, _64>{}));
 using SmemLayoutVtBox = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{}, Shape<_64, Int<kBox>>{}));
 using AtomQK = decltype(GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<kKv>, D>>());
@@ -179,15 +180,13 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
         Tensor gQ = local_tile(domain_offset(make_coord(w.q_begin, 0), mQ(_, _, w.head)), Shape<Int<kRows>, D>{},
                                make_coord(w.qtile, 0));                                                    // (128, D)
         // paged: box j of KV tile n is the request's page (n x 128 + j x kBox) / kPage (its last page past the end),
-        // at slot (n x 128 + j x kBox) % kPage; page ids loaded first, all at once
+        // at slot (n x 128 + j x kBox) % kPage; each page id loaded just before its box (an array of them spilled)
         auto load_boxes = [&](int n, auto&& issue) {
           const int first = __ldg(kv_page_indptr + w.b), last = __ldg(kv_page_indptr + w.b + 1) - 1;
-          int page[kBoxes];
           CUTE_UNROLL
           for (int jj = 0; jj < kBoxes; ++jj)
-            page[jj] = __ldg(kv_page_indices + min(first + (n * kKv + jj * kBox) / max(kPage, 1), last));
-          CUTE_UNROLL
-          for (int jj = 0; jj < kBoxes; ++jj) issue(jj, page[jj], (n * kKv + jj * kBox) % max(kPage, 1));
+            issue(jj, __ldg(kv_page_indices + min(first + (n * kKv + jj * kBox) / max(kPage, 1), last)),
+                  (n * kKv + jj * kBox) % max(kPage, 1));
         };
         auto [tQg, tQs] = tma_partition(tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
         // KV tile n into stage st: one TMA copy (ragged), or a box a page and 64-dim block (paged; boxes past the
