@@ -74,3 +74,63 @@ def test_attn_ws(D, causal, case, overlap, pingpong):
         lse_err = (lse[rows].double() - ref_lse[rows]).abs().max().item()
         assert err < 2e-2 and lse_err < 1e-3, (f"{case} request {b} ({ql} / {kl}) D={D} causal={causal}: "
                                               f"O error {err}, LSE error {lse_err}")
+
+
+_PAGED_CASES = {  # (query lengths, KV lengths, heads, KV heads)
+    "1x200": ([200], [200], 4, 4),
+    "varlen": ([1, 130, 257, 1000, 64], [1, 300, 257, 1500, 4000], 8, 2),
+}
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("page", [16, 64, 256])
+@pytest.mark.parametrize("case", sorted(_PAGED_CASES))
+def test_attn_ws_paged(D, causal, page, case):
+    """Paged K / V (vLLM's layout: K and V of a page in one [pages, 2, page, kv_heads, D] tensor, so each view has a
+    page stride of twice its page), pages of each request in random order over a pool with pages of no request:
+    a TMA box a page and 64-dim block below 128 tokens a page, several KV tiles a page above; the tail of a
+    request's last page and the boxes past it masked."""
+    pytest.importorskip("cutlass_library")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm_90a only")
+    from fi_backend import kernels, reference
+    from fi_backend.kernels import cutlass
+    module = kernels.load(cutlass.attn_ws_spec(D, causal, overlap=True, pingpong=False, page_size=page))
+    run = module.function("fi_cute_attn_ws_paged", [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 10 +
+                          [ctypes.c_float, ctypes.c_void_p])
+    q_lens, kv_lens, heads, kv_heads = _PAGED_CASES[case]
+    gen = torch.Generator().manual_seed(page * 7 + D)
+    n_pages = [(kl + page - 1) // page for kl in kv_lens]
+    pool = sum(n_pages) + 5                                        # pages of no request too
+    order = torch.randperm(pool, generator=gen).to(torch.int32)
+    kv_page_indptr = torch.tensor([0] + n_pages, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    kv_page_indices = order[:sum(n_pages)].contiguous()
+    qo_indptr = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    kv_indptr = torch.tensor([0] + kv_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    total_q, scale = int(qo_indptr[-1]), D ** -0.5
+    cache = torch.randn(pool, 2, page, kv_heads, D, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(total_q, heads, D, device="cuda", dtype=torch.bfloat16)
+    o = torch.full_like(q, float("nan"))
+    lse = torch.full((total_q, heads), float("nan"), device="cuda", dtype=torch.float32)
+    dev = [t.cuda() for t in (qo_indptr, kv_indptr, kv_page_indptr, kv_page_indices)]
+    counter = torch.full((1,), 12345, device="cuda", dtype=torch.int32)
+    k_view, v_view = cache[:, 0], cache[:, 1]
+    rc = run(q.data_ptr(), k_view.data_ptr(), v_view.data_ptr(), o.data_ptr(), lse.data_ptr(),
+             *(t.data_ptr() for t in dev), counter.data_ptr(), len(q_lens), max(q_lens), heads, kv_heads, total_q,
+             int(kv_indptr[-1]), pool, k_view.stride(0), v_view.stride(0), 32 << 20, scale,
+             torch.cuda.current_stream().cuda_stream)
+    assert rc == 0, f"launch failed: {rc}"
+    torch.cuda.synchronize()
+    # each request's pages gathered in order: a ragged K / V for the reference
+    bounds = kv_page_indptr.tolist()
+    pages = [kv_page_indices[a:z].long().cuda() for a, z in zip(bounds, bounds[1:])]
+    k = torch.cat([cache[p, 0].reshape(-1, kv_heads, D)[:kl] for p, kl in zip(pages, kv_lens)])
+    v = torch.cat([cache[p, 1].reshape(-1, kv_heads, D)[:kl] for p, kl in zip(pages, kv_lens)])
+    ref, ref_lse = reference.batch_attention(q, qo_indptr, k, v, kv_indptr, causal=causal, sm_scale=scale)
+    for b, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
+        rows = slice(int(qo_indptr[b]), int(qo_indptr[b + 1]))
+        err = ((o[rows].double() - ref[rows]).abs() / (ref[rows].abs() + 1)).max().item()
+        lse_err = (lse[rows].double() - ref_lse[rows]).abs().max().item()
+        assert err < 2e-2 and lse_err < 1e-3, (f"{case} page {page} request {b} ({ql} / {kl}) D={D} causal={causal}: "
+                                              f"O error {err}, LSE error {lse_err}")

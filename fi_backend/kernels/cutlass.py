@@ -51,26 +51,35 @@ def version() -> str:
 def _probe_spec(name: str, head_dim: int, **params: int) -> ModuleSpec:
     if head_dim not in (64, 128):
         raise ValueError(f"head_dim must be 64 or 128 (got {head_dim})")
-    tag = f"d{head_dim}" + "".join(f"_{k[0]}{v}" for k, v in sorted(params.items()))
+    tag = f"d{head_dim}" + "".join(f"_{k[:2]}{v}" for k, v in sorted(params.items()))
     return ModuleSpec(family=f"cute_{name}", template=f"attention/cute/{name}.cu",
                       params={"HEAD_DIM": str(head_dim), **{k.upper(): str(v) for k, v in params.items()}},
                       include_dirs=(include_dir(),), key_extra=f"cutlass {version()}", tag=tag)
 
 
-def attn_ws_spec(head_dim: int, causal: bool, stages: int = 2, overlap: bool = True,
-                 pingpong: bool = True) -> ModuleSpec:
+def attn_ws_spec(head_dim: int, causal: bool, stages: int = 2, overlap: bool = True, pingpong: bool = True,
+                 page_size: int = 0) -> ModuleSpec:
     """The CuTe probe: FlashAttention-3's CTA (a TMA producer warp, K and V pipelines, two consumer warpgroups of a
     128-token tile of one query head; csrc/attention/cute/attn_ws.cu), head size 64 or 128, causal or not; its
-    intra-warpgroup overlap and its ping-pong each on or off (ping-pong needs the overlap)."""
+    intra-warpgroup overlap and its ping-pong each on or off (ping-pong needs the overlap); K / V ragged
+    (page_size 0: entry fi_cute_attn_ws) or in pages of page_size tokens (a power of two, 16 or more: entry
+    fi_cute_attn_ws_paged)."""
     if stages not in (2, 3):
         raise ValueError(f"stages must be 2 or 3 (got {stages})")
     if pingpong and not overlap:
         raise ValueError("pingpong needs overlap (the overlapped loop's two warpgroups take turns)")
+    if page_size and (page_size < 16 or page_size & (page_size - 1)):
+        raise ValueError(f"page_size must be 0 (ragged) or a power of two, 16 or more (got {page_size})")
     return _probe_spec("attn_ws", head_dim, stages=stages, causal=int(bool(causal)), overlap=int(bool(overlap)),
-                       pingpong=int(bool(pingpong)))
+                       pingpong=int(bool(pingpong)), page=int(page_size))
+
+
+PAGED_PROBE_PAGES = (16, 64, 256)  # below, in and above a 128-token KV tile
 
 
 def probe_specs() -> list:
     """Every CuTe probe module tests/test_cute_gpu.py loads (built in parallel before its first test)."""
     return [attn_ws_spec(d, causal, overlap=overlap, pingpong=pingpong) for d in (64, 128) for causal in (False, True)
-            for overlap, pingpong in ((False, False), (True, False), (True, True))]
+            for overlap, pingpong in ((False, False), (True, False), (True, True))] + \
+        [attn_ws_spec(d, causal, overlap=True, pingpong=False, page_size=page) for d in (64, 128)
+         for causal in (False, True) for page in PAGED_PROBE_PAGES]

@@ -1,7 +1,8 @@
 """The CuTe probe's warp-specialised CTA (csrc/attention/cute/attn_ws.cu: FlashAttention-3's CTA) without its
 overlap, with the intra-warpgroup overlap, with the ping-pong too, and with the overlap in L2 sections of one KV
 head, against FlashInfer's FA3 template and our prefill (member 0 and the FA3 member), causal bf16, head size 128,
-the same ragged inputs in the same process, alternating rounds (issue 30's design change, docs/prefill.md).
+the same ragged inputs in the same process, alternating rounds (issue 30's design change, docs/prefill.md); and the
+overlapped CTA on the same K / V copied into pages in random order (--paged, page sizes).
 
     python -m perf.tools.cute_probe [--shapes 16x1024,4x4096,1x16384] [--heads 32/8,32/32]
 
@@ -47,6 +48,31 @@ def probe_fn(case: P.Case, overlap: bool, pingpong: bool, l2_section_bytes: int 
     return fn, out
 
 
+def paged_fn(case: P.Case, page_size: int, l2_section_bytes: int = L2_SECTION):
+    """The overlapped CTA reading K / V from a pool of page_size pages in random order (perf.prefill.Paged)."""
+    from fi_backend import kernels
+    from fi_backend.kernels import cutlass
+    paged = P.Paged(case, page_size)
+    module = kernels.load(cutlass.attn_ws_spec(case.d, True, overlap=True, pingpong=False, page_size=page_size))
+    run = module.function("fi_cute_attn_ws_paged", [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 10 +
+                          [ctypes.c_float, ctypes.c_void_p])
+    out = torch.empty_like(case.q)
+    lse = torch.empty(case.rows, case.hq, device=case.q.device, dtype=torch.float32)
+    stream = torch.cuda.current_stream().cuda_stream
+    page_indptr, page_indices = paged.csr_indptr.to(case.q.device), paged.csr_indices.contiguous()
+    counter = torch.zeros(1, device=case.q.device, dtype=torch.int32)
+
+    def fn():
+        rc = run(case.q.data_ptr(), paged.k.data_ptr(), paged.v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                 case.indptr_dev.data_ptr(), case.indptr_dev.data_ptr(), page_indptr.data_ptr(),
+                 page_indices.data_ptr(), counter.data_ptr(), case.batch, case.seq_len, case.hq, case.hkv, case.rows,
+                 case.rows, paged.num_pages, paged.k.stride(0), paged.v.stride(0), l2_section_bytes,
+                 case.d ** -0.5, stream)
+        if rc:
+            raise RuntimeError(f"fi_cute_attn_ws_paged failed: {rc}")
+    return fn, out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m perf.tools.cute_probe", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -55,6 +81,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rep", type=int, default=50)
     ap.add_argument("--name", default="cute_probe")
+    ap.add_argument("--paged", default="16", help="page sizes to time the overlapped CTA on (pages in random order), "
+                                                    "comma-separated; empty: none")
     a = ap.parse_args(argv)
     from fi_backend.shapes import PREFILL_FA3_TUNINGS
     from perf.zoo import parse_shapes
@@ -67,6 +95,8 @@ def main(argv=None) -> int:
             fns, outs = {}, {}
             for name, (overlap, pingpong, l2) in MODES.items():
                 fns[name], outs[name] = probe_fn(case, overlap, pingpong, l2)
+            for page in (int(x) for x in a.paged.split(",") if x):
+                fns[f"cute_overlap_paged{page}"], outs[f"cute_overlap_paged{page}"] = paged_fn(case, page)
             fns["flashinfer_fa3"], outs["flashinfer_fa3"] = fi_fa3.fn(case)
             fns["ours"], outs["ours"], _ = P.ours_fn(case)
             fns["ours_fa3"], outs["ours_fa3"], _ = P.ours_fn(case, tuning=PREFILL_FA3_TUNINGS[case.d])

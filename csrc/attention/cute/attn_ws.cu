@@ -41,6 +41,8 @@ using namespace cute;
 using Elem = cute::bfloat16_t;
 constexpr int kHeadDim = {{HEAD_DIM}}, kStages = {{STAGES}};
 constexpr bool kCausal = {{CAUSAL}}, kOverlap = {{OVERLAP}}, kPingPong = {{PINGPONG}};
+#define FI_CUTE_PAGE {{PAGE}}
+constexpr int kPage = FI_CUTE_PAGE;  // 0: K / V ragged [tokens, kv_heads, D]; else pages of kPage tokens
 static_assert(!kPingPong || kOverlap, "ping-pong: the overlapped loop's two warpgroups");
 static_assert(kHeadDim % 64 == 0, "head size: whole 128-byte swizzle atoms");
 constexpr int kRows = 128, kKv = 128, kThreads = 384, kConsumers = 256;
@@ -53,6 +55,17 @@ using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Sh
 // the dims first, a box spans 8 tokens: 32 TMA copies a tile at head size 128)
 using SmemLayoutVt = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{}, Shape<D, Int<kKv>, Int<kStages>>{},
                                             Step<_2, _1, _3>{}));
+// Paged K / V: TMA boxes of kBox tokens x 64 dims, one a page and 64-dim block (several a KV tile below 128 tokens a
+// page). A box is a contiguous run of the stage's atoms in both layouts (K: rows first; V: tokens first), laid out
+// as the layouts below.
+constexpr int kBox = kPage == 0 || kPage >= kKv ? kKv : kPage, kBoxes = kKv / kBox;
+static_assert(kPage == 0 || (kPage >= 16 && (kPage & (kPage - 1)) == 0), "page size: a power of two, 16 or more");
+// Registers by setmaxnreg: 128 x producer + 256 x consumer must not pass the 384 threads' launch share (168 each,
+// 64512), or the consumers' setmaxnreg waits forever; a producer looking up several pages a KV tile needs more than 24
+constexpr int kProducerRegs = kBoxes > 1 ? 40 : 24, kConsumerRegs = kBoxes > 1 ? 232 : 240;
+static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 168 * kThreads, "setmaxnreg: more than the launch gave");
+using SmemLayoutKBox = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape<Int<kBox>, _64>{}));
+using SmemLayoutVtBox = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{}, Shape<_64, Int<kBox>>{}));
 using AtomQK = decltype(GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<kKv>, D>>());
 using AtomPV = decltype(GMMA::rs_op_selector<Elem, Elem, float, Shape<_64, D, Int<kKv>>, GMMA::Major::K,
                                              GMMA::Major::MN>());
@@ -80,9 +93,12 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
                                                         CUTE_GRID_CONSTANT TmaK const tma_k,
                                                         CUTE_GRID_CONSTANT TmaV const tma_v, Elem* __restrict__ o,
                                                         float* __restrict__ lse, const int* __restrict__ qo_indptr,
-                                                        const int* __restrict__ kv_indptr, int* __restrict__ counter,
+                                                        const int* __restrict__ kv_indptr,
+                                                        const int* __restrict__ kv_page_indptr,
+                                                        const int* __restrict__ kv_page_indices,
+                                                        int* __restrict__ counter,
                                                         int batch, int max_q_len, int heads, int kv_heads, int total_q,
-                                                        int total_kv, int section, float sm_scale) {
+                                                        int total_kv, int num_pages, int section, float sm_scale) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_raw);
   const int tid = threadIdx.x, warp_group = tid / 128;
@@ -132,11 +148,18 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
   __syncthreads();  // barriers initialised before anyone waits on or arrives at them
 
   if (warp_group == 0) {  // producer
-    cutlass::arch::warpgroup_reg_dealloc<24>();
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
     if (warp_in_group == 0 && cute::elect_one_sync()) {
       Tensor mQ = tma_q.get_tma_tensor(make_shape(total_q, D{}, heads));
-      Tensor mK = tma_k.get_tma_tensor(make_shape(total_kv, D{}, kv_heads));
-      Tensor mVt = tma_v.get_tma_tensor(make_shape(D{}, total_kv, kv_heads));
+      // ragged: (token, dim, KV head); paged: (slot, dim, KV head, page)
+      auto mK = [&] {
+        if constexpr (kPage == 0) return tma_k.get_tma_tensor(make_shape(total_kv, D{}, kv_heads));
+        else return tma_k.get_tma_tensor(make_shape(Int<kPage>{}, D{}, kv_heads, num_pages));
+      }();
+      auto mVt = [&] {
+        if constexpr (kPage == 0) return tma_v.get_tma_tensor(make_shape(D{}, total_kv, kv_heads));
+        else return tma_v.get_tma_tensor(make_shape(D{}, Int<kPage>{}, kv_heads, num_pages));
+      }();
       PipelineState st = cutlass::make_producer_start_state<Pipeline>();
       Tile w;
       auto next_valid = [&](int t) {  // the first tile from t on that has query rows (work: none)
@@ -156,16 +179,61 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
         // tiles from the request's own first row / key (TMA coordinates: any offset)
         Tensor gQ = local_tile(domain_offset(make_coord(w.q_begin, 0), mQ(_, _, w.head)), Shape<Int<kRows>, D>{},
                                make_coord(w.qtile, 0));                                                    // (128, D)
-        Tensor gK = local_tile(domain_offset(make_coord(w.kv_begin, 0), mK(_, _, kv_head)), Shape<Int<kKv>, D>{},
-                               make_coord(_, 0));  // (128, D, n)
-        Tensor gVt = local_tile(domain_offset(make_coord(0, w.kv_begin), mVt(_, _, kv_head)), Shape<D, Int<kKv>>{},
-                                make_coord(0, _));  // (D, 128, n)
+        // paged: box j of KV tile n is the request's page (n x 128 + j x kBox) / kPage (its last page past the end),
+        // at slot (n x 128 + j x kBox) % kPage; each page id loaded just before its box (an array of them spilled)
+        auto load_boxes = [&](int n, auto&& issue) {
+          const int first = __ldg(kv_page_indptr + w.b), last = __ldg(kv_page_indptr + w.b + 1) - 1;
+          CUTE_UNROLL
+          for (int jj = 0; jj < kBoxes; ++jj)
+            issue(jj, __ldg(kv_page_indices + min(first + (n * kKv + jj * kBox) / max(kPage, 1), last)),
+                  (n * kKv + jj * kBox) % max(kPage, 1));
+        };
         auto [tQg, tQs] = tma_partition(tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-        auto [tKg, tKs] = tma_partition(tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-        auto [tVg, tVs] = tma_partition(tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sVt), group_modes<0, 2>(gVt));
+        // KV tile n into stage st: one TMA copy (ragged), or a box a page and 64-dim block (paged; boxes past the
+        // request's last page read that page again: their keys are masked, and V's values stay finite)
+        auto load_k = [&](int n, int stage, uint64_t* bar) {
+          if constexpr (kPage == 0) {
+            Tensor gK = local_tile(domain_offset(make_coord(w.kv_begin, 0), mK(_, _, kv_head)),
+                                   Shape<Int<kKv>, D>{}, make_coord(n, 0));                               // (128, D)
+            auto [tg, ts] = tma_partition(tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK(_, _, stage)),
+                                          group_modes<0, 2>(gK));
+            copy(tma_k.with(*bar), tg, ts);
+          } else {
+            load_boxes(n, [&](int j, int page, int slot0) {
+              CUTE_UNROLL
+              for (int c = 0; c < kHeadDim / 64; ++c) {
+                Tensor g = local_tile(mK(_, _, kv_head, page), Shape<Int<kBox>, _64>{}, make_coord(slot0 / kBox, c));
+                Tensor sb = local_tile(sK(_, _, stage), Shape<Int<kBox>, _64>{}, make_coord(j, c));
+                auto [tg, ts] = tma_partition(tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sb),
+                                              group_modes<0, 2>(g));
+                copy(tma_k.with(*bar), tg, ts);
+              }
+            });
+          }
+        };
+        auto load_v = [&](int n, int stage, uint64_t* bar) {
+          if constexpr (kPage == 0) {
+            Tensor gVt = local_tile(domain_offset(make_coord(0, w.kv_begin), mVt(_, _, kv_head)),
+                                    Shape<D, Int<kKv>>{}, make_coord(0, n));                              // (D, 128)
+            auto [tg, ts] = tma_partition(tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sVt(_, _, stage)),
+                                          group_modes<0, 2>(gVt));
+            copy(tma_v.with(*bar), tg, ts);
+          } else {
+            load_boxes(n, [&](int j, int page, int slot0) {
+              CUTE_UNROLL
+              for (int c = 0; c < kHeadDim / 64; ++c) {
+                Tensor g = local_tile(mVt(_, _, kv_head, page), Shape<_64, Int<kBox>>{}, make_coord(c, slot0 / kBox));
+                Tensor sb = local_tile(sVt(_, _, stage), Shape<_64, Int<kBox>>{}, make_coord(c, j));
+                auto [tg, ts] = tma_partition(tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sb),
+                                              group_modes<0, 2>(g));
+                copy(tma_v.with(*bar), tg, ts);
+              }
+            });
+          }
+        };
         for (int n = w.ntiles - 1; n >= 0; --n) {  // the consumers' order: the diagonal first
           pipe_k.producer_acquire(st);
-          copy(tma_k.with(*pipe_k.producer_get_barrier(st)), tKg(_, n), tKs(_, st.index()));
+          load_k(n, st.index(), pipe_k.producer_get_barrier(st));
           if (n == w.ntiles - 1) {  // Q after the first K: that K may land while the last tile's S still runs
             if (j > 0) cutlass::arch::ClusterBarrier::wait(&ss.q_empty, (j - 1) & 1);  // its Q is done with
             ss.tile = t;
@@ -173,7 +241,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
             copy(tma_q.with(ss.q_full), tQg, tQs);
           }
           pipe_v.producer_acquire(st);
-          copy(tma_v.with(*pipe_v.producer_get_barrier(st)), tVg(_, n), tVs(_, st.index()));
+          load_v(n, st.index(), pipe_v.producer_get_barrier(st));
           ++st;
         }
         t = next_valid(next);
@@ -183,7 +251,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
   }
 
   // consumers
-  cutlass::arch::warpgroup_reg_alloc<240>();
+  cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
   const int ctid = tid - 128, lane = tid & 31;
   const int row0 = (ctid / 128) * 64 + ((ctid / 32) % 4) * 16 + (lane >> 2);  // this thread's rows: row0, row0 + 8
   MmaQK mma_qk;
@@ -384,6 +452,40 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
 }  // namespace cute_probe
 }  // namespace fi
 
+namespace fi {
+namespace cute_probe {
+
+// The launch both entries share: a persistent grid (one CTA an SM) over the work tiles, the counter zeroed first.
+template <class TmaQ, class TmaK, class TmaV>
+int launch(const TmaQ& tma_q, const TmaK& tma_k, const TmaV& tma_v, void* o, float* lse, const int* qo_indptr,
+           const int* kv_indptr, const int* kv_page_indptr, const int* kv_page_indices, int* counter, int64_t batch,
+           int64_t max_q_len, int64_t heads, int64_t kv_heads, int64_t total_q, int64_t total_kv, int64_t num_pages,
+           int64_t l2_section_bytes, float sm_scale, void* stream) {
+  auto kernel = attn_ws<TmaQ, TmaK, TmaV>;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (e != cudaSuccess) return (int)e;
+  int device = 0, sms = 0;
+  if ((e = cudaGetDevice(&device)) != cudaSuccess) return (int)e;
+  if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return (int)e;
+  const int64_t work = (max_q_len + kRows - 1) / kRows * heads * batch;
+  const unsigned grid = (unsigned)(work < sms ? work : sms);  // persistent: one CTA an SM
+  // a section: as many KV heads' KV (a request of the mean KV length) as fit in l2_section_bytes, at least one, with
+  // their query heads
+  const int64_t kv_head_bytes = (total_kv + batch - 1) / batch * kHeadDim * (int64_t)sizeof(Elem) * 2;
+  const int64_t kv_per_section = std::max<int64_t>(1, l2_section_bytes / std::max<int64_t>(1, kv_head_bytes));
+  const int section = (int)std::min<int64_t>(heads * batch, kv_per_section * (heads / kv_heads));
+  if ((e = cudaMemsetAsync(counter, 0, sizeof(int), (cudaStream_t)stream)) != cudaSuccess) return (int)e;
+  kernel<<<grid, kThreads, kSmemBytes, (cudaStream_t)stream>>>(
+      tma_q, tma_k, tma_v, static_cast<Elem*>(o), lse, qo_indptr, kv_indptr, kv_page_indptr, kv_page_indices, counter,
+      (int)batch, (int)max_q_len, (int)heads, (int)kv_heads, (int)total_q, (int)total_kv, (int)num_pages, section,
+      sm_scale);
+  return (int)cudaGetLastError();
+}
+
+}  // namespace cute_probe
+}  // namespace fi
+
+#if FI_CUTE_PAGE == 0
 FI_EXPORT int fi_cute_attn_ws(const void* q, const void* k, const void* v, void* o, float* lse, const int* qo_indptr,
                               const int* kv_indptr, int* counter, int64_t batch, int64_t max_q_len, int64_t heads,
                               int64_t kv_heads, int64_t total_q, int64_t total_kv, int64_t l2_section_bytes,
@@ -401,22 +503,34 @@ FI_EXPORT int fi_cute_attn_ws(const void* q, const void* k, const void* v, void*
   auto tma_q = make_tma_copy(SM90_TMA_LOAD{}, gQ, SmemLayoutQ{});
   auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, take<0, 2>(SmemLayoutK{}));
   auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gVt, take<0, 2>(SmemLayoutVt{}));
-  auto kernel = attn_ws<decltype(tma_q), decltype(tma_k), decltype(tma_v)>;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  if (e != cudaSuccess) return (int)e;
-  int device = 0, sms = 0;
-  if ((e = cudaGetDevice(&device)) != cudaSuccess) return (int)e;
-  if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return (int)e;
-  const int64_t work = (max_q_len + kRows - 1) / kRows * heads * batch;
-  const unsigned grid = (unsigned)(work < sms ? work : sms);  // persistent: one CTA an SM
-  // a section: as many KV heads' KV (a request of the mean KV length) as fit in l2_section_bytes, at least one, with
-  // their query heads
-  const int64_t kv_head_bytes = (total_kv + batch - 1) / batch * kHeadDim * (int64_t)sizeof(Elem) * 2;
-  const int64_t kv_per_section = std::max<int64_t>(1, l2_section_bytes / std::max<int64_t>(1, kv_head_bytes));
-  const int section = (int)std::min<int64_t>(heads * batch, kv_per_section * (heads / kv_heads));
-  if ((e = cudaMemsetAsync(counter, 0, sizeof(int), (cudaStream_t)stream)) != cudaSuccess) return (int)e;
-  kernel<<<grid, kThreads, kSmemBytes, (cudaStream_t)stream>>>(tma_q, tma_k, tma_v, static_cast<Elem*>(o), lse,
-                                                                qo_indptr, kv_indptr, counter, (int)batch,
-                                                                (int)max_q_len, H, Hkv, tq, tkv, section, sm_scale);
-  return (int)cudaGetLastError();
+  return launch(tma_q, tma_k, tma_v, o, lse, qo_indptr, kv_indptr, nullptr, nullptr, counter, batch, max_q_len, heads,
+                kv_heads, total_q, total_kv, 0, l2_section_bytes, sm_scale, stream);
 }
+#else
+// Paged K / V: k_cache / v_cache [num_pages, kPage, kv_heads, D] with a page stride of their own in elements (vLLM's
+// [blocks, 2, block_size, kv_heads, D] gives K and V views of stride 2 x block_size x kv_heads x D); request b's
+// pages are kv_page_indices[kv_page_indptr[b] .. kv_page_indptr[b + 1]), its KV length kv_indptr[b + 1] -
+// kv_indptr[b] (token offsets, only their differences used).
+FI_EXPORT int fi_cute_attn_ws_paged(const void* q, const void* k_cache, const void* v_cache, void* o, float* lse,
+                                    const int* qo_indptr, const int* kv_indptr, const int* kv_page_indptr,
+                                    const int* kv_page_indices, int* counter, int64_t batch, int64_t max_q_len,
+                                    int64_t heads, int64_t kv_heads, int64_t total_q, int64_t total_kv,
+                                    int64_t num_pages, int64_t page_stride_k, int64_t page_stride_v,
+                                    int64_t l2_section_bytes, float sm_scale, void* stream) {
+  using namespace fi::cute_probe;
+  if (batch <= 0 || max_q_len <= 0) return 0;
+  if (kv_heads <= 0 || heads % kv_heads || total_q <= 0 || num_pages <= 0) return (int)cudaErrorInvalidValue;
+  const int H = (int)heads, Hkv = (int)kv_heads, tq = (int)total_q, np = (int)num_pages;
+  Tensor gQ = make_tensor(make_gmem_ptr(static_cast<const Elem*>(q)), make_shape(tq, D{}, H),
+                          make_stride(H * kHeadDim, _1{}, D{}));
+  Tensor gK = make_tensor(make_gmem_ptr(static_cast<const Elem*>(k_cache)), make_shape(Int<kPage>{}, D{}, Hkv, np),
+                          make_stride(Hkv * kHeadDim, _1{}, D{}, page_stride_k));
+  Tensor gVt = make_tensor(make_gmem_ptr(static_cast<const Elem*>(v_cache)), make_shape(D{}, Int<kPage>{}, Hkv, np),
+                           make_stride(_1{}, Hkv * kHeadDim, D{}, page_stride_v));
+  auto tma_q = make_tma_copy(SM90_TMA_LOAD{}, gQ, SmemLayoutQ{});
+  auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, SmemLayoutKBox{});
+  auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gVt, SmemLayoutVtBox{});
+  return launch(tma_q, tma_k, tma_v, o, lse, qo_indptr, kv_indptr, kv_page_indptr, kv_page_indices, counter, batch,
+                max_q_len, heads, kv_heads, total_q, total_kv, num_pages, l2_section_bytes, sm_scale, stream);
+}
+#endif
