@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from . import env, kernels
+from . import cute_member, env, kernels
 from .formats import BSR, check_prefix_groups
 from .kv_cache import parse_cached
 from .scheduler import DEFAULT_MIN_KV_CHUNK, DETERMINISTIC_MIN_CHUNK, DETERMINISTIC_PIECES, decode_min_kv_chunk
@@ -311,6 +311,13 @@ class BatchAttention:
                              f"(BatchAttention.query_tile_rows gives it)")
         if kernel == "prefill" and len({f.blocks_per_sm() for f in self._family}) > 1:  # one grid serves them all
             raise RuntimeError(f"prefill tile family of head_dim {head_dim}: members differ in CTAs per SM")
+        # The CuTe member (fi_backend.cute_member): FlashAttention-3's CTA for the prefill steps it takes (plan()).
+        self.cute_unsupported = ("decode kernel" if kernel != "prefill" else cute_member.unsupported(
+            variant, head_dim, q_dtype, kv_dtype, page_size, self.device, deterministic=self.deterministic,
+            tuning=tuning))
+        self._cute = (cute_member.CuteMember(head_dim, q_dtype, page_size, num_qo_heads, num_kv_heads, self.device)
+                      if self.cute_unsupported is None else None)
+        self._cute_kv_ok = False  # the KV cache's pointers and strides suit its TMA maps (16-byte multiples)
         self.num_head_chunks = self.group // int(self._family[0].heads_per_chunk)
         # Units: the query-head groups a work item runs for (KV head unit // num_head_chunks). The plan
         # spreads (item, unit) pairs over the whole grid, so no SM idles for want of a head's queue.
@@ -377,8 +384,14 @@ class BatchAttention:
 
     @property
     def module_names(self) -> list:
-        """The kernel modules this wrapper loaded (its tile family), by cache name."""
-        return [f.module.name for f in self._family]
+        """The kernel modules this wrapper loaded (its tile family, then the CuTe member's), by cache name."""
+        return [f.module.name for f in self._family] + (self._cute.module_names if self._cute is not None else [])
+
+    @property
+    def cute_step(self) -> bool:
+        """Whether run() launches the CuTe member for the planned step (fi_backend.cute_member; the tile family
+        otherwise, and whenever run() is captured in a CUDA graph)."""
+        return self._cute is not None and self._cute.planned
 
     def _use_member(self, member: int) -> None:
         """Make family member `member` the kernel that plan() plans for and run() launches."""
@@ -589,6 +602,11 @@ class BatchAttention:
                                      groups=groups, num_ctas=self.grid[0],
                                      **(self._det_plan_args or {"min_kv_chunk": min_chunk}))
 
+        if self._cute is not None:  # not for steps a graph replays, shared-prefix groups or positions of their own
+            allowed = (not idle and self._frozen is None and groups is None and bsr.kv_pos_start is None
+                       and bsr.kv_indices.numel() < 2 ** 31)
+            q32 = qo_cpu.to(torch.int32)
+            self._cute.plan(q32[1:] - q32[:-1], kv_cpu.to(torch.int32), bool(causal), allowed)
         p = self._params
         p.kv_indices, p.kv_lens, p.qo_indptr = bsr_ptrs[2], bsr_ptrs[1], bsr_ptrs[0]
         p.num_kv_indices = bsr.kv_indices.numel()
@@ -724,6 +742,13 @@ class BatchAttention:
             self._k_scale, self._v_scale = k_scale, v_scale
             p.logits_scale = self._sm_scale * float(k_scale)
             p.v_scale = float(v_scale)
+        if self._cute is not None and self._cute.planned and self._cute_kv_ok:
+            rc = self._cute.launch(p, _stream(self._dev_index))
+            if rc == 0:
+                return (out, lse) if lse is not None else out
+            if rc != cute_member.CAPTURE_REFUSED:
+                self._cute.check(rc)
+            # capturing: the tile family's kernel, whose plan plan() made too, goes into the graph
         rc = self._launch(self._params_ref, self._vparams_ref, self.grid[0], self.grid[1], _stream(self._dev_index))
         if rc:
             if rc == _CAPTURED:  # captured into a CUDA graph: pin what the graph reads (see plan())
@@ -762,6 +787,7 @@ class BatchAttention:
         p.k, p.v = kp, vp
         p.kv_stride_block, p.kv_stride_token, p.kv_stride_head = strides
         p.num_kv_blocks = nb
+        self._cute_kv_ok = (kp | vp) % 16 == 0 and all(st % 8 == 0 for st in strides)  # TMA: 16-byte multiples
         self._kv_obj = kv_cache
         self._kv_is_tensor = isinstance(kv_cache, torch.Tensor)
         if not self._kv_is_tensor:

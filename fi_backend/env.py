@@ -33,6 +33,8 @@ FI_BACKEND_SHARED_PREFIX    "0": the vLLM adapter plans every step single-format
                             opt-in worker (adapters/vllm_worker.py) leaves vLLM's runner as it is; "1":
                             the SGLang adapter finds groups in the radix tree (off by default there; read by its
                             register() and backend; composable formats, docs/composable.md)
+FI_BACKEND_PREFILL_CUTE     "0": prefill wrappers do not load the CuTe member (FlashAttention-3's CTA,
+                            fi_backend.cute_member) and run every step on the tile family; read when a wrapper is made
 """
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ PLAN_DECODE_COST_Q = "FI_BACKEND_PLAN_DECODE_COST_Q"
 DETERMINISTIC = "FI_BACKEND_DETERMINISTIC"
 VLLM_BATCH_INVARIANT = "VLLM_BATCH_INVARIANT"  # vLLM's own switch (the adapter and `fi-backend build --model` read it)
 SHARED_PREFIX = "FI_BACKEND_SHARED_PREFIX"
+PREFILL_CUTE = "FI_BACKEND_PREFILL_CUTE"
 
 _FALSE = ("0", "false", "no", "off")
 

@@ -88,16 +88,16 @@ _PAGED_CASES = {  # (query lengths, KV lengths, heads, KV heads)
 @pytest.mark.parametrize("case", sorted(_PAGED_CASES))
 def test_attn_ws_paged(D, causal, page, case):
     """Paged K / V (vLLM's layout: K and V of a page in one [pages, 2, page, kv_heads, D] tensor, so each view has a
-    page stride of twice its page), pages of each request in random order over a pool with pages of no request:
-    a TMA box a page and 64-dim block below 128 tokens a page, several KV tiles a page above; the tail of a
-    request's last page and the boxes past it masked."""
+    page stride of twice its page), pages of each request in random order over a pool with pages of no request,
+    through the BSR entry (fi_cute_attn_bsr): a TMA box a page and 64-dim block below 128 tokens a page, several KV
+    tiles a page above; the tail of a request's last page (NaN here) and the boxes past it masked, their V zeroed."""
     pytest.importorskip("cutlass_library")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm_90a only")
     from fi_backend import kernels, reference
     from fi_backend.kernels import cutlass
     module = kernels.load(cutlass.attn_ws_spec(D, causal, overlap=True, pingpong=False, page_size=page))
-    run = module.function("fi_cute_attn_ws_paged", [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 10 +
+    run = module.function("fi_cute_attn_bsr", [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 17 +
                           [ctypes.c_float, ctypes.c_void_p])
     q_lens, kv_lens, heads, kv_heads = _PAGED_CASES[case]
     gen = torch.Generator().manual_seed(page * 7 + D)
@@ -110,16 +110,23 @@ def test_attn_ws_paged(D, causal, page, case):
     kv_indptr = torch.tensor([0] + kv_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     total_q, scale = int(qo_indptr[-1]), D ** -0.5
     cache = torch.randn(pool, 2, page, kv_heads, D, device="cuda", dtype=torch.bfloat16)
+    used = torch.zeros(pool, page, dtype=torch.bool)  # slots past each request's KV hold NaN: never in the output
+    for p_, kl in zip(kv_page_indices.split(n_pages), kv_lens):
+        used[p_.long()] = (torch.arange(len(p_) * page) < kl).view(-1, page)
+    for kv in (0, 1):
+        cache[:, kv][~used.cuda()] = float("nan")
     q = torch.randn(total_q, heads, D, device="cuda", dtype=torch.bfloat16)
     o = torch.full_like(q, float("nan"))
     lse = torch.full((total_q, heads), float("nan"), device="cuda", dtype=torch.float32)
-    dev = [t.cuda() for t in (qo_indptr, kv_indptr, kv_page_indptr, kv_page_indices)]
+    # the BSR: request b's KV length and its first page's entry in kv_page_indices
+    qi, kl_dev, idx, start = (t.cuda() for t in (qo_indptr, torch.tensor(kv_lens, dtype=torch.int32),
+                                                  kv_page_indices, kv_page_indptr[:-1].contiguous()))
     counter = torch.full((1,), 12345, device="cuda", dtype=torch.int32)
     k_view, v_view = cache[:, 0], cache[:, 1]
-    rc = run(q.data_ptr(), k_view.data_ptr(), v_view.data_ptr(), o.data_ptr(), lse.data_ptr(),
-             *(t.data_ptr() for t in dev), counter.data_ptr(), len(q_lens), max(q_lens), heads, kv_heads, total_q,
-             int(kv_indptr[-1]), pool, k_view.stride(0), v_view.stride(0), 32 << 20, scale,
-             torch.cuda.current_stream().cuda_stream)
+    rc = run(q.data_ptr(), o.data_ptr(), lse.data_ptr(), k_view.data_ptr(), v_view.data_ptr(), qi.data_ptr(),
+             kl_dev.data_ptr(), idx.data_ptr(), start.data_ptr(), counter.data_ptr(), q.stride(0), q.stride(1),
+             o.stride(0), o.stride(1), lse.stride(0), *k_view.stride()[:3], pool, 0, len(q_lens), max(q_lens), heads,
+             kv_heads, total_q, int(kv_indptr[-1]), 32 << 20, scale, torch.cuda.current_stream().cuda_stream)
     assert rc == 0, f"launch failed: {rc}"
     torch.cuda.synchronize()
     # each request's pages gathered in order: a ragged K / V for the reference

@@ -38,11 +38,13 @@ namespace fi {
 namespace cute_probe {  // named: cute has anonymous namespaces of its own, which the kernel stub must not meet
 
 using namespace cute;
-using Elem = cute::bfloat16_t;
+#define FI_CUTE_BF16 {{BF16}}
+using Elem = std::conditional_t<FI_CUTE_BF16, cute::bfloat16_t, cute::half_t>;  // Q, K, V and O
+constexpr bool kBf16 = FI_CUTE_BF16;
 constexpr int kHeadDim = {{HEAD_DIM}}, kStages = {{STAGES}};
 constexpr bool kCausal = {{CAUSAL}}, kOverlap = {{OVERLAP}}, kPingPong = {{PINGPONG}};
 #define FI_CUTE_PAGE {{PAGE}}
-constexpr int kPage = FI_CUTE_PAGE;  // 0: K / V ragged [tokens, kv_heads, D]; else pages of kPage tokens
+constexpr int kPage = FI_CUTE_PAGE;  // 0: K / V ragged [tokens, kv_heads, D]; else pages of kPage tokens (a BSR)
 static_assert(!kPingPong || kOverlap, "ping-pong: the overlapped loop's two warpgroups");
 static_assert(kHeadDim % 64 == 0, "head size: whole 128-byte swizzle atoms");
 constexpr int kRows = 128, kKv = 128, kThreads = 384, kConsumers = 256;
@@ -76,6 +78,7 @@ using PipelineState = cutlass::PipelineState<kStages>;
 constexpr uint32_t kTileBytes = kKv * kHeadDim * sizeof(Elem), kQBytes = kRows * kHeadDim * sizeof(Elem);
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kEpilogueBarrier = 2;  // named barriers 2, 3: a warpgroup's epilogue (0, 1: the ping-pong's turns)
+constexpr int kTailBarrier = 4;      // both consumer warpgroups: a V tile's tail zeroed
 
 struct SharedStorage {
   cute::array_aligned<Elem, cosize_v<SmemLayoutQ>, 1024> q;
@@ -88,17 +91,31 @@ struct SharedStorage {
 };
 constexpr int kSmemBytes = sizeof(SharedStorage);
 
+// The kernel's arguments besides the TMA maps (element strides).
+struct Args {
+  Elem* o;  // O [rows, heads, D] at o + row x o_stride_row + head x o_stride_head
+  int64_t o_stride_row, o_stride_head;
+  float* lse;  // [rows, heads] at lse + row x lse_stride_row + head (natural log), or null
+  int64_t lse_stride_row;
+  const int* qo_indptr;       // request b's query rows qo_indptr[b] .. qo_indptr[b + 1]
+  const int* kv_indptr;       // ragged: its keys kv_indptr[b] .. kv_indptr[b + 1]
+  const int* kv_lens;         // paged (a BSR): its KV length,
+  const void* kv_block_start;  // its first page's entry in kv_indices (int64 where kv_block_start_int64, else int32)
+  const int* kv_indices;      // the pages
+  int* counter;               // the tile counter (zeroed before the launch)
+  int kv_block_start_int64, batch, max_q_len, heads, kv_heads, total_q, total_kv, num_pages, section;
+  float sm_scale;
+};
+
 template <class TmaQ, class TmaK, class TmaV>
 __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ const tma_q,
                                                         CUTE_GRID_CONSTANT TmaK const tma_k,
-                                                        CUTE_GRID_CONSTANT TmaV const tma_v, Elem* __restrict__ o,
-                                                        float* __restrict__ lse, const int* __restrict__ qo_indptr,
-                                                        const int* __restrict__ kv_indptr,
-                                                        const int* __restrict__ kv_page_indptr,
-                                                        const int* __restrict__ kv_page_indices,
-                                                        int* __restrict__ counter,
-                                                        int batch, int max_q_len, int heads, int kv_heads, int total_q,
-                                                        int total_kv, int num_pages, int section, float sm_scale) {
+                                                        CUTE_GRID_CONSTANT TmaV const tma_v,
+                                                        CUTE_GRID_CONSTANT Args const a) {
+  const int batch = a.batch, max_q_len = a.max_q_len, heads = a.heads, kv_heads = a.kv_heads;
+  const int section = a.section;
+  const int* __restrict__ qo_indptr = a.qo_indptr;
+  int* __restrict__ counter = a.counter;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_raw);
   const int tid = threadIdx.x, warp_group = tid / 128;
@@ -108,7 +125,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
   // adjacent), within it the query tile rank (the causal ones last-first: the longest first where lengths are
   // alike), then the pair. False where the request has no such query tile (the producer skips it).
   struct Tile {
-    int qtile, head, b, q_begin, q_len, kv_begin, kv_len, ntiles;
+    int qtile, head, b, q_begin, q_len, kv_begin, kv_len, ntiles;  // kv_begin: paged, the first page's entry
   };
   auto coords = [&](int t, Tile& w) -> bool {
     const int sec = t / (section * max_qtiles), r = t - sec * section * max_qtiles;
@@ -120,8 +137,14 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
     w.q_begin = __ldg(qo_indptr + w.b);
     w.q_len = __ldg(qo_indptr + w.b + 1) - w.q_begin;
     if (w.qtile * kRows >= w.q_len) return false;
-    w.kv_begin = __ldg(kv_indptr + w.b);
-    w.kv_len = __ldg(kv_indptr + w.b + 1) - w.kv_begin;
+    if constexpr (kPage == 0) {
+      w.kv_begin = __ldg(a.kv_indptr + w.b);
+      w.kv_len = __ldg(a.kv_indptr + w.b + 1) - w.kv_begin;
+    } else {
+      w.kv_begin = a.kv_block_start_int64 ? (int)__ldg(static_cast<const int64_t*>(a.kv_block_start) + w.b)
+                                          : __ldg(static_cast<const int*>(a.kv_block_start) + w.b);
+      w.kv_len = __ldg(a.kv_lens + w.b);
+    }
     // keys the tile's last row sees (causal), or all of them
     const int last_row = min(w.q_len, (w.qtile + 1) * kRows) - 1;
     const int kv_end = kCausal ? min(w.kv_len, w.kv_len - w.q_len + last_row + 1) : w.kv_len;
@@ -150,15 +173,15 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
   if (warp_group == 0) {  // producer
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
     if (warp_in_group == 0 && cute::elect_one_sync()) {
-      Tensor mQ = tma_q.get_tma_tensor(make_shape(total_q, D{}, heads));
+      Tensor mQ = tma_q.get_tma_tensor(make_shape(a.total_q, D{}, heads));
       // ragged: (token, dim, KV head); paged: (slot, dim, KV head, page)
       auto mK = [&] {
-        if constexpr (kPage == 0) return tma_k.get_tma_tensor(make_shape(total_kv, D{}, kv_heads));
-        else return tma_k.get_tma_tensor(make_shape(Int<kPage>{}, D{}, kv_heads, num_pages));
+        if constexpr (kPage == 0) return tma_k.get_tma_tensor(make_shape(a.total_kv, D{}, kv_heads));
+        else return tma_k.get_tma_tensor(make_shape(Int<kPage>{}, D{}, kv_heads, a.num_pages));
       }();
       auto mVt = [&] {
-        if constexpr (kPage == 0) return tma_v.get_tma_tensor(make_shape(D{}, total_kv, kv_heads));
-        else return tma_v.get_tma_tensor(make_shape(D{}, Int<kPage>{}, kv_heads, num_pages));
+        if constexpr (kPage == 0) return tma_v.get_tma_tensor(make_shape(D{}, a.total_kv, kv_heads));
+        else return tma_v.get_tma_tensor(make_shape(D{}, Int<kPage>{}, kv_heads, a.num_pages));
       }();
       PipelineState st = cutlass::make_producer_start_state<Pipeline>();
       Tile w;
@@ -182,10 +205,10 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
         // paged: box j of KV tile n is the request's page (n x 128 + j x kBox) / kPage (its last page past the end),
         // at slot (n x 128 + j x kBox) % kPage; each page id loaded just before its box (an array of them spilled)
         auto load_boxes = [&](int n, auto&& issue) {
-          const int first = __ldg(kv_page_indptr + w.b), last = __ldg(kv_page_indptr + w.b + 1) - 1;
+          const int last = (w.kv_len - 1) / max(kPage, 1);
           CUTE_UNROLL
           for (int jj = 0; jj < kBoxes; ++jj)
-            issue(jj, __ldg(kv_page_indices + min(first + (n * kKv + jj * kBox) / max(kPage, 1), last)),
+            issue(jj, __ldg(a.kv_indices + w.kv_begin + min((n * kKv + jj * kBox) / max(kPage, 1), last)),
                   (n * kKv + jj * kBox) % max(kPage, 1));
         };
         auto [tQg, tQs] = tma_partition(tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
@@ -266,7 +289,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
   Tensor tP = thr_pv.partition_fragment_A(make_tensor(make_smem_ptr(ss.q.data()), Shape<Int<kRows>, Int<kKv>>{}));
   static_assert(decltype(size(tS))::value == decltype(size(tP))::value, "P: S's accumulators in their order");
   float mx[2] = {-INFINITY, -INFINITY}, sum[2] = {0.f, 0.f};  // reset per work tile below
-  const float scale2 = sm_scale * kLog2e;
+  const float sm_scale = a.sm_scale, scale2 = sm_scale * kLog2e;
 
   const int wg = ctid / 128;
   auto turn_begin = [&]() {  // ping-pong: wait for this warpgroup's turn to issue MMAs
@@ -342,10 +365,26 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
     CUTE_UNROLL
     for (int i = 0; i < size(tO); ++i) tO(i) *= alpha[(i >> 1) & 1];
   };
+  // Paged: V tokens past the request's KV in its last KV tile are the last page's unused slots (any bits: NaN x a
+  // probability of 0 is NaN) or boxes that re-read that page; zeroed in shared memory before P.V reads them
+  auto zero_v_tail = [&](const Tile& w, int n, int stage) {
+    if constexpr (kPage != 0) {
+      const int valid = w.kv_len - n * kKv;
+      if (valid >= kKv) return;
+      // a token's 64 dims of a 64-dim block are one 128-byte row at (block x 128 + token) x 128 bytes of the stage
+      // (tokens first; the swizzle permutes 16-byte chunks within the row): zeroed 16 bytes at a time
+      uint4* stage_v = reinterpret_cast<uint4*>(ss.v.data() + stage * kHeadDim * kKv);
+      CUTE_UNROLL
+      for (int i = ctid; i < kHeadDim / 64 * kKv * 8; i += kConsumers)
+        if ((i / 8) % kKv >= valid) stage_v[i] = make_uint4(0, 0, 0, 0);
+      cutlass::arch::fence_view_async_shared();  // the generic stores, before the async proxy's MMA reads
+      cutlass::arch::NamedBarrier::sync(kConsumers, kTailBarrier);
+    }
+  };
   auto to_p = [&]() {  // only once the P.V reading the last P has been waited for; two values a cvt
     warpgroup_fence_operand(tP32);
     CUTE_UNROLL
-    for (int i = 0; i < size(tP32); ++i) tP32(i) = ptx::pack2<true>(tS(2 * i), tS(2 * i + 1));
+    for (int i = 0; i < size(tP32); ++i) tP32(i) = ptx::pack2<kBf16>(tS(2 * i), tS(2 * i + 1));
   };
   PipelineState st;
   float alpha[2];
@@ -376,6 +415,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
       for (int n = ntiles - 2; n >= 0; --n) {
         pipe_k.consumer_wait(st);
         pipe_v.consumer_wait(prev);
+        if (n == ntiles - 2) zero_v_tail(w, ntiles - 1, prev.index());
         turn_begin();
         issue_qk(st.index());
         issue_pv(prev.index());
@@ -394,6 +434,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
         ++st;
       }
       pipe_v.consumer_wait(prev);  // the last tile's P.V, outside the turns (as FlashAttention-3's)
+      if (ntiles == 1) zero_v_tail(w, 0, prev.index());
       issue_pv(prev.index());
       warpgroup_wait<0>();
       warpgroup_fence_operand(tO);
@@ -410,6 +451,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
         rescale_o(alpha);
         to_p();
         pipe_v.consumer_wait(st);
+        if (n == ntiles - 1) zero_v_tail(w, n, st.index());
         issue_pv(st.index());
         warpgroup_wait<0>();
         warpgroup_fence_operand(tO);
@@ -438,13 +480,14 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
     for (int i = 0; i < 64 * kChunks / 128; ++i) {
       const int c = ctid % 128 + 128 * i, r = wg * 64 + c / kChunks, col = (c % kChunks) * 8;
       if (r < rows)
-        *reinterpret_cast<uint4*>(o + ((token0 + r) * heads + w.head) * kHeadDim + col) =
+        *reinterpret_cast<uint4*>(a.o + (token0 + r) * a.o_stride_row + w.head * a.o_stride_head + col) =
             *reinterpret_cast<const uint4*>(&sO(r, col));
     }
-    if ((lane & 3) == 0) {
+    if (a.lse != nullptr && (lane & 3) == 0) {
       CUTE_UNROLL
       for (int h = 0; h < 2; ++h)
-        if (row0 + 8 * h < rows) lse[(token0 + row0 + 8 * h) * heads + w.head] = mx[h] * sm_scale + logf(sum[h]);
+        if (row0 + 8 * h < rows)
+          a.lse[(token0 + row0 + 8 * h) * a.lse_stride_row + w.head] = mx[h] * sm_scale + logf(sum[h]);
     }
   }
 }
@@ -456,29 +499,25 @@ namespace fi {
 namespace cute_probe {
 
 // The launch both entries share: a persistent grid (one CTA an SM) over the work tiles, the counter zeroed first.
+// a.section is filled in here.
 template <class TmaQ, class TmaK, class TmaV>
-int launch(const TmaQ& tma_q, const TmaK& tma_k, const TmaV& tma_v, void* o, float* lse, const int* qo_indptr,
-           const int* kv_indptr, const int* kv_page_indptr, const int* kv_page_indices, int* counter, int64_t batch,
-           int64_t max_q_len, int64_t heads, int64_t kv_heads, int64_t total_q, int64_t total_kv, int64_t num_pages,
-           int64_t l2_section_bytes, float sm_scale, void* stream) {
+int launch(const TmaQ& tma_q, const TmaK& tma_k, const TmaV& tma_v, Args a, int64_t l2_section_bytes, void* stream) {
   auto kernel = attn_ws<TmaQ, TmaK, TmaV>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (e != cudaSuccess) return (int)e;
   int device = 0, sms = 0;
   if ((e = cudaGetDevice(&device)) != cudaSuccess) return (int)e;
   if ((e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return (int)e;
-  const int64_t work = (max_q_len + kRows - 1) / kRows * heads * batch;
+  const int64_t heads = a.heads, batch = a.batch;
+  const int64_t work = (a.max_q_len + kRows - 1) / kRows * heads * batch;
   const unsigned grid = (unsigned)(work < sms ? work : sms);  // persistent: one CTA an SM
   // a section: as many KV heads' KV (a request of the mean KV length) as fit in l2_section_bytes, at least one, with
   // their query heads
-  const int64_t kv_head_bytes = (total_kv + batch - 1) / batch * kHeadDim * (int64_t)sizeof(Elem) * 2;
+  const int64_t kv_head_bytes = ((int64_t)a.total_kv + batch - 1) / batch * kHeadDim * (int64_t)sizeof(Elem) * 2;
   const int64_t kv_per_section = std::max<int64_t>(1, l2_section_bytes / std::max<int64_t>(1, kv_head_bytes));
-  const int section = (int)std::min<int64_t>(heads * batch, kv_per_section * (heads / kv_heads));
-  if ((e = cudaMemsetAsync(counter, 0, sizeof(int), (cudaStream_t)stream)) != cudaSuccess) return (int)e;
-  kernel<<<grid, kThreads, kSmemBytes, (cudaStream_t)stream>>>(
-      tma_q, tma_k, tma_v, static_cast<Elem*>(o), lse, qo_indptr, kv_indptr, kv_page_indptr, kv_page_indices, counter,
-      (int)batch, (int)max_q_len, (int)heads, (int)kv_heads, (int)total_q, (int)total_kv, (int)num_pages, section,
-      sm_scale);
+  a.section = (int)std::min<int64_t>(heads * batch, kv_per_section * (heads / a.kv_heads));
+  if ((e = cudaMemsetAsync(a.counter, 0, sizeof(int), (cudaStream_t)stream)) != cudaSuccess) return (int)e;
+  kernel<<<grid, kThreads, kSmemBytes, (cudaStream_t)stream>>>(tma_q, tma_k, tma_v, a);
   return (int)cudaGetLastError();
 }
 
@@ -503,34 +542,45 @@ FI_EXPORT int fi_cute_attn_ws(const void* q, const void* k, const void* v, void*
   auto tma_q = make_tma_copy(SM90_TMA_LOAD{}, gQ, SmemLayoutQ{});
   auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, take<0, 2>(SmemLayoutK{}));
   auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gVt, take<0, 2>(SmemLayoutVt{}));
-  return launch(tma_q, tma_k, tma_v, o, lse, qo_indptr, kv_indptr, nullptr, nullptr, counter, batch, max_q_len, heads,
-                kv_heads, total_q, total_kv, 0, l2_section_bytes, sm_scale, stream);
+  Args a{static_cast<Elem*>(o), (int64_t)H * kHeadDim, kHeadDim, lse, H, qo_indptr, kv_indptr, nullptr, nullptr,
+         nullptr, counter, 0, (int)batch, (int)max_q_len, H, Hkv, tq, tkv, 0, 0, sm_scale};
+  return launch(tma_q, tma_k, tma_v, a, l2_section_bytes, stream);
 }
 #else
-// Paged K / V: k_cache / v_cache [num_pages, kPage, kv_heads, D] with a page stride of their own in elements (vLLM's
-// [blocks, 2, block_size, kv_heads, D] gives K and V views of stride 2 x block_size x kv_heads x D); request b's
-// pages are kv_page_indices[kv_page_indptr[b] .. kv_page_indptr[b + 1]), its KV length kv_indptr[b + 1] -
-// kv_indptr[b] (token offsets, only their differences used).
-FI_EXPORT int fi_cute_attn_ws_paged(const void* q, const void* k_cache, const void* v_cache, void* o, float* lse,
-                                    const int* qo_indptr, const int* kv_indptr, const int* kv_page_indptr,
-                                    const int* kv_page_indices, int* counter, int64_t batch, int64_t max_q_len,
-                                    int64_t heads, int64_t kv_heads, int64_t total_q, int64_t total_kv,
-                                    int64_t num_pages, int64_t page_stride_k, int64_t page_stride_v,
-                                    int64_t l2_section_bytes, float sm_scale, void* stream) {
+// The BSR (fi_backend.formats.BSR) over a paged cache: K / V pages at k / v + page x kv_stride_block + slot x
+// kv_stride_token + kv_head x kv_stride_head (elements; vLLM's [blocks, 2, block_size, kv_heads, D] and the HND
+// layouts alike), request b's KV length kv_lens[b] and pages kv_indices[kv_block_start[b] ..]. q / o / lse by their
+// strides (16-byte multiples; lse may be null). Refused with kCaptureRefused into a capturing stream: the launch
+// holds the step's sizes, which a graph replaying other steps would keep.
+constexpr int kCaptureRefused = -2;
+FI_EXPORT int fi_cute_attn_bsr(const void* q, void* o, float* lse, const void* k, const void* v, const int* qo_indptr,
+                               const int* kv_lens, const int* kv_indices, const void* kv_block_start, int* counter,
+                               int64_t q_stride_row, int64_t q_stride_head, int64_t o_stride_row,
+                               int64_t o_stride_head, int64_t lse_stride_row, int64_t kv_stride_block,
+                               int64_t kv_stride_token, int64_t kv_stride_head, int64_t num_kv_blocks,
+                               int64_t kv_block_start_int64, int64_t batch, int64_t max_q_len, int64_t heads,
+                               int64_t kv_heads, int64_t total_q, int64_t total_kv, int64_t l2_section_bytes,
+                               float sm_scale, void* stream) {
   using namespace fi::cute_probe;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cudaError_t e = cudaStreamIsCapturing((cudaStream_t)stream, &capture);
+  if (e != cudaSuccess) return (int)e;
+  if (capture != cudaStreamCaptureStatusNone) return kCaptureRefused;
   if (batch <= 0 || max_q_len <= 0) return 0;
-  if (kv_heads <= 0 || heads % kv_heads || total_q <= 0 || num_pages <= 0) return (int)cudaErrorInvalidValue;
-  const int H = (int)heads, Hkv = (int)kv_heads, tq = (int)total_q, np = (int)num_pages;
+  if (kv_heads <= 0 || heads % kv_heads || total_q <= 0 || num_kv_blocks <= 0) return (int)cudaErrorInvalidValue;
+  const int H = (int)heads, Hkv = (int)kv_heads, tq = (int)total_q, nb = (int)num_kv_blocks;
   Tensor gQ = make_tensor(make_gmem_ptr(static_cast<const Elem*>(q)), make_shape(tq, D{}, H),
-                          make_stride(H * kHeadDim, _1{}, D{}));
-  Tensor gK = make_tensor(make_gmem_ptr(static_cast<const Elem*>(k_cache)), make_shape(Int<kPage>{}, D{}, Hkv, np),
-                          make_stride(Hkv * kHeadDim, _1{}, D{}, page_stride_k));
-  Tensor gVt = make_tensor(make_gmem_ptr(static_cast<const Elem*>(v_cache)), make_shape(D{}, Int<kPage>{}, Hkv, np),
-                           make_stride(_1{}, Hkv * kHeadDim, D{}, page_stride_v));
+                          make_stride(q_stride_row, _1{}, q_stride_head));
+  Tensor gK = make_tensor(make_gmem_ptr(static_cast<const Elem*>(k)), make_shape(Int<kPage>{}, D{}, Hkv, nb),
+                          make_stride(kv_stride_token, _1{}, kv_stride_head, kv_stride_block));
+  Tensor gVt = make_tensor(make_gmem_ptr(static_cast<const Elem*>(v)), make_shape(D{}, Int<kPage>{}, Hkv, nb),
+                           make_stride(_1{}, kv_stride_token, kv_stride_head, kv_stride_block));
   auto tma_q = make_tma_copy(SM90_TMA_LOAD{}, gQ, SmemLayoutQ{});
   auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, SmemLayoutKBox{});
   auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gVt, SmemLayoutVtBox{});
-  return launch(tma_q, tma_k, tma_v, o, lse, qo_indptr, kv_indptr, kv_page_indptr, kv_page_indices, counter, batch,
-                max_q_len, heads, kv_heads, total_q, total_kv, num_pages, l2_section_bytes, sm_scale, stream);
+  Args a{static_cast<Elem*>(o), o_stride_row, o_stride_head, lse, lse_stride_row, qo_indptr, nullptr, kv_lens,
+         kv_block_start, kv_indices, counter, (int)kv_block_start_int64, (int)batch, (int)max_q_len, H, Hkv, tq,
+         (int)total_kv, nb, 0, sm_scale};
+  return launch(tma_q, tma_k, tma_v, a, l2_section_bytes, stream);
 }
 #endif

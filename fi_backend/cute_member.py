@@ -1,0 +1,140 @@
+"""The prefill family's CuTe member (issue 30, docs/prefill.md): FlashAttention-3's CTA built on CUTLASS / CuTe's SM90
+atoms (csrc/attention/cute/attn_ws.cu, entry fi_cute_attn_bsr). A TMA producer warp, two consumer warpgroups of 64
+query rows with the intra-warpgroup overlap, 128 x 128 tiles of one query head, a persistent grid taking tiles from
+a counter in L2-sized sections. It reads the step's BSR directly (pages as TMA boxes) and needs no plan items.
+
+BatchAttention(kernel="prefill") loads it where it applies (`unsupported` says why not: Hopper, the default
+variant, head size 64 or 128, 16-bit KV, pages of 16..256 tokens, a power of two, the CUTLASS headers) and plan()
+gives it the steps it runs well (`takes_step`); every other step, and every step captured in a CUDA graph, runs the
+tile family as before. FI_BACKEND_PREFILL_CUTE=0 turns it off.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from . import env, kernels
+from .variants import HOOKS, Variant
+
+# Tiles of the CTA (kRows x kKv) and its head sizes.
+ROWS = KV_TILE = 128
+HEAD_DIMS = (64, 128)
+# A step goes to the member where its work tiles fill the GPU at least once (a short step's few tiles leave SMs idle
+# that the tile family's KV splits would use) ...
+MIN_TILES_PER_SM = 1.0
+# ... and where requests of fewer than SHORT_QUERY rows (decode rows of a mixed step: each takes a whole 128-row tile
+# a query head, GQA not packed) cost at most SHORT_SHARE of its tile pairs.
+SHORT_QUERY = 64
+SHORT_SHARE = 0.1
+# KV of (request, head) pairs a tile section spans: the CTAs at work at once read it from L2 (32 MB beat one KV head
+# in 5 of 6 cells, docs/prefill.md "Measured").
+L2_SECTION_BYTES = 32 << 20
+CAPTURE_REFUSED = -2  # fi_cute_attn_bsr's code for a capturing stream (the launch holds the step's sizes)
+
+
+def _plain(variant: Variant) -> bool:
+    """No hook, no parameter: plain softmax attention (the only variant the member computes)."""
+    return variant.use_softmax and not variant.params and not any(getattr(variant, h, None) for h in HOOKS)
+
+
+def unsupported(variant: Variant, head_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype, page_size: int,
+                device: torch.device, *, deterministic: bool = False, tuning: Optional[dict] = None) -> Optional[str]:
+    """Why a prefill wrapper of these arguments does not load the member (None: it does)."""
+    if not env.flag(env.PREFILL_CUTE, True):
+        return f"{env.PREFILL_CUTE}=0"
+    if tuning is not None:
+        return "a tuning override (benchmarks) names the tile family's shape"
+    if deterministic:
+        return "deterministic plans keep tile member 0"
+    if not _plain(variant):
+        return f"variant {variant.name} has hooks or parameters (the member runs plain softmax attention)"
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim} (the member runs {HEAD_DIMS})"
+    if q_dtype not in (torch.bfloat16, torch.float16) or kv_dtype != q_dtype:
+        return f"KV dtype {kv_dtype} (the member reads 16-bit KV of the query's dtype)"
+    if page_size < 16 or page_size > 256 or page_size & (page_size - 1):
+        return f"page_size {page_size} (the member takes pages of 16..256 tokens, a power of two)"
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return "not an sm_90 GPU"
+    from .shapes import prefill_uses_wgmma
+    if not prefill_uses_wgmma():
+        return f"modules are not built for sm_90a alone (${env.CUDA_ARCH_LIST})"
+    try:
+        from .kernels import cutlass
+        cutlass.include_dir()
+    except Exception as e:  # CutlassNotFound: the wheel is not installed
+        return str(e)
+    return None
+
+
+def specs(head_dim: int, q_dtype: torch.dtype, page_size: int) -> list:
+    """The member's modules: non-causal and causal."""
+    from .kernels import cutlass
+    dtype = "bf16" if q_dtype == torch.bfloat16 else "fp16"
+    return [cutlass.attn_ws_spec(head_dim, causal, overlap=True, pingpong=False, page_size=page_size, dtype=dtype)
+            for causal in (False, True)]
+
+
+class CuteMember:
+    """The member's two modules (non-causal, causal), its tile counter, and the step rule."""
+
+    def __init__(self, head_dim: int, q_dtype: torch.dtype, page_size: int, num_qo_heads: int, num_kv_heads: int,
+                 device: torch.device):
+        self.modules = [kernels.load(s) for s in specs(head_dim, q_dtype, page_size)]
+        argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 17 + [ctypes.c_float, ctypes.c_void_p]
+        self._fns = [m.function("fi_cute_attn_bsr", argtypes) for m in self.modules]
+        self.heads, self.kv_heads = num_qo_heads, num_kv_heads
+        self.sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.counter = torch.zeros(1, dtype=torch.int32, device=device)  # zeroed by each launch, on its stream
+        self._step = None  # (causal, batch, max_q_len, total_q, total_kv) of the planned step, or None
+
+    @property
+    def module_names(self) -> list:
+        return [m.name for m in self.modules]
+
+    def takes_step(self, q_lens: torch.Tensor, kv_lens: torch.Tensor, causal: bool) -> bool:
+        """Whether the member runs a step of these query / KV lengths (CPU int32 [B]; no per-request Python):
+        every request's KV covers its queries (at least one key), its tiles fill the GPU (MIN_TILES_PER_SM) and
+        short requests cost at most SHORT_SHARE of its tile pairs."""
+        if q_lens.numel() == 0:
+            return False
+        q, kv = q_lens.to(torch.int64), kv_lens.to(torch.int64)
+        live = q > 0
+        need = torch.where(live, q.clamp(min=1) if causal else torch.ones_like(q), torch.zeros_like(q))
+        if bool((kv < need).any()):
+            return False
+        q_tiles = (q + ROWS - 1) // ROWS
+        if int(q_tiles.sum()) * self.heads < MIN_TILES_PER_SM * self.sms:
+            return False
+        pairs = q_tiles * ((kv + KV_TILE - 1) // KV_TILE)
+        short = int(pairs[live & (q < SHORT_QUERY)].sum())
+        return short <= SHORT_SHARE * int(pairs.sum())
+
+    def plan(self, q_lens: torch.Tensor, kv_lens: torch.Tensor, causal: bool, allowed: bool = True) -> bool:
+        """plan()'s part: remember the step's sizes where the member takes it (allowed, and takes_step); whether it
+        does."""
+        self._step = None
+        if not allowed or not self.takes_step(q_lens, kv_lens, causal):
+            return False
+        self._step = (int(bool(causal)), q_lens.numel(), int(q_lens.max()), int(q_lens.sum()), int(kv_lens.sum()))
+        return True
+
+    @property
+    def planned(self) -> bool:
+        return self._step is not None
+
+    def launch(self, p, stream: int) -> int:
+        """The planned step on the BatchAttention's Params `p` (its q / out / lse / KV / BSR fields, as run() set
+        them): 0, CAPTURE_REFUSED, or a CUDA error code."""
+        causal, batch, max_q, total_q, total_kv = self._step
+        return self._fns[causal](
+            p.q, p.out, p.lse, p.k, p.v, p.qo_indptr, p.kv_lens, p.kv_indices, p.kv_block_start,
+            self.counter.data_ptr(), p.q_stride_row, p.q_stride_head, p.out_stride_row, p.out_stride_head,
+            p.lse_stride_row, p.kv_stride_block, p.kv_stride_token, p.kv_stride_head, p.num_kv_blocks,
+            p.kv_block_start_int64, batch, max_q, self.heads, self.kv_heads, total_q, total_kv, L2_SECTION_BYTES,
+            p.logits_scale, stream)
+
+    def check(self, rc: int) -> None:
+        self.modules[0].check(rc, "fi_cute_attn_bsr")

@@ -1,0 +1,65 @@
+"""fi_backend.cute_member on the CPU: which wrappers load the CuTe member (and why not), and which steps it takes."""
+from __future__ import annotations
+
+import torch
+
+from fi_backend import cute_member as C
+from fi_backend import variants as V
+
+CPU = torch.device("cpu")
+
+
+def _why(**kw):
+    args = dict(variant=V.DEFAULT, head_dim=128, q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, page_size=16,
+                device=CPU)
+    args.update(kw)
+    return C.unsupported(args.pop("variant"), args.pop("head_dim"), args.pop("q_dtype"), args.pop("kv_dtype"),
+                         args.pop("page_size"), args.pop("device"), **args)
+
+
+def test_unsupported_names_the_reason(monkeypatch):
+    assert "PREFILL_CUTE" in (monkeypatch.setenv("FI_BACKEND_PREFILL_CUTE", "0") or _why())
+    monkeypatch.delenv("FI_BACKEND_PREFILL_CUTE")
+    assert "tuning" in _why(tuning={"warps": 8})
+    assert "deterministic" in _why(deterministic=True)
+    for variant in (V.SOFT_CAP, V.SLIDING_WINDOW, V.ALIBI, V.SIGMOID, V.ROPE):
+        assert "hooks" in _why(variant=variant)
+    assert "head_dim 96" in _why(head_dim=96)
+    assert "head_dim 256" in _why(head_dim=256)
+    assert "KV dtype" in _why(kv_dtype=torch.float8_e4m3fn)
+    for page in (1, 8, 24, 512):
+        assert f"page_size {page}" in _why(page_size=page)
+    assert "sm_90" in _why()  # this machine's device is the CPU
+
+
+def test_plain_variant_only():
+    assert C._plain(V.DEFAULT)
+    assert not C._plain(V.SOFT_CAP) and not C._plain(V.CUSTOM_MASK)
+
+
+class _Member(C.CuteMember):
+    def __init__(self, heads=32, kv_heads=8, sms=132):  # the step rule only: no modules, no device
+        self.heads, self.kv_heads, self.sms, self._step = heads, kv_heads, sms, None
+
+
+def _t(xs):
+    return torch.tensor(xs, dtype=torch.int32)
+
+
+def test_takes_step():
+    m = _Member()
+    assert m.plan(_t([1000, 333]), _t([1000, 2000]), causal=True)
+    assert m.planned and m._step == (1, 2, 1000, 1333, 3000)
+    # too few tiles to fill 132 SMs: 2 x 32 heads
+    assert not m.plan(_t([200]), _t([200]), causal=True) and not m.planned
+    # KV shorter than the queries (causal), an empty KV (any mask)
+    assert not m.plan(_t([1000, 500]), _t([1000, 400]), causal=True)
+    assert not m.plan(_t([1000, 500]), _t([1000, 0]), causal=False)
+    assert m.plan(_t([1000, 500]), _t([1000, 400]), causal=False)
+    # a request with no query rows this step is no obstacle
+    assert m.plan(_t([1000, 0]), _t([1000, 0]), causal=True)
+    # decode rows: a few ride along, many go to the tile family
+    assert m.plan(_t([4000] + [1] * 4), _t([4000] + [2000] * 4), causal=True)
+    assert not m.plan(_t([700] + [1] * 60), _t([1500] + [900] * 60), causal=True)
+    assert not m.plan(_t([1000]), _t([1000]), causal=True, allowed=False)
+    assert not m.plan(_t([]), _t([]), causal=True)

@@ -1,0 +1,126 @@
+"""The prefill family's CuTe member (fi_backend.cute_member) through BatchAttention: model shapes of several GQA groups,
+head sizes 64 and 128, pages of 16..256 tokens, the cache layouts, bf16 and fp16, chunked-prefill lengths, against
+the float64 reference with the slots no request reads poisoned (NaN); the steps it leaves to the tile family; CUDA
+graph capture (the family's kernel goes into the graph). Needs an sm_90a GPU and the nvidia-cutlass wheel."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from attention_cases import DEV, TOL, make_bsr, plan_run_check, poison_unused, random_kv, replay_check
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built():
+    """Every module the tests load (the member's and the tile family's) built in parallel first: one at a time, as
+    wrappers are made, the member's take about 40 s each."""
+    if importlib.util.find_spec("cutlass_library") is None or not torch.cuda.is_available():
+        return
+    from fi_backend import cute_member, kernels
+    from fi_backend import variants as V
+    from fi_backend.specs import attention_specs
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+    specs = {}
+    for Hq, Hkv, D, page, dtype, *_ in _SHAPES + [(32, 8, 128, 16, torch.bfloat16)]:
+        for s in cute_member.specs(D, dtype, page) + attention_specs(V.DEFAULT, D, names[dtype], names[dtype],
+                                                                       Hq // Hkv, None, "prefill", False):
+            specs[s.memo_key] = s
+    failed = [(s.tag, r) for s, r in zip(specs.values(), kernels.build_many(list(specs.values())))
+              if isinstance(r, Exception)]
+    assert not failed, f"modules failed to build: {failed}"
+
+
+def _wrapper(Hq, Hkv, D, *, page, dtype=torch.bfloat16, layout="NHD", max_tokens=8192):
+    if importlib.util.find_spec("cutlass_library") is None:
+        pytest.skip("the nvidia-cutlass wheel is not installed")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("sm_90a only")
+    from attention_cases import make_wrapper
+    return make_wrapper(Hq, Hkv, D, q_dtype=dtype, page_size=page, kv_layout=layout, kernel="prefill",
+                        max_tokens=max_tokens)
+
+
+# (query heads, KV heads, head size, page, dtype, layout, packed, causal): Llama-3.1-8B, Qwen2.5-7B (group 7),
+# Qwen2.5-14B (5), Llama-3.2-3B (3) at head size 64, MHA, an fp16 non-causal one, HND and packed caches
+_SHAPES = [
+    (32, 8, 128, 16, torch.bfloat16, "NHD", False, True),
+    (28, 4, 128, 16, torch.bfloat16, "NHD", True, True),
+    (40, 8, 128, 32, torch.float16, "HND", False, True),
+    (24, 8, 64, 64, torch.bfloat16, "NHD", False, True),
+    (16, 16, 64, 256, torch.float16, "NHD", True, True),
+    (12, 2, 128, 128, torch.float16, "NHD", False, False),
+]
+# chunked prefill and prefix hits: KV longer than the queries, none a multiple of a page or a tile
+_Q_LENS = [1000, 333, 517, 129, 77]
+_KV_LENS = [1000, 410, 2017, 132, 3001]
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,page,dtype,layout,packed,causal", _SHAPES)
+def test_member_matches_reference(Hq, Hkv, D, page, dtype, layout, packed, causal):
+    attn = _wrapper(Hq, Hkv, D, page=page, dtype=dtype, layout=layout)
+    assert attn.cute_unsupported is None, attn.cute_unsupported
+    bsr, qo_cpu, kv_cpu, nb = make_bsr(_KV_LENS, _Q_LENS, page)
+    cache, k, v = random_kv(nb, page, Hkv, D, dtype, layout=layout, packed=packed)
+    poison_unused(k, v, bsr)
+    plan_run_check(attn, bsr, qo_cpu, kv_cpu, cache, k, v, dtype=dtype, kv_dtype=dtype, causal=causal,
+                   what=f"{Hq}/{Hkv} D={D} page={page} {layout}{' packed' if packed else ''} causal={causal}")
+    assert attn.cute_step, "the step should have run on the CuTe member"
+
+
+def test_mixed_step_stays_on_the_family():
+    """A prefill chunk among many decode rows: the member would give each decode row a 128-row tile a query head,
+    so the tile family runs it (cute_step False), and it is still right."""
+    attn = _wrapper(32, 8, 128, page=16)
+    q_lens, kv_lens = [700] + [1] * 60, [1500] + [900 + 37 * i for i in range(60)]
+    bsr, qo_cpu, kv_cpu, nb = make_bsr(kv_lens, q_lens, 16)
+    cache, k, v = random_kv(nb, 16, 8, 128, torch.bfloat16)
+    poison_unused(k, v, bsr)
+    plan_run_check(attn, bsr, qo_cpu, kv_cpu, cache, k, v, dtype=torch.bfloat16, kv_dtype=torch.bfloat16, causal=True,
+                   what="mixed")
+    assert not attn.cute_step
+
+
+def test_switched_off():
+    """FI_BACKEND_PREFILL_CUTE=0: the wrapper says why it has no member, and the tile family runs the same step
+    right."""
+    import os
+    os.environ["FI_BACKEND_PREFILL_CUTE"] = "0"
+    try:
+        attn = _wrapper(32, 8, 128, page=16)
+    finally:
+        del os.environ["FI_BACKEND_PREFILL_CUTE"]
+    assert "FI_BACKEND_PREFILL_CUTE" in attn.cute_unsupported
+    bsr, qo_cpu, kv_cpu, nb = make_bsr(_KV_LENS, _Q_LENS, 16)
+    cache, k, v = random_kv(nb, 16, 8, 128, torch.bfloat16)
+    poison_unused(k, v, bsr)
+    plan_run_check(attn, bsr, qo_cpu, kv_cpu, cache, k, v, dtype=torch.bfloat16, kv_dtype=torch.bfloat16, causal=True,
+                   what="switched off")
+    assert not attn.cute_step
+
+
+def test_graph_capture_runs_the_family():
+    """run() captured in a CUDA graph on a step the member takes: the member refuses the capturing stream and the
+    tile family's kernel (planned too) goes into the graph, which replays right; later plans keep the family."""
+    attn = _wrapper(32, 8, 128, page=16)
+    bsr, qo_cpu, kv_cpu, nb = make_bsr(_KV_LENS, _Q_LENS, 16)
+    cache, k, v = random_kv(nb, 16, 8, 128, torch.bfloat16)
+    rows = int(qo_cpu[-1])
+    q = torch.randn(rows, 32, 128, device=DEV, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    attn.plan(qo_cpu, kv_cpu, bsr, causal=True)
+    assert attn.cute_step
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        attn.run(q, cache, out=out)  # eager, on the member
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attn.run(q, cache, out=out)
+    replay_check(graph, attn, q, out, k, v, bsr, TOL[torch.bfloat16], "graph replay")
+    attn.plan(qo_cpu, kv_cpu, bsr, causal=True)
+    assert not attn.cute_step, "a captured graph keeps the family's kernel and plans"
