@@ -59,15 +59,21 @@ _Q_LENS = [1000, 333, 517, 129, 77]
 _KV_LENS = [1000, 410, 2017, 132, 3001]
 
 
+def _check_step(attn, q_lens, kv_lens, *, dtype=torch.bfloat16, packed=False, causal=True, what=""):
+    """One step of these lengths over a fresh cache whose unread slots hold NaN, against the reference."""
+    bsr, qo_cpu, kv_cpu, nb = make_bsr(kv_lens, q_lens, attn.page_size)
+    cache, k, v = random_kv(nb, attn.page_size, attn.num_kv_heads, attn.head_dim, dtype, layout=attn.kv_layout,
+                            packed=packed)
+    poison_unused(k, v, bsr)
+    plan_run_check(attn, bsr, qo_cpu, kv_cpu, cache, k, v, dtype=dtype, kv_dtype=dtype, causal=causal, what=what)
+
+
 @pytest.mark.parametrize("Hq,Hkv,D,page,dtype,layout,packed,causal", _SHAPES)
 def test_member_matches_reference(Hq, Hkv, D, page, dtype, layout, packed, causal):
     attn = _wrapper(Hq, Hkv, D, page=page, dtype=dtype, layout=layout)
     assert attn.cute_unsupported is None, attn.cute_unsupported
-    bsr, qo_cpu, kv_cpu, nb = make_bsr(_KV_LENS, _Q_LENS, page)
-    cache, k, v = random_kv(nb, page, Hkv, D, dtype, layout=layout, packed=packed)
-    poison_unused(k, v, bsr)
-    plan_run_check(attn, bsr, qo_cpu, kv_cpu, cache, k, v, dtype=dtype, kv_dtype=dtype, causal=causal,
-                   what=f"{Hq}/{Hkv} D={D} page={page} {layout}{' packed' if packed else ''} causal={causal}")
+    _check_step(attn, _Q_LENS, _KV_LENS, dtype=dtype, packed=packed, causal=causal,
+                what=f"{Hq}/{Hkv} D={D} page={page} {layout}{' packed' if packed else ''} causal={causal}")
     assert attn.cute_step, "the step should have run on the CuTe member"
 
 
@@ -75,30 +81,17 @@ def test_mixed_step_stays_on_the_family():
     """A prefill chunk among many decode rows: the member would give each decode row a 128-row tile a query head,
     so the tile family runs it (cute_step False), and it is still right."""
     attn = _wrapper(32, 8, 128, page=16)
-    q_lens, kv_lens = [700] + [1] * 60, [1500] + [900 + 37 * i for i in range(60)]
-    bsr, qo_cpu, kv_cpu, nb = make_bsr(kv_lens, q_lens, 16)
-    cache, k, v = random_kv(nb, 16, 8, 128, torch.bfloat16)
-    poison_unused(k, v, bsr)
-    plan_run_check(attn, bsr, qo_cpu, kv_cpu, cache, k, v, dtype=torch.bfloat16, kv_dtype=torch.bfloat16, causal=True,
-                   what="mixed")
+    _check_step(attn, [700] + [1] * 60, [1500] + [900 + 37 * i for i in range(60)], what="mixed")
     assert not attn.cute_step
 
 
-def test_switched_off():
+def test_switched_off(monkeypatch):
     """FI_BACKEND_PREFILL_CUTE=0: the wrapper says why it has no member, and the tile family runs the same step
     right."""
-    import os
-    os.environ["FI_BACKEND_PREFILL_CUTE"] = "0"
-    try:
-        attn = _wrapper(32, 8, 128, page=16)
-    finally:
-        del os.environ["FI_BACKEND_PREFILL_CUTE"]
+    monkeypatch.setenv("FI_BACKEND_PREFILL_CUTE", "0")
+    attn = _wrapper(32, 8, 128, page=16)
     assert "FI_BACKEND_PREFILL_CUTE" in attn.cute_unsupported
-    bsr, qo_cpu, kv_cpu, nb = make_bsr(_KV_LENS, _Q_LENS, 16)
-    cache, k, v = random_kv(nb, 16, 8, 128, torch.bfloat16)
-    poison_unused(k, v, bsr)
-    plan_run_check(attn, bsr, qo_cpu, kv_cpu, cache, k, v, dtype=torch.bfloat16, kv_dtype=torch.bfloat16, causal=True,
-                   what="switched off")
+    _check_step(attn, _Q_LENS, _KV_LENS, what="switched off")
     assert not attn.cute_step
 
 

@@ -1,29 +1,28 @@
-// The third piece of issue 30's CuTe member (docs/prefill.md): FlashAttention-3's CTA, without its overlap yet. A
-// producer warpgroup whose first warp issues every TMA load (Q once, then K and V tiles through two
-// PipelineTmaAsync rings), and two consumer warpgroups of 64 rows each (a 128-row query tile), with registers moved to
-// them by setmaxnreg (24 / 240). Per KV tile a consumer waits for K, runs S = Q K^T, frees K, runs the online softmax
-// (attn_tile.cu's indexing), waits for V, runs O += P V and frees V. A work tile is one query head's 128 tokens
-// (FlashAttention-3's: GQA heads not packed); the grid is persistent, one CTA an SM, each taking its next tile from a
-// counter in global memory (dynamic: causal tiles' lengths differ). Tiles are ordered in sections of (request, head)
-// pairs whose KV fits in L2 together (the CTAs at work at once read the same KV), causal ones longest first within a
-// section. The producer picks the tiles: it fetches the next index while the current one loads, hands it to the
-// consumers in shared memory with the tile's Q (barrier q_full), loads a tile's first K as the ring frees up and its Q
-// once the consumers are done with the last one's (barrier q_empty, before their epilogue).
+// The prefill family's CuTe member (fi_backend/cute_member.py, docs/prefill.md): FlashAttention-3's CTA on CUTLASS /
+// CuTe's SM90 atoms. A producer warpgroup whose first warp issues every TMA load (Q once, then K and V tiles through
+// two PipelineTmaAsync rings), and two consumer warpgroups of 64 rows each (a 128-row query tile), with registers
+// moved to them by setmaxnreg. Per KV tile a consumer waits for K, runs S = Q K^T, frees K, runs the online softmax,
+// waits for V, runs O += P V and frees V. A work tile is one query head's 128 tokens (FlashAttention-3's: GQA heads
+// not packed); the grid is persistent, one CTA an SM, each taking its next tile from a counter in global memory
+// (dynamic: causal tiles' lengths differ). Tiles are ordered in sections of (request, head) pairs whose KV fits in L2
+// together (the CTAs at work at once read the same KV), causal ones longest first within a section. The producer
+// picks the tiles: it fetches the next index while the current one loads, hands it to the consumers in shared memory
+// with the tile's Q (barrier q_full), loads a tile's first K as the ring frees up and its Q once the consumers are
+// done with the last one's (barrier q_empty, before their epilogue).
 // KV tiles run from the last to the first, as FlashAttention-3's: the causal diagonal (the one masked tile) comes
 // first. OVERLAP 1 is FlashAttention-3's intra-warpgroup overlap: S of tile n is issued with P.V of tile n + 1 (the
 // one before it in this order), and the softmax of S runs while that P.V is in flight. PINGPONG 1 (with OVERLAP) has
 // the two consumer warpgroups issue their MMAs in turns on two named barriers, so one's softmax runs under the other's
 // MMAs.
-// Template parameters: HEAD_DIM 64 or 128, STAGES (2), CAUSAL, OVERLAP, PINGPONG (0 / 1).
-// fi_cute_attn_ws: ragged requests, q [total_q, heads, D] and k / v [total_kv, kv_heads, D] bf16 (heads a multiple of
-// kv_heads) with request b's rows at qo_indptr[b] .. qo_indptr[b + 1] and kv_indptr[b] .. (int32, device), any
-// lengths with 1 <= q_len <= kv_len, causal bottom-right aligned (query i sees keys <= kv_len - q_len + i);
-// max_q_len bounds the query tiles. o like q, lse [total_q, heads] float32 (natural log), logits scaled by sm_scale.
-// counter: one int32 of device memory the call zeroes on its stream before the launch (the tile counter).
-// l2_section_bytes: the KV a section of tiles may span (0: one KV head's).
-// TMA reads tiles at each request's offset (zeros past the tensors' ends); keys past a request's KV (another
-// request's, or zeros) and past a row's causal limit are masked on the tiles that hold any, and query rows past the
-// request's end are computed but not stored.
+// Template parameters: HEAD_DIM 64 or 128, STAGES (2), CAUSAL, OVERLAP, PINGPONG (0 / 1), BF16 (1: bf16, 0: fp16),
+// PAGE (0: ragged K / V, entry fi_cute_attn_ws; else pages of PAGE tokens read through a BSR, entry
+// fi_cute_attn_bsr).
+// Requests: b's query rows qo_indptr[b] .. qo_indptr[b + 1] (int32, device), any lengths with 1 <= q_len <= kv_len,
+// causal bottom-right aligned (query i sees keys <= kv_len - q_len + i); max_q_len bounds the query tiles. lse
+// float32 natural log, logits scaled by sm_scale. counter: one int32 of device memory the call zeroes on its stream
+// before the launch (the tile counter). l2_section_bytes: the KV a section of tiles may span (0: one KV head's).
+// Keys past a request's KV and past a row's causal limit are masked on the tiles that hold any, and query rows past
+// the request's end are computed but not stored.
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/atom/copy_traits_sm90_tma.hpp>
@@ -525,6 +524,9 @@ int launch(const TmaQ& tma_q, const TmaK& tma_k, const TmaV& tma_v, Args a, int6
 }  // namespace fi
 
 #if FI_CUTE_PAGE == 0
+// Ragged (the probe's): q [total_q, heads, D], k / v [total_kv, kv_heads, D] with request b's keys kv_indptr[b] ..
+// kv_indptr[b + 1]; o like q, lse [total_q, heads]. TMA reads tiles at each request's offset (zeros past the
+// tensors' ends; another request's keys are masked).
 FI_EXPORT int fi_cute_attn_ws(const void* q, const void* k, const void* v, void* o, float* lse, const int* qo_indptr,
                               const int* kv_indptr, int* counter, int64_t batch, int64_t max_q_len, int64_t heads,
                               int64_t kv_heads, int64_t total_q, int64_t total_kv, int64_t l2_section_bytes,
