@@ -362,6 +362,7 @@ class RefWrapper:
 
     module_names = []
     keep_groups = True
+    cute_unsupported = "a reference wrapper"  # no CuTe member (CuteRefWrapper has a stand-in)
 
     def __init__(self, name):
         self.name, self.plans, self.runs, self.idle_runs = name, [], 0, 0
@@ -565,6 +566,47 @@ def test_batch_invariant_mixed_step_runs_decodes_on_the_decode_kernel(monkeypatc
         assert dec.runs == (1 if det else 0) and pre.runs == 1
 
 
+class CuteRefWrapper(RefWrapper):
+    """A prefill RefWrapper whose CuTe member (a stand-in rule) takes steps with no one-row request."""
+
+    cute_unsupported = None
+
+    def cute_takes(self, q_lens, kv_lens, causal=True):
+        return bool(q_lens.numel()) and bool((q_lens >= 2).all())
+
+
+def test_split_mixed_sends_the_prefill_part_to_the_cute_member(monkeypatch):
+    """split_mixed (the prefill wrapper has a CuTe member): a mixed step whose prefill part the member takes, and
+    the whole step not, runs in two launches (decodes first on the decode wrapper); a step the member takes whole,
+    or whose prefill part it would not take, stays one launch; outputs are attention over each request's tokens."""
+    monkeypatch.setattr(fi_backend.ops, "append_paged_kv_cache", ref_append, raising=False)
+    hq, hkv, d = 4, 2, 64
+    eng = Engine(hq, hkv, d, torch.Generator().manual_seed(5))
+    layer_impl = adapter._Impl(hq, d, 0.3, hkv, kv_cache_dtype="auto")
+    layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0, _k_scale=torch.tensor(1.0), _v_scale=torch.tensor(1.0))
+    cases = [  # (requests, decode rows split off)
+        ([([3, 17], 7, 1), ([5, 2, 9, 11], 14, 1), ([5, 20, 21, 22], 6, 9), ([8, 30], 0, 5)], 2),
+        ([([5, 20, 21, 22], 6, 9), ([8, 30], 0, 5)], 0),                     # taken whole: one launch
+        ([([3, 17], 7, 1), ([8, 30], 0, 5), ([5, 2, 9, 11], 14, 1)], 0),     # the rest has a one-row request
+    ]
+    for reqs, nd in cases:
+        dec, pre = RefWrapper("decode"), CuteRefWrapper("prefill")
+        planner = adapter._StepPlanner(dec, pre, page_size=Engine.P, sm_scale=0.3, variant_params={}, split_mixed=True)
+        cm, q, k, v = eng.step(reqs)
+        md = planner.plan(cm)
+        assert md.num_decode_rows == nd and len(dec.plans) == (1 if nd else 0) and len(pre.plans) == 1
+        layer_impl.do_kv_cache_update(layer, k, v, eng.kv, cm.slot_mapping)
+        out = torch.full((cm.num_actual_tokens, hq, d), math.nan)
+        layer_impl.forward(layer, q, k, v, eng.kv, md, out)
+        qsl = cm.query_start_loc_cpu
+        for i, (blk, cached, new) in enumerate(reqs):
+            hk, hv = eng.history(blk, cached + new)
+            rows = slice(int(qsl[i]), int(qsl[i + 1]))
+            want = truth(q[rows], hk, hv, torch.arange(cached, cached + new), scale=0.3)
+            torch.testing.assert_close(out[rows].double(), want, rtol=1e-5, atol=1e-6)
+        assert dec.runs == (1 if nd else 0) and pre.runs == 1
+
+
 def test_batch_invariant_warns_when_decodes_are_not_first(monkeypatch, caplog):
     """A mixed step whose one-token requests are not all first: the leading ones go to the decode wrapper, the
     rest stay with the prefill wrapper, and a warning says so (once)."""
@@ -727,7 +769,7 @@ def test_builder_puts_a_ranks_workspaces_on_its_device(stub_vllm, monkeypatch, c
     monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
     made = []
     monkeypatch.setattr(adapter, "_make_wrapper", lambda kernel, **kw: made.append((kernel, kw)) or SimpleNamespace(
-        module_names=[f"{kernel}_module"]))
+        module_names=[f"{kernel}_module"], cute_unsupported="a stand-in"))
     monkeypatch.setattr(adapter, "_logged_active", False)
     cfg = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=64),
                           model_config=SimpleNamespace(dtype=torch.bfloat16),

@@ -43,6 +43,10 @@ Batch invariance (VLLM_BATCH_INVARIANT=1, or FI_BACKEND_DETERMINISTIC=1): both w
 reorder_batch_threshold = 1) on the decode kernel and the rest on the prefill kernel, so a request's kernel
 depends on its own query length only, never on its companions.
 
+Prefill on Hopper (fi_backend/cute_member.py): the prefill wrapper runs FlashAttention-3's CTA for the steps it takes.
+A mixed step that it would take without its decodes, and not with them, runs in the same two launches (split_mixed):
+the decodes on the decode kernel, the rest on the member.
+
 No GPU-to-CPU synchronisation per step: the plan is made from query_start_loc_cpu and
 seq_lens_cpu_upper_bound (an upper bound is enough: the kernels read the true lengths from seq_lens on
 the device and clip to them; the schedule is at worst slightly pessimistic).
@@ -283,8 +287,13 @@ class _StepPlanner:
     captured run() needs (the wrapper refuses a plan with other addresses after a capture)."""
 
     def __init__(self, decode, prefill, *, page_size: int, sm_scale: float, variant_params: dict,
-                 debug: bool = False, deterministic: bool = False, shared_prefix: bool = False, graph_prefill=None):
+                 debug: bool = False, deterministic: bool = False, shared_prefix: bool = False, graph_prefill=None,
+                 split_mixed: bool = False):
         self.decode, self.prefill = decode, prefill
+        # Mixed steps in two launches where the prefill part then goes to the prefill wrapper's CuTe member
+        # (BatchAttention.cute_takes) and the whole step would not: the decode rows on the decode kernel (GQA
+        # packed), not a 128-row tile each a query head. Needs the decodes first (reorder_batch_threshold = 1).
+        self.split_mixed = split_mixed
         # The prefill kernel for decode steps whose groups the planner keeps (docs/composable.md); its own
         # workspace, since a capture freezes a wrapper's tile member and BSR. None: decode steps on `decode` only.
         self.graph_prefill = graph_prefill
@@ -345,12 +354,14 @@ class _StepPlanner:
         table = cm.block_table_tensor
         if self._table_key != (table.data_ptr(), table.stride(0)):
             self._bind_block_table(table)
-        if self.deterministic and kernel == "prefill":
-            one = (qo_cpu[1:] - qo_cpu[:-1]) == 1
+        if kernel == "prefill" and (self.deterministic or self.split_mixed):
+            q_lens = qo_cpu[1:] - qo_cpu[:-1]
+            one = q_lens == 1
             nd = int(torch.cumprod(one, 0).sum())  # the leading decodes (vLLM orders them first)
-            if int(one.sum()) != nd:
+            if self.deterministic and int(one.sum()) != nd:
                 _warn_unordered()
-            if nd:
+            if nd and (self.deterministic or (self.prefill.cute_takes(q_lens[nd:], kv_cpu[nd:n])
+                                              and not self.prefill.cute_takes(q_lens, kv_cpu))):
                 return self._plan_mixed(cm, qo_cpu, kv_cpu, nd)
         bsr = BSR(qo_indptr=cm.query_start_loc, kv_indices=self._kv_indices, kv_block_start=self._kv_block_start[:n],
                   kv_lens=cm.seq_lens, block_width=self.page_size)
@@ -373,8 +384,9 @@ class _StepPlanner:
                                    partner=partner)
 
     def _plan_mixed(self, cm, qo_cpu, kv_cpu, nd: int) -> FiAttentionMetadata:
-        """Batch invariance: a mixed step's nd leading decodes on the decode wrapper, the rest on the prefill
-        wrapper (each request's kernel then follows its own query length, not its companions')."""
+        """A mixed step's nd leading decodes on the decode wrapper, the rest on the prefill wrapper: for batch
+        invariance (each request's kernel then follows its own query length, not its companions'), or so that the
+        rest runs on the prefill wrapper's CuTe member (split_mixed)."""
         n = cm.num_reqs
         dec = BSR(qo_indptr=cm.query_start_loc[: nd + 1], kv_indices=self._kv_indices,
                   kv_block_start=self._kv_block_start[:nd], kv_lens=cm.seq_lens[:nd], block_width=self.page_size)
@@ -651,8 +663,6 @@ class _MetadataBuilder:
         what = (f"{s.num_qo_heads} query heads, {s.num_kv_heads} KV heads, head size {s.head_dim}, KV "
                 f"{s.kv_cache_dtype}, variant {s.variant.name}")
         deterministic = batch_invariant()
-        if deterministic:  # mixed steps in two launches need their decodes first (_StepPlanner._plan_mixed)
-            self.reorder_batch_threshold = 1
         common["deterministic"] = deterministic
         shared_prefix = _env.flag(_env.SHARED_PREFIX, True) and not deterministic
         # Groups reach build() only from the opt-in worker's tables or from the V1 runner's cascade prefix; else the
@@ -681,6 +691,17 @@ class _MetadataBuilder:
             _add_table_reader()
             _log.info("fi-backend: shared-prefix groups from the worker's host block tables; grouped decode steps "
                       "on the prefill kernel (graph_prefill, %d rows) on %s", sched.max_num_seqs, where)
+        # Mixed steps in two launches (deterministic mode; or the CuTe member's prefill parts, split_mixed) need
+        # their decodes first (_StepPlanner._plan_mixed)
+        split_mixed = prefill.cute_unsupported is None
+        if deterministic or split_mixed:
+            self.reorder_batch_threshold = 1
+        if split_mixed:
+            _log.info("fi-backend: prefill steps on the CuTe member (FlashAttention-3's CTA) where it applies, a mixed "
+                      "step's decodes then on the decode kernel, on %s", where)
+        else:
+            _log.info("fi-backend: prefill on the tile family only (no CuTe member: %s) on %s",
+                      prefill.cute_unsupported, where)
         for name in decode.module_names + prefill.module_names:
             _log.info("fi-backend: kernel module %s ready (%s) on %s", name, what, where)
         params = dict(s.plan_params)
@@ -689,7 +710,7 @@ class _MetadataBuilder:
         self._step = _StepPlanner(decode, prefill, page_size=kv_cache_spec.block_size, sm_scale=s.sm_scale,
                                   variant_params=params, debug=os.environ.get("FI_BACKEND_VLLM_DEBUG") == "1",
                                   deterministic=deterministic, shared_prefix=shared_prefix,
-                                  graph_prefill=graph_prefill)
+                                  graph_prefill=graph_prefill, split_mixed=split_mixed)
         _log_active(s, kv_cache_spec.block_size, len(layers), where)
 
     @classmethod
