@@ -40,8 +40,10 @@ def _plain(variant: Variant) -> bool:
 
 
 def unsupported(variant: Variant, head_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype, page_size: int,
-                device: torch.device, *, deterministic: bool = False, tuning: Optional[dict] = None) -> Optional[str]:
-    """Why a prefill wrapper of these arguments does not load the member (None: it does)."""
+                device: Optional[torch.device] = None, *, deterministic: bool = False,
+                tuning: Optional[dict] = None) -> Optional[str]:
+    """Why a prefill wrapper of these arguments does not load the member (None: it does). device None: whether a
+    build for the architectures in effect ($FI_BACKEND_CUDA_ARCH_LIST) would (models.modules_of)."""
     if not env.flag(env.PREFILL_CUTE, True):
         return f"{env.PREFILL_CUTE}=0"
     if tuning is not None:
@@ -56,7 +58,7 @@ def unsupported(variant: Variant, head_dim: int, q_dtype: torch.dtype, kv_dtype:
         return f"KV dtype {kv_dtype} (the member reads 16-bit KV of the query's dtype)"
     if page_size < 16 or page_size > 256 or page_size & (page_size - 1):
         return f"page_size {page_size} (the member takes pages of 16..256 tokens, a power of two)"
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+    if device is not None and (device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0)):
         return "not an sm_90 GPU"
     from .shapes import prefill_uses_wgmma
     if not prefill_uses_wgmma():
@@ -75,6 +77,16 @@ def specs(head_dim: int, q_dtype: torch.dtype, page_size: int) -> list:
     dtype = "bf16" if q_dtype == torch.bfloat16 else "fp16"
     return [cutlass.attn_ws_spec(head_dim, causal, overlap=True, pingpong=False, page_size=page_size, dtype=dtype)
             for causal in (False, True)]
+
+
+def specs_for(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, page_size: int) -> list:
+    """The member's modules that a prefill wrapper of these arguments loads on an H100 ([] where it loads none), by
+    the kernels' dtype names ("bf16", "fp16", "fp8_e4m3", ...): for ahead-of-time builds."""
+    names = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    q, kv = names.get(q_dtype), names.get(kv_dtype)
+    if q is None or kv is None or unsupported(variant, head_dim, q, kv, page_size) is not None:
+        return []
+    return specs(head_dim, q, page_size)
 
 
 class CuteMember:

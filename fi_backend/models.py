@@ -258,15 +258,18 @@ def variants_of(model: Model) -> list:
 
 
 def modules_of(model: Model, kv_dtypes: Sequence[str] = ("bf16", "fp8_e4m3"), q_dtype: str = "bf16",
-               deterministic: bool = False) -> list:
+               deterministic: bool = False, page_sizes: Sequence[int] = (16,)) -> list:
     """Every decode and prefill kernel module (kernels.ModuleSpec) the model needs, for each variant of
     variants_of(model) and KV dtype ("auto": the query's), deduplicated; [] if check(model) refuses it.
+    The prefill family's CuTe member's modules (fi_backend.cute_member, Hopper, where CUTLASS's headers are
+    installed) for each of page_sizes (the engine's KV block size: vLLM's default 16).
     deterministic: also the decode modules deterministic wrappers load (the adapters with FI_BACKEND_DETERMINISTIC,
     VLLM_BATCH_INVARIANT or SGLang's --enable-deterministic-inference; docs/deterministic.md).
     The prefill family depends on the architectures in effect ($FI_BACKEND_CUDA_ARCH_LIST): set it to
     the target's before calling. Errors for an accepted model propagate: they are bugs."""
     if not check(model)[0]:
         return []
+    from fi_backend import cute_member
     from fi_backend.wrappers import attention_specs, decode_spec, prefill_family_size, prefill_spec
     d, group = model.head_dim, model.num_qo_heads // model.num_kv_heads
     specs, seen = [], set()
@@ -288,6 +291,9 @@ def modules_of(model: Model, kv_dtypes: Sequence[str] = ("bf16", "fp8_e4m3"), q_
                 add(decode_spec(variant, d, q_dtype, kv, group, deterministic=True))
             for m in range(prefill_family_size(d, kv)):
                 add(prefill_spec(variant, d, q_dtype, kv, group, member=m))
+            for page in page_sizes:
+                for spec in cute_member.specs_for(variant, d, q_dtype, kv, page):
+                    add(spec)
     return specs
 
 

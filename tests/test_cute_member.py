@@ -63,3 +63,22 @@ def test_takes_step():
     assert not m.plan(_t([700] + [1] * 60), _t([1500] + [900] * 60), causal=True)
     assert not m.plan(_t([1000]), _t([1000]), causal=True, allowed=False)
     assert not m.plan(_t([]), _t([]), causal=True)
+
+
+def test_modules_of_names_the_members_modules(monkeypatch):
+    """models.modules_of (fi-backend build --model, CI's zoo build) adds the member's two modules for a plain model
+    of head size 64 / 128 and 16-bit KV, per page size, where modules are built for sm_90a alone and CUTLASS's
+    headers are installed; none for a model with hooks, other architectures or the switch off."""
+    import pytest
+    pytest.importorskip("cutlass_library")
+    from fi_backend import models
+    monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", "90a")
+    cute = lambda m, **kw: [s.tag for s in models.modules_of(models.find(m), **kw) if s.family == "cute_attn_ws"]
+    assert cute("Llama-3.1-8B") == ["d128_bf1_ca0_ov1_pa16_pi0_st2", "d128_bf1_ca1_ov1_pa16_pi0_st2"]
+    assert len(cute("Qwen2.5-0.5B", page_sizes=(16, 32))) == 4 and cute("Llama-3.2-1B")[0].startswith("d64_")
+    assert cute("Gemma-2-9B") == []  # soft-cap
+    monkeypatch.setenv("FI_BACKEND_PREFILL_CUTE", "0")
+    assert cute("Llama-3.1-8B") == []
+    monkeypatch.delenv("FI_BACKEND_PREFILL_CUTE")
+    monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", "90a 100a")
+    assert cute("Llama-3.1-8B") == []
