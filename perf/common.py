@@ -212,13 +212,14 @@ def write_result(name: str, payload: dict) -> Path:
     return path
 
 
-def prebuild_specs(wanted, jobs=None) -> dict:
+def prebuild_specs(wanted, jobs=None, cute_pages=()) -> dict:
     """Build (or find cached) our kernel modules in parallel (kernels.build_many), so that timed runs do not build
     them one at a time. wanted: (kernel "decode" | "prefill", variant, head_dim, kv dtype, group) tuples, bf16
-    queries; a prefill entry means every member of its tile family."""
+    queries; a prefill entry means every member of its tile family, and the CuTe member's modules for each page size
+    of cute_pages."""
     import time
 
-    from fi_backend import kernels
+    from fi_backend import cute_member, kernels
     from fi_backend.wrappers import decode_spec, prefill_family_size, prefill_spec
     specs, seen = [], set()
 
@@ -232,6 +233,9 @@ def prebuild_specs(wanted, jobs=None) -> dict:
         else:
             for m in range(prefill_family_size(d, kv)):
                 add(prefill_spec(variant, d, "bf16", kv, group, member=m))
+            for page in cute_pages:  # the CuTe member's, where prefill wrappers of that page size load it
+                for spec in cute_member.specs_for(variant, d, "bf16", kv, page):
+                    add(spec)
     if not specs:
         return {"modules": 0, "seconds": 0.0, "errors": []}
     jobs = jobs or min(16, os.cpu_count() or 1)

@@ -541,18 +541,31 @@ def prefill_cell(a, cfg, b, s, fa2, vfunc, fa2_broken: dict) -> dict:
     FA3 (vfunc not None) in alternating rounds on the same q / k / v. fa2_broken: head_dim -> why FA2 failed there
     (filled here; a failed JIT build is not retried)."""
     from perf.common import diff_stats, time_rounds
-    from perf.prefill import Case, attention_flops, ours_fn, tflops, unmasked_pairs, vllm_fn
+    from fi_backend import env
+    from perf.prefill import Case, Paged, attention_flops, ours_fn, tflops, unmasked_pairs, vllm_fn
     hq, hkv, d, key = cfg["num_qo_heads"], cfg["num_kv_heads"], cfg["head_dim"], cfg["config"]
     label = f"prefill {key} {b}x{s}"
     case = Case(b, s, hq, hkv, d, seed=s + 31 * hq + hkv + d)
     flops = attention_flops(b * unmasked_pairs(s, s), hq, d)
-    fn, out, info = ours_fn(case)
+    # --prefill-page P: ours reads the same K / V from pages of P tokens in random order (an engine's cache), so
+    # the prefill family's CuTe member runs where it applies; then the tile family alone too (ours_family)
+    paged = Paged(case, a.prefill_page) if getattr(a, "prefill_page", 0) else None
+    fn, out, info = ours_fn(case, paged=paged)
     fn()
     torch.cuda.synchronize()
     r = {"config": key, "label": cfg["label"], **case.shape(), "group": hq // hkv, "flops": flops,
-         "num_ctas": info["num_ctas"], "rows_per_tile": info["rows_per_tile"], "rounds": a.rounds}
+         "num_ctas": info["num_ctas"], "rows_per_tile": info["rows_per_tile"], "rounds": a.rounds,
+         "page_size": paged.page_size if paged else 0, "cute_step": info["cute_step"],
+         "cute_unsupported": info["cute_unsupported"]}
     checks = {"sdpa_req0": sdpa_reference_check(case, out, f"{label} ours vs SDPA req 0")}
     fns = {"ours": fn}
+    if info["cute_step"]:
+        with env.setting(env.PREFILL_CUTE, "0"):
+            ffn, fout, _ = ours_fn(case, paged=paged)
+        ffn()
+        torch.cuda.synchronize()
+        checks["ours_family"] = _check(f"{label} ours vs the tile family", diff_stats(out, fout))
+        fns["ours_family"] = ffn
     if fa2 is not None and fi_supports(d, a.fi_head_dims) and d not in fa2_broken:
         try:
             ffn, fout = fa2.fn(case)
@@ -591,7 +604,7 @@ def prefill_cell(a, cfg, b, s, fa2, vfunc, fa2_broken: dict) -> dict:
     r["ours_us"] = statistics.median(times["ours"])
     r["ours_tflops"] = tflops(flops, r["ours_us"])
     msg = f"  prefill {key:>10} {b}x{s}: ours {r['ours_us']:8.1f} us {r['ours_tflops']:5.0f} TF/s"
-    for k in ("fi_fa2", "vllm_fa3"):
+    for k in ("fi_fa2", "vllm_fa3", "ours_family"):
         if k not in times:
             continue
         r[f"{k}_us_rounds"] = times[k]
@@ -672,13 +685,14 @@ def prefill_section(a, with_fi, fi_reason) -> dict:
 
 # ------------------------------------------------------------------------------------------------ prebuild
 
-def prebuild(decode_cfgs, prefill_cfgs, jobs=None) -> dict:
-    """Our decode and prefill modules for the configs, built (or found cached) in parallel first."""
+def prebuild(decode_cfgs, prefill_cfgs, jobs=None, prefill_page=0) -> dict:
+    """Our decode and prefill modules for the configs (the CuTe member's too for prefill_page), built (or found
+    cached) in parallel first."""
     from fi_backend import variants
     from perf.common import prebuild_specs
     return prebuild_specs([("decode", variants.DEFAULT, c["head_dim"], "bf16", c["group"]) for c in decode_cfgs]
                           + [("prefill", variants.DEFAULT, c["head_dim"], "bf16", c["group"]) for c in prefill_cfgs],
-                          jobs)
+                          jobs, cute_pages=(prefill_page,) if prefill_page else ())
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -771,6 +785,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help='prefill: a JSON list of kernel-shape overrides (e.g. \'[{"warps": 12, "mfrags": 1, "producer": 1}]\'), '
                          "each timed beside ours in the same rounds as ours_t<i> (ratio: its speed over ours)")
     ap.add_argument("--prefill-shapes", help="prefill batch x length, comma-separated (default 4x4096)")
+    ap.add_argument("--prefill-page", type=int, default=0, metavar="P",
+                    help="prefill: ours reads K / V from pages of P tokens in random order (0: ragged, the default), "
+                         "so the CuTe member runs where it applies; then the tile family alone too (ours_family)")
     ap.add_argument("--rounds", type=int, default=None, help="alternating rounds per cell (default 5; --quick 3)")
     ap.add_argument("--rep", type=int, default=None, help="timed calls per figure at most (default 100; --quick 50)")
     ap.add_argument("--fi-head-dims", default=",".join(map(str, FI_HEAD_DIMS)),
@@ -838,7 +855,7 @@ def main(argv=None):
         pcfg = (prefill_configs(parse_configs(a.configs), parse_configs(a.prefill_configs))
                 if "prefill" in a.section_list else [])
         try:
-            results["prebuild"] = prebuild(dcfg, pcfg, a.jobs)
+            results["prebuild"] = prebuild(dcfg, pcfg, a.jobs, a.prefill_page)
         except Exception as e:   # the sections build lazily instead
             log(f"prebuild failed ({type(e).__name__}: {e}); modules build lazily")
             results["prebuild"] = {"error": f"{type(e).__name__}: {e}"}

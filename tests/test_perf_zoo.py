@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -235,7 +236,7 @@ def test_main_flow_with_fakes(tmp_path, monkeypatch, capsys):
     def fake_rounds(fns, rounds, rep, on_round=None):
         for f in fns.values():
             f()
-        speed = {"ours": 100.0, "fi": 101.0, "fi_fa2": 125.0, "vllm_fa3": 95.0, "ours_t0": 80.0}
+        speed = {"ours": 100.0, "fi": 101.0, "fi_fa2": 125.0, "vllm_fa3": 95.0, "ours_t0": 80.0, "ours_family": 110.0}
         return {k: [speed[k]] * rounds for k in fns}
 
     real_case = pf.Case
@@ -251,11 +252,13 @@ def test_main_flow_with_fakes(tmp_path, monkeypatch, capsys):
             outs.append(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)[0].transpose(0, 1))
         return torch.cat(outs)
 
-    def fake_ours_fn(case, tuning=None):
+    def fake_ours_fn(case, tuning=None, paged=None):  # with pages, a CuTe member unless switched off
         if tuning == {"warps": 5}:
             raise ValueError("no such shape")
         out = torch.empty_like(case.q)
-        return (lambda: out.copy_(sdpa_out(case))), out, {"num_ctas": 1, "rows_per_tile": 64}
+        cute = paged is not None and os.environ.get("FI_BACKEND_PREFILL_CUTE") != "0"
+        return (lambda: out.copy_(sdpa_out(case))), out, {"num_ctas": 1, "rows_per_tile": 64, "cute_step": cute,
+                                                          "cute_unsupported": None if cute else "a fake"}
 
     class FakeRagged:
         def __init__(self, backend):
@@ -311,6 +314,14 @@ def test_main_flow_with_fakes(tmp_path, monkeypatch, capsys):
     assert t["ours_t0_tuning"] == {"warps": 12, "mfrags": 1, "producer": 1} and t["ours_t0_us"] == 80.0
     assert t["ratio_ours_t0"] == pytest.approx(1.25) and t["checks"]["ours_t0"]["ok"]
     assert "no such shape" in t["ours_t1_error"] and "ours_t1_us" not in t
+
+    # --prefill-page: ours on pages (the CuTe member where it applies), the tile family alone beside it
+    assert zoo.main(["--name", "zoo_page", "--no-prebuild", "--sections", "prefill", "--configs", "32/8/128",
+                     "--prefill-shapes", "1x64", "--rounds", "2", "--prefill-page", "16"]) == 0
+    (g,) = json.loads((tmp_path / "zoo_page.json").read_text())["prefill"]["rows"]
+    assert g["page_size"] == 16 and g["cute_step"] is True and g["cute_unsupported"] is None
+    assert g["ratio_ours_family"] == pytest.approx(1.1) and g["checks"]["ours_family"]["ok"]
+    assert os.environ.get("FI_BACKEND_PREFILL_CUTE") is None, "the switch is restored"
 
     # FlashInfer missing: ours only, still exit 0
     monkeypatch.setitem(sys.modules, "flashinfer", None)
