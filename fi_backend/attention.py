@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import warnings
 from typing import Optional
 
 import torch
@@ -315,8 +316,16 @@ class BatchAttention:
         self.cute_unsupported = ("decode kernel" if kernel != "prefill" else cute_member.unsupported(
             variant, head_dim, q_dtype, kv_dtype, page_size, self.device, deterministic=self.deterministic,
             tuning=tuning))
-        self._cute = (cute_member.CuteMember(head_dim, q_dtype, page_size, num_qo_heads, num_kv_heads, self.device)
-                      if self.cute_unsupported is None else None)
+        self._cute = None
+        if self.cute_unsupported is None:
+            try:
+                self._cute = cute_member.CuteMember(head_dim, q_dtype, page_size, num_qo_heads, num_kv_heads,
+                                                    self.device)
+            except kernels.BuildError as e:  # e.g. other CUTLASS headers (FI_BACKEND_CUTLASS_DIR): the family runs
+                lines = str(e).splitlines() or [type(e).__name__]
+                first = next((l for l in lines if "error" in l.lower()), lines[0])
+                self.cute_unsupported = f"its modules failed to build: {first.strip()[:300]}"
+                warnings.warn(f"fi-backend: the CuTe prefill member is off for this wrapper, {self.cute_unsupported}")
         self._cute_kv_ok = False  # the KV cache's pointers and strides suit its TMA maps (16-byte multiples)
         self.num_head_chunks = self.group // int(self._family[0].heads_per_chunk)
         # Units: the query-head groups a work item runs for (KV head unit // num_head_chunks). The plan
