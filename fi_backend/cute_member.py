@@ -4,7 +4,7 @@ query rows with the intra-warpgroup overlap, 128 x 128 tiles of one query head, 
 a counter in L2-sized sections. It reads the step's BSR directly (pages as TMA boxes) and needs no plan items.
 
 BatchAttention(kernel="prefill") loads it where it applies (`unsupported` says why not: Hopper, the default
-variant, head size 64 or 128, 16-bit KV, pages of 16..256 tokens, a power of two, the CUTLASS headers) and plan()
+variant, head size 64, 96 or 128, 16-bit KV, pages of 16..256 tokens, a power of two, the CUTLASS headers) and plan()
 gives it the steps it runs well (`takes_step`); every other step, and every step captured in a CUDA graph, runs the
 tile family as before. FI_BACKEND_PREFILL_CUTE=0 turns it off.
 """
@@ -20,7 +20,7 @@ from .variants import HOOKS, Variant
 
 # Tiles of the CTA (kRows x kKv) and its head sizes.
 ROWS = KV_TILE = 128
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 96, 128)
 # A step goes to the member where its work tiles fill the GPU at least once (a short step's few tiles leave SMs idle
 # that the tile family's KV splits would use) ...
 MIN_TILES_PER_SM = 1.0

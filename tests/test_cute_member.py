@@ -24,7 +24,7 @@ def test_unsupported_names_the_reason(monkeypatch):
     assert "deterministic" in _why(deterministic=True)
     for variant in (V.SOFT_CAP, V.SLIDING_WINDOW, V.ALIBI, V.SIGMOID, V.ROPE):
         assert "hooks" in _why(variant=variant)
-    assert "head_dim 96" in _why(head_dim=96)
+    assert "head_dim 80" in _why(head_dim=80)
     assert "head_dim 256" in _why(head_dim=256)
     assert "KV dtype" in _why(kv_dtype=torch.float8_e4m3fn)
     for page in (1, 8, 24, 512):

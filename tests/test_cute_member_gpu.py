@@ -45,7 +45,7 @@ def _wrapper(Hq, Hkv, D, *, page, dtype=torch.bfloat16, layout="NHD", max_tokens
 
 
 # (query heads, KV heads, head size, page, dtype, layout, packed, causal): Llama-3.1-8B, Qwen2.5-7B (group 7),
-# Qwen2.5-14B (5), Llama-3.2-3B (3) at head size 64, MHA, an fp16 non-causal one, HND and packed caches
+# Qwen2.5-14B (5), Llama-3.2-3B (3) at head size 64, MHA, an fp16 non-causal one, head size 96, HND and packed caches
 _SHAPES = [
     (32, 8, 128, 16, torch.bfloat16, "NHD", False, True),
     (28, 4, 128, 16, torch.bfloat16, "NHD", True, True),
@@ -53,6 +53,8 @@ _SHAPES = [
     (24, 8, 64, 64, torch.bfloat16, "NHD", False, True),
     (16, 16, 64, 256, torch.float16, "NHD", True, True),
     (12, 2, 128, 128, torch.float16, "NHD", False, False),
+    (32, 32, 96, 16, torch.bfloat16, "NHD", True, True),   # Phi-3-mini / Phi-3.5-mini (64-byte swizzle atoms)
+    (24, 8, 96, 64, torch.float16, "HND", False, False),
 ]
 # chunked prefill and prefix hits: KV longer than the queries, none a multiple of a page or a tile
 _Q_LENS = [1000, 333, 517, 129, 77]

@@ -14,7 +14,7 @@
 // one before it in this order), and the softmax of S runs while that P.V is in flight. PINGPONG 1 (with OVERLAP) has
 // the two consumer warpgroups issue their MMAs in turns on two named barriers, so one's softmax runs under the other's
 // MMAs.
-// Template parameters: HEAD_DIM 64 or 128, STAGES (2), CAUSAL, OVERLAP, PINGPONG (0 / 1), BF16 (1: bf16, 0: fp16),
+// Template parameters: HEAD_DIM 64, 96 or 128, STAGES (2), CAUSAL, OVERLAP, PINGPONG (0 / 1), BF16 (1: bf16, 0: fp16),
 // PAGE (0: ragged K / V, entry fi_cute_attn_ws; else pages of PAGE tokens read through a BSR, entry
 // fi_cute_attn_bsr).
 // Requests: b's query rows qo_indptr[b] .. qo_indptr[b + 1] (int32, device), any lengths with 1 <= q_len <= kv_len,
@@ -45,17 +45,22 @@ constexpr bool kCausal = {{CAUSAL}}, kOverlap = {{OVERLAP}}, kPingPong = {{PINGP
 #define FI_CUTE_PAGE {{PAGE}}
 constexpr int kPage = FI_CUTE_PAGE;  // 0: K / V ragged [tokens, kv_heads, D]; else pages of kPage tokens (a BSR)
 static_assert(!kPingPong || kOverlap, "ping-pong: the overlapped loop's two warpgroups");
-static_assert(kHeadDim % 64 == 0, "head size: whole 128-byte swizzle atoms");
+static_assert(kHeadDim % 32 == 0, "head size: whole 64-byte swizzle atoms");
+// Dims a swizzle atom's row holds: 64 (128-byte rows, 128-byte swizzle) where the head size allows, else 32 (head size
+// 96: 64-byte rows and swizzle). A row of an atom is a token's dims of one block in every layout below.
+constexpr int kDimBlock = kHeadDim % 64 == 0 ? 64 : 32;
+using DimBlock = Int<kDimBlock>;
+using AtomK = std::conditional_t<kDimBlock == 64, GMMA::Layout_K_SW128_Atom<Elem>, GMMA::Layout_K_SW64_Atom<Elem>>;
+using AtomMN = std::conditional_t<kDimBlock == 64, GMMA::Layout_MN_SW128_Atom<Elem>, GMMA::Layout_MN_SW64_Atom<Elem>>;
 constexpr int kRows = 128, kKv = 128, kThreads = 384, kConsumers = 256;
 using D = Int<kHeadDim>;
-using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape<Int<kRows>, D>{}));
+using SmemLayoutQ = decltype(tile_to_shape(AtomK{}, Shape<Int<kRows>, D>{}));
 using SmemLayoutO = SmemLayoutQ;  // O staged for coalesced stores
-using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape<Int<kKv>, D, Int<kStages>>{}));
+using SmemLayoutK = decltype(tile_to_shape(AtomK{}, Shape<Int<kKv>, D, Int<kStages>>{}));
 // V as P.V's B operand: (N = head dim, K = token), head dims contiguous; TMA fills it from V's transposed view. Atoms
 // tiled along the tokens first, so each 64-dim block holds all 128 tokens in a row: one TMA box a block (tiled along
 // the dims first, a box spans 8 tokens: 32 TMA copies a tile at head size 128)
-using SmemLayoutVt = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{}, Shape<D, Int<kKv>, Int<kStages>>{},
-                                            Step<_2, _1, _3>{}));
+using SmemLayoutVt = decltype(tile_to_shape(AtomMN{}, Shape<D, Int<kKv>, Int<kStages>>{}, Step<_2, _1, _3>{}));
 // Paged K / V: TMA boxes of kBox tokens x 64 dims, one a page and 64-dim block (several a KV tile below 128 tokens a
 // page). A box is a contiguous run of the stage's atoms in both layouts (K: rows first; V: tokens first), laid out
 // as the layouts below.
@@ -65,8 +70,8 @@ static_assert(kPage == 0 || (kPage >= 16 && (kPage & (kPage - 1)) == 0), "page s
 // 64512), or the consumers' setmaxnreg waits forever; a producer looking up several pages a KV tile needs more than 24
 constexpr int kProducerRegs = kBoxes > 1 ? 40 : 24, kConsumerRegs = kBoxes > 1 ? 232 : 240;
 static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 168 * kThreads, "setmaxnreg: more than the launch gave");
-using SmemLayoutKBox = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape<Int<kBox>, _64>{}));
-using SmemLayoutVtBox = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{}, Shape<_64, Int<kBox>>{}));
+using SmemLayoutKBox = decltype(tile_to_shape(AtomK{}, Shape<Int<kBox>, DimBlock>{}));
+using SmemLayoutVtBox = decltype(tile_to_shape(AtomMN{}, Shape<DimBlock, Int<kBox>>{}));
 using AtomQK = decltype(GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<kKv>, D>>());
 using AtomPV = decltype(GMMA::rs_op_selector<Elem, Elem, float, Shape<_64, D, Int<kKv>>, GMMA::Major::K,
                                              GMMA::Major::MN>());
@@ -223,9 +228,10 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
           } else {
             load_boxes(n, [&](int j, int page, int slot0) {
               CUTE_UNROLL
-              for (int c = 0; c < kHeadDim / 64; ++c) {
-                Tensor g = local_tile(mK(_, _, kv_head, page), Shape<Int<kBox>, _64>{}, make_coord(slot0 / kBox, c));
-                Tensor sb = local_tile(sK(_, _, stage), Shape<Int<kBox>, _64>{}, make_coord(j, c));
+              for (int c = 0; c < kHeadDim / kDimBlock; ++c) {
+                Tensor g = local_tile(mK(_, _, kv_head, page), Shape<Int<kBox>, DimBlock>{},
+                                      make_coord(slot0 / kBox, c));
+                Tensor sb = local_tile(sK(_, _, stage), Shape<Int<kBox>, DimBlock>{}, make_coord(j, c));
                 auto [tg, ts] = tma_partition(tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sb),
                                               group_modes<0, 2>(g));
                 copy(tma_k.with(*bar), tg, ts);
@@ -243,9 +249,10 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
           } else {
             load_boxes(n, [&](int j, int page, int slot0) {
               CUTE_UNROLL
-              for (int c = 0; c < kHeadDim / 64; ++c) {
-                Tensor g = local_tile(mVt(_, _, kv_head, page), Shape<_64, Int<kBox>>{}, make_coord(c, slot0 / kBox));
-                Tensor sb = local_tile(sVt(_, _, stage), Shape<_64, Int<kBox>>{}, make_coord(c, j));
+              for (int c = 0; c < kHeadDim / kDimBlock; ++c) {
+                Tensor g = local_tile(mVt(_, _, kv_head, page), Shape<DimBlock, Int<kBox>>{},
+                                      make_coord(c, slot0 / kBox));
+                Tensor sb = local_tile(sVt(_, _, stage), Shape<DimBlock, Int<kBox>>{}, make_coord(c, j));
                 auto [tg, ts] = tma_partition(tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sb),
                                               group_modes<0, 2>(g));
                 copy(tma_v.with(*bar), tg, ts);
@@ -370,12 +377,13 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
     if constexpr (kPage != 0) {
       const int valid = w.kv_len - n * kKv;
       if (valid >= kKv) return;
-      // a token's 64 dims of a 64-dim block are one 128-byte row at (block x 128 + token) x 128 bytes of the stage
-      // (tokens first; the swizzle permutes 16-byte chunks within the row): zeroed 16 bytes at a time
+      // a token's dims of a dim block are one row of kDimBlock x 2 bytes, row (block x 128 + token) of the stage
+      // (tokens first; the swizzle permutes 16-byte chunks within a row): zeroed 16 bytes at a time
+      constexpr int kRowChunks = kDimBlock / 8;
       uint4* stage_v = reinterpret_cast<uint4*>(ss.v.data() + stage * kHeadDim * kKv);
       CUTE_UNROLL
-      for (int i = ctid; i < kHeadDim / 64 * kKv * 8; i += kConsumers)
-        if ((i / 8) % kKv >= valid) stage_v[i] = make_uint4(0, 0, 0, 0);
+      for (int i = ctid; i < kHeadDim / 8 * kKv; i += kConsumers)
+        if ((i / kRowChunks) % kKv >= valid) stage_v[i] = make_uint4(0, 0, 0, 0);
       cutlass::arch::fence_view_async_shared();  // the generic stores, before the async proxy's MMA reads
       cutlass::arch::NamedBarrier::sync(kConsumers, kTailBarrier);
     }
