@@ -320,7 +320,7 @@ class BatchAttention:
         if self.cute_unsupported is None:
             try:
                 self._cute = cute_member.CuteMember(head_dim, q_dtype, page_size, num_qo_heads, num_kv_heads,
-                                                    self.device)
+                                                    self.device, variant)
             except kernels.BuildError as e:  # e.g. other CUTLASS headers (FI_BACKEND_CUTLASS_DIR): the family runs
                 lines = str(e).splitlines() or [type(e).__name__]
                 first = next((l for l in lines if "error" in l.lower()), lines[0])
@@ -621,7 +621,9 @@ class BatchAttention:
             allowed = (not idle and self._frozen is None and groups is None and bsr.kv_pos_start is None
                        and bsr.kv_indices.numel() < 2 ** 31)
             q32 = qo_cpu.to(torch.int32)
-            self._cute.plan(q32[1:] - q32[:-1], kv_cpu.to(torch.int32), bool(causal), allowed)
+            self._cute.plan(q32[1:] - q32[:-1], kv_cpu.to(torch.int32), bool(causal), allowed,
+                            window_left=int(values.get("window_left", -1)),
+                            logits_soft_cap=float(values.get("logits_soft_cap", 0.0)))
         p = self._params
         p.kv_indices, p.kv_lens, p.qo_indptr = bsr_ptrs[2], bsr_ptrs[1], bsr_ptrs[0]
         p.num_kv_indices = bsr.kv_indices.numel()

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from attention_cases import DEV, TOL, make_bsr, plan_run_check, poison_unused, random_kv, replay_check
+from fi_backend import variants as V
 
 pytestmark = pytest.mark.gpu
 
@@ -21,27 +22,28 @@ def _built():
     if importlib.util.find_spec("cutlass_library") is None or not torch.cuda.is_available():
         return
     from fi_backend import cute_member, kernels
-    from fi_backend import variants as V
     from fi_backend.specs import attention_specs
     names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
     specs = {}
-    for Hq, Hkv, D, page, dtype, *_ in _SHAPES + [(32, 8, 128, 16, torch.bfloat16)]:
-        for s in cute_member.specs(D, dtype, page) + attention_specs(V.DEFAULT, D, names[dtype], names[dtype],
-                                                                       Hq // Hkv, None, "prefill", False):
+    wanted = [(V.DEFAULT, *shape[:5]) for shape in _SHAPES + [(32, 8, 128, 16, torch.bfloat16)]]
+    wanted += [(_VARIANTS[name][0], Hq, Hkv, D, 16, torch.bfloat16) for name, Hq, Hkv, D in _VARIANT_SHAPES]
+    for variant, Hq, Hkv, D, page, dtype in wanted:
+        for s in cute_member.specs(D, dtype, page, variant) + attention_specs(
+                variant, D, names[dtype], names[dtype], Hq // Hkv, None, "prefill", False):
             specs[s.memo_key] = s
     failed = [(s.tag, r) for s, r in zip(specs.values(), kernels.build_many(list(specs.values())))
               if isinstance(r, Exception)]
     assert not failed, f"modules failed to build: {failed}"
 
 
-def _wrapper(Hq, Hkv, D, *, page, dtype=torch.bfloat16, layout="NHD", max_tokens=8192):
+def _wrapper(Hq, Hkv, D, *, page, dtype=torch.bfloat16, layout="NHD", max_tokens=8192, variant=None):
     if importlib.util.find_spec("cutlass_library") is None:
         pytest.skip("the nvidia-cutlass wheel is not installed")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm_90a only")
     from attention_cases import make_wrapper
     return make_wrapper(Hq, Hkv, D, q_dtype=dtype, page_size=page, kv_layout=layout, kernel="prefill",
-                        max_tokens=max_tokens)
+                        max_tokens=max_tokens, variant=variant or V.DEFAULT)
 
 
 # (query heads, KV heads, head size, page, dtype, layout, packed, causal): Llama-3.1-8B, Qwen2.5-7B (group 7),
@@ -61,13 +63,15 @@ _Q_LENS = [1000, 333, 517, 129, 77]
 _KV_LENS = [1000, 410, 2017, 132, 3001]
 
 
-def _check_step(attn, q_lens, kv_lens, *, dtype=torch.bfloat16, packed=False, causal=True, what=""):
-    """One step of these lengths over a fresh cache whose unread slots hold NaN, against the reference."""
+def _check_step(attn, q_lens, kv_lens, *, dtype=torch.bfloat16, packed=False, causal=True, what="", params=None):
+    """One step of these lengths over a fresh cache whose unread slots hold NaN, against the reference (params: the
+    variant's, given to plan() and the reference alike)."""
     bsr, qo_cpu, kv_cpu, nb = make_bsr(kv_lens, q_lens, attn.page_size)
     cache, k, v = random_kv(nb, attn.page_size, attn.num_kv_heads, attn.head_dim, dtype, layout=attn.kv_layout,
                             packed=packed)
     poison_unused(k, v, bsr)
-    plan_run_check(attn, bsr, qo_cpu, kv_cpu, cache, k, v, dtype=dtype, kv_dtype=dtype, causal=causal, what=what)
+    plan_run_check(attn, bsr, qo_cpu, kv_cpu, cache, k, v, dtype=dtype, kv_dtype=dtype, causal=causal, what=what,
+                   plan_kw=params, ref_kw=params)
 
 
 @pytest.mark.parametrize("Hq,Hkv,D,page,dtype,layout,packed,causal", _SHAPES)
@@ -77,6 +81,28 @@ def test_member_matches_reference(Hq, Hkv, D, page, dtype, layout, packed, causa
     _check_step(attn, _Q_LENS, _KV_LENS, dtype=dtype, packed=packed, causal=causal,
                 what=f"{Hq}/{Hkv} D={D} page={page} {layout}{' packed' if packed else ''} causal={causal}")
     assert attn.cute_step, "the step should have run on the CuTe member"
+
+
+_VARIANTS = {"window": (V.SLIDING_WINDOW, {"window_left": 299}),
+             "window_wide": (V.SLIDING_WINDOW, {"window_left": 4095}),    # wider than every request: nothing skipped
+             "soft_cap": (V.SOFT_CAP, {"logits_soft_cap": 5.0}),           # low: the cap changes the logits
+             "soft_cap_window": (V.BUILTIN_VARIANTS["soft_cap_window"], {"logits_soft_cap": 5.0, "window_left": 130})}
+# (variant, query heads, KV heads, head size): Mistral-7B's window, Gemma-2-27B's soft-cap + window, Phi-3-mini's
+# window at head size 96
+_VARIANT_SHAPES = [("window", 32, 8, 128), ("window_wide", 32, 8, 128), ("soft_cap", 32, 16, 128),
+                   ("soft_cap_window", 32, 16, 128), ("window", 32, 32, 96)]
+
+
+@pytest.mark.parametrize("name,Hq,Hkv,D", _VARIANT_SHAPES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_member_variants(name, Hq, Hkv, D, causal):
+    """The sliding window (KV tiles below every row's window skipped, the rest masked per row) and the soft-cap (a
+    template parameter), alone and together, against the reference on the same chunked-prefill lengths."""
+    variant, params = _VARIANTS[name]
+    attn = _wrapper(Hq, Hkv, D, page=16, variant=variant)
+    assert attn.cute_unsupported is None, attn.cute_unsupported
+    _check_step(attn, _Q_LENS, _KV_LENS, causal=causal, params=params, what=f"{name} {Hq}/{Hkv} D={D} causal={causal}")
+    assert attn.cute_step
 
 
 def test_mixed_step_stays_on_the_family():

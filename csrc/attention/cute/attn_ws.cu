@@ -14,9 +14,9 @@
 // one before it in this order), and the softmax of S runs while that P.V is in flight. PINGPONG 1 (with OVERLAP) has
 // the two consumer warpgroups issue their MMAs in turns on two named barriers, so one's softmax runs under the other's
 // MMAs.
-// Template parameters: HEAD_DIM 64, 96 or 128, STAGES (2), CAUSAL, OVERLAP, PINGPONG (0 / 1), BF16 (1: bf16, 0: fp16),
-// PAGE (0: ragged K / V, entry fi_cute_attn_ws; else pages of PAGE tokens read through a BSR, entry
-// fi_cute_attn_bsr).
+// Template parameters: HEAD_DIM 64, 96 or 128, STAGES (2), CAUSAL, OVERLAP, PINGPONG, SOFTCAP (0 / 1), BF16 (1: bf16,
+// 0: fp16), PAGE (0: ragged K / V, entry fi_cute_attn_ws; else pages of PAGE tokens read through a BSR, entry
+// fi_cute_attn_bsr, which also takes a sliding window: window_left >= 0, KV tiles below every row's window skipped).
 // Requests: b's query rows qo_indptr[b] .. qo_indptr[b + 1] (int32, device), any lengths with 1 <= q_len <= kv_len,
 // causal bottom-right aligned (query i sees keys <= kv_len - q_len + i); max_q_len bounds the query tiles. lse
 // float32 natural log, logits scaled by sm_scale. counter: one int32 of device memory the call zeroes on its stream
@@ -31,6 +31,7 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "attention/ptx.cuh"
+#include "attention/variant.cuh"
 #include "common.h"
 
 namespace fi {
@@ -42,6 +43,7 @@ using Elem = std::conditional_t<FI_CUTE_BF16, cute::bfloat16_t, cute::half_t>;  
 constexpr bool kBf16 = FI_CUTE_BF16;
 constexpr int kHeadDim = {{HEAD_DIM}}, kStages = {{STAGES}};
 constexpr bool kCausal = {{CAUSAL}}, kOverlap = {{OVERLAP}}, kPingPong = {{PINGPONG}};
+constexpr bool kSoftCap = {{SOFTCAP}};  // logits = cap x tanh(logits / cap) (Gemma-2's), cap from Args
 #define FI_CUTE_PAGE {{PAGE}}
 constexpr int kPage = FI_CUTE_PAGE;  // 0: K / V ragged [tokens, kv_heads, D]; else pages of kPage tokens (a BSR)
 static_assert(!kPingPong || kOverlap, "ping-pong: the overlapped loop's two warpgroups");
@@ -108,7 +110,9 @@ struct Args {
   const int* kv_indices;      // the pages
   int* counter;               // the tile counter (zeroed before the launch)
   int kv_block_start_int64, batch, max_q_len, heads, kv_heads, total_q, total_kv, num_pages, section;
+  int window_left;  // >= 0: a query at position p sees keys from p - window_left on (a sliding window); -1: all
   float sm_scale;
+  float softcap;  // kSoftCap: the cap (> 0)
 };
 
 template <class TmaQ, class TmaK, class TmaV>
@@ -130,6 +134,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
   // alike), then the pair. False where the request has no such query tile (the producer skips it).
   struct Tile {
     int qtile, head, b, q_begin, q_len, kv_begin, kv_len, ntiles;  // kv_begin: paged, the first page's entry
+    int n_lo;  // the first KV tile the tile's rows see (a sliding window), else 0: tiles n_lo .. ntiles - 1 run
   };
   auto coords = [&](int t, Tile& w) -> bool {
     const int sec = t / (section * max_qtiles), r = t - sec * section * max_qtiles;
@@ -153,6 +158,8 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
     const int last_row = min(w.q_len, (w.qtile + 1) * kRows) - 1;
     const int kv_end = kCausal ? min(w.kv_len, w.kv_len - w.q_len + last_row + 1) : w.kv_len;
     w.ntiles = (kv_end + kKv - 1) / kKv;
+    // the first row's lowest key (a window)
+    w.n_lo = a.window_left >= 0 ? max(0, w.kv_len - w.q_len + w.qtile * kRows - a.window_left) / kKv : 0;
     return true;
   };
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), SmemLayoutQ{});
@@ -260,7 +267,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
             });
           }
         };
-        for (int n = w.ntiles - 1; n >= 0; --n) {  // the consumers' order: the diagonal first
+        for (int n = w.ntiles - 1; n >= w.n_lo; --n) {  // the consumers' order: the diagonal first
           pipe_k.producer_acquire(st);
           load_k(n, st.index(), pipe_k.producer_get_barrier(st));
           if (n == w.ntiles - 1) {  // Q after the first K: that K may land while the last tile's S still runs
@@ -295,7 +302,9 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
   Tensor tP = thr_pv.partition_fragment_A(make_tensor(make_smem_ptr(ss.q.data()), Shape<Int<kRows>, Int<kKv>>{}));
   static_assert(decltype(size(tS))::value == decltype(size(tP))::value, "P: S's accumulators in their order");
   float mx[2] = {-INFINITY, -INFINITY}, sum[2] = {0.f, 0.f};  // reset per work tile below
-  const float sm_scale = a.sm_scale, scale2 = sm_scale * kLog2e;
+  // soft-cap: S becomes the capped logits (sm_scale applied), the softmax's scale is then 1
+  const float sm_scale = a.sm_scale, scale2 = kSoftCap ? kLog2e : sm_scale * kLog2e;
+  const float lse_scale = kSoftCap ? 1.f : sm_scale, cap_in = kSoftCap ? sm_scale / a.softcap : 0.f;
 
   const int wg = ctid / 128;
   auto turn_begin = [&]() {  // ping-pong: wait for this warpgroup's turn to issue MMAs
@@ -325,18 +334,27 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
     for (int kb = 0; kb < size<2>(tP); ++kb) cute::gemm(mma_pv, tP(_, _, kb), tVt(_, _, kb, stage), tO);
     warpgroup_commit_batch();
   };
-  // KV tile n of work tile w needs a mask where it holds keys past the request's KV or, causal, past its first row's
-  // limit (then some row's); the mask: key >= kv_len, or key > kv_len - q_len + the row's query index
+  // KV tile n of work tile w needs a mask where it holds keys past the request's KV, causal past its first row's limit
+  // (then some row's), or below its last row's window (then some row's); the mask: key >= kv_len, key > the row's
+  // position kv_len - q_len + its query index (causal), key < that position - window_left (a window)
   auto needs_mask = [&](const Tile& w, int n) {
-    const int end = (n + 1) * kKv;
-    return end > w.kv_len || (kCausal && end - 1 > w.kv_len - w.q_len + w.qtile * kRows);
+    const int end = (n + 1) * kKv, pos0 = w.kv_len - w.q_len + w.qtile * kRows;
+    return end > w.kv_len || (kCausal && end - 1 > pos0) ||
+           (a.window_left >= 0 && n * kKv < pos0 + min(kRows, w.q_len - w.qtile * kRows) - 1 - a.window_left);
   };
   auto mask_tile = [&](const Tile& w, int n) {
-    const int key0 = n * kKv + (lane & 3) * 2, limit0 = w.kv_len - w.q_len + w.qtile * kRows + row0;
+    const int key0 = n * kKv + (lane & 3) * 2, pos0 = w.kv_len - w.q_len + w.qtile * kRows + row0;
+    const int window = a.window_left;
     CUTE_UNROLL
     for (int i = 0; i < size(tS); ++i) {
-      const int key = key0 + (i >> 2) * 8 + (i & 1);
-      if (key >= w.kv_len || (kCausal && key > limit0 + 8 * ((i >> 1) & 1))) tS(i) = -INFINITY;
+      const int key = key0 + (i >> 2) * 8 + (i & 1), pos = pos0 + 8 * ((i >> 1) & 1);
+      if (key >= w.kv_len || (kCausal && key > pos) || (window >= 0 && key < pos - window)) tS(i) = -INFINITY;
+    }
+  };
+  auto soft_cap = [&]() {  // before the mask: a masked logit stays -inf
+    if constexpr (kSoftCap) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(tS); ++i) tS(i) = a.softcap * fi::tanh_fast(tS(i) * cap_in);
     }
   };
   // The online softmax of S in place (S becomes the tile's probabilities); alpha rescales what O and the sums held.
@@ -414,12 +432,13 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
       warpgroup_wait<0>();
       warpgroup_fence_operand(tS);
       pipe_k.consumer_release(st);
+      soft_cap();
       if (needs_mask(w, ntiles - 1)) mask_tile(w, ntiles - 1);
       softmax(alpha);
       to_p();
       PipelineState prev = st;
       ++st;
-      for (int n = ntiles - 2; n >= 0; --n) {
+      for (int n = ntiles - 2; n >= w.n_lo; --n) {
         pipe_k.consumer_wait(st);
         pipe_v.consumer_wait(prev);
         if (n == ntiles - 2) zero_v_tail(w, ntiles - 1, prev.index());
@@ -430,7 +449,8 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
         warpgroup_wait<1>();  // S of this tile; the previous tile's P.V still in flight
         warpgroup_fence_operand(tS);
         pipe_k.consumer_release(st);
-        if (needs_mask(w, n)) mask_tile(w, n);  // the second of a causal limit's two tiles
+        soft_cap();
+        if (needs_mask(w, n)) mask_tile(w, n);  // the second of a causal limit's two tiles, or a window's
         softmax(alpha);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tO);
@@ -441,18 +461,19 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
         ++st;
       }
       pipe_v.consumer_wait(prev);  // the last tile's P.V, outside the turns (as FlashAttention-3's)
-      if (ntiles == 1) zero_v_tail(w, 0, prev.index());
+      if (ntiles - 1 == w.n_lo) zero_v_tail(w, ntiles - 1, prev.index());  // the one tile run
       issue_pv(prev.index());
       warpgroup_wait<0>();
       warpgroup_fence_operand(tO);
       pipe_v.consumer_release(prev);
     } else {
-      for (int n = ntiles - 1; n >= 0; --n, ++st) {
+      for (int n = ntiles - 1; n >= w.n_lo; --n, ++st) {
         pipe_k.consumer_wait(st);
         issue_qk(st.index());
         warpgroup_wait<0>();
         warpgroup_fence_operand(tS);
         pipe_k.consumer_release(st);
+        soft_cap();
         if (needs_mask(w, n)) mask_tile(w, n);
         softmax(alpha);
         rescale_o(alpha);
@@ -494,7 +515,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
       CUTE_UNROLL
       for (int h = 0; h < 2; ++h)
         if (row0 + 8 * h < rows)
-          a.lse[(token0 + row0 + 8 * h) * a.lse_stride_row + w.head] = mx[h] * sm_scale + logf(sum[h]);
+          a.lse[(token0 + row0 + 8 * h) * a.lse_stride_row + w.head] = mx[h] * lse_scale + logf(sum[h]);
     }
   }
 }
@@ -553,7 +574,7 @@ FI_EXPORT int fi_cute_attn_ws(const void* q, const void* k, const void* v, void*
   auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, take<0, 2>(SmemLayoutK{}));
   auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gVt, take<0, 2>(SmemLayoutVt{}));
   Args a{static_cast<Elem*>(o), (int64_t)H * kHeadDim, kHeadDim, lse, H, qo_indptr, kv_indptr, nullptr, nullptr,
-         nullptr, counter, 0, (int)batch, (int)max_q_len, H, Hkv, tq, tkv, 0, 0, sm_scale};
+         nullptr, counter, 0, (int)batch, (int)max_q_len, H, Hkv, tq, tkv, 0, 0, -1, sm_scale, 0.f};
   return launch(tma_q, tma_k, tma_v, a, l2_section_bytes, stream);
 }
 #else
@@ -570,14 +591,16 @@ FI_EXPORT int fi_cute_attn_bsr(const void* q, void* o, float* lse, const void* k
                                int64_t kv_stride_token, int64_t kv_stride_head, int64_t num_kv_blocks,
                                int64_t kv_block_start_int64, int64_t batch, int64_t max_q_len, int64_t heads,
                                int64_t kv_heads, int64_t total_q, int64_t total_kv, int64_t l2_section_bytes,
-                               float sm_scale, void* stream) {
+                               int64_t window_left, float sm_scale, float softcap, void* stream) {
   using namespace fi::cute_probe;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   cudaError_t e = cudaStreamIsCapturing((cudaStream_t)stream, &capture);
   if (e != cudaSuccess) return (int)e;
   if (capture != cudaStreamCaptureStatusNone) return kCaptureRefused;
   if (batch <= 0 || max_q_len <= 0) return 0;
-  if (kv_heads <= 0 || heads % kv_heads || total_q <= 0 || num_kv_blocks <= 0) return (int)cudaErrorInvalidValue;
+  if (kv_heads <= 0 || heads % kv_heads || total_q <= 0 || num_kv_blocks <= 0 || window_left < -1 ||
+      window_left >= (1ll << 31) || (kSoftCap && !(softcap > 0.f)))
+    return (int)cudaErrorInvalidValue;
   const int H = (int)heads, Hkv = (int)kv_heads, tq = (int)total_q, nb = (int)num_kv_blocks;
   Tensor gQ = make_tensor(make_gmem_ptr(static_cast<const Elem*>(q)), make_shape(tq, D{}, H),
                           make_stride(q_stride_row, _1{}, q_stride_head));
@@ -590,7 +613,7 @@ FI_EXPORT int fi_cute_attn_bsr(const void* q, void* o, float* lse, const void* k
   auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gVt, SmemLayoutVtBox{});
   Args a{static_cast<Elem*>(o), o_stride_row, o_stride_head, lse, lse_stride_row, qo_indptr, nullptr, kv_lens,
          kv_block_start, kv_indices, counter, (int)kv_block_start_int64, (int)batch, (int)max_q_len, H, Hkv, tq,
-         (int)total_kv, nb, 0, sm_scale};
+         (int)total_kv, nb, 0, (int)window_left, sm_scale, softcap};
   return launch(tma_q, tma_k, tma_v, a, l2_section_bytes, stream);
 }
 #endif
