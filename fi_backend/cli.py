@@ -155,11 +155,17 @@ def _build_model(args) -> int:
         print(f"fi-backend build: {e}", file=sys.stderr)
         return 2
     kv_dtypes = tuple(t.strip() for t in (args.kv_dtype or "bf16,fp8_e4m3").split(",") if t.strip())
+    try:
+        page_sizes = tuple(int(t) for t in (args.page_size or "16").split(",") if t.strip())
+    except ValueError:
+        print(f"fi-backend build: --page-size must be integers, comma-separated (got {args.page_size!r})",
+              file=sys.stderr)
+        return 2
     deterministic = args.deterministic or env.batch_invariant()
     try:
         with _arch_list(archs):
             specs = models.modules_of(model, kv_dtypes=kv_dtypes, q_dtype=args.q_dtype or "bf16",
-                                      deterministic=deterministic)
+                                      deterministic=deterministic, page_sizes=page_sizes)
     except (KeyError, ValueError) as e:
         print(f"fi-backend build: {model.name}: {e.args[0] if isinstance(e, KeyError) else e}", file=sys.stderr)
         return 2
@@ -259,6 +265,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                                    "case-insensitive) or a HF config.json (or its directory)")
     b.add_argument("--kv-dtype", help="with --model: KV-cache dtypes, comma-separated (default: bf16,fp8_e4m3)")
     b.add_argument("--q-dtype", choices=("bf16", "fp16"), help="with --model: the model's dtype (default: bf16)")
+    b.add_argument("--page-size", help="with --model: the engine's KV block sizes, comma-separated, for the CuTe "
+                                       "prefill member's modules (Hopper, CUTLASS headers installed; default 16, "
+                                       "vLLM's default; SGLang's default 1 needs none)")
     b.add_argument("--tp", type=int, default=1, help="with --model: one rank's modules under tensor parallelism "
                                                      "over N GPUs (its heads split as vLLM and SGLang split them)")
     b.add_argument("--deterministic", action="store_true",

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fi_backend import models, variants, wrappers
+from fi_backend import cute_member, models, variants, wrappers
 from fi_backend.adapters.vllm import layer_variant
 from fi_backend.models import Model, ZOO, check, find, from_hf_config, modules_of, variants_of
 
@@ -169,10 +169,13 @@ def test_modules_of_llama(sm90a):
     specs = modules_of(find("Llama-3.1-8B"))
     families = [s.family for s in specs]
     members = wrappers.prefill_family_size(128, "bf16") + wrappers.prefill_family_size(128, "fp8_e4m3")
-    # decode: the family of two for bf16 KV (shapes.decode_family_size), one module for fp8
+    # decode: the family of two for bf16 KV (shapes.decode_family_size), one module for fp8; the CuTe member's two
+    # for bf16 KV where CUTLASS's headers are installed
+    cute = cute_member.specs_for(variants.DEFAULT, 128, "bf16", "bf16", 16)
     assert families.count("decode") == 3 and families.count("prefill") == members
+    assert families.count("cute_attn_ws") == len(cute) and len(cute) in (0, 2)
     assert len({s.memo_key for s in specs}) == len(specs)
-    tags = [s.readable_tag() for s in specs]
+    tags = [s.readable_tag() for s in specs if s.family != "cute_attn_ws"]
     assert all("_d128_" in t and t.startswith("default_bf16_") for t in tags)
     assert any("_bf16_fp8_e4m3_" in t for t in tags) and any("_bf16_bf16_" in t for t in tags)
     for member in (0, 1):
@@ -358,7 +361,8 @@ def test_modules_of_a_rank(sm90a):
     rank = models.tp_slice(find("Llama-3.1-70B"), 8)
     specs = modules_of(rank, kv_dtypes=("auto",))
     assert wrappers.decode_spec(variants.DEFAULT, 128, "bf16", "bf16", 8).memo_key in {s.memo_key for s in specs}
-    assert len(specs) == wrappers.decode_family_size(128, 2, 8) + wrappers.prefill_family_size(128, "bf16")
+    assert len(specs) == (wrappers.decode_family_size(128, 2, 8) + wrappers.prefill_family_size(128, "bf16")
+                          + len(cute_member.specs_for(variants.DEFAULT, 128, "bf16", "bf16", 16)))
     starcoder = {s.memo_key for s in modules_of(models.tp_slice(find("StarCoder2-15B"), 8))}
     assert starcoder != {s.memo_key for s in modules_of(find("StarCoder2-15B"))}
 
