@@ -398,8 +398,9 @@ class BatchAttention:
 
     @property
     def cute_step(self) -> bool:
-        """Whether run() launches the CuTe member for the planned step (fi_backend.cute_member; the tile family
-        otherwise, and whenever run() is captured in a CUDA graph)."""
+        """Whether the planned step is the CuTe member's (fi_backend.cute_member): run() launches it, unless the
+        KV cache's pointers or strides are not 16-byte multiples or run() is captured in a CUDA graph (the tile
+        family then runs it)."""
         return self._cute is not None and self._cute.planned
 
     def cute_takes(self, q_lens: torch.Tensor, kv_lens: torch.Tensor, causal: bool = True) -> bool:
