@@ -20,9 +20,9 @@ from . import env, kernels
 from . import variants as V
 from .variants import Variant
 
-# Tiles of the CTA (kRows x kKv) and its head sizes.
+# Tiles of the CTA (kRows x kKv: 64-token KV tiles at head size 256, the step rule counts 128) and its head sizes.
 ROWS = KV_TILE = 128
-HEAD_DIMS = (64, 96, 128)
+HEAD_DIMS = (64, 96, 128, 256)
 # A step goes to the member where its work tiles fill the GPU at least once (a short step's few tiles leave SMs idle
 # that the tile family's KV splits would use) ...
 MIN_TILES_PER_SM = 1.0

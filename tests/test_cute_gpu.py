@@ -34,7 +34,7 @@ _WS_CASES = {  # (query lengths, KV lengths, heads, KV heads)
 }
 
 
-@pytest.mark.parametrize("D", [64, 96, 128])
+@pytest.mark.parametrize("D", [64, 96, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", sorted(_WS_CASES))
 @pytest.mark.parametrize("overlap,pingpong", [(0, 0), (1, 0), (1, 1)])
@@ -46,8 +46,8 @@ def test_attn_ws(D, causal, case, overlap, pingpong):
     pytest.importorskip("cutlass_library")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm_90a only")
-    if D == 96 and (overlap, pingpong) != (1, 0):
-        pytest.skip("head size 96 (64-byte swizzle atoms): the member's loop only")
+    if D in (96, 256) and (overlap, pingpong) != (1, 0):
+        pytest.skip("head sizes 96 (64-byte swizzle atoms) and 256 (64-token KV tiles): the member's loop only")
     from fi_backend import kernels, reference
     from fi_backend.kernels import cutlass
     module = kernels.load(cutlass.attn_ws_spec(D, causal, overlap=bool(overlap), pingpong=bool(pingpong)))
@@ -84,7 +84,7 @@ _PAGED_CASES = {  # (query lengths, KV lengths, heads, KV heads)
 }
 
 
-@pytest.mark.parametrize("D", [64, 96, 128])
+@pytest.mark.parametrize("D", [64, 96, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("page", [16, 64, 256])
 @pytest.mark.parametrize("case", sorted(_PAGED_CASES))
@@ -96,6 +96,8 @@ def test_attn_ws_paged(D, causal, page, case):
     pytest.importorskip("cutlass_library")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm_90a only")
+    if D == 256 and page == 64:
+        pytest.skip("head size 256: pages of 16 (several boxes a 64-token tile) and 256 (several tiles a page) only")
     from fi_backend import kernels, reference
     from fi_backend.kernels import cutlass
     module = kernels.load(cutlass.attn_ws_spec(D, causal, overlap=True, pingpong=False, page_size=page))

@@ -57,6 +57,8 @@ _SHAPES = [
     (12, 2, 128, 128, torch.float16, "NHD", False, False),
     (32, 32, 96, 16, torch.bfloat16, "NHD", True, True),   # Phi-3-mini / Phi-3.5-mini (64-byte swizzle atoms)
     (24, 8, 96, 64, torch.float16, "HND", False, False),
+    (8, 4, 256, 16, torch.bfloat16, "NHD", False, True),    # Gemma-3-4B's global layers (64-token KV tiles)
+    (16, 8, 256, 64, torch.float16, "NHD", True, False),
 ]
 # chunked prefill and prefix hits: KV longer than the queries, none a multiple of a page or a tile
 _Q_LENS = [1000, 333, 517, 129, 77]
@@ -88,9 +90,9 @@ _VARIANTS = {"window": (V.SLIDING_WINDOW, {"window_left": 299}),
              "soft_cap": (V.SOFT_CAP, {"logits_soft_cap": 5.0}),           # low: the cap changes the logits
              "soft_cap_window": (V.BUILTIN_VARIANTS["soft_cap_window"], {"logits_soft_cap": 5.0, "window_left": 130})}
 # (variant, query heads, KV heads, head size): Mistral-7B's window, Gemma-2-27B's soft-cap + window, Phi-3-mini's
-# window at head size 96
+# window at head size 96, Gemma-2-9B's soft-cap + window at 256
 _VARIANT_SHAPES = [("window", 32, 8, 128), ("window_wide", 32, 8, 128), ("soft_cap", 32, 16, 128),
-                   ("soft_cap_window", 32, 16, 128), ("window", 32, 32, 96)]
+                   ("soft_cap_window", 32, 16, 128), ("window", 32, 32, 96), ("soft_cap_window", 16, 8, 256)]
 
 
 @pytest.mark.parametrize("name,Hq,Hkv,D", _VARIANT_SHAPES)

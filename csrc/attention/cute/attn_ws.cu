@@ -14,7 +14,7 @@
 // one before it in this order), and the softmax of S runs while that P.V is in flight. PINGPONG 1 (with OVERLAP) has
 // the two consumer warpgroups issue their MMAs in turns on two named barriers, so one's softmax runs under the other's
 // MMAs.
-// Template parameters: HEAD_DIM 64, 96 or 128, STAGES (2), CAUSAL, OVERLAP, PINGPONG, SOFTCAP (0 / 1), BF16 (1: bf16,
+// Template parameters: HEAD_DIM 64, 96, 128 or 256, STAGES (2), CAUSAL, OVERLAP, PINGPONG, SOFTCAP (0 / 1), BF16 (1: bf16,
 // 0: fp16), PAGE (0: ragged K / V, entry fi_cute_attn_ws; else pages of PAGE tokens read through a BSR, entry
 // fi_cute_attn_bsr, which also takes a sliding window: window_left >= 0, KV tiles below every row's window skipped).
 // Requests: b's query rows qo_indptr[b] .. qo_indptr[b + 1] (int32, device), any lengths with 1 <= q_len <= kv_len,
@@ -54,10 +54,16 @@ constexpr int kDimBlock = kHeadDim % 64 == 0 ? 64 : 32;
 using DimBlock = Int<kDimBlock>;
 using AtomK = std::conditional_t<kDimBlock == 64, GMMA::Layout_K_SW128_Atom<Elem>, GMMA::Layout_K_SW64_Atom<Elem>>;
 using AtomMN = std::conditional_t<kDimBlock == 64, GMMA::Layout_MN_SW128_Atom<Elem>, GMMA::Layout_MN_SW64_Atom<Elem>>;
-constexpr int kRows = 128, kKv = 128, kThreads = 384, kConsumers = 256;
+// KV tiles of 128 tokens; 64 at head size 256, where O (128 registers a thread) and 128-token K / V stages would not
+// fit (FlashAttention-3 takes 80 there)
+constexpr int kRows = 128, kKv = kHeadDim == 256 ? 64 : 128, kThreads = 384, kConsumers = 256;
 using D = Int<kHeadDim>;
 using SmemLayoutQ = decltype(tile_to_shape(AtomK{}, Shape<Int<kRows>, D>{}));
 using SmemLayoutO = SmemLayoutQ;  // O staged for coalesced stores
+// Head size 256: Q, K and V take 192 KB of shared memory, so O is staged 64 dims at a time through rows of 64 + 8
+// elements (the pad: 16-byte row reads without bank conflicts)
+constexpr bool kChunkedO = kHeadDim == 256;
+constexpr int kOPitch = 64 + 8;
 using SmemLayoutK = decltype(tile_to_shape(AtomK{}, Shape<Int<kKv>, D, Int<kStages>>{}));
 // V as P.V's B operand: (N = head dim, K = token), head dims contiguous; TMA fills it from V's transposed view. Atoms
 // tiled along the tokens first, so each 64-dim block holds all 128 tokens in a row: one TMA box a block (tiled along
@@ -90,7 +96,7 @@ struct SharedStorage {
   cute::array_aligned<Elem, cosize_v<SmemLayoutQ>, 1024> q;
   cute::array_aligned<Elem, cosize_v<SmemLayoutK>, 1024> k;
   cute::array_aligned<Elem, cosize_v<SmemLayoutVt>, 1024> v;
-  cute::array_aligned<Elem, cosize_v<SmemLayoutO>, 1024> o;
+  cute::array_aligned<Elem, kChunkedO ? kRows * kOPitch : cosize_v<SmemLayoutO>, 1024> o;
   typename Pipeline::SharedStorage pipe_k, pipe_v;
   alignas(8) uint64_t q_full, q_empty;
   int tile;  // the work tile whose Q q_full announces (work: none left)
@@ -165,7 +171,6 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), SmemLayoutK{});
   Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), SmemLayoutVt{});
-  Tensor sO = make_tensor(make_smem_ptr(ss.o.data()), SmemLayoutO{});
 
   typename Pipeline::Params pp;
   pp.transaction_bytes = kTileBytes;
@@ -497,19 +502,44 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
     // (rows past the request's end not stored: they are the next request's)
     const int64_t token0 = (int64_t)w.q_begin + w.qtile * kRows;
     const int rows = min(kRows, w.q_len - w.qtile * kRows);  // the request's rows in this tile
-    cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + wg);  // the last tile's rows read out of sO
-    Tensor tOs = thr_pv.partition_C(sO);
     const float inv[2] = {1.f / sum[0], 1.f / sum[1]};
-    CUTE_UNROLL
-    for (int i = 0; i < size(tO); ++i) tOs(i) = Elem(tO(i) * inv[(i >> 1) & 1]);
-    cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + wg);
-    constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks a row
-    CUTE_UNROLL
-    for (int i = 0; i < 64 * kChunks / 128; ++i) {
-      const int c = ctid % 128 + 128 * i, r = wg * 64 + c / kChunks, col = (c % kChunks) * 8;
-      if (r < rows)
-        *reinterpret_cast<uint4*>(a.o + (token0 + r) * a.o_stride_row + w.head * a.o_stride_head + col) =
-            *reinterpret_cast<const uint4*>(&sO(r, col));
+    Elem* o_tile = a.o + token0 * a.o_stride_row + w.head * a.o_stride_head;
+    if constexpr (!kChunkedO) {
+      Tensor sO = make_tensor(make_smem_ptr(ss.o.data()), SmemLayoutO{});
+      cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + wg);  // the last tile's rows read out of sO
+      Tensor tOs = thr_pv.partition_C(sO);
+      CUTE_UNROLL
+      for (int i = 0; i < size(tO); ++i) tOs(i) = Elem(tO(i) * inv[(i >> 1) & 1]);
+      cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + wg);
+      constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks a row
+      CUTE_UNROLL
+      for (int i = 0; i < 64 * kChunks / 128; ++i) {
+        const int c = ctid % 128 + 128 * i, r = wg * 64 + c / kChunks, col = (c % kChunks) * 8;
+        if (r < rows)
+          *reinterpret_cast<uint4*>(o_tile + r * a.o_stride_row + col) = *reinterpret_cast<const uint4*>(&sO(r, col));
+      }
+    } else {
+      // 64 dims at a time: value i of the accumulator is row row0 + 8 ((i >> 1) & 1), dim (i >> 2) x 8 + (lane & 3)
+      // x 2 + (i & 1) (the layout mask_tile reads S by), so dims [64 c, 64 c + 64) are values [32 c, 32 c + 32)
+      Elem* so = ss.o.data();
+      CUTE_UNROLL
+      for (int c = 0; c < kHeadDim / 64; ++c) {
+        cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + wg);  // the last chunk's rows read out
+        CUTE_UNROLL
+        for (int i = 32 * c; i < 32 * c + 32; i += 2) {
+          const int r = row0 + 8 * ((i >> 1) & 1), col = ((i >> 2) & 7) * 8 + (lane & 3) * 2;
+          *reinterpret_cast<uint32_t*>(so + r * kOPitch + col) =
+              ptx::pack2<kBf16>(tO(i) * inv[(i >> 1) & 1], tO(i + 1) * inv[(i >> 1) & 1]);
+        }
+        cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + wg);
+        CUTE_UNROLL
+        for (int k = 0; k < 64 * 8 / 128; ++k) {  // 64 rows x 8 16-byte chunks
+          const int q = ctid % 128 + 128 * k, r = wg * 64 + q / 8, col = (q % 8) * 8;
+          if (r < rows)
+            *reinterpret_cast<uint4*>(o_tile + r * a.o_stride_row + 64 * c + col) =
+                *reinterpret_cast<const uint4*>(so + r * kOPitch + col);
+        }
+      }
     }
     if (a.lse != nullptr && (lane & 3) == 0) {
       CUTE_UNROLL
