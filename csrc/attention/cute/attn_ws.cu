@@ -14,8 +14,8 @@
 // one before it in this order), and the softmax of S runs while that P.V is in flight. PINGPONG 1 (with OVERLAP) has
 // the two consumer warpgroups issue their MMAs in turns on two named barriers, so one's softmax runs under the other's
 // MMAs.
-// Template parameters: HEAD_DIM 64, 96, 128 or 256, STAGES (2), CAUSAL, OVERLAP, PINGPONG, SOFTCAP (0 / 1), BF16 (1: bf16,
-// 0: fp16), PAGE (0: ragged K / V, entry fi_cute_attn_ws; else pages of PAGE tokens read through a BSR, entry
+// Template parameters: HEAD_DIM 64, 96, 128 or 256, STAGES (2), CAUSAL, OVERLAP, PINGPONG, SOFTCAP (0 / 1), BF16 (1:
+// bf16, 0: fp16), PAGE (0: ragged K / V, entry fi_cute_attn_ws; else pages of PAGE tokens read through a BSR, entry
 // fi_cute_attn_bsr, which also takes a sliding window: window_left >= 0, KV tiles below every row's window skipped).
 // Requests: b's query rows qo_indptr[b] .. qo_indptr[b + 1] (int32, device), any lengths with 1 <= q_len <= kv_len,
 // causal bottom-right aligned (query i sees keys <= kv_len - q_len + i); max_q_len bounds the query tiles. lse
