@@ -62,8 +62,8 @@ def unsupported(variant: Variant, head_dim: int, q_dtype: torch.dtype, kv_dtype:
     if deterministic:
         return "deterministic plans keep tile member 0"
     if not _supported(variant):
-        return (f"variant {variant.name} (the member runs {', '.join(sorted(v.name for v, _ in VARIANTS))}; other hooks "
-                "need the tile family)")
+        names = ", ".join(sorted(v.name for v, _ in VARIANTS))
+        return f"variant {variant.name} (the member runs {names}; other hooks need the tile family)"
     if head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim} (the member runs {HEAD_DIMS})"
     if q_dtype not in (torch.bfloat16, torch.float16) or kv_dtype != q_dtype:
@@ -107,7 +107,7 @@ class CuteMember:
     def __init__(self, head_dim: int, q_dtype: torch.dtype, page_size: int, num_qo_heads: int, num_kv_heads: int,
                  device: torch.device, variant: Variant = V.DEFAULT):
         self.modules = [kernels.load(s) for s in specs(head_dim, q_dtype, page_size, variant)]
-        argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 18 + [ctypes.c_float] * 2 + [ctypes.c_void_p]
+        argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 19 + [ctypes.c_float] * 2 + [ctypes.c_void_p]
         self._fns = [m.function("fi_cute_attn_bsr", argtypes) for m in self.modules]
         self.softcap = _softcap(variant)
         self.heads, self.kv_heads = num_qo_heads, num_kv_heads
@@ -158,9 +158,9 @@ class CuteMember:
         causal, batch, max_q, total_q, total_kv, window, cap = self._step
         return self._fns[causal](
             p.q, p.out, p.lse, p.k, p.v, p.qo_indptr, p.kv_lens, p.kv_indices, p.kv_block_start,
-            self.counter.data_ptr(), p.q_stride_row, p.q_stride_head, p.out_stride_row, p.out_stride_head,
-            p.lse_stride_row, p.kv_stride_block, p.kv_stride_token, p.kv_stride_head, p.num_kv_blocks,
-            p.kv_block_start_int64, batch, max_q, self.heads, self.kv_heads, total_q, total_kv, L2_SECTION_BYTES,
+            self.counter.data_ptr(), p.error_flags, p.num_kv_indices, p.q_stride_row, p.q_stride_head,
+            p.out_stride_row, p.out_stride_head, p.lse_stride_row, p.kv_stride_block, p.kv_stride_token,
+            p.kv_stride_head, p.num_kv_blocks, p.kv_block_start_int64, batch, max_q, self.heads, self.kv_heads, total_q, total_kv, L2_SECTION_BYTES,
             window, p.logits_scale, cap, stream)
 
     def check(self, rc: int) -> None:

@@ -101,7 +101,7 @@ def test_attn_ws_paged(D, causal, page, case):
     from fi_backend import kernels, reference
     from fi_backend.kernels import cutlass
     module = kernels.load(cutlass.attn_ws_spec(D, causal, overlap=True, pingpong=False, page_size=page))
-    run = module.function("fi_cute_attn_bsr", [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 18 +
+    run = module.function("fi_cute_attn_bsr", [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 19 +
                           [ctypes.c_float] * 2 + [ctypes.c_void_p])
     q_lens, kv_lens, heads, kv_heads = _PAGED_CASES[case]
     gen = torch.Generator().manual_seed(page * 7 + D)
@@ -128,9 +128,10 @@ def test_attn_ws_paged(D, causal, page, case):
     counter = torch.full((1,), 12345, device="cuda", dtype=torch.int32)
     k_view, v_view = cache[:, 0], cache[:, 1]
     rc = run(q.data_ptr(), o.data_ptr(), lse.data_ptr(), k_view.data_ptr(), v_view.data_ptr(), qi.data_ptr(),
-             kl_dev.data_ptr(), idx.data_ptr(), start.data_ptr(), counter.data_ptr(), q.stride(0), q.stride(1),
-             o.stride(0), o.stride(1), lse.stride(0), *k_view.stride()[:3], pool, 0, len(q_lens), max(q_lens), heads,
-             kv_heads, total_q, int(kv_indptr[-1]), 32 << 20, -1, scale, 0.0, torch.cuda.current_stream().cuda_stream)
+             kl_dev.data_ptr(), idx.data_ptr(), start.data_ptr(), counter.data_ptr(), None, idx.numel(), q.stride(0),
+             q.stride(1), o.stride(0), o.stride(1), lse.stride(0), *k_view.stride()[:3], pool, 0, len(q_lens),
+             max(q_lens), heads, kv_heads, total_q, int(kv_indptr[-1]), 32 << 20, -1, scale, 0.0,
+             torch.cuda.current_stream().cuda_stream)
     assert rc == 0, f"launch failed: {rc}"
     torch.cuda.synchronize()
     # each request's pages gathered in order: a ragged K / V for the reference

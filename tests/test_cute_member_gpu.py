@@ -125,6 +125,33 @@ def test_switched_off(monkeypatch):
     assert not attn.cute_step
 
 
+def test_bad_bsr_is_flagged_and_never_read_past():
+    """A page id outside the cache and a request whose pages run past kv_indices: the member flags them in the
+    wrapper's error word (check_errors names them, as the tile family's kernel does), reads zeros for those pages
+    and nothing past kv_indices (compute-sanitizer memcheck in .ci/gpu's cute step), and the output stays finite."""
+    attn = _wrapper(32, 8, 128, page=16)
+    bsr, qo_cpu, kv_cpu, nb = make_bsr(_KV_LENS, _Q_LENS, 16)
+    cache, k, v = random_kv(nb, 16, 8, 128, torch.bfloat16)
+    q = torch.randn(int(qo_cpu[-1]), 32, 128, device=DEV, dtype=torch.bfloat16)
+    bsr.kv_indices[int(bsr.kv_block_start[1]) + 3] = nb + 1000
+    attn.plan(qo_cpu, kv_cpu, bsr, causal=True)
+    assert attn.cute_step
+    out = attn.run(q, cache)
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="outside"):
+        attn.check_errors()
+    assert torch.isfinite(out).all()
+    # the last request's pages start past the table: every one of its entries is outside kv_indices
+    last = bsr.kv_block_start.numel() - 1
+    bsr.kv_block_start[last] = bsr.kv_indices.numel() - 1
+    attn.plan(qo_cpu, kv_cpu, bsr, causal=True)
+    out = attn.run(q, cache)
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="past the end of kv_indices"):
+        attn.check_errors()
+    assert torch.isfinite(out).all()
+
+
 def test_graph_capture_runs_the_family():
     """run() captured in a CUDA graph on a step the member takes: the member refuses the capturing stream and the
     tile family's kernel (planned too) goes into the graph, which replays right; later plans keep the family."""

@@ -115,6 +115,8 @@ struct Args {
   const void* kv_block_start;  // its first page's entry in kv_indices (int64 where kv_block_start_int64, else int32)
   const int* kv_indices;      // the pages
   int* counter;               // the tile counter (zeroed before the launch)
+  int* error_flags;           // paged: bit 1 a page id outside [0, num_pages), bit 2 an entry past kv_indices (or null)
+  int64_t num_kv_indices;     // paged: kv_indices' entries
   int kv_block_start_int64, batch, max_q_len, heads, kv_heads, total_q, total_kv, num_pages, section;
   int window_left;  // >= 0: a query at position p sees keys from p - window_left on (a sliding window); -1: all
   float sm_scale;
@@ -220,12 +222,22 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
                                make_coord(w.qtile, 0));                                                    // (128, D)
         // paged: box j of KV tile n is the request's page (n x 128 + j x kBox) / kPage (its last page past the end),
         // at slot (n x 128 + j x kBox) % kPage; each page id loaded just before its box (an array of them spilled)
+        // A bad BSR is flagged (fi_backend's ErrorBits) and never read past: an entry outside kv_indices or a page id
+        // outside the cache becomes page num_pages, past the TMA map's end, whose boxes TMA fills with zeros
         auto load_boxes = [&](int n, auto&& issue) {
           const int last = (w.kv_len - 1) / max(kPage, 1);
           CUTE_UNROLL
-          for (int jj = 0; jj < kBoxes; ++jj)
-            issue(jj, __ldg(a.kv_indices + w.kv_begin + min((n * kKv + jj * kBox) / max(kPage, 1), last)),
-                  (n * kKv + jj * kBox) % max(kPage, 1));
+          for (int jj = 0; jj < kBoxes; ++jj) {
+            const int64_t e = (int64_t)w.kv_begin + min((n * kKv + jj * kBox) / max(kPage, 1), last);
+            int page = a.num_pages, bad = 2;
+            if (e >= 0 && e < a.num_kv_indices) {
+              page = __ldg(a.kv_indices + e);
+              bad = (unsigned)page < (unsigned)a.num_pages ? 0 : 1;
+              if (bad) page = a.num_pages;
+            }
+            if (bad && a.error_flags != nullptr) atomicOr(a.error_flags, bad);
+            issue(jj, page, (n * kKv + jj * kBox) % max(kPage, 1));
+          }
         };
         auto [tQg, tQs] = tma_partition(tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
         // KV tile n into stage st: one TMA copy (ragged), or a box a page and 64-dim block (paged; boxes past the
@@ -604,20 +616,22 @@ FI_EXPORT int fi_cute_attn_ws(const void* q, const void* k, const void* v, void*
   auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, take<0, 2>(SmemLayoutK{}));
   auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gVt, take<0, 2>(SmemLayoutVt{}));
   Args a{static_cast<Elem*>(o), (int64_t)H * kHeadDim, kHeadDim, lse, H, qo_indptr, kv_indptr, nullptr, nullptr,
-         nullptr, counter, 0, (int)batch, (int)max_q_len, H, Hkv, tq, tkv, 0, 0, -1, sm_scale, 0.f};
+         nullptr, counter, nullptr, 0, 0, (int)batch, (int)max_q_len, H, Hkv, tq, tkv, 0, 0, -1, sm_scale, 0.f};
   return launch(tma_q, tma_k, tma_v, a, l2_section_bytes, stream);
 }
 #else
 // The BSR (fi_backend.formats.BSR) over a paged cache: K / V pages at k / v + page x kv_stride_block + slot x
 // kv_stride_token + kv_head x kv_stride_head (elements; vLLM's [blocks, 2, block_size, kv_heads, D] and the HND
-// layouts alike), request b's KV length kv_lens[b] and pages kv_indices[kv_block_start[b] ..]. q / o / lse by their
-// strides (16-byte multiples; lse may be null). Refused with kCaptureRefused into a capturing stream: the launch
+// layouts alike), request b's KV length kv_lens[b] and pages kv_indices[kv_block_start[b] ..] (num_kv_indices
+// entries; error_flags, may be null, gets fi_backend's bits for a bad BSR). q / o / lse by their strides (16-byte
+// multiples; lse may be null). Refused with kCaptureRefused into a capturing stream: the launch
 // holds the step's sizes, which a graph replaying other steps would keep.
 constexpr int kCaptureRefused = -2;
 FI_EXPORT int fi_cute_attn_bsr(const void* q, void* o, float* lse, const void* k, const void* v, const int* qo_indptr,
                                const int* kv_lens, const int* kv_indices, const void* kv_block_start, int* counter,
-                               int64_t q_stride_row, int64_t q_stride_head, int64_t o_stride_row,
-                               int64_t o_stride_head, int64_t lse_stride_row, int64_t kv_stride_block,
+                               int* error_flags, int64_t num_kv_indices, int64_t q_stride_row,
+                               int64_t q_stride_head, int64_t o_stride_row, int64_t o_stride_head,
+                               int64_t lse_stride_row, int64_t kv_stride_block,
                                int64_t kv_stride_token, int64_t kv_stride_head, int64_t num_kv_blocks,
                                int64_t kv_block_start_int64, int64_t batch, int64_t max_q_len, int64_t heads,
                                int64_t kv_heads, int64_t total_q, int64_t total_kv, int64_t l2_section_bytes,
@@ -642,8 +656,8 @@ FI_EXPORT int fi_cute_attn_bsr(const void* q, void* o, float* lse, const void* k
   auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, SmemLayoutKBox{});
   auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gVt, SmemLayoutVtBox{});
   Args a{static_cast<Elem*>(o), o_stride_row, o_stride_head, lse, lse_stride_row, qo_indptr, nullptr, kv_lens,
-         kv_block_start, kv_indices, counter, (int)kv_block_start_int64, (int)batch, (int)max_q_len, H, Hkv, tq,
-         (int)total_kv, nb, 0, (int)window_left, sm_scale, softcap};
+         kv_block_start, kv_indices, counter, error_flags, num_kv_indices, (int)kv_block_start_int64, (int)batch,
+         (int)max_q_len, H, Hkv, tq, (int)total_kv, nb, 0, (int)window_left, sm_scale, softcap};
   return launch(tma_q, tma_k, tma_v, a, l2_section_bytes, stream);
 }
 #endif
