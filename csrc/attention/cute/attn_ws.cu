@@ -412,7 +412,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
     if constexpr (kPage != 0) {
       const int valid = w.kv_len - n * kKv;
       if (valid >= kKv) return;
-      // a token's dims of a dim block are one row of kDimBlock x 2 bytes, row (block x 128 + token) of the stage
+      // a token's dims of a dim block are one row of kDimBlock x 2 bytes, row (block x kKv + token) of the stage
       // (tokens first; the swizzle permutes 16-byte chunks within a row): zeroed 16 bytes at a time
       constexpr int kRowChunks = kDimBlock / 8;
       uint4* stage_v = reinterpret_cast<uint4*>(ss.v.data() + stage * kHeadDim * kKv);
