@@ -124,9 +124,10 @@ class CuteMember:
         short = int(pairs[live & (q < SHORT_QUERY)].sum())
         return short <= SHORT_SHARE * int(pairs.sum())
 
-    def plan(self, q_lens: torch.Tensor, kv_lens: torch.Tensor, causal: bool, allowed: bool = True) -> bool:
+    def plan(self, q_lens: Optional[torch.Tensor], kv_lens: Optional[torch.Tensor], causal: bool,
+             allowed: bool = True) -> bool:
         """plan()'s part: remember the step's sizes where the member takes it (allowed, and takes_step); whether it
-        does."""
+        does. Not allowed: forget the last step's (the lengths may be None)."""
         self._step = None
         if not allowed or not self.takes_step(q_lens, kv_lens, causal):
             return False
