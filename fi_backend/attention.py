@@ -596,11 +596,12 @@ class BatchAttention:
                                           num_units=self.num_units)
         else:
             qo32 = qo_cpu.to(torch.int32)
+            q_lens = qo32[1:] - qo32[:-1]
             member = self._member
             if len(self._family) > 1 and self.kernel == "decode":
                 member = self._decode_member(B)
             elif len(self._family) > 1 and self._frozen is None and not self.deterministic:  # a captured graph keeps its kernel
-                member = self._pick_member(qo32[1:] - qo32[:-1])
+                member = self._pick_member(q_lens)
             if member != self._member:
                 self._use_member(member)
             kv32 = kv_cpu.to(torch.int32)
@@ -617,14 +618,13 @@ class BatchAttention:
                                      group_requests=group, kv_window=kv_window, partition=self._partition,
                                      groups=groups, num_ctas=self.grid[0],
                                      **(self._det_plan_args or {"min_kv_chunk": min_chunk}))
-
-        if self._cute is not None:  # not for steps a graph replays, shared-prefix groups or positions of their own
-            allowed = (not idle and self._frozen is None and groups is None and bsr.kv_pos_start is None
-                       and bsr.kv_indices.numel() < 2 ** 31)
-            q32 = qo_cpu.to(torch.int32)
-            self._cute.plan(q32[1:] - q32[:-1], kv_cpu.to(torch.int32), bool(causal), allowed,
-                            window_left=int(values.get("window_left", -1)),
-                            logits_soft_cap=float(values.get("logits_soft_cap", 0.0)))
+            if self._cute is not None:  # not for steps a graph replays, shared-prefix groups or positions of their own
+                allowed = (self._frozen is None and groups is None and bsr.kv_pos_start is None
+                           and bsr.kv_indices.numel() < 2 ** 31)
+                self._cute.plan(q_lens, kv32, bool(causal), allowed, window_left=int(values.get("window_left", -1)),
+                                logits_soft_cap=float(values.get("logits_soft_cap", 0.0)))
+        if idle and self._cute is not None:
+            self._cute.plan(None, None, bool(causal), allowed=False)
         p = self._params
         p.kv_indices, p.kv_lens, p.qo_indptr = bsr_ptrs[2], bsr_ptrs[1], bsr_ptrs[0]
         p.num_kv_indices = bsr.kv_indices.numel()

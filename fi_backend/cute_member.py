@@ -137,10 +137,11 @@ class CuteMember:
         short = int(pairs[live & (q < SHORT_QUERY)].sum())
         return short <= SHORT_SHARE * int(pairs.sum())
 
-    def plan(self, q_lens: torch.Tensor, kv_lens: torch.Tensor, causal: bool, allowed: bool = True,
-             window_left: int = -1, logits_soft_cap: float = 0.0) -> bool:
+    def plan(self, q_lens: Optional[torch.Tensor], kv_lens: Optional[torch.Tensor], causal: bool,
+             allowed: bool = True, window_left: int = -1, logits_soft_cap: float = 0.0) -> bool:
         """plan()'s part: remember the step's sizes and the variant's scalars (window_left: -1 none; the soft-cap
-        of a soft-capping variant) where the member takes the step (allowed, and takes_step); whether it does."""
+        of a soft-capping variant) where the member takes the step (allowed, and takes_step); whether it does.
+        Not allowed: forget the last step's (the lengths may be None)."""
         self._step = None
         if not allowed or (self.softcap and not logits_soft_cap > 0) or not self.takes_step(q_lens, kv_lens, causal):
             return False

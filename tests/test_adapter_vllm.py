@@ -527,6 +527,21 @@ def test_step_data_path_matches_vllm_attention(settings, monkeypatch):
     assert dec.runs == pre.runs == 1
 
 
+def _forward_and_check(layer_impl, eng, reqs, cm, md, q, k, v):
+    """Append the step's K / V, run the layer on its metadata into a NaN-filled output, and check every request's rows
+    against attention over its own tokens (scale 0.3)."""
+    layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0, _k_scale=torch.tensor(1.0), _v_scale=torch.tensor(1.0))
+    layer_impl.do_kv_cache_update(layer, k, v, eng.kv, cm.slot_mapping)
+    out = torch.full((cm.num_actual_tokens, layer_impl.num_heads, layer_impl.head_size), math.nan)
+    layer_impl.forward(layer, q, k, v, eng.kv, md, out)
+    qsl = cm.query_start_loc_cpu
+    for i, (blk, cached, new) in enumerate(reqs):
+        hk, hv = eng.history(blk, cached + new)
+        rows = slice(int(qsl[i]), int(qsl[i + 1]))
+        want = truth(q[rows], hk, hv, torch.arange(cached, cached + new), scale=0.3)
+        torch.testing.assert_close(out[rows].double(), want, rtol=1e-5, atol=1e-6)
+
+
 def test_batch_invariant_mixed_step_runs_decodes_on_the_decode_kernel(monkeypatch):
     """VLLM_BATCH_INVARIANT=1: validate_configuration accepts it, and a mixed step (decodes first, as vLLM
     orders them with reorder_batch_threshold = 1) is planned in two parts, the decodes on the decode wrapper
@@ -541,7 +556,6 @@ def test_batch_invariant_mixed_step_runs_decodes_on_the_decode_kernel(monkeypatc
     hq, hkv, d = 4, 2, 64
     eng = Engine(hq, hkv, d, torch.Generator().manual_seed(3))
     layer_impl = adapter._Impl(hq, d, 0.3, hkv, kv_cache_dtype="auto")
-    layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0, _k_scale=torch.tensor(1.0), _v_scale=torch.tensor(1.0))
     reqs = [([3, 17], 7, 1), ([5, 2, 9, 11], 14, 1), ([5, 20, 21, 22], 6, 9), ([8, 30], 0, 5)]
     for det in (True, False):
         dec, pre = RefWrapper("decode"), RefWrapper("prefill")
@@ -554,15 +568,7 @@ def test_batch_invariant_mixed_step_runs_decodes_on_the_decode_kernel(monkeypatc
             assert dec.plans[-1]["kv"].tolist() == [8, 15]
             assert pre.plans[-1]["qo"].tolist() == [0, 9, 14] and pre.plans[-1]["kv"].tolist() == [15, 5]
             assert pre.plans[-1]["bsr"].qo_indptr.tolist() == [0, 9, 14]
-        layer_impl.do_kv_cache_update(layer, k, v, eng.kv, cm.slot_mapping)
-        out = torch.full((cm.num_actual_tokens, hq, d), math.nan)
-        layer_impl.forward(layer, q, k, v, eng.kv, md, out)
-        qsl = cm.query_start_loc_cpu
-        for i, (blk, cached, new) in enumerate(reqs):
-            hk, hv = eng.history(blk, cached + new)
-            rows = slice(int(qsl[i]), int(qsl[i + 1]))
-            want = truth(q[rows], hk, hv, torch.arange(cached, cached + new), scale=0.3)
-            torch.testing.assert_close(out[rows].double(), want, rtol=1e-5, atol=1e-6)
+        _forward_and_check(layer_impl, eng, reqs, cm, md, q, k, v)
         assert dec.runs == (1 if det else 0) and pre.runs == 1
 
 
@@ -583,7 +589,6 @@ def test_split_mixed_sends_the_prefill_part_to_the_cute_member(monkeypatch):
     hq, hkv, d = 4, 2, 64
     eng = Engine(hq, hkv, d, torch.Generator().manual_seed(5))
     layer_impl = adapter._Impl(hq, d, 0.3, hkv, kv_cache_dtype="auto")
-    layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0, _k_scale=torch.tensor(1.0), _v_scale=torch.tensor(1.0))
     cases = [  # (requests, decode rows split off)
         ([([3, 17], 7, 1), ([5, 2, 9, 11], 14, 1), ([5, 20, 21, 22], 6, 9), ([8, 30], 0, 5)], 2),
         ([([5, 20, 21, 22], 6, 9), ([8, 30], 0, 5)], 0),                     # taken whole: one launch
@@ -595,15 +600,7 @@ def test_split_mixed_sends_the_prefill_part_to_the_cute_member(monkeypatch):
         cm, q, k, v = eng.step(reqs)
         md = planner.plan(cm)
         assert md.num_decode_rows == nd and len(dec.plans) == (1 if nd else 0) and len(pre.plans) == 1
-        layer_impl.do_kv_cache_update(layer, k, v, eng.kv, cm.slot_mapping)
-        out = torch.full((cm.num_actual_tokens, hq, d), math.nan)
-        layer_impl.forward(layer, q, k, v, eng.kv, md, out)
-        qsl = cm.query_start_loc_cpu
-        for i, (blk, cached, new) in enumerate(reqs):
-            hk, hv = eng.history(blk, cached + new)
-            rows = slice(int(qsl[i]), int(qsl[i + 1]))
-            want = truth(q[rows], hk, hv, torch.arange(cached, cached + new), scale=0.3)
-            torch.testing.assert_close(out[rows].double(), want, rtol=1e-5, atol=1e-6)
+        _forward_and_check(layer_impl, eng, reqs, cm, md, q, k, v)
         assert dec.runs == (1 if nd else 0) and pre.runs == 1
 
 

@@ -23,6 +23,18 @@ def _built():
     assert not failed, f"CuTe probe modules failed to build: {failed}"
 
 
+def _check_requests(o, lse, q, k, v, qo_indptr, kv_indptr, q_lens, kv_lens, causal, scale, what):
+    """O and the LSE of every request against fi_backend.reference.batch_attention (float64) over ragged K / V."""
+    from fi_backend import reference
+    ref, ref_lse = reference.batch_attention(q, qo_indptr, k, v, kv_indptr, causal=causal, sm_scale=scale)
+    for b, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
+        rows = slice(int(qo_indptr[b]), int(qo_indptr[b + 1]))
+        err = ((o[rows].double() - ref[rows]).abs() / (ref[rows].abs() + 1)).max().item()
+        lse_err = (lse[rows].double() - ref_lse[rows]).abs().max().item()
+        assert err < 2e-2 and lse_err < 1e-3, (f"{what} request {b} ({ql} / {kl}) causal={causal}: "
+                                              f"O error {err}, LSE error {lse_err}")
+
+
 _WS_CASES = {  # (query lengths, KV lengths, heads, KV heads)
     "1x128": ([128], [128], 4, 4),
     "3x384": ([384] * 3, [384] * 3, 8, 2),
@@ -48,7 +60,7 @@ def test_attn_ws(D, causal, case, overlap, pingpong):
         pytest.skip("sm_90a only")
     if D in (96, 256) and (overlap, pingpong) != (1, 0):
         pytest.skip("head sizes 96 (64-byte swizzle atoms) and 256 (64-token KV tiles): the member's loop only")
-    from fi_backend import kernels, reference
+    from fi_backend import kernels
     from fi_backend.kernels import cutlass
     module = kernels.load(cutlass.attn_ws_spec(D, causal, overlap=bool(overlap), pingpong=bool(pingpong)))
     run = module.function("fi_cute_attn_ws", [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7 + [ctypes.c_float,
@@ -69,13 +81,7 @@ def test_attn_ws(D, causal, case, overlap, pingpong):
              32 << 20 if case == "sections" else 0, scale, torch.cuda.current_stream().cuda_stream)
     assert rc == 0, f"launch failed: {rc}"
     torch.cuda.synchronize()
-    ref, ref_lse = reference.batch_attention(q, qo_indptr, k, v, kv_indptr, causal=causal, sm_scale=scale)
-    for b, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
-        rows = slice(int(qo_indptr[b]), int(qo_indptr[b + 1]))
-        err = ((o[rows].double() - ref[rows]).abs() / (ref[rows].abs() + 1)).max().item()
-        lse_err = (lse[rows].double() - ref_lse[rows]).abs().max().item()
-        assert err < 2e-2 and lse_err < 1e-3, (f"{case} request {b} ({ql} / {kl}) D={D} causal={causal}: "
-                                              f"O error {err}, LSE error {lse_err}")
+    _check_requests(o, lse, q, k, v, qo_indptr, kv_indptr, q_lens, kv_lens, causal, scale, f"{case} D={D}")
 
 
 _PAGED_CASES = {  # (query lengths, KV lengths, heads, KV heads)
@@ -98,7 +104,7 @@ def test_attn_ws_paged(D, causal, page, case):
         pytest.skip("sm_90a only")
     if D == 256 and page == 64:
         pytest.skip("head size 256: pages of 16 (several boxes a 64-token tile) and 256 (several tiles a page) only")
-    from fi_backend import kernels, reference
+    from fi_backend import kernels
     from fi_backend.kernels import cutlass
     module = kernels.load(cutlass.attn_ws_spec(D, causal, overlap=True, pingpong=False, page_size=page))
     run = module.function("fi_cute_attn_bsr", [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 19 +
@@ -139,10 +145,5 @@ def test_attn_ws_paged(D, causal, page, case):
     pages = [kv_page_indices[a:z].long().cuda() for a, z in zip(bounds, bounds[1:])]
     k = torch.cat([cache[p, 0].reshape(-1, kv_heads, D)[:kl] for p, kl in zip(pages, kv_lens)])
     v = torch.cat([cache[p, 1].reshape(-1, kv_heads, D)[:kl] for p, kl in zip(pages, kv_lens)])
-    ref, ref_lse = reference.batch_attention(q, qo_indptr, k, v, kv_indptr, causal=causal, sm_scale=scale)
-    for b, (ql, kl) in enumerate(zip(q_lens, kv_lens)):
-        rows = slice(int(qo_indptr[b]), int(qo_indptr[b + 1]))
-        err = ((o[rows].double() - ref[rows]).abs() / (ref[rows].abs() + 1)).max().item()
-        lse_err = (lse[rows].double() - ref_lse[rows]).abs().max().item()
-        assert err < 2e-2 and lse_err < 1e-3, (f"{case} page {page} request {b} ({ql} / {kl}) D={D} causal={causal}: "
-                                              f"O error {err}, LSE error {lse_err}")
+    _check_requests(o, lse, q, k, v, qo_indptr, kv_indptr, q_lens, kv_lens, causal, scale,
+                    f"{case} page {page} D={D}")

@@ -360,8 +360,8 @@ class _StepPlanner:
             nd = int(torch.cumprod(one, 0).sum())  # the leading decodes (vLLM orders them first)
             if self.deterministic and int(one.sum()) != nd:
                 _warn_unordered()
-            if nd and (self.deterministic or (self.prefill.cute_takes(q_lens[nd:], kv_cpu[nd:n])
-                                              and not self.prefill.cute_takes(q_lens, kv_cpu))):
+            if nd and (self.deterministic or (not self.prefill.cute_takes(q_lens, kv_cpu)
+                                              and self.prefill.cute_takes(q_lens[nd:], kv_cpu[nd:n]))):
                 return self._plan_mixed(cm, qo_cpu, kv_cpu, nd)
         bsr = BSR(qo_indptr=cm.query_start_loc, kv_indices=self._kv_indices, kv_block_start=self._kv_block_start[:n],
                   kv_lens=cm.seq_lens, block_width=self.page_size)
