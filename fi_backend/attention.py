@@ -320,7 +320,7 @@ class BatchAttention:
         if self.cute_unsupported is None:
             try:
                 self._cute = cute_member.CuteMember(head_dim, q_dtype, page_size, num_qo_heads, num_kv_heads,
-                                                    self.device)
+                                                    self.device, variant)
             except kernels.BuildError as e:  # e.g. other CUTLASS headers (FI_BACKEND_CUTLASS_DIR): the family runs
                 lines = str(e).splitlines() or [type(e).__name__]
                 first = next((l for l in lines if "error" in l.lower()), lines[0])
@@ -621,7 +621,8 @@ class BatchAttention:
             if self._cute is not None:  # not for steps a graph replays, shared-prefix groups or positions of their own
                 allowed = (self._frozen is None and groups is None and bsr.kv_pos_start is None
                            and bsr.kv_indices.numel() < 2 ** 31)
-                self._cute.plan(q_lens, kv32, bool(causal), allowed)
+                self._cute.plan(q_lens, kv32, bool(causal), allowed, window_left=int(values.get("window_left", -1)),
+                                logits_soft_cap=float(values.get("logits_soft_cap", 0.0)))
         if idle and self._cute is not None:
             self._cute.plan(None, None, bool(causal), allowed=False)
         p = self._params

@@ -3,8 +3,9 @@ atoms (csrc/attention/cute/attn_ws.cu, entry fi_cute_attn_bsr). A TMA producer w
 query rows with the intra-warpgroup overlap, 128 x 128 tiles of one query head, a persistent grid taking tiles from
 a counter in L2-sized sections. It reads the step's BSR directly (pages as TMA boxes) and needs no plan items.
 
-BatchAttention(kernel="prefill") loads it where it applies (`unsupported` says why not: Hopper, the default
-variant, head size 64 or 128, 16-bit KV, pages of 16..256 tokens, a power of two, the CUTLASS headers) and plan()
+BatchAttention(kernel="prefill") loads it where it applies (`unsupported` says why not: Hopper, the default, sliding
+window, soft-cap or soft-cap + window variant, head size 64, 96 or 128, 16-bit KV, pages of 16..256 tokens, a power of
+two, the CUTLASS headers) and plan()
 gives it the steps it runs well (`takes_step`); every other step, and every step captured in a CUDA graph, runs the
 tile family as before. FI_BACKEND_PREFILL_CUTE=0 turns it off.
 """
@@ -16,11 +17,12 @@ from typing import Optional
 import torch
 
 from . import env, kernels
-from .variants import HOOKS, Variant
+from . import variants as V
+from .variants import Variant
 
-# Tiles of the CTA (kRows x kKv) and its head sizes.
+# Tiles of the CTA (kRows x kKv: 64-token KV tiles at head size 256, the step rule counts 128) and its head sizes.
 ROWS = KV_TILE = 128
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 96, 128, 256)
 # A step goes to the member where its work tiles fill the GPU at least once (a short step's few tiles leave SMs idle
 # that the tile family's KV splits would use) ...
 MIN_TILES_PER_SM = 1.0
@@ -34,9 +36,18 @@ L2_SECTION_BYTES = 32 << 20
 CAPTURE_REFUSED = -2  # fi_cute_attn_bsr's code for a capturing stream (the launch holds the step's sizes)
 
 
-def _plain(variant: Variant) -> bool:
-    """No hook, no parameter: plain softmax attention (the only variant the member computes)."""
-    return variant.use_softmax and not variant.params and not any(getattr(variant, h, None) for h in HOOKS)
+# The variants the member computes, as the built-ins define them (a window: its KV tiles skipped and masked in the CTA;
+# a soft-cap: a template parameter), by their variant: soft-cap or not
+VARIANTS = ((V.DEFAULT, False), (V.SLIDING_WINDOW, False), (V.SOFT_CAP, True),
+            (V.BUILTIN_VARIANTS["soft_cap_window"], True))
+
+
+def _supported(variant: Variant) -> bool:
+    return any(variant == v for v, _ in VARIANTS)
+
+
+def _softcap(variant: Variant) -> bool:
+    return next(cap for v, cap in VARIANTS if variant == v)
 
 
 def unsupported(variant: Variant, head_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype, page_size: int,
@@ -50,8 +61,9 @@ def unsupported(variant: Variant, head_dim: int, q_dtype: torch.dtype, kv_dtype:
         return "a tuning override (benchmarks) names the tile family's shape"
     if deterministic:
         return "deterministic plans keep tile member 0"
-    if not _plain(variant):
-        return f"variant {variant.name} has hooks or parameters (the member runs plain softmax attention)"
+    if not _supported(variant):
+        names = ", ".join(sorted(v.name for v, _ in VARIANTS))
+        return f"variant {variant.name} (the member runs {names}; other hooks need the tile family)"
     if head_dim not in HEAD_DIMS:
         return f"head_dim {head_dim} (the member runs {HEAD_DIMS})"
     if q_dtype not in (torch.bfloat16, torch.float16) or kv_dtype != q_dtype:
@@ -71,12 +83,12 @@ def unsupported(variant: Variant, head_dim: int, q_dtype: torch.dtype, kv_dtype:
     return None
 
 
-def specs(head_dim: int, q_dtype: torch.dtype, page_size: int) -> list:
-    """The member's modules: non-causal and causal."""
+def specs(head_dim: int, q_dtype: torch.dtype, page_size: int, variant: Variant = V.DEFAULT) -> list:
+    """The member's modules for a variant it computes: non-causal and causal."""
     from .kernels import cutlass
     dtype = "bf16" if q_dtype == torch.bfloat16 else "fp16"
-    return [cutlass.attn_ws_spec(head_dim, causal, overlap=True, pingpong=False, page_size=page_size, dtype=dtype)
-            for causal in (False, True)]
+    return [cutlass.attn_ws_spec(head_dim, causal, overlap=True, pingpong=False, page_size=page_size, dtype=dtype,
+                                 softcap=_softcap(variant)) for causal in (False, True)]
 
 
 def specs_for(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, page_size: int) -> list:
@@ -86,21 +98,22 @@ def specs_for(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, page
     q, kv = names.get(q_dtype), names.get(kv_dtype)
     if q is None or kv is None or unsupported(variant, head_dim, q, kv, page_size) is not None:
         return []
-    return specs(head_dim, q, page_size)
+    return specs(head_dim, q, page_size, variant)
 
 
 class CuteMember:
     """The member's two modules (non-causal, causal), its tile counter, and the step rule."""
 
     def __init__(self, head_dim: int, q_dtype: torch.dtype, page_size: int, num_qo_heads: int, num_kv_heads: int,
-                 device: torch.device):
-        self.modules = [kernels.load(s) for s in specs(head_dim, q_dtype, page_size)]
-        argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 17 + [ctypes.c_float, ctypes.c_void_p]
+                 device: torch.device, variant: Variant = V.DEFAULT):
+        self.modules = [kernels.load(s) for s in specs(head_dim, q_dtype, page_size, variant)]
+        argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 19 + [ctypes.c_float] * 2 + [ctypes.c_void_p]
         self._fns = [m.function("fi_cute_attn_bsr", argtypes) for m in self.modules]
+        self.softcap = _softcap(variant)
         self.heads, self.kv_heads = num_qo_heads, num_kv_heads
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)  # zeroed by each launch, on its stream
-        self._step = None  # (causal, batch, max_q_len, total_q, total_kv) of the planned step, or None
+        self._step = None  # (causal, batch, max_q_len, total_q, total_kv, window_left, soft-cap) planned, or None
 
     @property
     def module_names(self) -> list:
@@ -125,13 +138,15 @@ class CuteMember:
         return short <= SHORT_SHARE * int(pairs.sum())
 
     def plan(self, q_lens: Optional[torch.Tensor], kv_lens: Optional[torch.Tensor], causal: bool,
-             allowed: bool = True) -> bool:
-        """plan()'s part: remember the step's sizes where the member takes it (allowed, and takes_step); whether it
-        does. Not allowed: forget the last step's (the lengths may be None)."""
+             allowed: bool = True, window_left: int = -1, logits_soft_cap: float = 0.0) -> bool:
+        """plan()'s part: remember the step's sizes and the variant's scalars (window_left: -1 none; the soft-cap
+        of a soft-capping variant) where the member takes the step (allowed, and takes_step); whether it does.
+        Not allowed: forget the last step's (the lengths may be None)."""
         self._step = None
-        if not allowed or not self.takes_step(q_lens, kv_lens, causal):
+        if not allowed or (self.softcap and not logits_soft_cap > 0) or not self.takes_step(q_lens, kv_lens, causal):
             return False
-        self._step = (int(bool(causal)), q_lens.numel(), int(q_lens.max()), int(q_lens.sum()), int(kv_lens.sum()))
+        self._step = (int(bool(causal)), q_lens.numel(), int(q_lens.max()), int(q_lens.sum()), int(kv_lens.sum()),
+                      max(-1, int(window_left)), float(logits_soft_cap))
         return True
 
     @property
@@ -141,13 +156,13 @@ class CuteMember:
     def launch(self, p, stream: int) -> int:
         """The planned step on the BatchAttention's Params `p` (its q / out / lse / KV / BSR fields, as run() set
         them): 0, CAPTURE_REFUSED, or a CUDA error code."""
-        causal, batch, max_q, total_q, total_kv = self._step
+        causal, batch, max_q, total_q, total_kv, window, cap = self._step
         return self._fns[causal](
             p.q, p.out, p.lse, p.k, p.v, p.qo_indptr, p.kv_lens, p.kv_indices, p.kv_block_start,
-            self.counter.data_ptr(), p.q_stride_row, p.q_stride_head, p.out_stride_row, p.out_stride_head,
-            p.lse_stride_row, p.kv_stride_block, p.kv_stride_token, p.kv_stride_head, p.num_kv_blocks,
-            p.kv_block_start_int64, batch, max_q, self.heads, self.kv_heads, total_q, total_kv, L2_SECTION_BYTES,
-            p.logits_scale, stream)
+            self.counter.data_ptr(), p.error_flags, p.num_kv_indices, p.q_stride_row, p.q_stride_head,
+            p.out_stride_row, p.out_stride_head, p.lse_stride_row, p.kv_stride_block, p.kv_stride_token,
+            p.kv_stride_head, p.num_kv_blocks, p.kv_block_start_int64, batch, max_q, self.heads, self.kv_heads,
+            total_q, total_kv, L2_SECTION_BYTES, window, p.logits_scale, cap, stream)
 
     def check(self, rc: int) -> None:
         self.modules[0].check(rc, "fi_cute_attn_bsr")

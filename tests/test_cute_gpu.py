@@ -46,7 +46,7 @@ _WS_CASES = {  # (query lengths, KV lengths, heads, KV heads)
 }
 
 
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 96, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", sorted(_WS_CASES))
 @pytest.mark.parametrize("overlap,pingpong", [(0, 0), (1, 0), (1, 1)])
@@ -58,6 +58,8 @@ def test_attn_ws(D, causal, case, overlap, pingpong):
     pytest.importorskip("cutlass_library")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm_90a only")
+    if D in (96, 256) and (overlap, pingpong) != (1, 0):
+        pytest.skip("head sizes 96 (64-byte swizzle atoms) and 256 (64-token KV tiles): the member's loop only")
     from fi_backend import kernels
     from fi_backend.kernels import cutlass
     module = kernels.load(cutlass.attn_ws_spec(D, causal, overlap=bool(overlap), pingpong=bool(pingpong)))
@@ -88,7 +90,7 @@ _PAGED_CASES = {  # (query lengths, KV lengths, heads, KV heads)
 }
 
 
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 96, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("page", [16, 64, 256])
 @pytest.mark.parametrize("case", sorted(_PAGED_CASES))
@@ -100,11 +102,13 @@ def test_attn_ws_paged(D, causal, page, case):
     pytest.importorskip("cutlass_library")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm_90a only")
+    if D == 256 and page == 64:
+        pytest.skip("head size 256: pages of 16 (several boxes a 64-token tile) and 256 (several tiles a page) only")
     from fi_backend import kernels
     from fi_backend.kernels import cutlass
     module = kernels.load(cutlass.attn_ws_spec(D, causal, overlap=True, pingpong=False, page_size=page))
-    run = module.function("fi_cute_attn_bsr", [ctypes.c_void_p] * 10 + [ctypes.c_int64] * 17 +
-                          [ctypes.c_float, ctypes.c_void_p])
+    run = module.function("fi_cute_attn_bsr", [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 19 +
+                          [ctypes.c_float] * 2 + [ctypes.c_void_p])
     q_lens, kv_lens, heads, kv_heads = _PAGED_CASES[case]
     gen = torch.Generator().manual_seed(page * 7 + D)
     n_pages = [(kl + page - 1) // page for kl in kv_lens]
@@ -130,9 +134,10 @@ def test_attn_ws_paged(D, causal, page, case):
     counter = torch.full((1,), 12345, device="cuda", dtype=torch.int32)
     k_view, v_view = cache[:, 0], cache[:, 1]
     rc = run(q.data_ptr(), o.data_ptr(), lse.data_ptr(), k_view.data_ptr(), v_view.data_ptr(), qi.data_ptr(),
-             kl_dev.data_ptr(), idx.data_ptr(), start.data_ptr(), counter.data_ptr(), q.stride(0), q.stride(1),
-             o.stride(0), o.stride(1), lse.stride(0), *k_view.stride()[:3], pool, 0, len(q_lens), max(q_lens), heads,
-             kv_heads, total_q, int(kv_indptr[-1]), 32 << 20, scale, torch.cuda.current_stream().cuda_stream)
+             kl_dev.data_ptr(), idx.data_ptr(), start.data_ptr(), counter.data_ptr(), None, idx.numel(), q.stride(0),
+             q.stride(1), o.stride(0), o.stride(1), lse.stride(0), *k_view.stride()[:3], pool, 0, len(q_lens),
+             max(q_lens), heads, kv_heads, total_q, int(kv_indptr[-1]), 32 << 20, -1, scale, 0.0,
+             torch.cuda.current_stream().cuda_stream)
     assert rc == 0, f"launch failed: {rc}"
     torch.cuda.synchronize()
     # each request's pages gathered in order: a ragged K / V for the reference

@@ -22,24 +22,30 @@ def test_unsupported_names_the_reason(monkeypatch):
     monkeypatch.delenv("FI_BACKEND_PREFILL_CUTE")
     assert "tuning" in _why(tuning={"warps": 8})
     assert "deterministic" in _why(deterministic=True)
-    for variant in (V.SOFT_CAP, V.SLIDING_WINDOW, V.ALIBI, V.SIGMOID, V.ROPE):
-        assert "hooks" in _why(variant=variant)
-    assert "head_dim 96" in _why(head_dim=96)
-    assert "head_dim 256" in _why(head_dim=256)
+    for variant in (V.ALIBI, V.SIGMOID, V.ROPE, V.CUSTOM_MASK, V.BUILTIN_VARIANTS["alibi_window"]):
+        assert f"variant {variant.name}" in _why(variant=variant)
+    assert "head_dim 80" in _why(head_dim=80)
+    assert "head_dim 192" in _why(head_dim=192)
     assert "KV dtype" in _why(kv_dtype=torch.float8_e4m3fn)
     for page in (1, 8, 24, 512):
         assert f"page_size {page}" in _why(page_size=page)
     assert "sm_90" in _why()  # this machine's device is the CPU
 
 
-def test_plain_variant_only():
-    assert C._plain(V.DEFAULT)
-    assert not C._plain(V.SOFT_CAP) and not C._plain(V.CUSTOM_MASK)
+def test_variants_it_computes():
+    """The default, the window, the soft-cap and both (built-ins compared as values: a combine() of the same parts
+    is the same variant); a soft-cap is the modules' template parameter, a window is not."""
+    for variant in (V.DEFAULT, V.SLIDING_WINDOW, V.SOFT_CAP, V.combine(V.SOFT_CAP, V.SLIDING_WINDOW)):
+        assert C._supported(variant)
+    assert not C._supported(V.ALIBI) and not C._supported(V.combine(V.SLIDING_WINDOW, V.SOFT_CAP))  # other order
+    tags = lambda v: [s.tag for s in C.specs(128, torch.bfloat16, 16, v)]  # noqa: E731
+    assert tags(V.DEFAULT) == tags(V.SLIDING_WINDOW) and all("_so0_" in t for t in tags(V.DEFAULT))
+    assert tags(V.SOFT_CAP) == tags(V.BUILTIN_VARIANTS["soft_cap_window"]) and all("_so1_" in t for t in tags(V.SOFT_CAP))
 
 
 class _Member(C.CuteMember):
-    def __init__(self, heads=32, kv_heads=8, sms=132):  # the step rule only: no modules, no device
-        self.heads, self.kv_heads, self.sms, self._step = heads, kv_heads, sms, None
+    def __init__(self, heads=32, kv_heads=8, sms=132, softcap=False):  # the step rule only: no modules, no device
+        self.heads, self.kv_heads, self.sms, self._step, self.softcap = heads, kv_heads, sms, None, softcap
 
 
 def _t(xs):
@@ -48,8 +54,8 @@ def _t(xs):
 
 def test_takes_step():
     m = _Member()
-    assert m.plan(_t([1000, 333]), _t([1000, 2000]), causal=True)
-    assert m.planned and m._step == (1, 2, 1000, 1333, 3000)
+    assert m.plan(_t([1000, 333]), _t([1000, 2000]), causal=True, window_left=99)
+    assert m.planned and m._step == (1, 2, 1000, 1333, 3000, 99, 0.0)
     # too few tiles to fill 132 SMs: 2 x 32 heads
     assert not m.plan(_t([200]), _t([200]), causal=True) and not m.planned
     # KV shorter than the queries (causal), an empty KV (any mask)
@@ -63,6 +69,10 @@ def test_takes_step():
     assert not m.plan(_t([700] + [1] * 60), _t([1500] + [900] * 60), causal=True)
     assert not m.plan(_t([1000]), _t([1000]), causal=True, allowed=False)
     assert not m.plan(_t([]), _t([]), causal=True)
+    # a soft-capping member with no cap (> 0) leaves the step to the family
+    capped = _Member(softcap=True)
+    assert not capped.plan(_t([1000]), _t([1000]), causal=True, logits_soft_cap=0.0)
+    assert capped.plan(_t([1000]), _t([1000]), causal=True, logits_soft_cap=30.0) and capped._step[-1] == 30.0
 
 
 def test_modules_of_names_the_members_modules(monkeypatch):
@@ -74,9 +84,11 @@ def test_modules_of_names_the_members_modules(monkeypatch):
     from fi_backend import models
     monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", "90a")
     cute = lambda m, **kw: [s.tag for s in models.modules_of(models.find(m), **kw) if s.family == "cute_attn_ws"]
-    assert cute("Llama-3.1-8B") == ["d128_bf1_ca0_ov1_pa16_pi0_st2", "d128_bf1_ca1_ov1_pa16_pi0_st2"]
+    assert cute("Llama-3.1-8B") == ["d128_bf1_ca0_ov1_pa16_pi0_so0_st2", "d128_bf1_ca1_ov1_pa16_pi0_so0_st2"]
     assert len(cute("Qwen2.5-0.5B", page_sizes=(16, 32))) == 4 and cute("Llama-3.2-1B")[0].startswith("d64_")
-    assert cute("Gemma-2-9B") == []  # soft-cap
+    assert len(cute("Gemma-2-9B")) == 2 and all(t.startswith("d256_") for t in cute("Gemma-2-9B"))
+    assert len(cute("Gemma-2-27B")) == 2 and all("_so1_" in t for t in cute("Gemma-2-27B"))  # soft-cap (+ window)
+    assert cute("Mistral-7B") == cute("Llama-3.1-8B")  # a window: the same modules
     monkeypatch.setenv("FI_BACKEND_PREFILL_CUTE", "0")
     assert cute("Llama-3.1-8B") == []
     monkeypatch.delenv("FI_BACKEND_PREFILL_CUTE")

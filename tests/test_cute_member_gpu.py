@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from attention_cases import DEV, TOL, make_bsr, plan_run_check, poison_unused, random_kv, replay_check
+from fi_backend import variants as V
 
 pytestmark = pytest.mark.gpu
 
@@ -21,31 +22,32 @@ def _built():
     if importlib.util.find_spec("cutlass_library") is None or not torch.cuda.is_available():
         return
     from fi_backend import cute_member, kernels
-    from fi_backend import variants as V
     from fi_backend.specs import attention_specs
     names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
     specs = {}
-    for Hq, Hkv, D, page, dtype, *_ in _SHAPES + [(32, 8, 128, 16, torch.bfloat16)]:
-        for s in cute_member.specs(D, dtype, page) + attention_specs(V.DEFAULT, D, names[dtype], names[dtype],
-                                                                       Hq // Hkv, None, "prefill", False):
+    wanted = [(V.DEFAULT, *shape[:5]) for shape in _SHAPES + [(32, 8, 128, 16, torch.bfloat16)]]
+    wanted += [(_VARIANTS[name][0], Hq, Hkv, D, 16, torch.bfloat16) for name, Hq, Hkv, D in _VARIANT_SHAPES]
+    for variant, Hq, Hkv, D, page, dtype in wanted:
+        for s in cute_member.specs(D, dtype, page, variant) + attention_specs(
+                variant, D, names[dtype], names[dtype], Hq // Hkv, None, "prefill", False):
             specs[s.memo_key] = s
     failed = [(s.tag, r) for s, r in zip(specs.values(), kernels.build_many(list(specs.values())))
               if isinstance(r, Exception)]
     assert not failed, f"modules failed to build: {failed}"
 
 
-def _wrapper(Hq, Hkv, D, *, page, dtype=torch.bfloat16, layout="NHD", max_tokens=8192):
+def _wrapper(Hq, Hkv, D, *, page, dtype=torch.bfloat16, layout="NHD", max_tokens=8192, variant=None):
     if importlib.util.find_spec("cutlass_library") is None:
         pytest.skip("the nvidia-cutlass wheel is not installed")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm_90a only")
     from attention_cases import make_wrapper
     return make_wrapper(Hq, Hkv, D, q_dtype=dtype, page_size=page, kv_layout=layout, kernel="prefill",
-                        max_tokens=max_tokens)
+                        max_tokens=max_tokens, variant=variant or V.DEFAULT)
 
 
 # (query heads, KV heads, head size, page, dtype, layout, packed, causal): Llama-3.1-8B, Qwen2.5-7B (group 7),
-# Qwen2.5-14B (5), Llama-3.2-3B (3) at head size 64, MHA, an fp16 non-causal one, HND and packed caches
+# Qwen2.5-14B (5), Llama-3.2-3B (3) at head size 64, MHA, an fp16 non-causal one, head size 96, HND and packed caches
 _SHAPES = [
     (32, 8, 128, 16, torch.bfloat16, "NHD", False, True),
     (28, 4, 128, 16, torch.bfloat16, "NHD", True, True),
@@ -53,19 +55,25 @@ _SHAPES = [
     (24, 8, 64, 64, torch.bfloat16, "NHD", False, True),
     (16, 16, 64, 256, torch.float16, "NHD", True, True),
     (12, 2, 128, 128, torch.float16, "NHD", False, False),
+    (32, 32, 96, 16, torch.bfloat16, "NHD", True, True),   # Phi-3-mini / Phi-3.5-mini (64-byte swizzle atoms)
+    (24, 8, 96, 64, torch.float16, "HND", False, False),
+    (8, 4, 256, 16, torch.bfloat16, "NHD", False, True),    # Gemma-3-4B's global layers (64-token KV tiles)
+    (16, 8, 256, 64, torch.float16, "NHD", True, False),
 ]
 # chunked prefill and prefix hits: KV longer than the queries, none a multiple of a page or a tile
 _Q_LENS = [1000, 333, 517, 129, 77]
 _KV_LENS = [1000, 410, 2017, 132, 3001]
 
 
-def _check_step(attn, q_lens, kv_lens, *, dtype=torch.bfloat16, packed=False, causal=True, what=""):
-    """One step of these lengths over a fresh cache whose unread slots hold NaN, against the reference."""
+def _check_step(attn, q_lens, kv_lens, *, dtype=torch.bfloat16, packed=False, causal=True, what="", params=None):
+    """One step of these lengths over a fresh cache whose unread slots hold NaN, against the reference (params: the
+    variant's, given to plan() and the reference alike)."""
     bsr, qo_cpu, kv_cpu, nb = make_bsr(kv_lens, q_lens, attn.page_size)
     cache, k, v = random_kv(nb, attn.page_size, attn.num_kv_heads, attn.head_dim, dtype, layout=attn.kv_layout,
                             packed=packed)
     poison_unused(k, v, bsr)
-    plan_run_check(attn, bsr, qo_cpu, kv_cpu, cache, k, v, dtype=dtype, kv_dtype=dtype, causal=causal, what=what)
+    plan_run_check(attn, bsr, qo_cpu, kv_cpu, cache, k, v, dtype=dtype, kv_dtype=dtype, causal=causal, what=what,
+                   plan_kw=params, ref_kw=params)
 
 
 @pytest.mark.parametrize("Hq,Hkv,D,page,dtype,layout,packed,causal", _SHAPES)
@@ -75,6 +83,28 @@ def test_member_matches_reference(Hq, Hkv, D, page, dtype, layout, packed, causa
     _check_step(attn, _Q_LENS, _KV_LENS, dtype=dtype, packed=packed, causal=causal,
                 what=f"{Hq}/{Hkv} D={D} page={page} {layout}{' packed' if packed else ''} causal={causal}")
     assert attn.cute_step, "the step should have run on the CuTe member"
+
+
+_VARIANTS = {"window": (V.SLIDING_WINDOW, {"window_left": 299}),
+             "window_wide": (V.SLIDING_WINDOW, {"window_left": 4095}),    # wider than every request: nothing skipped
+             "soft_cap": (V.SOFT_CAP, {"logits_soft_cap": 5.0}),           # low: the cap changes the logits
+             "soft_cap_window": (V.BUILTIN_VARIANTS["soft_cap_window"], {"logits_soft_cap": 5.0, "window_left": 130})}
+# (variant, query heads, KV heads, head size): Mistral-7B's window, Gemma-2-27B's soft-cap + window, Phi-3-mini's
+# window at head size 96, Gemma-2-9B's soft-cap + window at 256
+_VARIANT_SHAPES = [("window", 32, 8, 128), ("window_wide", 32, 8, 128), ("soft_cap", 32, 16, 128),
+                   ("soft_cap_window", 32, 16, 128), ("window", 32, 32, 96), ("soft_cap_window", 16, 8, 256)]
+
+
+@pytest.mark.parametrize("name,Hq,Hkv,D", _VARIANT_SHAPES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_member_variants(name, Hq, Hkv, D, causal):
+    """The sliding window (KV tiles below every row's window skipped, the rest masked per row) and the soft-cap (a
+    template parameter), alone and together, against the reference on the same chunked-prefill lengths."""
+    variant, params = _VARIANTS[name]
+    attn = _wrapper(Hq, Hkv, D, page=16, variant=variant)
+    assert attn.cute_unsupported is None, attn.cute_unsupported
+    _check_step(attn, _Q_LENS, _KV_LENS, causal=causal, params=params, what=f"{name} {Hq}/{Hkv} D={D} causal={causal}")
+    assert attn.cute_step
 
 
 def test_mixed_step_stays_on_the_family():
@@ -93,6 +123,33 @@ def test_switched_off(monkeypatch):
     assert "FI_BACKEND_PREFILL_CUTE" in attn.cute_unsupported
     _check_step(attn, _Q_LENS, _KV_LENS, what="switched off")
     assert not attn.cute_step
+
+
+def test_bad_bsr_is_flagged_and_never_read_past():
+    """A page id outside the cache and a request whose pages run past kv_indices: the member flags them in the
+    wrapper's error word (check_errors names them, as the tile family's kernel does), reads zeros for those pages
+    and nothing past kv_indices (compute-sanitizer memcheck in .ci/gpu's cute step), and the output stays finite."""
+    attn = _wrapper(32, 8, 128, page=16)
+    bsr, qo_cpu, kv_cpu, nb = make_bsr(_KV_LENS, _Q_LENS, 16)
+    cache, k, v = random_kv(nb, 16, 8, 128, torch.bfloat16)
+    q = torch.randn(int(qo_cpu[-1]), 32, 128, device=DEV, dtype=torch.bfloat16)
+    bsr.kv_indices[int(bsr.kv_block_start[1]) + 3] = nb + 1000
+    attn.plan(qo_cpu, kv_cpu, bsr, causal=True)
+    assert attn.cute_step
+    out = attn.run(q, cache)
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="outside"):
+        attn.check_errors()
+    assert torch.isfinite(out).all()
+    # the last request's pages start past the table: every one of its entries is outside kv_indices
+    last = bsr.kv_block_start.numel() - 1
+    bsr.kv_block_start[last] = bsr.kv_indices.numel() - 1
+    attn.plan(qo_cpu, kv_cpu, bsr, causal=True)
+    out = attn.run(q, cache)
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="past the end of kv_indices"):
+        attn.check_errors()
+    assert torch.isfinite(out).all()
 
 
 def test_graph_capture_runs_the_family():

@@ -436,7 +436,7 @@ def test_killed_lock_holder_does_not_block_next_build(tmp_path):
 
 def test_cutlass_headers_lookup(tmp_path, monkeypatch):
     """The CuTe kernels' headers: a bad FI_BACKEND_CUTLASS_DIR is named; a good one (or the wheel) gives include/ and
-    the version enters the spec's identity, not the path; head sizes other than 64 / 128 are refused by name."""
+    the version enters the spec's identity, not the path; head sizes other than 64 / 96 / 128 / 256 are refused by name."""
     from fi_backend.kernels import cutlass
     monkeypatch.setenv(cutlass.ENV, str(tmp_path))
     with pytest.raises(cutlass.CutlassNotFound, match=cutlass.ENV):
@@ -450,5 +450,5 @@ def test_cutlass_headers_lookup(tmp_path, monkeypatch):
     assert cutlass.version() == "4.2.0"
     spec = cutlass.attn_ws_spec(128, True)
     assert spec.include_dirs == (str(tmp_path / "include"),) and "cutlass 4.2.0" in spec.key_extra
-    with pytest.raises(ValueError, match="head_dim must be 64 or 128"):
-        cutlass.attn_ws_spec(96, True)
+    with pytest.raises(ValueError, match="head_dim must be 64, 96, 128 or 256"):
+        cutlass.attn_ws_spec(80, True)

@@ -49,8 +49,8 @@ def version() -> str:
 
 
 def _probe_spec(name: str, head_dim: int, **params: int) -> ModuleSpec:
-    if head_dim not in (64, 128):
-        raise ValueError(f"head_dim must be 64 or 128 (got {head_dim})")
+    if head_dim not in (64, 96, 128, 256):
+        raise ValueError(f"head_dim must be 64, 96, 128 or 256 (got {head_dim})")
     tag = f"d{head_dim}" + "".join(f"_{k[:2]}{v}" for k, v in sorted(params.items()))
     return ModuleSpec(family=f"cute_{name}", template=f"attention/cute/{name}.cu",
                       params={"HEAD_DIM": str(head_dim), **{k.upper(): str(v) for k, v in params.items()}},
@@ -58,12 +58,13 @@ def _probe_spec(name: str, head_dim: int, **params: int) -> ModuleSpec:
 
 
 def attn_ws_spec(head_dim: int, causal: bool, stages: int = 2, overlap: bool = True, pingpong: bool = True,
-                 page_size: int = 0, dtype: str = "bf16") -> ModuleSpec:
+                 page_size: int = 0, dtype: str = "bf16", softcap: bool = False) -> ModuleSpec:
     """The CuTe probe: FlashAttention-3's CTA (a TMA producer warp, K and V pipelines, two consumer warpgroups of a
-    128-token tile of one query head; csrc/attention/cute/attn_ws.cu), head size 64 or 128, causal or not; its
+    128-token tile of one query head; csrc/attention/cute/attn_ws.cu), head size 64, 96, 128 or 256, causal or not; its
     intra-warpgroup overlap and its ping-pong each on or off (ping-pong needs the overlap); K / V ragged
     (page_size 0: entry fi_cute_attn_ws) or a BSR over pages of page_size tokens (a power of two, 16 or more: entry
-    fi_cute_attn_bsr); Q, K, V and O of dtype "bf16" or "fp16"."""
+    fi_cute_attn_bsr, with a sliding window); Q, K, V and O of dtype "bf16" or "fp16"; softcap: logits soft-capped
+    (Gemma-2's)."""
     if stages not in (2, 3):
         raise ValueError(f"stages must be 2 or 3 (got {stages})")
     if pingpong and not overlap:
@@ -73,7 +74,8 @@ def attn_ws_spec(head_dim: int, causal: bool, stages: int = 2, overlap: bool = T
     if dtype not in ("bf16", "fp16"):
         raise ValueError(f"dtype must be 'bf16' or 'fp16' (got {dtype!r})")
     return _probe_spec("attn_ws", head_dim, stages=stages, causal=int(bool(causal)), overlap=int(bool(overlap)),
-                       pingpong=int(bool(pingpong)), page=int(page_size), bf16=int(dtype == "bf16"))
+                       pingpong=int(bool(pingpong)), page=int(page_size), bf16=int(dtype == "bf16"),
+                       softcap=int(bool(softcap)))
 
 
 PAGED_PROBE_PAGES = (16, 64, 256)  # below, in and above a 128-token KV tile
@@ -83,5 +85,6 @@ def probe_specs() -> list:
     """Every CuTe probe module tests/test_cute_gpu.py loads (built in parallel before its first test)."""
     return [attn_ws_spec(d, causal, overlap=overlap, pingpong=pingpong) for d in (64, 128) for causal in (False, True)
             for overlap, pingpong in ((False, False), (True, False), (True, True))] + \
-        [attn_ws_spec(d, causal, overlap=True, pingpong=False, page_size=page) for d in (64, 128)
-         for causal in (False, True) for page in PAGED_PROBE_PAGES]
+        [attn_ws_spec(d, causal, overlap=True, pingpong=False) for d in (96, 256) for causal in (False, True)] + \
+        [attn_ws_spec(d, causal, overlap=True, pingpong=False, page_size=page) for d in (64, 96, 128, 256)
+         for causal in (False, True) for page in PAGED_PROBE_PAGES if d != 256 or page != 64]

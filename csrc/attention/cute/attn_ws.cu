@@ -14,9 +14,9 @@
 // one before it in this order), and the softmax of S runs while that P.V is in flight. PINGPONG 1 (with OVERLAP) has
 // the two consumer warpgroups issue their MMAs in turns on two named barriers, so one's softmax runs under the other's
 // MMAs.
-// Template parameters: HEAD_DIM 64 or 128, STAGES (2), CAUSAL, OVERLAP, PINGPONG (0 / 1), BF16 (1: bf16, 0: fp16),
-// PAGE (0: ragged K / V, entry fi_cute_attn_ws; else pages of PAGE tokens read through a BSR, entry
-// fi_cute_attn_bsr).
+// Template parameters: HEAD_DIM 64, 96, 128 or 256, STAGES (2), CAUSAL, OVERLAP, PINGPONG, SOFTCAP (0 / 1), BF16 (1:
+// bf16, 0: fp16), PAGE (0: ragged K / V, entry fi_cute_attn_ws; else pages of PAGE tokens read through a BSR, entry
+// fi_cute_attn_bsr, which also takes a sliding window: window_left >= 0, KV tiles below every row's window skipped).
 // Requests: b's query rows qo_indptr[b] .. qo_indptr[b + 1] (int32, device), any lengths with 1 <= q_len <= kv_len,
 // causal bottom-right aligned (query i sees keys <= kv_len - q_len + i); max_q_len bounds the query tiles. lse
 // float32 natural log, logits scaled by sm_scale. counter: one int32 of device memory the call zeroes on its stream
@@ -31,6 +31,7 @@
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
 #include "attention/ptx.cuh"
+#include "attention/variant.cuh"
 #include "common.h"
 
 namespace fi {
@@ -42,20 +43,32 @@ using Elem = std::conditional_t<FI_CUTE_BF16, cute::bfloat16_t, cute::half_t>;  
 constexpr bool kBf16 = FI_CUTE_BF16;
 constexpr int kHeadDim = {{HEAD_DIM}}, kStages = {{STAGES}};
 constexpr bool kCausal = {{CAUSAL}}, kOverlap = {{OVERLAP}}, kPingPong = {{PINGPONG}};
+constexpr bool kSoftCap = {{SOFTCAP}};  // logits = cap x tanh(logits / cap) (Gemma-2's), cap from Args
 #define FI_CUTE_PAGE {{PAGE}}
 constexpr int kPage = FI_CUTE_PAGE;  // 0: K / V ragged [tokens, kv_heads, D]; else pages of kPage tokens (a BSR)
 static_assert(!kPingPong || kOverlap, "ping-pong: the overlapped loop's two warpgroups");
-static_assert(kHeadDim % 64 == 0, "head size: whole 128-byte swizzle atoms");
-constexpr int kRows = 128, kKv = 128, kThreads = 384, kConsumers = 256;
+static_assert(kHeadDim % 32 == 0, "head size: whole 64-byte swizzle atoms");
+// Dims a swizzle atom's row holds: 64 (128-byte rows, 128-byte swizzle) where the head size allows, else 32 (head size
+// 96: 64-byte rows and swizzle). A row of an atom is a token's dims of one block in every layout below.
+constexpr int kDimBlock = kHeadDim % 64 == 0 ? 64 : 32;
+using DimBlock = Int<kDimBlock>;
+using AtomK = std::conditional_t<kDimBlock == 64, GMMA::Layout_K_SW128_Atom<Elem>, GMMA::Layout_K_SW64_Atom<Elem>>;
+using AtomMN = std::conditional_t<kDimBlock == 64, GMMA::Layout_MN_SW128_Atom<Elem>, GMMA::Layout_MN_SW64_Atom<Elem>>;
+// KV tiles of 128 tokens; 64 at head size 256, where O (128 registers a thread) and 128-token K / V stages would not
+// fit (FlashAttention-3 takes 80 there)
+constexpr int kRows = 128, kKv = kHeadDim == 256 ? 64 : 128, kThreads = 384, kConsumers = 256;
 using D = Int<kHeadDim>;
-using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape<Int<kRows>, D>{}));
+using SmemLayoutQ = decltype(tile_to_shape(AtomK{}, Shape<Int<kRows>, D>{}));
 using SmemLayoutO = SmemLayoutQ;  // O staged for coalesced stores
-using SmemLayoutK = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape<Int<kKv>, D, Int<kStages>>{}));
+// Head size 256: Q, K and V take 192 KB of shared memory, so O is staged 64 dims at a time through rows of 64 + 8
+// elements (the pad: 16-byte row reads without bank conflicts)
+constexpr bool kChunkedO = kHeadDim == 256;
+constexpr int kOPitch = 64 + 8;
+using SmemLayoutK = decltype(tile_to_shape(AtomK{}, Shape<Int<kKv>, D, Int<kStages>>{}));
 // V as P.V's B operand: (N = head dim, K = token), head dims contiguous; TMA fills it from V's transposed view. Atoms
 // tiled along the tokens first, so each 64-dim block holds all 128 tokens in a row: one TMA box a block (tiled along
 // the dims first, a box spans 8 tokens: 32 TMA copies a tile at head size 128)
-using SmemLayoutVt = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{}, Shape<D, Int<kKv>, Int<kStages>>{},
-                                            Step<_2, _1, _3>{}));
+using SmemLayoutVt = decltype(tile_to_shape(AtomMN{}, Shape<D, Int<kKv>, Int<kStages>>{}, Step<_2, _1, _3>{}));
 // Paged K / V: TMA boxes of kBox tokens x 64 dims, one a page and 64-dim block (several a KV tile below 128 tokens a
 // page). A box is a contiguous run of the stage's atoms in both layouts (K: rows first; V: tokens first), laid out
 // as the layouts below.
@@ -65,8 +78,8 @@ static_assert(kPage == 0 || (kPage >= 16 && (kPage & (kPage - 1)) == 0), "page s
 // 64512), or the consumers' setmaxnreg waits forever; a producer looking up several pages a KV tile needs more than 24
 constexpr int kProducerRegs = kBoxes > 1 ? 40 : 24, kConsumerRegs = kBoxes > 1 ? 232 : 240;
 static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 168 * kThreads, "setmaxnreg: more than the launch gave");
-using SmemLayoutKBox = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape<Int<kBox>, _64>{}));
-using SmemLayoutVtBox = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Elem>{}, Shape<_64, Int<kBox>>{}));
+using SmemLayoutKBox = decltype(tile_to_shape(AtomK{}, Shape<Int<kBox>, DimBlock>{}));
+using SmemLayoutVtBox = decltype(tile_to_shape(AtomMN{}, Shape<DimBlock, Int<kBox>>{}));
 using AtomQK = decltype(GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<kKv>, D>>());
 using AtomPV = decltype(GMMA::rs_op_selector<Elem, Elem, float, Shape<_64, D, Int<kKv>>, GMMA::Major::K,
                                              GMMA::Major::MN>());
@@ -83,7 +96,7 @@ struct SharedStorage {
   cute::array_aligned<Elem, cosize_v<SmemLayoutQ>, 1024> q;
   cute::array_aligned<Elem, cosize_v<SmemLayoutK>, 1024> k;
   cute::array_aligned<Elem, cosize_v<SmemLayoutVt>, 1024> v;
-  cute::array_aligned<Elem, cosize_v<SmemLayoutO>, 1024> o;
+  cute::array_aligned<Elem, kChunkedO ? kRows * kOPitch : cosize_v<SmemLayoutO>, 1024> o;
   typename Pipeline::SharedStorage pipe_k, pipe_v;
   alignas(8) uint64_t q_full, q_empty;
   int tile;  // the work tile whose Q q_full announces (work: none left)
@@ -102,8 +115,12 @@ struct Args {
   const void* kv_block_start;  // its first page's entry in kv_indices (int64 where kv_block_start_int64, else int32)
   const int* kv_indices;      // the pages
   int* counter;               // the tile counter (zeroed before the launch)
+  int* error_flags;           // paged: bit 1 a page id outside [0, num_pages), bit 2 an entry past kv_indices (or null)
+  int64_t num_kv_indices;     // paged: kv_indices' entries
   int kv_block_start_int64, batch, max_q_len, heads, kv_heads, total_q, total_kv, num_pages, section;
+  int window_left;  // >= 0: a query at position p sees keys from p - window_left on (a sliding window); -1: all
   float sm_scale;
+  float softcap;  // kSoftCap: the cap (> 0)
 };
 
 template <class TmaQ, class TmaK, class TmaV>
@@ -125,6 +142,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
   // alike), then the pair. False where the request has no such query tile (the producer skips it).
   struct Tile {
     int qtile, head, b, q_begin, q_len, kv_begin, kv_len, ntiles;  // kv_begin: paged, the first page's entry
+    int n_lo;  // the first KV tile the tile's rows see (a sliding window), else 0: tiles n_lo .. ntiles - 1 run
   };
   auto coords = [&](int t, Tile& w) -> bool {
     const int sec = t / (section * max_qtiles), r = t - sec * section * max_qtiles;
@@ -148,12 +166,13 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
     const int last_row = min(w.q_len, (w.qtile + 1) * kRows) - 1;
     const int kv_end = kCausal ? min(w.kv_len, w.kv_len - w.q_len + last_row + 1) : w.kv_len;
     w.ntiles = (kv_end + kKv - 1) / kKv;
+    // the first row's lowest key (a window)
+    w.n_lo = a.window_left >= 0 ? max(0, w.kv_len - w.q_len + w.qtile * kRows - a.window_left) / kKv : 0;
     return true;
   };
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), SmemLayoutK{});
   Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), SmemLayoutVt{});
-  Tensor sO = make_tensor(make_smem_ptr(ss.o.data()), SmemLayoutO{});
 
   typename Pipeline::Params pp;
   pp.transaction_bytes = kTileBytes;
@@ -203,12 +222,22 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
                                make_coord(w.qtile, 0));                                                    // (128, D)
         // paged: box j of KV tile n is the request's page (n x 128 + j x kBox) / kPage (its last page past the end),
         // at slot (n x 128 + j x kBox) % kPage; each page id loaded just before its box (an array of them spilled)
+        // A bad BSR is flagged (fi_backend's ErrorBits) and never read past: an entry outside kv_indices or a page id
+        // outside the cache becomes page num_pages, past the TMA map's end, whose boxes TMA fills with zeros
         auto load_boxes = [&](int n, auto&& issue) {
           const int last = (w.kv_len - 1) / max(kPage, 1);
           CUTE_UNROLL
-          for (int jj = 0; jj < kBoxes; ++jj)
-            issue(jj, __ldg(a.kv_indices + w.kv_begin + min((n * kKv + jj * kBox) / max(kPage, 1), last)),
-                  (n * kKv + jj * kBox) % max(kPage, 1));
+          for (int jj = 0; jj < kBoxes; ++jj) {
+            const int64_t e = (int64_t)w.kv_begin + min((n * kKv + jj * kBox) / max(kPage, 1), last);
+            int page = a.num_pages, bad = 2;
+            if (e >= 0 && e < a.num_kv_indices) {
+              page = __ldg(a.kv_indices + e);
+              bad = (unsigned)page < (unsigned)a.num_pages ? 0 : 1;
+              if (bad) page = a.num_pages;
+            }
+            if (bad && a.error_flags != nullptr) atomicOr(a.error_flags, bad);
+            issue(jj, page, (n * kKv + jj * kBox) % max(kPage, 1));
+          }
         };
         auto [tQg, tQs] = tma_partition(tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
         // KV tile n into stage st: one TMA copy (ragged), or a box a page and 64-dim block (paged; boxes past the
@@ -223,9 +252,10 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
           } else {
             load_boxes(n, [&](int j, int page, int slot0) {
               CUTE_UNROLL
-              for (int c = 0; c < kHeadDim / 64; ++c) {
-                Tensor g = local_tile(mK(_, _, kv_head, page), Shape<Int<kBox>, _64>{}, make_coord(slot0 / kBox, c));
-                Tensor sb = local_tile(sK(_, _, stage), Shape<Int<kBox>, _64>{}, make_coord(j, c));
+              for (int c = 0; c < kHeadDim / kDimBlock; ++c) {
+                Tensor g = local_tile(mK(_, _, kv_head, page), Shape<Int<kBox>, DimBlock>{},
+                                      make_coord(slot0 / kBox, c));
+                Tensor sb = local_tile(sK(_, _, stage), Shape<Int<kBox>, DimBlock>{}, make_coord(j, c));
                 auto [tg, ts] = tma_partition(tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sb),
                                               group_modes<0, 2>(g));
                 copy(tma_k.with(*bar), tg, ts);
@@ -243,9 +273,10 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
           } else {
             load_boxes(n, [&](int j, int page, int slot0) {
               CUTE_UNROLL
-              for (int c = 0; c < kHeadDim / 64; ++c) {
-                Tensor g = local_tile(mVt(_, _, kv_head, page), Shape<_64, Int<kBox>>{}, make_coord(c, slot0 / kBox));
-                Tensor sb = local_tile(sVt(_, _, stage), Shape<_64, Int<kBox>>{}, make_coord(c, j));
+              for (int c = 0; c < kHeadDim / kDimBlock; ++c) {
+                Tensor g = local_tile(mVt(_, _, kv_head, page), Shape<DimBlock, Int<kBox>>{},
+                                      make_coord(c, slot0 / kBox));
+                Tensor sb = local_tile(sVt(_, _, stage), Shape<DimBlock, Int<kBox>>{}, make_coord(c, j));
                 auto [tg, ts] = tma_partition(tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sb),
                                               group_modes<0, 2>(g));
                 copy(tma_v.with(*bar), tg, ts);
@@ -253,7 +284,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
             });
           }
         };
-        for (int n = w.ntiles - 1; n >= 0; --n) {  // the consumers' order: the diagonal first
+        for (int n = w.ntiles - 1; n >= w.n_lo; --n) {  // the consumers' order: the diagonal first
           pipe_k.producer_acquire(st);
           load_k(n, st.index(), pipe_k.producer_get_barrier(st));
           if (n == w.ntiles - 1) {  // Q after the first K: that K may land while the last tile's S still runs
@@ -288,7 +319,9 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
   Tensor tP = thr_pv.partition_fragment_A(make_tensor(make_smem_ptr(ss.q.data()), Shape<Int<kRows>, Int<kKv>>{}));
   static_assert(decltype(size(tS))::value == decltype(size(tP))::value, "P: S's accumulators in their order");
   float mx[2] = {-INFINITY, -INFINITY}, sum[2] = {0.f, 0.f};  // reset per work tile below
-  const float sm_scale = a.sm_scale, scale2 = sm_scale * kLog2e;
+  // soft-cap: S becomes the capped logits (sm_scale applied), the softmax's scale is then 1
+  const float sm_scale = a.sm_scale, scale2 = kSoftCap ? kLog2e : sm_scale * kLog2e;
+  const float lse_scale = kSoftCap ? 1.f : sm_scale, cap_in = kSoftCap ? sm_scale / a.softcap : 0.f;
 
   const int wg = ctid / 128;
   auto turn_begin = [&]() {  // ping-pong: wait for this warpgroup's turn to issue MMAs
@@ -318,18 +351,27 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
     for (int kb = 0; kb < size<2>(tP); ++kb) cute::gemm(mma_pv, tP(_, _, kb), tVt(_, _, kb, stage), tO);
     warpgroup_commit_batch();
   };
-  // KV tile n of work tile w needs a mask where it holds keys past the request's KV or, causal, past its first row's
-  // limit (then some row's); the mask: key >= kv_len, or key > kv_len - q_len + the row's query index
+  // KV tile n of work tile w needs a mask where it holds keys past the request's KV, causal past its first row's limit
+  // (then some row's), or below its last row's window (then some row's); the mask: key >= kv_len, key > the row's
+  // position kv_len - q_len + its query index (causal), key < that position - window_left (a window)
   auto needs_mask = [&](const Tile& w, int n) {
-    const int end = (n + 1) * kKv;
-    return end > w.kv_len || (kCausal && end - 1 > w.kv_len - w.q_len + w.qtile * kRows);
+    const int end = (n + 1) * kKv, pos0 = w.kv_len - w.q_len + w.qtile * kRows;
+    return end > w.kv_len || (kCausal && end - 1 > pos0) ||
+           (a.window_left >= 0 && n * kKv < pos0 + min(kRows, w.q_len - w.qtile * kRows) - 1 - a.window_left);
   };
   auto mask_tile = [&](const Tile& w, int n) {
-    const int key0 = n * kKv + (lane & 3) * 2, limit0 = w.kv_len - w.q_len + w.qtile * kRows + row0;
+    const int key0 = n * kKv + (lane & 3) * 2, pos0 = w.kv_len - w.q_len + w.qtile * kRows + row0;
+    const int window = a.window_left;
     CUTE_UNROLL
     for (int i = 0; i < size(tS); ++i) {
-      const int key = key0 + (i >> 2) * 8 + (i & 1);
-      if (key >= w.kv_len || (kCausal && key > limit0 + 8 * ((i >> 1) & 1))) tS(i) = -INFINITY;
+      const int key = key0 + (i >> 2) * 8 + (i & 1), pos = pos0 + 8 * ((i >> 1) & 1);
+      if (key >= w.kv_len || (kCausal && key > pos) || (window >= 0 && key < pos - window)) tS(i) = -INFINITY;
+    }
+  };
+  auto soft_cap = [&]() {  // before the mask: a masked logit stays -inf
+    if constexpr (kSoftCap) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(tS); ++i) tS(i) = a.softcap * fi::tanh_fast(tS(i) * cap_in);
     }
   };
   // The online softmax of S in place (S becomes the tile's probabilities); alpha rescales what O and the sums held.
@@ -370,12 +412,13 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
     if constexpr (kPage != 0) {
       const int valid = w.kv_len - n * kKv;
       if (valid >= kKv) return;
-      // a token's 64 dims of a 64-dim block are one 128-byte row at (block x 128 + token) x 128 bytes of the stage
-      // (tokens first; the swizzle permutes 16-byte chunks within the row): zeroed 16 bytes at a time
+      // a token's dims of a dim block are one row of kDimBlock x 2 bytes, row (block x kKv + token) of the stage
+      // (tokens first; the swizzle permutes 16-byte chunks within a row): zeroed 16 bytes at a time
+      constexpr int kRowChunks = kDimBlock / 8;
       uint4* stage_v = reinterpret_cast<uint4*>(ss.v.data() + stage * kHeadDim * kKv);
       CUTE_UNROLL
-      for (int i = ctid; i < kHeadDim / 64 * kKv * 8; i += kConsumers)
-        if ((i / 8) % kKv >= valid) stage_v[i] = make_uint4(0, 0, 0, 0);
+      for (int i = ctid; i < kHeadDim / 8 * kKv; i += kConsumers)
+        if ((i / kRowChunks) % kKv >= valid) stage_v[i] = make_uint4(0, 0, 0, 0);
       cutlass::arch::fence_view_async_shared();  // the generic stores, before the async proxy's MMA reads
       cutlass::arch::NamedBarrier::sync(kConsumers, kTailBarrier);
     }
@@ -406,12 +449,13 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
       warpgroup_wait<0>();
       warpgroup_fence_operand(tS);
       pipe_k.consumer_release(st);
+      soft_cap();
       if (needs_mask(w, ntiles - 1)) mask_tile(w, ntiles - 1);
       softmax(alpha);
       to_p();
       PipelineState prev = st;
       ++st;
-      for (int n = ntiles - 2; n >= 0; --n) {
+      for (int n = ntiles - 2; n >= w.n_lo; --n) {
         pipe_k.consumer_wait(st);
         pipe_v.consumer_wait(prev);
         if (n == ntiles - 2) zero_v_tail(w, ntiles - 1, prev.index());
@@ -422,7 +466,8 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
         warpgroup_wait<1>();  // S of this tile; the previous tile's P.V still in flight
         warpgroup_fence_operand(tS);
         pipe_k.consumer_release(st);
-        if (needs_mask(w, n)) mask_tile(w, n);  // the second of a causal limit's two tiles
+        soft_cap();
+        if (needs_mask(w, n)) mask_tile(w, n);  // the second of a causal limit's two tiles, or a window's
         softmax(alpha);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tO);
@@ -433,18 +478,19 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
         ++st;
       }
       pipe_v.consumer_wait(prev);  // the last tile's P.V, outside the turns (as FlashAttention-3's)
-      if (ntiles == 1) zero_v_tail(w, 0, prev.index());
+      if (ntiles - 1 == w.n_lo) zero_v_tail(w, ntiles - 1, prev.index());  // the one tile run
       issue_pv(prev.index());
       warpgroup_wait<0>();
       warpgroup_fence_operand(tO);
       pipe_v.consumer_release(prev);
     } else {
-      for (int n = ntiles - 1; n >= 0; --n, ++st) {
+      for (int n = ntiles - 1; n >= w.n_lo; --n, ++st) {
         pipe_k.consumer_wait(st);
         issue_qk(st.index());
         warpgroup_wait<0>();
         warpgroup_fence_operand(tS);
         pipe_k.consumer_release(st);
+        soft_cap();
         if (needs_mask(w, n)) mask_tile(w, n);
         softmax(alpha);
         rescale_o(alpha);
@@ -468,25 +514,50 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
     // (rows past the request's end not stored: they are the next request's)
     const int64_t token0 = (int64_t)w.q_begin + w.qtile * kRows;
     const int rows = min(kRows, w.q_len - w.qtile * kRows);  // the request's rows in this tile
-    cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + wg);  // the last tile's rows read out of sO
-    Tensor tOs = thr_pv.partition_C(sO);
     const float inv[2] = {1.f / sum[0], 1.f / sum[1]};
-    CUTE_UNROLL
-    for (int i = 0; i < size(tO); ++i) tOs(i) = Elem(tO(i) * inv[(i >> 1) & 1]);
-    cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + wg);
-    constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks a row
-    CUTE_UNROLL
-    for (int i = 0; i < 64 * kChunks / 128; ++i) {
-      const int c = ctid % 128 + 128 * i, r = wg * 64 + c / kChunks, col = (c % kChunks) * 8;
-      if (r < rows)
-        *reinterpret_cast<uint4*>(a.o + (token0 + r) * a.o_stride_row + w.head * a.o_stride_head + col) =
-            *reinterpret_cast<const uint4*>(&sO(r, col));
+    Elem* o_tile = a.o + token0 * a.o_stride_row + w.head * a.o_stride_head;
+    if constexpr (!kChunkedO) {
+      Tensor sO = make_tensor(make_smem_ptr(ss.o.data()), SmemLayoutO{});
+      cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + wg);  // the last tile's rows read out of sO
+      Tensor tOs = thr_pv.partition_C(sO);
+      CUTE_UNROLL
+      for (int i = 0; i < size(tO); ++i) tOs(i) = Elem(tO(i) * inv[(i >> 1) & 1]);
+      cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + wg);
+      constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks a row
+      CUTE_UNROLL
+      for (int i = 0; i < 64 * kChunks / 128; ++i) {
+        const int c = ctid % 128 + 128 * i, r = wg * 64 + c / kChunks, col = (c % kChunks) * 8;
+        if (r < rows)
+          *reinterpret_cast<uint4*>(o_tile + r * a.o_stride_row + col) = *reinterpret_cast<const uint4*>(&sO(r, col));
+      }
+    } else {
+      // 64 dims at a time: value i of the accumulator is row row0 + 8 ((i >> 1) & 1), dim (i >> 2) x 8 + (lane & 3)
+      // x 2 + (i & 1) (the layout mask_tile reads S by), so dims [64 c, 64 c + 64) are values [32 c, 32 c + 32)
+      Elem* so = ss.o.data();
+      CUTE_UNROLL
+      for (int c = 0; c < kHeadDim / 64; ++c) {
+        cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + wg);  // the last chunk's rows read out
+        CUTE_UNROLL
+        for (int i = 32 * c; i < 32 * c + 32; i += 2) {
+          const int r = row0 + 8 * ((i >> 1) & 1), col = ((i >> 2) & 7) * 8 + (lane & 3) * 2;
+          *reinterpret_cast<uint32_t*>(so + r * kOPitch + col) =
+              ptx::pack2<kBf16>(tO(i) * inv[(i >> 1) & 1], tO(i + 1) * inv[(i >> 1) & 1]);
+        }
+        cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + wg);
+        CUTE_UNROLL
+        for (int k = 0; k < 64 * 8 / 128; ++k) {  // 64 rows x 8 16-byte chunks
+          const int q = ctid % 128 + 128 * k, r = wg * 64 + q / 8, col = (q % 8) * 8;
+          if (r < rows)
+            *reinterpret_cast<uint4*>(o_tile + r * a.o_stride_row + 64 * c + col) =
+                *reinterpret_cast<const uint4*>(so + r * kOPitch + col);
+        }
+      }
     }
     if (a.lse != nullptr && (lane & 3) == 0) {
       CUTE_UNROLL
       for (int h = 0; h < 2; ++h)
         if (row0 + 8 * h < rows)
-          a.lse[(token0 + row0 + 8 * h) * a.lse_stride_row + w.head] = mx[h] * sm_scale + logf(sum[h]);
+          a.lse[(token0 + row0 + 8 * h) * a.lse_stride_row + w.head] = mx[h] * lse_scale + logf(sum[h]);
     }
   }
 }
@@ -545,31 +616,35 @@ FI_EXPORT int fi_cute_attn_ws(const void* q, const void* k, const void* v, void*
   auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, take<0, 2>(SmemLayoutK{}));
   auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gVt, take<0, 2>(SmemLayoutVt{}));
   Args a{static_cast<Elem*>(o), (int64_t)H * kHeadDim, kHeadDim, lse, H, qo_indptr, kv_indptr, nullptr, nullptr,
-         nullptr, counter, 0, (int)batch, (int)max_q_len, H, Hkv, tq, tkv, 0, 0, sm_scale};
+         nullptr, counter, nullptr, 0, 0, (int)batch, (int)max_q_len, H, Hkv, tq, tkv, 0, 0, -1, sm_scale, 0.f};
   return launch(tma_q, tma_k, tma_v, a, l2_section_bytes, stream);
 }
 #else
 // The BSR (fi_backend.formats.BSR) over a paged cache: K / V pages at k / v + page x kv_stride_block + slot x
 // kv_stride_token + kv_head x kv_stride_head (elements; vLLM's [blocks, 2, block_size, kv_heads, D] and the HND
-// layouts alike), request b's KV length kv_lens[b] and pages kv_indices[kv_block_start[b] ..]. q / o / lse by their
-// strides (16-byte multiples; lse may be null). Refused with kCaptureRefused into a capturing stream: the launch
+// layouts alike), request b's KV length kv_lens[b] and pages kv_indices[kv_block_start[b] ..] (num_kv_indices
+// entries; error_flags, may be null, gets fi_backend's bits for a bad BSR). q / o / lse by their strides (16-byte
+// multiples; lse may be null). Refused with kCaptureRefused into a capturing stream: the launch
 // holds the step's sizes, which a graph replaying other steps would keep.
 constexpr int kCaptureRefused = -2;
 FI_EXPORT int fi_cute_attn_bsr(const void* q, void* o, float* lse, const void* k, const void* v, const int* qo_indptr,
                                const int* kv_lens, const int* kv_indices, const void* kv_block_start, int* counter,
-                               int64_t q_stride_row, int64_t q_stride_head, int64_t o_stride_row,
-                               int64_t o_stride_head, int64_t lse_stride_row, int64_t kv_stride_block,
+                               int* error_flags, int64_t num_kv_indices, int64_t q_stride_row,
+                               int64_t q_stride_head, int64_t o_stride_row, int64_t o_stride_head,
+                               int64_t lse_stride_row, int64_t kv_stride_block,
                                int64_t kv_stride_token, int64_t kv_stride_head, int64_t num_kv_blocks,
                                int64_t kv_block_start_int64, int64_t batch, int64_t max_q_len, int64_t heads,
                                int64_t kv_heads, int64_t total_q, int64_t total_kv, int64_t l2_section_bytes,
-                               float sm_scale, void* stream) {
+                               int64_t window_left, float sm_scale, float softcap, void* stream) {
   using namespace fi::cute_probe;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   cudaError_t e = cudaStreamIsCapturing((cudaStream_t)stream, &capture);
   if (e != cudaSuccess) return (int)e;
   if (capture != cudaStreamCaptureStatusNone) return kCaptureRefused;
   if (batch <= 0 || max_q_len <= 0) return 0;
-  if (kv_heads <= 0 || heads % kv_heads || total_q <= 0 || num_kv_blocks <= 0) return (int)cudaErrorInvalidValue;
+  if (kv_heads <= 0 || heads % kv_heads || total_q <= 0 || num_kv_blocks <= 0 || window_left < -1 ||
+      window_left >= (1ll << 31) || (kSoftCap && !(softcap > 0.f)))
+    return (int)cudaErrorInvalidValue;
   const int H = (int)heads, Hkv = (int)kv_heads, tq = (int)total_q, nb = (int)num_kv_blocks;
   Tensor gQ = make_tensor(make_gmem_ptr(static_cast<const Elem*>(q)), make_shape(tq, D{}, H),
                           make_stride(q_stride_row, _1{}, q_stride_head));
@@ -581,8 +656,8 @@ FI_EXPORT int fi_cute_attn_bsr(const void* q, void* o, float* lse, const void* k
   auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, SmemLayoutKBox{});
   auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gVt, SmemLayoutVtBox{});
   Args a{static_cast<Elem*>(o), o_stride_row, o_stride_head, lse, lse_stride_row, qo_indptr, nullptr, kv_lens,
-         kv_block_start, kv_indices, counter, (int)kv_block_start_int64, (int)batch, (int)max_q_len, H, Hkv, tq,
-         (int)total_kv, nb, 0, sm_scale};
+         kv_block_start, kv_indices, counter, error_flags, num_kv_indices, (int)kv_block_start_int64, (int)batch,
+         (int)max_q_len, H, Hkv, tq, (int)total_kv, nb, 0, (int)window_left, sm_scale, softcap};
   return launch(tma_q, tma_k, tma_v, a, l2_section_bytes, stream);
 }
 #endif
