@@ -190,7 +190,7 @@ class AppendCase:
 
 # ------------------------------------------------------------------------------------------ implementations
 
-def ours_fn(case, *, paged=None, variant=None, params=None, tuning=None, num_ctas=None):
+def ours_fn(case, *, paged=None, variant=None, params=None, tuning=None, num_ctas=None, causal=True):
     """(fn, out, info): our prefill kernel (kernel="prefill") on a Case (ragged KV unless `paged`, a Paged) or an
     AppendCase (paged = case.pool); tuning: one kernel shape instead of the tile family; num_ctas: CTAs of the grid
     (default: the recommended count)."""
@@ -214,7 +214,7 @@ def ours_fn(case, *, paged=None, variant=None, params=None, tuning=None, num_cta
     attn = BatchAttention(ws, case.hq, case.hkv, case.d, q_dtype=DTYPE, kv_dtype=DTYPE, page_size=page_size,
                           kv_layout="NHD", variant=variant, kernel="prefill", tuning=tuning)
     t0 = time.perf_counter()
-    attn.plan(case.indptr, case.lens, bsr, causal=True, **(params or {}))
+    attn.plan(case.indptr, case.lens, bsr, causal=causal, **(params or {}))
     plan_ms = (time.perf_counter() - t0) * 1e3
     out = torch.empty_like(case.q)
 
@@ -235,9 +235,9 @@ class FlashInferRagged:
         self.w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self.buf, "NHD", backend=backend)
         self.first_call_s = None
 
-    def fn(self, case: Case):
+    def fn(self, case: Case, causal=True):
         t0 = time.perf_counter()
-        self.w.plan(case.indptr, case.indptr, case.hq, case.hkv, case.d, causal=True, q_data_type=DTYPE,
+        self.w.plan(case.indptr, case.indptr, case.hq, case.hkv, case.d, causal=causal, q_data_type=DTYPE,
                     kv_data_type=DTYPE)
         out = torch.empty_like(case.q)
 
@@ -288,13 +288,13 @@ def vllm_fa3():
     return flash_attn_varlen_func, None
 
 
-def vllm_fn(func, case: Case):
+def vllm_fn(func, case: Case, causal=True):
     out = torch.empty_like(case.q)
     scale = 1.0 / math.sqrt(case.d)
 
     def fn():
         func(case.q, case.k, case.v, max_seqlen_q=case.seq_len, cu_seqlens_q=case.indptr_dev,
-             max_seqlen_k=case.seq_len, cu_seqlens_k=case.indptr_dev, softmax_scale=scale, causal=True, out=out,
+             max_seqlen_k=case.seq_len, cu_seqlens_k=case.indptr_dev, softmax_scale=scale, causal=causal, out=out,
              fa_version=3)
     return fn, out
 

@@ -73,7 +73,11 @@ PREFILL_CONFIGS = (
 )
 PREFILL_SHAPES = ((4, 4096),)
 BARS = {"decode_ratio_min": 0.98, "prefill_over_group4_min": 0.95, "prefill_over_fi_fa2_min": 1.1,
-        "prefill_d96_over_vllm_fa3_min": 0.9}
+        "prefill_d96_over_vllm_fa3_min": 0.9,
+        # issue 30: ours over vLLM FA3 by head_dim, causal and full masks
+        "prefill_over_vllm_fa3_min": {128: 1.0, 64: 0.95, 256: 0.95}}
+PREFILL_MASKS = ("causal", "full")
+FI_PREFILL_BACKENDS = ("fa2", "fa3")
 MAX_REL_DIFF = 2e-2
 SECTIONS = ("decode", "prefill")
 _failures: list = []
@@ -207,6 +211,7 @@ def add_group_ratios(rows):
     """Each prefill row's ours TFLOP/s over group 4's (32/8 heads) of the same shape: at the same head_dim when
     that row exists, else at head_dim 128 (named in group4_ref). Bars only at head_dim 128 (not on group 4)."""
     ref = {}
+    rows = [r for r in rows if r.get("mask", "causal") == "causal"]   # the group bars are on causal rows
     for r in rows:
         if r["num_qo_heads"] == 32 and r["num_kv_heads"] == 8 and r.get("ours_tflops"):
             ref[(r["batch"], r["seq_len"], r["head_dim"])] = r["ours_tflops"]
@@ -245,12 +250,13 @@ def estimate(a) -> dict:
     if "prefill" in a.section_list:
         shapes = parse_shapes(a.prefill_shapes) if a.prefill_shapes else list(PREFILL_SHAPES)
         for c in prefill_configs(parse_configs(a.configs), parse_configs(a.prefill_configs)):
-            impls = 1 + (not a.no_flashinfer and fi_supports(c["head_dim"], a.fi_head_dims)) + (not a.no_vllm)
+            impls = (1 + (not a.no_flashinfer and fi_supports(c["head_dim"], a.fi_head_dims)) * len(a.fi_prefill_list)
+                     + (not a.no_vllm))
             for b, s in shapes:
                 cell = {"section": "prefill", "variant": "causal", "batch": b, "seq_len": s,
                         "num_qo_heads": c["num_qo_heads"], "num_kv_heads": c["num_kv_heads"], "head_dim": c["head_dim"]}
-                total += K.estimate_cell_s(cell, a.rounds, a.rep, impls, flex=False)
-        jit += 0.0 if a.no_flashinfer else K.EST_JIT_S["flashinfer_fa2"]
+                total += K.estimate_cell_s(cell, a.rounds, a.rep, impls, flex=False) * len(a.prefill_mask_list)
+        jit += 0.0 if a.no_flashinfer else K.EST_JIT_S["flashinfer_fa2"] * len(a.fi_prefill_list)
     return {"timing_s": total, "jit_s": jit, "total_s": total + jit}
 
 
@@ -259,7 +265,7 @@ def decode_row_key(r):
 
 
 def prefill_row_key(r):
-    return (r["num_qo_heads"], r["num_kv_heads"], r["head_dim"], r["batch"], r["seq_len"])
+    return (r["num_qo_heads"], r["num_kv_heads"], r["head_dim"], r["batch"], r["seq_len"], r.get("mask", "causal"))
 
 
 def merge_results(old: dict, new: dict) -> dict:
@@ -303,18 +309,19 @@ def summarize(results: dict) -> dict:
         rows = results["prefill"]["rows"]
         fails = []
         for r in rows:
-            tag = f"{r['config']} {r['batch']}x{r['seq_len']}"
+            tag = f"{r['config']} {r['batch']}x{r['seq_len']} {r.get('mask', 'causal')}"
             if r.get("bar_group4_met") is False:
                 fails.append(f"{tag}: {r['over_group4']:.3f} of group 4")
             if r.get("bar_fi_fa2_met") is False:
                 fails.append(f"{tag}: {r['ratio_fi_fa2']:.3f}x FlashInfer FA2")
-            if r.get("bar_vllm_fa3_met") is False:
+            if r.get("bar_vllm_fa3_met") is False or r.get("bar_fa3_class_met") is False:
                 fails.append(f"{tag}: {r['ratio_vllm_fa3']:.3f} of vLLM FA3")
         results["prefill"]["summary"] = {
             "rows": len(rows), "bars_missed": fails,
             "bar": (f"head_dim 128: >= {BARS['prefill_over_group4_min']} of group 4's TFLOP/s and >= "
                     f"{BARS['prefill_over_fi_fa2_min']}x FlashInfer FA2; head_dim 96: >= "
-                    f"{BARS['prefill_d96_over_vllm_fa3_min']} of vLLM FA3's TFLOP/s (when importable)")}
+                    f"{BARS['prefill_d96_over_vllm_fa3_min']} of vLLM FA3's TFLOP/s (when importable); issue 30, both "
+                    f"masks: ours / vLLM FA3 >= {BARS['prefill_over_vllm_fa3_min']} by head_dim")}
     return results
 
 
@@ -525,60 +532,65 @@ def decode_section(a, with_fi, fi_reason) -> dict:
 
 # ------------------------------------------------------------------------------------------------ prefill (GPU)
 
-def sdpa_reference_check(case, out, label) -> dict:
-    """ours' request 0 against torch SDPA (causal, bf16) on the same q / k / v."""
+def sdpa_reference_check(case, out, label, causal=True) -> dict:
+    """ours' request 0 against torch SDPA (bf16) on the same q / k / v."""
     from perf.common import diff_stats
     s, g = case.seq_len, case.hq // case.hkv
     q = case.q[:s].transpose(0, 1).unsqueeze(0)
     k = case.k[:s].repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)
     v = case.v[:s].repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0)
-    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)[0].transpose(0, 1)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)[0].transpose(0, 1)
     return _check(label, diff_stats(out[:s], ref))
 
 
-def prefill_cell(a, cfg, b, s, fa2, vfunc, fa2_broken: dict) -> dict:
-    """One prefill row: ours, FlashInfer FA2 (fa2 not None, head_dim in --fi-head-dims and not broken) and vLLM
-    FA3 (vfunc not None) in alternating rounds on the same q / k / v. fa2_broken: head_dim -> why FA2 failed there
-    (filled here; a failed JIT build is not retried)."""
+def prefill_cell(a, cfg, b, s, fis: dict, vfunc, fi_broken: dict, mask: str = "causal") -> dict:
+    """One prefill row: ours, FlashInfer's ragged wrappers (fis: backend -> FlashInferRagged; head_dim in
+    --fi-head-dims and not broken) and vLLM FA3 (vfunc not None) in alternating rounds on the same q / k / v, with
+    the mask (causal or full). fi_broken: (backend, head_dim) -> why it failed there (filled here; a failed JIT
+    build is not retried)."""
     from perf.common import diff_stats, time_rounds
     from fi_backend import env
     from perf.prefill import Case, Paged, attention_flops, ours_fn, tflops, unmasked_pairs, vllm_fn
     hq, hkv, d, key = cfg["num_qo_heads"], cfg["num_kv_heads"], cfg["head_dim"], cfg["config"]
-    label = f"prefill {key} {b}x{s}"
+    causal = mask == "causal"
+    label = f"prefill {key} {b}x{s} {mask}"
     case = Case(b, s, hq, hkv, d, seed=s + 31 * hq + hkv + d)
-    flops = attention_flops(b * unmasked_pairs(s, s), hq, d)
+    flops = attention_flops(b * unmasked_pairs(s, s, causal=causal), hq, d)
     # --prefill-page P: ours reads the same K / V from pages of P tokens in random order (an engine's cache), so
     # the prefill family's CuTe member runs where it applies; then the tile family alone too (ours_family)
     paged = Paged(case, a.prefill_page) if getattr(a, "prefill_page", 0) else None
-    fn, out, info = ours_fn(case, paged=paged)
+    fn, out, info = ours_fn(case, paged=paged, causal=causal)
     fn()
     torch.cuda.synchronize()
-    r = {"config": key, "label": cfg["label"], **case.shape(), "group": hq // hkv, "flops": flops,
+    r = {"config": key, "label": cfg["label"], **case.shape(), "mask": mask, "group": hq // hkv, "flops": flops,
          "num_ctas": info["num_ctas"], "rows_per_tile": info["rows_per_tile"], "rounds": a.rounds,
          "page_size": paged.page_size if paged else 0, "cute_step": info["cute_step"],
          "cute_unsupported": info["cute_unsupported"]}
-    checks = {"sdpa_req0": sdpa_reference_check(case, out, f"{label} ours vs SDPA req 0")}
+    checks = {"sdpa_req0": sdpa_reference_check(case, out, f"{label} ours vs SDPA req 0", causal)}
     fns = {"ours": fn}
     if info["cute_step"]:
         with env.setting(env.PREFILL_CUTE, "0"):
-            ffn, fout, _ = ours_fn(case, paged=paged)
+            ffn, fout, _ = ours_fn(case, paged=paged, causal=causal)
         ffn()
         torch.cuda.synchronize()
         checks["ours_family"] = _check(f"{label} ours vs the tile family", diff_stats(out, fout))
         fns["ours_family"] = ffn
-    if fa2 is not None and fi_supports(d, a.fi_head_dims) and d not in fa2_broken:
+    for backend, fi in fis.items():
+        k = f"fi_{backend}"
+        if not fi_supports(d, a.fi_head_dims) or (backend, d) in fi_broken:
+            continue
         try:
-            ffn, fout = fa2.fn(case)
+            ffn, fout = fi.fn(case, causal=causal)
             ffn()
             torch.cuda.synchronize()
-            checks["fi_fa2"] = _check(f"{label} ours vs FlashInfer FA2", diff_stats(out, fout))
-            fns["fi_fa2"] = ffn
+            checks[k] = _check(f"{label} ours vs FlashInfer {backend}", diff_stats(out, fout))
+            fns[k] = ffn
         except Exception as e:
-            fa2_broken[d] = r["fi_fa2_error"] = f"{type(e).__name__}: {e}"
-            log(f"  FlashInfer FA2 failed on {label} (dropped at head_dim {d}): {r['fi_fa2_error']}")
+            fi_broken[(backend, d)] = r[f"{k}_error"] = f"{type(e).__name__}: {e}"
+            log(f"  FlashInfer {backend} failed on {label} (dropped at head_dim {d}): {r[f'{k}_error']}")
     if vfunc is not None:
         try:
-            vfn, vout = vllm_fn(vfunc, case)
+            vfn, vout = vllm_fn(vfunc, case, causal=causal)
             vfn()
             torch.cuda.synchronize()
             checks["vllm_fa3"] = _check(f"{label} ours vs vLLM FA3", diff_stats(out, vout))
@@ -589,7 +601,7 @@ def prefill_cell(a, cfg, b, s, fa2, vfunc, fa2_broken: dict) -> dict:
     for i, tuning in enumerate(getattr(a, "prefill_tuning_list", [])):   # other kernel shapes, same rounds
         k = f"ours_t{i}"
         try:
-            tfn, tout, _ = ours_fn(case, tuning=tuning)
+            tfn, tout, _ = ours_fn(case, tuning=tuning, causal=causal)
             tfn()
             torch.cuda.synchronize()
             checks[k] = _check(f"{label} ours vs tuning {tuning}", diff_stats(out, tout))
@@ -604,7 +616,7 @@ def prefill_cell(a, cfg, b, s, fa2, vfunc, fa2_broken: dict) -> dict:
     r["ours_us"] = statistics.median(times["ours"])
     r["ours_tflops"] = tflops(flops, r["ours_us"])
     msg = f"  prefill {key:>10} {b}x{s}: ours {r['ours_us']:8.1f} us {r['ours_tflops']:5.0f} TF/s"
-    for k in ("fi_fa2", "vllm_fa3", "ours_family"):
+    for k in ("fi_fa2", "fi_fa3", "vllm_fa3", "ours_family"):
         if k not in times:
             continue
         r[f"{k}_us_rounds"] = times[k]
@@ -616,12 +628,16 @@ def prefill_cell(a, cfg, b, s, fa2, vfunc, fa2_broken: dict) -> dict:
         r[f"{k}_us"] = statistics.median(times[k])
         r[f"ratio_{k}"] = round_ratio(times["ours"], times[k])   # the tuning's speed over ours
         msg += f" | {k} {r[f'{k}_us']:8.1f} us, x{r[f'ratio_{k}']:.3f} of ours' speed"
-    if r.get("ratio_fi_fa2") is not None and d == 128:
+    if r.get("ratio_fi_fa2") is not None and d == 128 and causal:
         r["bar_fi_fa2_met"] = r["ratio_fi_fa2"] >= BARS["prefill_over_fi_fa2_min"]
         msg += "" if r["bar_fi_fa2_met"] else f" BELOW {BARS['prefill_over_fi_fa2_min']}x FA2"
     if r.get("ratio_vllm_fa3") is not None and d == 96:
         r["bar_vllm_fa3_met"] = r["ratio_vllm_fa3"] >= BARS["prefill_d96_over_vllm_fa3_min"]
         msg += "" if r["bar_vllm_fa3_met"] else f" BELOW {BARS['prefill_d96_over_vllm_fa3_min']} of FA3"
+    fa3_bar = BARS["prefill_over_vllm_fa3_min"].get(d)
+    if r.get("ratio_vllm_fa3") is not None and fa3_bar is not None and hq in (32,) and hkv in (8, 32):
+        r["bar_fa3_class_met"] = r["ratio_vllm_fa3"] >= fa3_bar
+        msg += "" if r["bar_fa3_class_met"] else f" BELOW {fa3_bar}x FA3 (issue 30)"
     log(msg)
     return r
 
@@ -631,56 +647,62 @@ def prefill_section(a, with_fi, fi_reason) -> dict:
     only = parse_configs(a.configs)
     configs = prefill_configs(only, parse_configs(a.prefill_configs))
     shapes = parse_shapes(a.prefill_shapes) if a.prefill_shapes else list(PREFILL_SHAPES)
-    fa2, broken, fa2_broken = None, {}, {}
+    fis, broken, fi_broken = {}, {}, {}
     if with_fi and any(fi_supports(c["head_dim"], a.fi_head_dims) for c in configs):
-        try:
-            fa2 = FlashInferRagged("fa2")
-        except Exception as e:
-            broken["fi_fa2"] = f"{type(e).__name__}: {e}"
-            log(f"FlashInfer FA2 ragged wrapper unavailable ({broken['fi_fa2']}): no FA2 anchor")
+        for backend in a.fi_prefill_list:
+            try:
+                fis[backend] = FlashInferRagged(backend)
+            except Exception as e:
+                broken[f"fi_{backend}"] = f"{type(e).__name__}: {e}"
+                log(f"FlashInfer {backend} ragged wrapper unavailable ({broken[f'fi_{backend}']}): no such anchor")
     vfunc, vllm_reason = (None, "skipped (--no-vllm)") if a.no_vllm else vllm_fa3()
     if vllm_reason:
         log(f"vLLM FA3 anchor unavailable: {vllm_reason}")
     rows, errors = [], []
-    n = len(configs) * len(shapes)
-    log(f"== prefill: {len(configs)} head configs x shapes {shapes} = {n} cells, {a.rounds} rounds")
-    fa2_announced = set()
+    masks = a.prefill_mask_list
+    n = len(configs) * len(shapes) * len(masks)
+    log(f"== prefill: {len(configs)} head configs x shapes {shapes} x masks {masks} = {n} cells, {a.rounds} rounds")
+    fi_announced = set()
     for (b, s) in shapes:
         for cfg in configs:
-            key, d = cfg["config"], cfg["head_dim"]
-            log(f"prefill [{len(rows) + len(errors) + 1}/{n}] {key} {cfg['label']} {b}x{s}"
-                + (f": FlashInfer FA2 JIT-compiles head_dim {d} on first use (when cold)"
-                   if fa2 is not None and fi_supports(d, a.fi_head_dims) and d not in fa2_announced else ""))
-            fa2_announced.add(d)
-            try:
-                rows.append(prefill_cell(a, cfg, b, s, fa2, vfunc, fa2_broken))
-            except Exception as e:   # recorded (the run fails at the end), the other cells still run
-                _failures.append(f"prefill {key} {b}x{s}: {type(e).__name__}: {e}")
-                log(f"  ERROR {_failures[-1]}")
-                errors.append({"config": key, "batch": b, "seq_len": s, "error": f"{type(e).__name__}: {e}"})
-            torch.cuda.empty_cache()
+            for mask in masks:
+                key, d = cfg["config"], cfg["head_dim"]
+                jit = [f"FlashInfer {x} JIT-compiles head_dim {d} on first use (when cold)" for x in fis
+                       if fi_supports(d, a.fi_head_dims) and (x, d, mask) not in fi_announced]
+                fi_announced.update((x, d, mask) for x in fis)
+                log(f"prefill [{len(rows) + len(errors) + 1}/{n}] {key} {cfg['label']} {b}x{s} {mask}"
+                    + (": " + "; ".join(jit) if jit else ""))
+                try:
+                    rows.append(prefill_cell(a, cfg, b, s, fis, vfunc, fi_broken, mask))
+                except Exception as e:   # recorded (the run fails at the end), the other cells still run
+                    _failures.append(f"prefill {key} {b}x{s} {mask}: {type(e).__name__}: {e}")
+                    log(f"  ERROR {_failures[-1]}")
+                    errors.append({"config": key, "batch": b, "seq_len": s, "mask": mask,
+                                   "error": f"{type(e).__name__}: {e}"})
+                torch.cuda.empty_cache()
     add_group_ratios(rows)
     for r in rows:
         if r.get("over_group4") is not None:
             log(f"  prefill {r['config']:>10} {r['batch']}x{r['seq_len']}: {r['over_group4']:.3f} of group 4 "
                 f"({r['group4_ref']})")
     fl = {}
-    if fa2 is not None:
-        fl["fi_fa2_first_call_s"] = fa2.first_call_s
+    for backend, fi in fis.items():
+        fl[f"fi_{backend}_first_call_s"] = fi.first_call_s
     ver = {}
     if with_fi:
         import flashinfer
         ver["flashinfer"] = flashinfer.__version__
-    broken.update({f"fi_fa2_d{d}": why for d, why in fa2_broken.items()})
+    broken.update({f"fi_{x}_d{d}": why for (x, d), why in fi_broken.items()})
     return {**_stamp(), **ver, **fl, "vllm_fa3": "available" if vfunc else vllm_reason, "anchor_errors": broken,
             "errors": errors,
             "flops": "4 * h * d * causal pairs (perf.prefill.attention_flops / unmasked_pairs), h = query heads",
-            "kv": "ours: ragged (page-1 identity BSR, perf.prefill.ours_fn); anchors: FlashInfer FA2 ragged wrapper, "
-                  "vLLM flash_attn_varlen_func(fa_version=3)",
+            "kv": (f"ours: pages of {a.prefill_page} tokens in random order (perf.prefill.Paged)" if a.prefill_page
+                   else "ours: ragged (page-1 identity BSR, perf.prefill.ours_fn)")
+                  + "; anchors: FlashInfer ragged wrappers, vLLM flash_attn_varlen_func(fa_version=3), ragged",
             "ratio": "anchor us / ours us, median of the rounds' ratios (> 1: ours faster)",
-            "anchor_fa2": ("FlashInfer BatchPrefillWithRaggedKVCacheWrapper backend fa2" if with_fi else
-                           f"none ({fi_reason})"),
-            "shapes": shapes, "rows": rows}
+            "anchor_fi": (f"FlashInfer BatchPrefillWithRaggedKVCacheWrapper backends {', '.join(fis) or 'none'}"
+                          if with_fi else f"none ({fi_reason})"),
+            "masks": list(masks), "shapes": shapes, "rows": rows}
 
 
 # ------------------------------------------------------------------------------------------------ prebuild
@@ -743,18 +765,24 @@ def write_report(json_path) -> Path:
         s = r["prefill"]
         sm = s.get("summary", {})
         lines += [f"## Prefill ({str(s.get('date', '?'))[:10]}, commit {str(s.get('commit', '?'))[:12]})", "",
-                  f"Causal bf16. TFLOP/s = {s.get('flops')}. KV: {s.get('kv')}. vLLM FA3: {s.get('vllm_fa3')}. "
-                  f"FlashInfer FA2 first plan + run {_f(s.get('fi_fa2_first_call_s'))} s. Bar: {sm.get('bar')}"
+                  f"bf16, masks {'/'.join(s.get('masks', ['causal']))}. TFLOP/s = {s.get('flops')}. KV: {s.get('kv')}. "
+                  f"vLLM FA3: {s.get('vllm_fa3')}. FlashInfer first plan + run: FA2 "
+                  f"{_f(s.get('fi_fa2_first_call_s'))} s, FA3 {_f(s.get('fi_fa3_first_call_s'))} s. "
+                  f"ours' family: the tile family alone where the CuTe member ran. Bar: {sm.get('bar')}"
                   + (": missed " + "; ".join(sm["bars_missed"]) if sm.get("bars_missed") else ": met where measured")
                   + ".", "",
-                  "| config | heads q/kv | D | batch x len | ours us | ours TF/s | over group 4 | FI FA2 TF/s | "
-                  "ours / FA2 | vLLM FA3 TF/s | ours / FA3 | rel diff vs SDPA |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| config | heads q/kv | D | batch x len | mask | ours us | ours TF/s | CuTe member | ours / family | "
+                  "over group 4 | FI FA2 TF/s | ours / FA2 | FI FA3 TF/s | ours / FI FA3 | vLLM FA3 TF/s | ours / FA3 | "
+                  "rel diff vs SDPA |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for x in s["rows"]:
             lines.append(f"| {x['label']} | {x['num_qo_heads']}/{x['num_kv_heads']} | {x['head_dim']} | "
-                         f"{x['batch']}x{x['seq_len']} | {_f(x['ours_us'])} | {_f(x['ours_tflops'], '.0f')} | "
+                         f"{x['batch']}x{x['seq_len']} | {x.get('mask', 'causal')} | {_f(x['ours_us'])} | "
+                         f"{_f(x['ours_tflops'], '.0f')} | {'yes' if x.get('cute_step') else 'no'} | "
+                         f"{_f(x.get('ratio_ours_family'), '.3f')} | "
                          f"{_f(x.get('over_group4'), '.3f')} | {_f(x.get('fi_fa2_tflops'), '.0f')} | "
-                         f"{_f(x.get('ratio_fi_fa2'), '.3f')} | {_f(x.get('vllm_fa3_tflops'), '.0f')} | "
+                         f"{_f(x.get('ratio_fi_fa2'), '.3f')} | {_f(x.get('fi_fa3_tflops'), '.0f')} | "
+                         f"{_f(x.get('ratio_fi_fa3'), '.3f')} | {_f(x.get('vllm_fa3_tflops'), '.0f')} | "
                          f"{_f(x.get('ratio_vllm_fa3'), '.3f')} | "
                          f"{_f(x.get('checks', {}).get('sdpa_req0', {}).get('rel_diff'), '.1e')} |")
         lines.append("")
@@ -785,6 +813,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help='prefill: a JSON list of kernel-shape overrides (e.g. \'[{"warps": 12, "mfrags": 1, "producer": 1}]\'), '
                          "each timed beside ours in the same rounds as ours_t<i> (ratio: its speed over ours)")
     ap.add_argument("--prefill-shapes", help="prefill batch x length, comma-separated (default 4x4096)")
+    ap.add_argument("--prefill-masks", default="causal",
+                    help=f"prefill masks, comma-separated, of {', '.join(PREFILL_MASKS)} (default causal)")
+    ap.add_argument("--fi-prefill", default="fa2",
+                    help=f"prefill: FlashInfer's ragged-wrapper backends to time, of {', '.join(FI_PREFILL_BACKENDS)} "
+                         "(default fa2; fa3 JIT-compiles about 100 s a head_dim when cold)")
     ap.add_argument("--prefill-page", type=int, default=0, metavar="P",
                     help="prefill: ours reads K / V from pages of P tokens in random order (0: ragged, the default), "
                          "so the CuTe member runs where it applies; then the tile family alone too (ours_family)")
@@ -798,6 +831,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="add this run's rows to perf/results/<name>.json instead of replacing it")
     ap.add_argument("--report", metavar="JSON", help="only write the markdown table of a results JSON")
     return ap
+
+
+def _choices(flag, text, accepted):
+    """A comma-separated option's values, each one of accepted (ValueError naming the flag otherwise)."""
+    vals = [x for x in text.split(",") if x]
+    bad = [x for x in vals if x not in accepted]
+    if bad or not vals:
+        raise ValueError(f"{flag}: {bad or 'none given'}; accepted: {', '.join(accepted)}")
+    return vals
 
 
 def resolve_args(argv=None):
@@ -817,6 +859,8 @@ def resolve_args(argv=None):
             parse_shapes(a.prefill_shapes)
         a.fi_head_dims = tuple(parse_ints(a.fi_head_dims))
         a.prefill_tuning_list = parse_tunings(a.prefill_tunings)
+        a.prefill_mask_list = _choices("--prefill-masks", a.prefill_masks, PREFILL_MASKS)
+        a.fi_prefill_list = _choices("--fi-prefill", a.fi_prefill, FI_PREFILL_BACKENDS)
         if a.pages:
             parse_ints(a.pages)
     except ValueError as e:

@@ -236,12 +236,13 @@ def test_main_flow_with_fakes(tmp_path, monkeypatch, capsys):
     def fake_rounds(fns, rounds, rep, on_round=None):
         for f in fns.values():
             f()
-        speed = {"ours": 100.0, "fi": 101.0, "fi_fa2": 125.0, "vllm_fa3": 95.0, "ours_t0": 80.0, "ours_family": 110.0}
+        speed = {"ours": 100.0, "fi": 101.0, "fi_fa2": 125.0, "fi_fa3": 90.0, "vllm_fa3": 95.0, "ours_t0": 80.0,
+                 "ours_family": 110.0}
         return {k: [speed[k]] * rounds for k in fns}
 
     real_case = pf.Case
 
-    def sdpa_out(case):
+    def sdpa_out(case, causal=True):
         s, g = case.seq_len, case.hq // case.hkv
         outs = []
         for r in range(case.batch):
@@ -249,26 +250,26 @@ def test_main_flow_with_fakes(tmp_path, monkeypatch, capsys):
             q = case.q[sl].transpose(0, 1)[None]
             k = case.k[sl].repeat_interleave(g, 1).transpose(0, 1)[None]
             v = case.v[sl].repeat_interleave(g, 1).transpose(0, 1)[None]
-            outs.append(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)[0].transpose(0, 1))
+            outs.append(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)[0].transpose(0, 1))
         return torch.cat(outs)
 
-    def fake_ours_fn(case, tuning=None, paged=None):  # with pages, a CuTe member unless switched off
+    def fake_ours_fn(case, tuning=None, paged=None, causal=True):  # with pages, a CuTe member unless switched off
         if tuning == {"warps": 5}:
             raise ValueError("no such shape")
         out = torch.empty_like(case.q)
         cute = paged is not None and os.environ.get("FI_BACKEND_PREFILL_CUTE") != "0"
-        return (lambda: out.copy_(sdpa_out(case))), out, {"num_ctas": 1, "rows_per_tile": 64, "cute_step": cute,
+        return (lambda: out.copy_(sdpa_out(case, causal))), out, {"num_ctas": 1, "rows_per_tile": 64, "cute_step": cute,
                                                           "cute_unsupported": None if cute else "a fake"}
 
     class FakeRagged:
         def __init__(self, backend):
             self.first_call_s = 2.0
 
-        def fn(self, case):
+        def fn(self, case, causal=True):
             if case.d != 128:
                 raise RuntimeError("no kernel for this head_dim")
             out = torch.empty_like(case.q)
-            return (lambda: out.copy_(sdpa_out(case))), out
+            return (lambda: out.copy_(sdpa_out(case, causal))), out
 
     monkeypatch.setattr(zoo, "ours_decode", fake_ours_decode)
     monkeypatch.setattr(zoo, "FlashInferDecode", FakeFI)
@@ -322,6 +323,21 @@ def test_main_flow_with_fakes(tmp_path, monkeypatch, capsys):
     assert g["page_size"] == 16 and g["cute_step"] is True and g["cute_unsupported"] is None
     assert g["ratio_ours_family"] == pytest.approx(1.1) and g["checks"]["ours_family"]["ok"]
     assert os.environ.get("FI_BACKEND_PREFILL_CUTE") is None, "the switch is restored"
+
+    # both masks, FlashInfer's FA3 beside FA2; the group bars on causal rows only; a bad mask named
+    assert zoo.main(["--name", "zoo_masks", "--no-prebuild", "--sections", "prefill", "--configs", "32/8/128,24/8/128",
+                     "--prefill-shapes", "1x64", "--rounds", "2", "--prefill-masks", "causal,full",
+                     "--fi-prefill", "fa2,fa3"]) == 0
+    rows = json.loads((tmp_path / "zoo_masks.json").read_text())["prefill"]["rows"]
+    assert sorted((x["config"], x["mask"]) for x in rows) == [(c, m) for c in ("24/8/128", "32/8/128")
+                                                              for m in ("causal", "full")]
+    full = next(x for x in rows if x["config"] == "24/8/128" and x["mask"] == "full")
+    causal = next(x for x in rows if x["config"] == "24/8/128" and x["mask"] == "causal")
+    assert full["flops"] == pytest.approx(2 * causal["flops"] * 64 / 65) and full["checks"]["sdpa_req0"]["ok"]
+    assert full["ratio_fi_fa3"] == pytest.approx(0.9) and "over_group4" not in full
+    assert causal["over_group4"] == pytest.approx(24 / 32) and "bar_fi_fa2_met" not in full
+    with pytest.raises(SystemExit):
+        zoo.resolve_args(["--prefill-masks", "causal,sliding"])
 
     # FlashInfer missing: ours only, still exit 0
     monkeypatch.setitem(sys.modules, "flashinfer", None)
