@@ -84,9 +84,13 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rep", type=int, default=50)
     ap.add_argument("--name", default="cute_probe")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"the CTA's ragged modes, of {', '.join(MODES)}")
     ap.add_argument("--paged", default="16", help="page sizes to time the overlapped CTA on (pages in random order), "
                                                     "comma-separated; empty: none")
     a = ap.parse_args(argv)
+    modes = [m for m in a.modes.split(",") if m]
+    if any(m not in MODES for m in modes):
+        ap.error(f"--modes: {modes}; accepted: {', '.join(MODES)}")
     from fi_backend.shapes import PREFILL_FA3_TUNINGS
     from perf.zoo import parse_shapes
     fi_fa3 = P.FlashInferRagged("fa3")
@@ -96,10 +100,14 @@ def main(argv=None) -> int:
         for b, s in parse_shapes(a.shapes):
             case = P.Case(b, s, hq, hkv, seed=b + s)
             fns, outs = {}, {}
-            for name, (overlap, pingpong, l2) in MODES.items():
-                fns[name], outs[name] = probe_fn(case, overlap, pingpong, l2)
+            for name in modes:
+                fns[name], outs[name] = probe_fn(case, *MODES[name])
             for page in (int(x) for x in a.paged.split(",") if x):
                 fns[f"cute_overlap_paged{page}"], outs[f"cute_overlap_paged{page}"] = paged_fn(case, page)
+                # the same pages through BatchAttention: the prefill family's CuTe member (its launch, as engines run it)
+                fns[f"member_paged{page}"], outs[f"member_paged{page}"], info = P.ours_fn(case, paged=P.Paged(case, page))
+                if not info["cute_step"]:
+                    raise RuntimeError(f"the CuTe member did not take the step: {info['cute_unsupported']}")
             fns["flashinfer_fa3"], outs["flashinfer_fa3"] = fi_fa3.fn(case)
             fns["ours"], outs["ours"], _ = P.ours_fn(case)
             fns["ours_fa3"], outs["ours_fa3"], _ = P.ours_fn(case, tuning=PREFILL_FA3_TUNINGS[case.d])
