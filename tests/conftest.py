@@ -21,3 +21,15 @@ def _report_gpu_memory(request):
     if path and "gpu" in request.keywords and torch.cuda.is_available():
         with open(path, "a") as f:
             f.write(f"{torch.cuda.memory_allocated() / 2**30:8.2f} {request.node.nodeid}\n")
+
+
+@pytest.fixture(autouse=True)
+def _tile_family_unless_cute(request, monkeypatch):
+    """GPU tests run the prefill tile family they were written for: where the nvidia-cutlass wheel is installed,
+    prefill wrappers of pages of 16..256 tokens would load the CuTe member (fi_backend/cute_member.py) instead and
+    build its modules lazily, about 40 s each. Files that test the member set CUTE_MEMBER = True; FI_TEST_CUTE=1
+    leaves the member on in every GPU test."""
+    import os
+    if ("gpu" in request.keywords and not getattr(request.module, "CUTE_MEMBER", False)
+            and os.environ.get("FI_TEST_CUTE") != "1"):
+        monkeypatch.setenv("FI_BACKEND_PREFILL_CUTE", "0")

@@ -13,6 +13,7 @@ from attention_cases import DEV, TOL, make_bsr, plan_run_check, poison_unused, r
 from fi_backend import variants as V
 
 pytestmark = pytest.mark.gpu
+CUTE_MEMBER = True  # conftest: the member stays on in this file
 
 
 @pytest.fixture(scope="module", autouse=True)
