@@ -27,7 +27,7 @@ from __future__ import annotations
 import ctypes
 import math
 import warnings
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -460,6 +460,32 @@ class BatchAttention:
         return last
 
     # -------------------------------------------------------------------------------- sizing
+
+    @staticmethod
+    def module_specs(num_qo_heads: int, num_kv_heads: int, head_dim: int, *, q_dtype: torch.dtype = torch.bfloat16,
+                     kv_dtype: Optional[torch.dtype] = None, page_size: int = 16, variant: Variant = DEFAULT,
+                     kernel: str = "decode", deterministic: Optional[bool] = None, device=None) -> list:
+        """The kernel modules (kernels.ModuleSpec) a wrapper of these arguments loads: its tile family and, for
+        prefill, the CuTe member's where it would load it on `device`. Builds nothing: an engine's start builds
+        them all in parallel (kernels.build_many) before making its wrappers, which then load them."""
+        kv_dtype = q_dtype if kv_dtype is None else kv_dtype
+        det = _deterministic(deterministic)
+        specs = attention_specs(variant, head_dim, Q_DTYPES[q_dtype], KV_DTYPES[kv_dtype], num_qo_heads // num_kv_heads,
+                                None, kernel, det)
+        if kernel == "prefill" and cute_member.unsupported(variant, head_dim, q_dtype, kv_dtype, page_size,
+                                                           None if device is None else torch.device(device),
+                                                           deterministic=det) is None:
+            specs += cute_member.specs(head_dim, q_dtype, page_size, variant)
+        return specs
+
+    @staticmethod
+    def prepare(num_qo_heads: int, num_kv_heads: int, head_dim: int, *, kernels_: Sequence[str] = KERNELS,
+                **shape) -> list:
+        """Build in parallel (kernels.prepare) the modules of a wrapper of each kernel in kernels_ with these
+        arguments (module_specs' keywords): an engine's start, before it makes its wrappers. Raises nothing for a
+        failed build (the wrapper that loads the module does)."""
+        return kernels.prepare(spec for kernel in kernels_ for spec in BatchAttention.module_specs(
+            num_qo_heads, num_kv_heads, head_dim, kernel=kernel, **shape))
 
     @staticmethod
     def recommended_num_ctas(device, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,

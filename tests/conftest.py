@@ -33,3 +33,13 @@ def _tile_family_unless_cute(request, monkeypatch):
     if ("gpu" in request.keywords and not getattr(request.module, "CUTE_MEMBER", False)
             and os.environ.get("FI_TEST_CUTE") != "1"):
         monkeypatch.setenv("FI_BACKEND_PREFILL_CUTE", "0")
+
+
+@pytest.fixture
+def recorded_prepare(monkeypatch):
+    """BatchAttention.prepare (an engine's start builds every module its wrappers load, in parallel) recorded as
+    (args, keywords) calls instead of building: for adapter tests whose wrappers are stand-ins."""
+    from fi_backend.wrappers import BatchAttention
+    calls = []
+    monkeypatch.setattr(BatchAttention, "prepare", staticmethod(lambda *a, **kw: calls.append((a, kw)) or []))
+    return calls

@@ -502,6 +502,12 @@ class RefWrapper:
         return tuple(t.data_ptr() for t in (bsr.qo_indptr, bsr.kv_lens, bsr.kv_indices, bsr.kv_block_start))
 
 
+@pytest.fixture(autouse=True)
+def prepared(recorded_prepare):
+    """The wrappers here are stand-ins: their modules are recorded, not built."""
+    return recorded_prepare
+
+
 @pytest.fixture
 def ref_wrappers(monkeypatch):
     made = []
@@ -666,7 +672,7 @@ def test_deterministic_steps_keep_extend_rows_on_the_prefill_kernel(ref_wrappers
 
 @pytest.mark.parametrize("page", [1, 4])
 @pytest.mark.parametrize("kind", ["llama", "gemma2"])
-def test_steps_as_sglang_drives_them(page, kind, ref_wrappers):
+def test_steps_as_sglang_drives_them(page, kind, ref_wrappers, prepared):
     """A model's steps through the backend: an extend step (a fresh prompt, a radix-cache hit sharing another
     request's slots, a chunked prompt's second chunk), a mixed step (a chunk and two decodes), an eager
     decode step, then decode CUDA graphs (capture at bs 4 and 2, replays padded from 3 to 4 and at 2) with
@@ -681,6 +687,10 @@ def test_steps_as_sglang_drives_them(page, kind, ref_wrappers):
     assert [w.kernel for w in ref_wrappers] == ["decode", "prefill", "prefill"] * groups   # + graph_prefill
     assert ref_wrappers[1].kw["max_rows"] == 40 + 6 and ref_wrappers[0].kw["max_rows"] == 6
     assert ref_wrappers[2].kw["max_rows"] == 6 and ref_wrappers[2].kw["shared_prefix"]
+    # each group's modules built in parallel before its wrappers, for the engine's page size
+    assert [(a, kw["page_size"], kw["variant"]) for a, kw in prepared] == [
+        ((w.kw["settings"].num_qo_heads, w.kw["settings"].num_kv_heads, w.kw["settings"].head_dim), page,
+         w.kw["variant"]) for w in ref_wrappers[::3]]
     eng = Engine(runner, gen)
     # cached prefixes: row 4 (a finished request whose first 8 tokens the radix cache holds), row 3 (chunk 1)
     eng.alloc(4, 10)

@@ -73,6 +73,12 @@ def test_head_sizes_match_the_kernels():
 
 # ------------------------------------------------------------------------------------ a stand-in for vLLM 0.26
 
+@pytest.fixture(autouse=True)
+def prepared(recorded_prepare):
+    """The wrappers here are stand-ins: their modules are recorded, not built."""
+    return recorded_prepare
+
+
 @pytest.fixture
 def stub_vllm(monkeypatch):
     """vllm.v1.attention.backends.registry, vllm.v1.attention.backend and get_kv_cache_layout, reduced to
@@ -758,9 +764,11 @@ def _stub_layer_lookup(monkeypatch, impls: dict) -> None:
     ("cuda:3", 0, "cuda:3"),      # vLLM's rank device (cuda:<local rank>) as it is
     ("cuda", 2, "cuda:2"),        # an index-less one: the rank's current device, never device 0 by default
 ])
-def test_builder_puts_a_ranks_workspaces_on_its_device(stub_vllm, monkeypatch, caplog, given, current, expected):
-    """A tensor-parallel rank's metadata builder makes both wrappers (workspaces, ALiBi slopes) on the rank's
-    GPU and says in its start-up log which device and how many ranks."""
+def test_builder_puts_a_ranks_workspaces_on_its_device(stub_vllm, monkeypatch, caplog, prepared, given, current,
+                                                        expected):
+    """A tensor-parallel rank's metadata builder builds both wrappers' modules in parallel first (for its KV block
+    size), then makes both wrappers (workspaces, ALiBi slopes) on the rank's GPU and says in its start-up log which
+    device and how many ranks."""
     impls = {f"layers.{i}.attn": adapter._Impl(16, 128, 128 ** -0.5, 1) for i in range(2)}   # Llama-3.1-405B TP8
     _stub_layer_lookup(monkeypatch, impls)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
@@ -776,6 +784,9 @@ def test_builder_puts_a_ranks_workspaces_on_its_device(stub_vllm, monkeypatch, c
     adapter.FiAttentionMetadataBuilder(spec, list(impls), cfg, given)
     assert [(k, str(kw["device"]), kw["num_qo_heads"], kw["num_kv_heads"]) for k, kw in made] == [
         ("decode", expected, 16, 1), ("prefill", expected, 16, 1)]
+    ((args, kw),) = prepared
+    assert args == (16, 1, 128) and kw["page_size"] == 16 and str(kw["device"]) == expected
+    assert kw["q_dtype"] == torch.bfloat16 and kw["variant"] == made[0][1]["variant"]
     assert f"on {expected} (one of 8 tensor-parallel ranks)" in caplog.text
     assert "fi-backend attention is active (vLLM backend CUSTOM) on " + expected in caplog.text
 

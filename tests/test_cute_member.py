@@ -94,3 +94,49 @@ def test_modules_of_names_the_members_modules(monkeypatch):
     monkeypatch.delenv("FI_BACKEND_PREFILL_CUTE")
     monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", "90a 100a")
     assert cute("Llama-3.1-8B") == []
+
+
+def test_wrappers_modules_are_prepared_in_parallel(monkeypatch, capsys):
+    """BatchAttention.module_specs names what a wrapper loads (the tile family; for prefill on pages the member
+    takes, the member's two modules too); BatchAttention.prepare builds both kernels' modules in one parallel
+    kernels.prepare (duplicates once, at most PREPARE_JOBS at a time), one line per module built, none cached."""
+    import pytest
+    pytest.importorskip("cutlass_library")
+    from fi_backend import kernels
+    from fi_backend.kernels import builder
+    from fi_backend.specs import attention_specs
+    from fi_backend.wrappers import BatchAttention
+    monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", "90a")
+    monkeypatch.delenv("FI_BACKEND_QUIET", raising=False)
+    tags = lambda specs: [(s.family, s.tag) for s in specs]
+    family = attention_specs(V.DEFAULT, 128, "bf16", "bf16", 4, kernel="prefill")
+    paged = BatchAttention.module_specs(32, 8, 128, page_size=16, kernel="prefill")
+    assert tags(paged) == tags(family + C.specs(128, torch.bfloat16, 16))
+    assert tags(BatchAttention.module_specs(32, 8, 128, page_size=1, kernel="prefill")) == tags(family)
+    assert tags(BatchAttention.module_specs(32, 8, 128, kv_dtype=torch.float8_e4m3fn, kernel="prefill")) == tags(
+        attention_specs(V.DEFAULT, 128, "bf16", "fp8_e4m3", 4, kernel="prefill"))
+    decode = BatchAttention.module_specs(32, 8, 128, kernel="decode")
+    assert tags(decode) == tags(attention_specs(V.DEFAULT, 128, "bf16", "bf16", 4, kernel="decode"))
+
+    calls = []
+
+    def fake_build_many(specs, *, jobs, quiet, on_done):
+        calls.append((tags(specs), jobs, quiet))
+        results = [builder.BuildResult(f"m{i}", None, i % 2 == 0, 1.5) for i in range(len(specs))]
+        for s, r in zip(specs, results):
+            on_done(s, r)
+        return results
+
+    monkeypatch.setattr(builder, "build_many", fake_build_many)
+    monkeypatch.setattr(builder.os, "cpu_count", lambda: 64)
+    BatchAttention.prepare(32, 8, 128, page_size=16)
+    ((built, jobs, quiet),) = calls
+    assert built == tags(decode + paged) and jobs == builder.PREPARE_JOBS and quiet is True
+    err = capsys.readouterr().err
+    assert f"{len(built)} kernel modules" in err and err.count("fi-backend: built ") == (len(built) + 1) // 2
+    kernels.prepare(decode + decode)   # duplicates: once
+    assert calls[-1][0] == tags(decode)
+    capsys.readouterr()
+    monkeypatch.setenv("FI_BACKEND_QUIET", "1")
+    kernels.prepare(decode)
+    assert capsys.readouterr().err == ""

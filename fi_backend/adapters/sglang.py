@@ -757,6 +757,11 @@ class _Backend:
                           deterministic=deterministic(mr.server_args))
             shared = self.shared_prefix
             try:
+                # every module the wrappers load, built in parallel first (the CuTe member's take about 40 s each)
+                from fi_backend.wrappers import BatchAttention
+                BatchAttention.prepare(s.num_qo_heads, s.num_kv_heads, s.head_dim, q_dtype=self.q_dtype,
+                                       kv_dtype=self.kv_dtype, page_size=self.page_size, variant=variant,
+                                       deterministic=common["deterministic"], device=self.device)
                 decode = _make_wrapper("decode", max_rows=max_requests, shared_prefix=shared, **common)
                 prefill = _make_wrapper("prefill", max_rows=rows, shared_prefix=shared, **common)
                 graph_prefill = _make_wrapper("prefill", max_rows=max_requests, shared_prefix=True,

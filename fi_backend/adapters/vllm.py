@@ -681,6 +681,11 @@ class _MetadataBuilder:
         # host block tables (vLLM 0.26's runners give build() none), else decode steps keep one wrapper and launch.
         grouped_decode = shared_prefix and _table_provider
         try:
+            # every module the wrappers load, built in parallel first (the CuTe member's take about 40 s each)
+            from fi_backend.wrappers import BatchAttention
+            BatchAttention.prepare(s.num_qo_heads, s.num_kv_heads, s.head_dim, q_dtype=q_dtype,
+                                   kv_dtype=common["kv_dtype"], page_size=kv_cache_spec.block_size, variant=s.variant,
+                                   deterministic=deterministic, device=device)
             decode = _make_wrapper("decode", max_rows=sched.max_num_seqs, **common)
             prefill = _make_wrapper("prefill", max_rows=max(sched.max_num_batched_tokens, sched.max_num_seqs),
                                     **common)

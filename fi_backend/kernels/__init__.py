@@ -55,7 +55,7 @@ Shipping a cache to a machine without nvcc (or with another nvcc):
 
 Environment variables: fi_backend/env.py.
 """
-from .builder import (BuildError, BuildResult, build, build_many, cache_dir, find_nvcc, find_ninja,
+from .builder import (BuildError, BuildResult, build, build_many, prepare, cache_dir, find_nvcc, find_ninja,
                       list_cached,
                     module_identity, nvcc_version, parse_arch_list, resolve_arch_list)
 from .loader import KernelError, Module, load, load_path
@@ -64,7 +64,7 @@ from .spec import ModuleSpec, RenderError, csrc_dir, render, render_text
 
 __all__ = [
     "ModuleSpec", "RenderError", "render", "render_text", "csrc_dir",
-    "build", "build_many", "BuildResult", "BuildError", "cache_dir", "list_cached", "module_identity",
+    "build", "build_many", "prepare", "BuildResult", "BuildError", "cache_dir", "list_cached", "module_identity",
     "find_nvcc", "find_ninja", "nvcc_version", "parse_arch_list", "resolve_arch_list",
     "load", "load_path", "Module", "KernelError",
     "DTYPE_C", "MODULE_SETS", "module_set", "module_sets", "specs_of", "merge_spec",

@@ -435,3 +435,25 @@ def build_many(specs: Sequence[ModuleSpec], *, archs=None, jobs: Optional[int] =
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         return list(pool.map(one, specs))
+
+
+PREPARE_JOBS = 8  # nvcc processes at once at an engine's start (a CuTe module's nvcc takes about 2 GB)
+
+
+def prepare(specs: Iterable[ModuleSpec], *, jobs: Optional[int] = None) -> list:
+    """Build (or find cached) the modules an engine's wrappers are about to load, in parallel (at most
+    PREPARE_JOBS nvcc at once), so its start waits for the slowest module, not their sum. One stderr line per
+    module built (FI_BACKEND_QUIET=1: none). Failures are returned, not raised: the wrapper that loads a module
+    raises with the build's output, or leaves an optional one out (the CuTe member)."""
+    import threading
+    specs = list({s.memo_key: s for s in specs}.values())
+    quiet, lock = env.flag(env.QUIET, False), threading.Lock()
+
+    def on_done(spec, result):
+        if not quiet and not isinstance(result, Exception) and result.built:
+            with lock:
+                print(f"fi-backend: built {result.name} in {result.seconds:.1f} s", file=sys.stderr, flush=True)
+    if not quiet and specs:
+        print(f"fi-backend: {len(specs)} kernel modules (built in parallel where not cached)", file=sys.stderr,
+              flush=True)
+    return build_many(specs, jobs=jobs or min(PREPARE_JOBS, os.cpu_count() or 1), quiet=True, on_done=on_done)
