@@ -298,16 +298,18 @@ def vllm_fn(func, case: Case, causal=True):
              fa_version=3)
     return fn, out
 
-def vllm_paged_fn(func, case: AppendCase):
-    """(fn, out): vLLM's FlashAttention-3 on the case's paged pool (block_table, seqused_k), causal."""
+def vllm_paged_fn(func, case, pool=None, causal=True):
+    """(fn, out): vLLM's FlashAttention-3 on a paged pool (block_table, seqused_k): an AppendCase's own, or a
+    Case's Paged copy (`pool`: every request's queries are its whole KV)."""
     out = torch.empty_like(case.q)
     scale = 1.0 / math.sqrt(case.d)
+    pool = case.pool if pool is None else pool
     seqused = case.lens.to(case.q.device)
-    pool = case.pool
+    q_len, kv_len = (case.q_len, case.kv_len) if isinstance(case, AppendCase) else (case.seq_len, case.seq_len)
 
     def fn():
-        func(case.q, pool.k, pool.v, max_seqlen_q=case.q_len, cu_seqlens_q=case.indptr_dev, max_seqlen_k=case.kv_len,
-             seqused_k=seqused, block_table=pool.table, softmax_scale=scale, causal=True, out=out, fa_version=3)
+        func(case.q, pool.k, pool.v, max_seqlen_q=q_len, cu_seqlens_q=case.indptr_dev, max_seqlen_k=kv_len,
+             seqused_k=seqused, block_table=pool.table, softmax_scale=scale, causal=causal, out=out, fa_version=3)
     return fn, out
 
 

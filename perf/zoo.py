@@ -550,7 +550,7 @@ def prefill_cell(a, cfg, b, s, fis: dict, vfunc, fi_broken: dict, mask: str = "c
     build is not retried)."""
     from perf.common import diff_stats, time_rounds
     from fi_backend import env
-    from perf.prefill import Case, Paged, attention_flops, ours_fn, tflops, unmasked_pairs, vllm_fn
+    from perf.prefill import Case, Paged, attention_flops, ours_fn, tflops, unmasked_pairs, vllm_fn, vllm_paged_fn
     hq, hkv, d, key = cfg["num_qo_heads"], cfg["num_kv_heads"], cfg["head_dim"], cfg["config"]
     causal = mask == "causal"
     label = f"prefill {key} {b}x{s} {mask}"
@@ -595,6 +595,12 @@ def prefill_cell(a, cfg, b, s, fis: dict, vfunc, fi_broken: dict, mask: str = "c
             torch.cuda.synchronize()
             checks["vllm_fa3"] = _check(f"{label} ours vs vLLM FA3", diff_stats(out, vout))
             fns["vllm_fa3"] = vfn
+            if paged is not None:   # the same pages as ours, through its block table (what vLLM serves with)
+                vfn, vout = vllm_paged_fn(vfunc, case, paged, causal=causal)
+                vfn()
+                torch.cuda.synchronize()
+                checks["vllm_fa3_paged"] = _check(f"{label} ours vs vLLM FA3 paged", diff_stats(out, vout))
+                fns["vllm_fa3_paged"] = vfn
         except Exception as e:
             r["vllm_fa3_error"] = f"{type(e).__name__}: {e}"
             log(f"  vLLM FA3 failed on {label}: {r['vllm_fa3_error']}")
@@ -616,7 +622,7 @@ def prefill_cell(a, cfg, b, s, fis: dict, vfunc, fi_broken: dict, mask: str = "c
     r["ours_us"] = statistics.median(times["ours"])
     r["ours_tflops"] = tflops(flops, r["ours_us"])
     msg = f"  prefill {key:>10} {b}x{s}: ours {r['ours_us']:8.1f} us {r['ours_tflops']:5.0f} TF/s"
-    for k in ("fi_fa2", "fi_fa3", "vllm_fa3", "ours_family"):
+    for k in ("fi_fa2", "fi_fa3", "vllm_fa3", "vllm_fa3_paged", "ours_family"):
         if k not in times:
             continue
         r[f"{k}_us_rounds"] = times[k]
@@ -698,7 +704,8 @@ def prefill_section(a, with_fi, fi_reason) -> dict:
             "flops": "4 * h * d * causal pairs (perf.prefill.attention_flops / unmasked_pairs), h = query heads",
             "kv": (f"ours: pages of {a.prefill_page} tokens in random order (perf.prefill.Paged)" if a.prefill_page
                    else "ours: ragged (page-1 identity BSR, perf.prefill.ours_fn)")
-                  + "; anchors: FlashInfer ragged wrappers, vLLM flash_attn_varlen_func(fa_version=3), ragged",
+                  + "; anchors: FlashInfer ragged wrappers, vLLM flash_attn_varlen_func(fa_version=3), ragged; with "
+                    "pages, vLLM FA3 also on ours' pages through its block table (vllm_fa3_paged)",
             "ratio": "anchor us / ours us, median of the rounds' ratios (> 1: ours faster)",
             "anchor_fi": (f"FlashInfer BatchPrefillWithRaggedKVCacheWrapper backends {', '.join(fis) or 'none'}"
                           if with_fi else f"none ({fi_reason})"),
@@ -773,8 +780,8 @@ def write_report(json_path) -> Path:
                   + ".", "",
                   "| config | heads q/kv | D | batch x len | mask | ours us | ours TF/s | CuTe member | ours / family | "
                   "over group 4 | FI FA2 TF/s | ours / FA2 | FI FA3 TF/s | ours / FI FA3 | vLLM FA3 TF/s | ours / FA3 | "
-                  "rel diff vs SDPA |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "vLLM FA3 paged TF/s | ours / FA3 paged | rel diff vs SDPA |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for x in s["rows"]:
             lines.append(f"| {x['label']} | {x['num_qo_heads']}/{x['num_kv_heads']} | {x['head_dim']} | "
                          f"{x['batch']}x{x['seq_len']} | {x.get('mask', 'causal')} | {_f(x['ours_us'])} | "
@@ -783,7 +790,8 @@ def write_report(json_path) -> Path:
                          f"{_f(x.get('over_group4'), '.3f')} | {_f(x.get('fi_fa2_tflops'), '.0f')} | "
                          f"{_f(x.get('ratio_fi_fa2'), '.3f')} | {_f(x.get('fi_fa3_tflops'), '.0f')} | "
                          f"{_f(x.get('ratio_fi_fa3'), '.3f')} | {_f(x.get('vllm_fa3_tflops'), '.0f')} | "
-                         f"{_f(x.get('ratio_vllm_fa3'), '.3f')} | "
+                         f"{_f(x.get('ratio_vllm_fa3'), '.3f')} | {_f(x.get('vllm_fa3_paged_tflops'), '.0f')} | "
+                         f"{_f(x.get('ratio_vllm_fa3_paged'), '.3f')} | "
                          f"{_f(x.get('checks', {}).get('sdpa_req0', {}).get('rel_diff'), '.1e')} |")
         lines.append("")
     out = Path(json_path).with_suffix(".md")
@@ -820,7 +828,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default fa2; fa3 JIT-compiles about 100 s a head_dim when cold)")
     ap.add_argument("--prefill-page", type=int, default=0, metavar="P",
                     help="prefill: ours reads K / V from pages of P tokens in random order (0: ragged, the default), "
-                         "so the CuTe member runs where it applies; then the tile family alone too (ours_family)")
+                         "so the CuTe member runs where it applies; then the tile family alone too (ours_family) and "
+                         "vLLM FA3 on the same pages (vllm_fa3_paged)")
     ap.add_argument("--rounds", type=int, default=None, help="alternating rounds per cell (default 5; --quick 3)")
     ap.add_argument("--rep", type=int, default=None, help="timed calls per figure at most (default 100; --quick 50)")
     ap.add_argument("--fi-head-dims", default=",".join(map(str, FI_HEAD_DIMS)),

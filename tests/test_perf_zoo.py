@@ -236,9 +236,10 @@ def test_main_flow_with_fakes(tmp_path, monkeypatch, capsys):
     def fake_rounds(fns, rounds, rep, on_round=None):
         for f in fns.values():
             f()
-        speed = {"ours": 100.0, "fi": 101.0, "fi_fa2": 125.0, "fi_fa3": 90.0, "vllm_fa3": 95.0, "ours_t0": 80.0,
-                 "ours_family": 110.0}
         return {k: [speed[k]] * rounds for k in fns}
+
+    speed = {"ours": 100.0, "fi": 101.0, "fi_fa2": 125.0, "fi_fa3": 90.0, "vllm_fa3": 95.0, "ours_t0": 80.0,
+             "ours_family": 110.0}
 
     real_case = pf.Case
 
@@ -338,6 +339,24 @@ def test_main_flow_with_fakes(tmp_path, monkeypatch, capsys):
     assert causal["over_group4"] == pytest.approx(24 / 32) and "bar_fi_fa2_met" not in full
     with pytest.raises(SystemExit):
         zoo.resolve_args(["--prefill-masks", "causal,sliding"])
+
+    # with pages, vLLM FA3 on the same pages through its block table beside its ragged run
+    def fake_fa3(q, k, v, *, out, causal, max_seqlen_q, block_table=None, **kw):
+        if block_table is not None:   # the requests' pages back in order: ragged K / V
+            rows = lambda pool: pool[block_table.long()].flatten(1, 2)[:, :max_seqlen_q].flatten(0, 1)
+            k, v = rows(k), rows(v)
+        case = types.SimpleNamespace(q=q, k=k, v=v, seq_len=max_seqlen_q, hq=q.shape[1], hkv=k.shape[1],
+                               batch=q.shape[0] // max_seqlen_q)
+        out.copy_(sdpa_out(case, causal))
+
+    speed["vllm_fa3_paged"] = 105.0
+    monkeypatch.setattr(pf, "vllm_fa3", lambda: (fake_fa3, None))
+    assert zoo.main(["--name", "zoo_vpaged", "--no-prebuild", "--sections", "prefill", "--configs", "32/8/128",
+                     "--prefill-shapes", "2x40", "--rounds", "2", "--prefill-page", "16",
+                     "--prefill-masks", "causal,full"]) == 0, zoo._failures
+    for x in json.loads((tmp_path / "zoo_vpaged.json").read_text())["prefill"]["rows"]:
+        assert x["checks"]["vllm_fa3"]["ok"] and x["checks"]["vllm_fa3_paged"]["ok"]
+        assert x["ratio_vllm_fa3_paged"] == pytest.approx(1.05) and x["ratio_vllm_fa3"] == pytest.approx(0.95)
 
     # FlashInfer missing: ours only, still exit 0
     monkeypatch.setitem(sys.modules, "flashinfer", None)
