@@ -104,8 +104,9 @@ def main(argv=None) -> int:
                 fns[name], outs[name] = probe_fn(case, *MODES[name])
             for page in (int(x) for x in a.paged.split(",") if x):
                 fns[f"cute_overlap_paged{page}"], outs[f"cute_overlap_paged{page}"] = paged_fn(case, page)
-                # the same pages through BatchAttention: the prefill family's CuTe member (its launch, as engines run it)
-                fns[f"member_paged{page}"], outs[f"member_paged{page}"], info = P.ours_fn(case, paged=P.Paged(case, page))
+                # the same pages through BatchAttention: the prefill family's CuTe member (the launch engines run)
+                name = f"member_paged{page}"
+                fns[name], outs[name], info = P.ours_fn(case, paged=P.Paged(case, page))
                 if not info["cute_step"]:
                     raise RuntimeError(f"the CuTe member did not take the step: {info['cute_unsupported']}")
             fns["flashinfer_fa3"], outs["flashinfer_fa3"] = fi_fa3.fn(case)
