@@ -467,7 +467,7 @@ class BatchAttention:
                      kernel: str = "decode", deterministic: Optional[bool] = None, device=None) -> list:
         """The kernel modules (kernels.ModuleSpec) a wrapper of these arguments loads: its tile family and, for
         prefill, the CuTe member's where it would load it on `device`. Builds nothing: an engine's start builds
-        them all in parallel (kernels.build_many) before making its wrappers, which then load them."""
+        them all in parallel (prepare) before making its wrappers, which then load them."""
         kv_dtype = q_dtype if kv_dtype is None else kv_dtype
         det = _deterministic(deterministic)
         specs = attention_specs(variant, head_dim, Q_DTYPES[q_dtype], KV_DTYPES[kv_dtype], num_qo_heads // num_kv_heads,
@@ -479,12 +479,12 @@ class BatchAttention:
         return specs
 
     @staticmethod
-    def prepare(num_qo_heads: int, num_kv_heads: int, head_dim: int, *, kernels_: Sequence[str] = KERNELS,
+    def prepare(num_qo_heads: int, num_kv_heads: int, head_dim: int, *, kinds: Sequence[str] = KERNELS,
                 **shape) -> list:
-        """Build in parallel (kernels.prepare) the modules of a wrapper of each kernel in kernels_ with these
+        """Build in parallel (kernels.prepare) the modules of a wrapper of each kernel in `kinds` with these
         arguments (module_specs' keywords): an engine's start, before it makes its wrappers. Raises nothing for a
         failed build (the wrapper that loads the module does)."""
-        return kernels.prepare(spec for kernel in kernels_ for spec in BatchAttention.module_specs(
+        return kernels.prepare(spec for kernel in kinds for spec in BatchAttention.module_specs(
             num_qo_heads, num_kv_heads, head_dim, kernel=kernel, **shape))
 
     @staticmethod

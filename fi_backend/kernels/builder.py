@@ -437,7 +437,7 @@ def build_many(specs: Sequence[ModuleSpec], *, archs=None, jobs: Optional[int] =
         return list(pool.map(one, specs))
 
 
-PREPARE_JOBS = 8  # nvcc processes at once at an engine's start (a CuTe module's nvcc takes about 2 GB)
+PREPARE_JOBS = 8  # nvcc processes at once at an engine's start, whatever the machine's cores
 
 
 def prepare(specs: Iterable[ModuleSpec], *, jobs: Optional[int] = None) -> list:
