@@ -188,6 +188,48 @@ class AppendCase:
                 "kv_bytes": self.kv_bytes}
 
 
+class StepCase:
+    """One engine step of any mix: request i has q_lens[i] new query tokens at the end of kv_lens[i] tokens of KV
+    (bottom-right causal; a decode row is q_len 1), over a paged pool whose pages are a random permutation. The
+    fields ours_fn reads from an AppendCase (q, lens, indptr, indptr_dev, pool with its BSR)."""
+
+    def __init__(self, q_lens, kv_lens, num_qo_heads, num_kv_heads, head_dim=D, page_size=16, seed=0, device="cuda"):
+        from types import SimpleNamespace
+
+        from fi_backend import formats
+        if len(q_lens) != len(kv_lens) or not q_lens or any(not 1 <= q <= k for q, k in zip(q_lens, kv_lens)):
+            raise ValueError(f"StepCase: need 1 <= q_len <= kv_len a request (got {q_lens}, {kv_lens})")
+        g = torch.Generator(device=device).manual_seed(seed)
+        self.batch, self.hq, self.hkv, self.d = len(q_lens), num_qo_heads, num_kv_heads, head_dim
+        self.q_lens, self.kv_lens = list(q_lens), list(kv_lens)
+        self.rows = sum(q_lens)
+        self.q = torch.randn(self.rows, num_qo_heads, head_dim, generator=g, device=device, dtype=DTYPE)
+        self.lens = torch.tensor(kv_lens, dtype=torch.int32)
+        self.indptr = torch.tensor([0] + list(q_lens), dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        self.indptr_dev = self.indptr.to(device)
+        P = page_size
+        blocks = [(k + P - 1) // P for k in kv_lens]
+        num_pages = sum(blocks)
+        perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed + 1)).to(torch.int32)
+        table = torch.zeros(self.batch, max(blocks), dtype=torch.int32)
+        at = 0
+        for i, n in enumerate(blocks):
+            table[i, :n] = perm[at:at + n]
+            at += n
+        table = table.to(device)
+        shape = (num_pages, P, num_kv_heads, head_dim)
+        k = torch.randn(shape, generator=g, device=device, dtype=DTYPE)
+        v = torch.randn(shape, generator=g, device=device, dtype=DTYPE)
+        self.pool = SimpleNamespace(
+            page_size=P, num_pages=num_pages, table=table, k=k, v=v,
+            bsr=formats.from_block_table(table, self.lens.to(device), self.indptr_dev, P, num_kv_blocks=num_pages))
+        self.kv_bytes = 2 * sum(kv_lens) * num_kv_heads * head_dim * k.element_size()
+
+    def shape(self) -> dict:
+        return {"batch": self.batch, "q_lens": self.q_lens, "kv_lens": self.kv_lens, "num_qo_heads": self.hq,
+                "num_kv_heads": self.hkv, "head_dim": self.d, "page_size": self.pool.page_size}
+
+
 # ------------------------------------------------------------------------------------------ implementations
 
 def ours_fn(case, *, paged=None, variant=None, params=None, tuning=None, num_ctas=None, causal=True):

@@ -164,3 +164,26 @@ def test_time_rounds_interleaves(monkeypatch):
     times = common.time_rounds(fns, rounds, 10, on_round=lambda i, t: seen.append(i))
     assert calls == labels * rounds and seen == list(range(rounds))
     assert times == {k: [float(r * len(labels) + j + 1) for r in range(rounds)] for j, k in enumerate(labels)}
+
+
+def test_step_case_and_member_step_cells():
+    """perf.prefill.StepCase: any mix of query and KV lengths over pages in random order (each request's pages
+    distinct, its BSR's lengths and query rows as given); member_steps' cells `BxQxK[+N]` (N decode requests) and
+    their errors; the forced rule lifts the member's thresholds only while it runs."""
+    from fi_backend import cute_member
+    from perf.tools import member_steps as M
+    c = pf.StepCase([3, 1, 5], [10, 33, 5], 4, 2, 64, page_size=4, device="cpu")
+    assert c.rows == 9 and c.indptr.tolist() == [0, 3, 4, 9] and c.q.shape == (9, 4, 64)
+    assert c.pool.bsr.kv_lens.tolist() == [10, 33, 5] and c.pool.k.shape == (3 + 9 + 2, 4, 2, 64)
+    used = torch.cat([c.pool.table[i, :n] for i, n in enumerate((3, 9, 2))])
+    assert sorted(used.tolist()) == list(range(14))
+    with pytest.raises(ValueError, match="q_len <= kv_len"):
+        pf.StepCase([4], [3], 4, 2, 64, device="cpu")
+    assert M.parse_cell("2x1024x4096") == ([1024, 1024], [4096, 4096])
+    assert M.parse_cell("1x2048x8192+3") == ([2048, 1, 1, 1], [8192] * 4)
+    for bad in ("2x1024", "1x4096x1024", "0x1x1", "ax1x1", "1x1x1+x"):
+        with pytest.raises(ValueError, match=bad.replace("+", r"\+")):
+            M.parse_cell(bad)
+    before = cute_member.MIN_TILES_PER_SM, cute_member.SHORT_SHARE
+    assert M.forced(lambda: (cute_member.MIN_TILES_PER_SM, cute_member.SHORT_SHARE)) == (0.0, 1.0)
+    assert (cute_member.MIN_TILES_PER_SM, cute_member.SHORT_SHARE) == before
