@@ -211,11 +211,11 @@ def add_group_ratios(rows):
     """Each prefill row's ours TFLOP/s over group 4's (32/8 heads) of the same shape: at the same head_dim when
     that row exists, else at head_dim 128 (named in group4_ref). Bars only at head_dim 128 (not on group 4)."""
     ref = {}
-    rows = [r for r in rows if r.get("mask", "causal") == "causal"]   # the group bars are on causal rows
-    for r in rows:
+    causal = [r for r in rows if r.get("mask", "causal") == "causal"]   # the group bars are on causal rows
+    for r in causal:
         if r["num_qo_heads"] == 32 and r["num_kv_heads"] == 8 and r.get("ours_tflops"):
             ref[(r["batch"], r["seq_len"], r["head_dim"])] = r["ours_tflops"]
-    for r in rows:
+    for r in causal:
         shape = (r["batch"], r["seq_len"])
         d = r["head_dim"] if shape + (r["head_dim"],) in ref else 128
         g4 = ref.get(shape + (d,))
