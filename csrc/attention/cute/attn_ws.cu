@@ -240,53 +240,38 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
           }
         };
         auto [tQg, tQs] = tma_partition(tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-        // KV tile n into stage st: one TMA copy (ragged), or a box a page and 64-dim block (paged; boxes past the
-        // request's last page read that page again: their keys are masked, and V's values stay finite)
-        auto load_k = [&](int n, int stage, uint64_t* bar) {
+        // KV tile n into stage `stage`, K or (is_v) V^T: one TMA copy (ragged), or a box a page and 64-dim block
+        // (paged; boxes past the request's last page read that page again: their keys are masked, V stays finite).
+        // K's tiles are (token, dim), V^T's (dim, token): `order` puts a (token, dim) pair in the operand's modes
+        auto load_kv = [&](auto is_v, auto const& tma, auto const& gmem, auto& smem, int n, int stage,
+                           uint64_t* bar) {
+          auto order = [](auto token, auto dim) {
+            if constexpr (decltype(is_v)::value) return make_coord(dim, token);
+            else return make_coord(token, dim);
+          };
           if constexpr (kPage == 0) {
-            Tensor gK = local_tile(domain_offset(make_coord(w.kv_begin, 0), mK(_, _, kv_head)),
-                                   Shape<Int<kKv>, D>{}, make_coord(n, 0));                               // (128, D)
-            auto [tg, ts] = tma_partition(tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK(_, _, stage)),
-                                          group_modes<0, 2>(gK));
-            copy(tma_k.with(*bar), tg, ts);
+            Tensor g = local_tile(domain_offset(order(w.kv_begin, 0), gmem(_, _, kv_head)), order(Int<kKv>{}, D{}),
+                                  order(n, 0));
+            auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(smem(_, _, stage)),
+                                          group_modes<0, 2>(g));
+            copy(tma.with(*bar), tg, ts);
           } else {
             load_boxes(n, [&](int j, int page, int slot0) {
               CUTE_UNROLL
               for (int c = 0; c < kHeadDim / kDimBlock; ++c) {
-                Tensor g = local_tile(mK(_, _, kv_head, page), Shape<Int<kBox>, DimBlock>{},
-                                      make_coord(slot0 / kBox, c));
-                Tensor sb = local_tile(sK(_, _, stage), Shape<Int<kBox>, DimBlock>{}, make_coord(j, c));
-                auto [tg, ts] = tma_partition(tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sb),
+                Tensor g = local_tile(gmem(_, _, kv_head, page), order(Int<kBox>{}, DimBlock{}),
+                                      order(slot0 / kBox, c));
+                Tensor sb = local_tile(smem(_, _, stage), order(Int<kBox>{}, DimBlock{}), order(j, c));
+                auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sb),
                                               group_modes<0, 2>(g));
-                copy(tma_k.with(*bar), tg, ts);
-              }
-            });
-          }
-        };
-        auto load_v = [&](int n, int stage, uint64_t* bar) {
-          if constexpr (kPage == 0) {
-            Tensor gVt = local_tile(domain_offset(make_coord(0, w.kv_begin), mVt(_, _, kv_head)),
-                                    Shape<D, Int<kKv>>{}, make_coord(0, n));                              // (D, 128)
-            auto [tg, ts] = tma_partition(tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sVt(_, _, stage)),
-                                          group_modes<0, 2>(gVt));
-            copy(tma_v.with(*bar), tg, ts);
-          } else {
-            load_boxes(n, [&](int j, int page, int slot0) {
-              CUTE_UNROLL
-              for (int c = 0; c < kHeadDim / kDimBlock; ++c) {
-                Tensor g = local_tile(mVt(_, _, kv_head, page), Shape<DimBlock, Int<kBox>>{},
-                                      make_coord(c, slot0 / kBox));
-                Tensor sb = local_tile(sVt(_, _, stage), Shape<DimBlock, Int<kBox>>{}, make_coord(c, j));
-                auto [tg, ts] = tma_partition(tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sb),
-                                              group_modes<0, 2>(g));
-                copy(tma_v.with(*bar), tg, ts);
+                copy(tma.with(*bar), tg, ts);
               }
             });
           }
         };
         for (int n = w.ntiles - 1; n >= w.n_lo; --n) {  // the consumers' order: the diagonal first
           pipe_k.producer_acquire(st);
-          load_k(n, st.index(), pipe_k.producer_get_barrier(st));
+          load_kv(cute::false_type{}, tma_k, mK, sK, n, st.index(), pipe_k.producer_get_barrier(st));
           if (n == w.ntiles - 1) {  // Q after the first K: that K may land while the last tile's S still runs
             if (j > 0) cutlass::arch::ClusterBarrier::wait(&ss.q_empty, (j - 1) & 1);  // its Q is done with
             ss.tile = t;
@@ -294,7 +279,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
             copy(tma_q.with(ss.q_full), tQg, tQs);
           }
           pipe_v.producer_acquire(st);
-          load_v(n, st.index(), pipe_v.producer_get_barrier(st));
+          load_kv(cute::true_type{}, tma_v, mVt, sVt, n, st.index(), pipe_v.producer_get_barrier(st));
           ++st;
         }
         t = next_valid(next);
