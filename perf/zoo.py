@@ -502,10 +502,8 @@ def decode_section(a, with_fi, fi_reason) -> dict:
                 try:
                     r, anchored = decode_cell(a, cfg, page, b, L, fi if anchored else None, info)
                 except Exception as e:   # recorded (the run fails at the end), the other cells still run
-                    _failures.append(f"decode {key} page {page} {b}x{L}: {type(e).__name__}: {e}")
-                    log(f"  ERROR {_failures[-1]}")
-                    errors.append({"config": key, "page_size": page, "batch": b, "kv_len": L,
-                                   "error": f"{type(e).__name__}: {e}"})
+                    _record_error(errors, f"decode {key} page {page} {b}x{L}", e, config=key, page_size=page,
+                                  batch=b, kv_len=L)
                     torch.cuda.empty_cache()
                     continue
                 r["cell"] = f"{done}/{n_cells}"
@@ -531,6 +529,13 @@ def decode_section(a, with_fi, fi_reason) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ prefill (GPU)
+
+def _record_error(errors: list, what: str, e: Exception, **cell) -> None:
+    """A cell that raised: logged, in the section's errors (with its coordinates) and the run's failures (exit 1)."""
+    _failures.append(f"{what}: {type(e).__name__}: {e}")
+    log(f"  ERROR {_failures[-1]}")
+    errors.append({**cell, "error": f"{type(e).__name__}: {e}"})
+
 
 def sdpa_reference_check(case, out, label, causal=True) -> dict:
     """ours' request 0 against torch SDPA (bf16) on the same q / k / v."""
@@ -681,10 +686,8 @@ def prefill_section(a, with_fi, fi_reason) -> dict:
                 try:
                     rows.append(prefill_cell(a, cfg, b, s, fis, vfunc, fi_broken, mask))
                 except Exception as e:   # recorded (the run fails at the end), the other cells still run
-                    _failures.append(f"prefill {key} {b}x{s} {mask}: {type(e).__name__}: {e}")
-                    log(f"  ERROR {_failures[-1]}")
-                    errors.append({"config": key, "batch": b, "seq_len": s, "mask": mask,
-                                   "error": f"{type(e).__name__}: {e}"})
+                    _record_error(errors, f"prefill {key} {b}x{s} {mask}", e, config=key, batch=b, seq_len=s,
+                                  mask=mask)
                 torch.cuda.empty_cache()
     add_group_ratios(rows)
     for r in rows:
