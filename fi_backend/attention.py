@@ -468,14 +468,12 @@ class BatchAttention:
         """The kernel modules (kernels.ModuleSpec) a wrapper of these arguments loads: its tile family and, for
         prefill, the CuTe member's where it would load it on `device`. Builds nothing: an engine's start builds
         them all in parallel (prepare) before making its wrappers, which then load them."""
-        kv_dtype = q_dtype if kv_dtype is None else kv_dtype
+        q, kv = Q_DTYPES[q_dtype], KV_DTYPES[q_dtype if kv_dtype is None else kv_dtype]
         det = _deterministic(deterministic)
-        specs = attention_specs(variant, head_dim, Q_DTYPES[q_dtype], KV_DTYPES[kv_dtype], num_qo_heads // num_kv_heads,
-                                None, kernel, det)
-        if kernel == "prefill" and cute_member.unsupported(variant, head_dim, q_dtype, kv_dtype, page_size,
-                                                           None if device is None else torch.device(device),
-                                                           deterministic=det) is None:
-            specs += cute_member.specs(head_dim, q_dtype, page_size, variant)
+        specs = attention_specs(variant, head_dim, q, kv, num_qo_heads // num_kv_heads, None, kernel, det)
+        if kernel == "prefill":
+            specs += cute_member.specs_for(variant, head_dim, q, kv, page_size, deterministic=det,
+                                           device=None if device is None else torch.device(device))
         return specs
 
     @staticmethod

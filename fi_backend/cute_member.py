@@ -91,12 +91,14 @@ def specs(head_dim: int, q_dtype: torch.dtype, page_size: int, variant: Variant 
                                  softcap=_softcap(variant)) for causal in (False, True)]
 
 
-def specs_for(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, page_size: int) -> list:
-    """The member's modules that a prefill wrapper of these arguments loads on an H100 ([] where it loads none), by
-    the kernels' dtype names ("bf16", "fp16", "fp8_e4m3", ...): for ahead-of-time builds."""
+def specs_for(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, page_size: int, *,
+              deterministic: bool = False, device: Optional[torch.device] = None) -> list:
+    """The member's modules that a prefill wrapper of these arguments loads ([] where it loads none), by the kernels'
+    dtype names ("bf16", "fp16", "fp8_e4m3", ...); device None: on an H100 (ahead-of-time builds)."""
     names = {"bf16": torch.bfloat16, "fp16": torch.float16}
     q, kv = names.get(q_dtype), names.get(kv_dtype)
-    if q is None or kv is None or unsupported(variant, head_dim, q, kv, page_size) is not None:
+    if q is None or kv is None or unsupported(variant, head_dim, q, kv, page_size, device,
+                                              deterministic=deterministic) is not None:
         return []
     return specs(head_dim, q, page_size, variant)
 
