@@ -1,6 +1,7 @@
 """The prefill family's CuTe member (issue 30, docs/prefill.md): FlashAttention-3's CTA built on CUTLASS / CuTe's SM90
 atoms (csrc/attention/cute/attn_ws.cu, entry fi_cute_attn_bsr). A TMA producer warp, two consumer warpgroups of 64
-query rows with the intra-warpgroup overlap, 128 x 128 tiles of one query head, a persistent grid taking tiles from
+query rows with the intra-warpgroup overlap, 128 x 128 tiles of one query head (steps of long prompts at head size 64:
+three consumer warpgroups, 192 x 128), a persistent grid taking tiles from
 a counter in L2-sized sections. It reads the step's BSR directly (pages as TMA boxes) and needs no plan items.
 
 BatchAttention(kernel="prefill") loads it where it applies (`unsupported` says why not: Hopper, the default, sliding
@@ -23,6 +24,13 @@ from .variants import Variant
 # Tiles of the CTA (kRows x kKv: 64-token KV tiles at head size 256, the step rule counts 128) and its head sizes.
 ROWS = KV_TILE = 128
 HEAD_DIMS = (64, 96, 128, 256)
+# Head sizes whose member also loads the CTA with three consumer warpgroups (192-row query tiles, FlashAttention-3's at
+# head size 64: a KV tile's MMAs are short against its softmax), for steps whose requests average at least
+# WIDE_MIN_QUERY query rows (H100, causal, 32 heads, perf/results/cute_probe_d64_wg3.json: 1 x 16k 1.12x ragged and
+# 1.20x on pages of 16, 4 x 4k 0.96-1.03x, 16 x 1k 0.77-0.82x, where a 1024-row prompt leaves a third of its sixth
+# tile empty)
+WIDE_HEAD_DIMS = (64,)
+WIDE_MIN_QUERY = 8192
 # A step goes to the member where its work tiles fill the GPU at least once (a short step's few tiles leave SMs idle
 # that the tile family's KV splits would use) ...
 MIN_TILES_PER_SM = 1.0
@@ -84,11 +92,13 @@ def unsupported(variant: Variant, head_dim: int, q_dtype: torch.dtype, kv_dtype:
 
 
 def specs(head_dim: int, q_dtype: torch.dtype, page_size: int, variant: Variant = V.DEFAULT) -> list:
-    """The member's modules for a variant it computes: non-causal and causal."""
+    """The member's modules for a variant it computes: non-causal and causal, then (WIDE_HEAD_DIMS) the same with
+    three consumer warpgroups."""
     from .kernels import cutlass
     dtype = "bf16" if q_dtype == torch.bfloat16 else "fp16"
     return [cutlass.attn_ws_spec(head_dim, causal, overlap=True, pingpong=False, page_size=page_size, dtype=dtype,
-                                 softcap=_softcap(variant)) for causal in (False, True)]
+                                 softcap=_softcap(variant), warpgroups=wgs)
+            for wgs in ((2, 3) if head_dim in WIDE_HEAD_DIMS else (2,)) for causal in (False, True)]
 
 
 def specs_for(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, page_size: int, *,
@@ -104,7 +114,8 @@ def specs_for(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, page
 
 
 class CuteMember:
-    """The member's two modules (non-causal, causal), its tile counter, and the step rule."""
+    """The member's modules (non-causal, causal; at WIDE_HEAD_DIMS those of three warpgroups too), its tile counter,
+    and the step rule."""
 
     def __init__(self, head_dim: int, q_dtype: torch.dtype, page_size: int, num_qo_heads: int, num_kv_heads: int,
                  device: torch.device, variant: Variant = V.DEFAULT):
@@ -112,10 +123,11 @@ class CuteMember:
         argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 19 + [ctypes.c_float] * 2 + [ctypes.c_void_p]
         self._fns = [m.function("fi_cute_attn_bsr", argtypes) for m in self.modules]
         self.softcap = _softcap(variant)
-        self.heads, self.kv_heads = num_qo_heads, num_kv_heads
+        self.heads, self.kv_heads, self.wide = num_qo_heads, num_kv_heads, head_dim in WIDE_HEAD_DIMS
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)  # zeroed by each launch, on its stream
-        self._step = None  # (causal, batch, max_q_len, total_q, total_kv, window_left, soft-cap) planned, or None
+        # (module: causal + 2 x wide, batch, max_q_len, total_q, total_kv, window_left, soft-cap) planned, or None
+        self._step = None
 
     @property
     def module_names(self) -> list:
@@ -147,7 +159,9 @@ class CuteMember:
         self._step = None
         if not allowed or (self.softcap and not logits_soft_cap > 0) or not self.takes_step(q_lens, kv_lens, causal):
             return False
-        self._step = (int(bool(causal)), q_lens.numel(), int(q_lens.max()), int(q_lens.sum()), int(kv_lens.sum()),
+        total_q, live = int(q_lens.sum()), int((q_lens > 0).sum())
+        wide = self.wide and total_q >= WIDE_MIN_QUERY * live  # the modules of three warpgroups: 2, 3
+        self._step = (int(bool(causal)) + 2 * wide, q_lens.numel(), int(q_lens.max()), total_q, int(kv_lens.sum()),
                       max(-1, int(window_left)), float(logits_soft_cap))
         return True
 
@@ -158,8 +172,8 @@ class CuteMember:
     def launch(self, p, stream: int) -> int:
         """The planned step on the BatchAttention's Params `p` (its q / out / lse / KV / BSR fields, as run() set
         them): 0, CAPTURE_REFUSED, or a CUDA error code."""
-        causal, batch, max_q, total_q, total_kv, window, cap = self._step
-        return self._fns[causal](
+        module, batch, max_q, total_q, total_kv, window, cap = self._step
+        return self._fns[module](
             p.q, p.out, p.lse, p.k, p.v, p.qo_indptr, p.kv_lens, p.kv_indices, p.kv_block_start,
             self.counter.data_ptr(), p.error_flags, p.num_kv_indices, p.q_stride_row, p.q_stride_head,
             p.out_stride_row, p.out_stride_head, p.lse_stride_row, p.kv_stride_block, p.kv_stride_token,

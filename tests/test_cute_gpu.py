@@ -49,20 +49,24 @@ _WS_CASES = {  # (query lengths, KV lengths, heads, KV heads)
 @pytest.mark.parametrize("D", [64, 96, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", sorted(_WS_CASES))
-@pytest.mark.parametrize("overlap,pingpong", [(0, 0), (1, 0), (1, 1)])
-def test_attn_ws(D, causal, case, overlap, pingpong):
-    """The warp-specialised CTA: a TMA producer warp, K and V pipelines of 2 stages, two consumer warpgroups, on a
-    persistent grid; GQA by the KV head's index; ragged requests of any length (KV at least the query's), causal
-    bottom-right with the masked tiles found per tile, rows past a request's end not stored; the intra-warpgroup
-    overlap and the ping-pong on and off (1 x 128: one KV tile, the overlapped loop's first and last steps only)."""
+@pytest.mark.parametrize("overlap,pingpong,warpgroups", [(0, 0, 2), (1, 0, 2), (1, 1, 2), (1, 0, 3), (1, 1, 3)])
+def test_attn_ws(D, causal, case, overlap, pingpong, warpgroups):
+    """The warp-specialised CTA: a TMA producer warp, K and V pipelines of 2 stages, two (three: 192-row tiles, head
+    size 64) consumer warpgroups, on a persistent grid; GQA by the KV head's index; ragged requests of any length (KV
+    at least the query's), causal bottom-right with the masked tiles found per tile, rows past a request's end not
+    stored; the intra-warpgroup overlap and the ping-pong on and off (1 x 128: one KV tile, the overlapped loop's first
+    and last steps only)."""
     pytest.importorskip("cutlass_library")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm_90a only")
     if D in (96, 256) and (overlap, pingpong) != (1, 0):
         pytest.skip("head sizes 96 (64-byte swizzle atoms) and 256 (64-token KV tiles): the member's loop only")
+    if warpgroups == 3 and D != 64:
+        pytest.skip("three consumer warpgroups: head size 64 only")
     from fi_backend import kernels
     from fi_backend.kernels import cutlass
-    module = kernels.load(cutlass.attn_ws_spec(D, causal, overlap=bool(overlap), pingpong=bool(pingpong)))
+    module = kernels.load(cutlass.attn_ws_spec(D, causal, overlap=bool(overlap), pingpong=bool(pingpong),
+                                               warpgroups=warpgroups))
     run = module.function("fi_cute_attn_ws", [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7 + [ctypes.c_float,
                                                                                              ctypes.c_void_p])
     q_lens, kv_lens, heads, kv_heads = _WS_CASES[case]
@@ -90,11 +94,11 @@ _PAGED_CASES = {  # (query lengths, KV lengths, heads, KV heads)
 }
 
 
-@pytest.mark.parametrize("D", [64, 96, 128, 256])
+@pytest.mark.parametrize("D,warpgroups", [(64, 2), (64, 3), (96, 2), (128, 2), (256, 2)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("page", [16, 64, 256])
 @pytest.mark.parametrize("case", sorted(_PAGED_CASES))
-def test_attn_ws_paged(D, causal, page, case):
+def test_attn_ws_paged(D, warpgroups, causal, page, case):
     """Paged K / V (vLLM's layout: K and V of a page in one [pages, 2, page, kv_heads, D] tensor, so each view has a
     page stride of twice its page), pages of each request in random order over a pool with pages of no request,
     through the BSR entry (fi_cute_attn_bsr): a TMA box a page and 64-dim block below 128 tokens a page, several KV
@@ -106,7 +110,8 @@ def test_attn_ws_paged(D, causal, page, case):
         pytest.skip("head size 256: pages of 16 (several boxes a 64-token tile) and 256 (several tiles a page) only")
     from fi_backend import kernels
     from fi_backend.kernels import cutlass
-    module = kernels.load(cutlass.attn_ws_spec(D, causal, overlap=True, pingpong=False, page_size=page))
+    module = kernels.load(cutlass.attn_ws_spec(D, causal, overlap=True, pingpong=False, page_size=page,
+                                               warpgroups=warpgroups))
     run = module.function("fi_cute_attn_bsr", [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 19 +
                           [ctypes.c_float] * 2 + [ctypes.c_void_p])
     q_lens, kv_lens, heads, kv_heads = _PAGED_CASES[case]

@@ -44,8 +44,9 @@ def test_variants_it_computes():
 
 
 class _Member(C.CuteMember):
-    def __init__(self, heads=32, kv_heads=8, sms=132, softcap=False):  # the step rule only: no modules, no device
+    def __init__(self, heads=32, kv_heads=8, sms=132, softcap=False, wide=False):  # the step rule only: no modules
         self.heads, self.kv_heads, self.sms, self._step, self.softcap = heads, kv_heads, sms, None, softcap
+        self.wide = wide
 
 
 def _t(xs):
@@ -70,22 +71,30 @@ def test_takes_step():
     assert not m.plan(_t([1000]), _t([1000]), causal=True, allowed=False)
     assert not m.plan(_t([]), _t([]), causal=True)
     # a soft-capping member with no cap (> 0) leaves the step to the family
+    # head size 64 (wide): steps of long prompts on the modules of three warpgroups (2: non-causal, 3: causal)
+    wide = _Member(wide=True)
+    assert wide.plan(_t([16384]), _t([16384]), causal=True) and wide._step[0] == 3
+    assert wide.plan(_t([16384, 0]), _t([16384, 5]), causal=False) and wide._step[0] == 2  # empty rows: not counted
+    assert wide.plan(_t([4096] * 4), _t([4096] * 4), causal=True) and wide._step[0] == 1
+    assert m.plan(_t([16384]), _t([16384]), causal=True) and m._step[0] == 1  # not wide: two warpgroups
     capped = _Member(softcap=True)
     assert not capped.plan(_t([1000]), _t([1000]), causal=True, logits_soft_cap=0.0)
     assert capped.plan(_t([1000]), _t([1000]), causal=True, logits_soft_cap=30.0) and capped._step[-1] == 30.0
 
 
 def test_modules_of_names_the_members_modules(monkeypatch):
-    """models.modules_of (fi-backend build --model, CI's zoo build) adds the member's two modules for a plain model
-    of head size 64 / 128 and 16-bit KV, per page size, where modules are built for sm_90a alone and CUTLASS's
+    """models.modules_of (fi-backend build --model, CI's zoo build) adds the member's two modules (four at head size
+    64) for a plain model of head size 64 / 128 and 16-bit KV, per page size, where modules are built for sm_90a alone and CUTLASS's
     headers are installed; none for a model with hooks, other architectures or the switch off."""
     import pytest
     pytest.importorskip("cutlass_library")
     from fi_backend import models
     monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", "90a")
     cute = lambda m, **kw: [s.tag for s in models.modules_of(models.find(m), **kw) if s.family == "cute_attn_ws"]
-    assert cute("Llama-3.1-8B") == ["d128_bf1_ca0_ov1_pa16_pi0_so0_st2", "d128_bf1_ca1_ov1_pa16_pi0_so0_st2"]
-    assert len(cute("Qwen2.5-0.5B", page_sizes=(16, 32))) == 4 and cute("Llama-3.2-1B")[0].startswith("d64_")
+    assert cute("Llama-3.1-8B") == ["d128_bf1_ca0_ov1_pa16_pi0_so0_st2_wa2", "d128_bf1_ca1_ov1_pa16_pi0_so0_st2_wa2"]
+    # head size 64: two warpgroups and three (steps of long prompts), per page size
+    assert len(cute("Qwen2.5-0.5B", page_sizes=(16, 32))) == 8 and cute("Llama-3.2-1B")[0].startswith("d64_")
+    assert [t[-3:] for t in cute("Llama-3.2-1B")] == ["wa2", "wa2", "wa3", "wa3"]
     assert len(cute("Gemma-2-9B")) == 2 and all(t.startswith("d256_") for t in cute("Gemma-2-9B"))
     assert len(cute("Gemma-2-27B")) == 2 and all("_so1_" in t for t in cute("Gemma-2-27B"))  # soft-cap (+ window)
     assert cute("Mistral-7B") == cute("Llama-3.1-8B")  # a window: the same modules

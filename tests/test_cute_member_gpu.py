@@ -26,7 +26,8 @@ def _built():
     from fi_backend.specs import attention_specs
     names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
     specs = {}
-    wanted = [(V.DEFAULT, *shape[:5]) for shape in _SHAPES + [(32, 8, 128, 16, torch.bfloat16)]]
+    wanted = [(V.DEFAULT, *shape[:5]) for shape in _SHAPES + [(32, 8, 128, 16, torch.bfloat16),
+                                                              (4, 1, 64, 16, torch.bfloat16)]]
     wanted += [(_VARIANTS[name][0], Hq, Hkv, D, 16, torch.bfloat16) for name, Hq, Hkv, D in _VARIANT_SHAPES]
     for variant, Hq, Hkv, D, page, dtype in wanted:
         for s in cute_member.specs(D, dtype, page, variant) + attention_specs(
@@ -84,6 +85,18 @@ def test_member_matches_reference(Hq, Hkv, D, page, dtype, layout, packed, causa
     _check_step(attn, _Q_LENS, _KV_LENS, dtype=dtype, packed=packed, causal=causal,
                 what=f"{Hq}/{Hkv} D={D} page={page} {layout}{' packed' if packed else ''} causal={causal}")
     assert attn.cute_step, "the step should have run on the CuTe member"
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_member_wide_steps(causal):
+    """Head size 64: a step whose requests average WIDE_MIN_QUERY query rows or more runs the CTA of three consumer
+    warpgroups (192-row query tiles), here with a request of rows not a multiple of 192 and a short one beside it."""
+    from fi_backend import cute_member
+    attn = _wrapper(4, 1, 64, page=16, max_tokens=26000)
+    assert attn.cute_unsupported is None, attn.cute_unsupported
+    q_lens = [cute_member.WIDE_MIN_QUERY + 4000, cute_member.WIDE_MIN_QUERY + 3000, 2000]
+    _check_step(attn, q_lens, [q + 37 for q in q_lens], causal=causal, what=f"wide causal={causal}")
+    assert attn.cute_step and attn._cute._step[0] == int(causal) + 2, "the step should have run three warpgroups"
 
 
 _VARIANTS = {"window": (V.SLIDING_WINDOW, {"window_left": 299}),

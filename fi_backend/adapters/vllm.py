@@ -90,7 +90,7 @@ _VLLM_CLASSES = ("FiAttentionBackend", "FiAttentionMetadataBuilder", "FiAttentio
 _log = logging.getLogger("vllm.fi_backend")
 _logged_active = False
 _warned_unordered = False
-_PLAN_COUNTS = {"decode": 0, "prefill": 0, "grouped_decode": 0, "grouped_extend": 0}
+_PLAN_COUNTS = {"decode": 0, "prefill": 0, "grouped_decode": 0, "grouped_extend": 0, "cute": 0}
 _wrappers = weakref.WeakSet()   # every BatchAttention this process made, for check_errors()
 _define_lock = threading.Lock()  # the vLLM classes are made once: vLLM compares them by identity
 # Host block tables for shared-prefix groups, published by the opt-in worker (adapters/vllm_worker.py): its V2
@@ -169,7 +169,7 @@ def _vllm_class(name: str) -> type:
 def plan_counts() -> dict:
     """Plans made in this process per kernel, {"decode": n, "prefill": m, ...} (tests and debugging). grouped_decode /
     grouped_extend: decode / other steps whose plan kept at least one shared-prefix group; a decode step run on
-    graph_prefill counts as a prefill plan."""
+    graph_prefill counts as a prefill plan; cute: prefill plans the CuTe member took."""
     return dict(_PLAN_COUNTS)
 
 
@@ -376,6 +376,8 @@ class _StepPlanner:
         else:
             wrapper.plan(qo_cpu, kv_cpu, bsr, prefix_groups=groups, **kw)
             _PLAN_COUNTS[kernel] += 1
+            if kernel == "prefill" and wrapper.cute_step:
+                _PLAN_COUNTS["cute"] += 1
             if groups is not None and wrapper.plan_info.shared_groups > 0:
                 _PLAN_COUNTS["grouped_decode" if kernel == "decode" else "grouped_extend"] += 1
         return FiAttentionMetadata(wrapper=wrapper, num_rows=int(qo_cpu[n]), num_actual_tokens=cm.num_actual_tokens,
@@ -402,6 +404,8 @@ class _StepPlanner:
                           debug=self.debug, **self.variant_params)
         _PLAN_COUNTS["decode"] += 1
         _PLAN_COUNTS["prefill"] += 1
+        if self.prefill.cute_step:
+            _PLAN_COUNTS["cute"] += 1
         return FiAttentionMetadata(wrapper=self.prefill, num_rows=int(qo_cpu[n]), num_actual_tokens=cm.num_actual_tokens,
                                    max_query_len=cm.max_query_len, query_start_loc=cm.query_start_loc,
                                    seq_lens=cm.seq_lens, block_table=cm.block_table_tensor,

@@ -1,13 +1,14 @@
 """The CuTe probe's warp-specialised CTA (csrc/attention/cute/attn_ws.cu: FlashAttention-3's CTA) without its
-overlap, with the intra-warpgroup overlap, with the ping-pong too, and with the overlap in L2 sections of one KV
-head, against FlashInfer's FA3 template and our prefill (member 0 and the FA3 member), causal bf16, head size 128,
-the same ragged inputs in the same process, alternating rounds (issue 30's design change, docs/prefill.md); and the
-overlapped CTA on the same K / V copied into pages in random order (--paged, page sizes).
+overlap, with the intra-warpgroup overlap, with the ping-pong too, with the overlap in L2 sections of one KV head, and
+with three consumer warpgroups (the _wg3 modes, head size 64), against FlashInfer's FA3 template and our prefill
+(member 0 and the FA3 member), causal bf16, head size 128 or --head-dim, the same ragged inputs in the same process,
+alternating rounds (issue 30's design change, docs/prefill.md); and the overlapped CTA on the same K / V copied into
+pages in random order (--paged, page sizes).
 
-    python -m perf.tools.cute_probe [--shapes 16x1024,4x4096,1x16384] [--heads 32/8,32/32]
+    python -m perf.tools.cute_probe [--shapes 16x1024,4x4096,1x16384] [--heads 32/8,32/32] [--head-dim 128]
 
-Needs FlashInfer staged and the nvidia-cutlass headers (fi_backend.kernels.cutlass). Writes perf/results/<name>.json
-(default cute_probe)."""
+Needs FlashInfer staged (unless --no-flashinfer) and the nvidia-cutlass headers (fi_backend.kernels.cutlass). Writes
+perf/results/<name>.json (default cute_probe)."""
 from __future__ import annotations
 
 import argparse
@@ -22,15 +23,17 @@ from perf.common import diff_stats, log, stamp, time_rounds, write_result
 
 
 L2_SECTION = 32 << 20  # KV bytes a section of work tiles spans (the better in 5 of 6 cells, docs/prefill.md)
-# (overlap, ping-pong, L2 section bytes: 0 one KV head's KV)
-MODES = {"cute_plain": (False, False, L2_SECTION), "cute_overlap": (True, False, L2_SECTION),
-         "cute_pingpong": (True, True, L2_SECTION), "cute_overlap_kv1": (True, False, 0)}
+# (overlap, ping-pong, L2 section bytes: 0 one KV head's KV, consumer warpgroups: 3 at head size 64 only)
+MODES = {"cute_plain": (False, False, L2_SECTION, 2), "cute_overlap": (True, False, L2_SECTION, 2),
+         "cute_pingpong": (True, True, L2_SECTION, 2), "cute_overlap_kv1": (True, False, 0, 2),
+         "cute_overlap_wg3": (True, False, L2_SECTION, 3), "cute_pingpong_wg3": (True, True, L2_SECTION, 3)}
 
 
-def probe_fn(case: P.Case, overlap: bool, pingpong: bool, l2_section_bytes: int = L2_SECTION):
+def probe_fn(case: P.Case, overlap: bool, pingpong: bool, l2_section_bytes: int = L2_SECTION, warpgroups: int = 2):
     from fi_backend import kernels
     from fi_backend.kernels import cutlass
-    module = kernels.load(cutlass.attn_ws_spec(case.d, True, overlap=overlap, pingpong=pingpong))
+    module = kernels.load(cutlass.attn_ws_spec(case.d, True, overlap=overlap, pingpong=pingpong,
+                                               warpgroups=warpgroups))
     run = module.function("fi_cute_attn_ws", [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7 + [ctypes.c_float,
                                                                                              ctypes.c_void_p])
     out = torch.empty_like(case.q)
@@ -48,12 +51,13 @@ def probe_fn(case: P.Case, overlap: bool, pingpong: bool, l2_section_bytes: int 
     return fn, out
 
 
-def paged_fn(case: P.Case, page_size: int, l2_section_bytes: int = L2_SECTION):
+def paged_fn(case: P.Case, page_size: int, l2_section_bytes: int = L2_SECTION, warpgroups: int = 2):
     """The overlapped CTA reading K / V from a pool of page_size pages in random order (perf.prefill.Paged)."""
     from fi_backend import kernels
     from fi_backend.kernels import cutlass
     paged = P.Paged(case, page_size)
-    module = kernels.load(cutlass.attn_ws_spec(case.d, True, overlap=True, pingpong=False, page_size=page_size))
+    module = kernels.load(cutlass.attn_ws_spec(case.d, True, overlap=True, pingpong=False, page_size=page_size,
+                                               warpgroups=warpgroups))
     run = module.function("fi_cute_attn_bsr", [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 19 +
                           [ctypes.c_float] * 2 + [ctypes.c_void_p])
     out = torch.empty_like(case.q)
@@ -87,47 +91,57 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default=",".join(MODES), help=f"the CTA's ragged modes, of {', '.join(MODES)}")
     ap.add_argument("--paged", default="16", help="page sizes to time the overlapped CTA on (pages in random order), "
                                                     "comma-separated; empty: none")
+    ap.add_argument("--head-dim", type=int, default=P.D, help="head size (64, 96, 128 or 256)")
+    ap.add_argument("--paged-warpgroups", default="2", help="consumer warpgroups of the paged CTA, comma-separated "
+                                                            "(3: head size 64 only)")
+    ap.add_argument("--no-flashinfer", action="store_true",
+                    help="no FlashInfer FA3 anchor (its first build at a head size is minutes): ratios to ours")
     a = ap.parse_args(argv)
     modes = [m for m in a.modes.split(",") if m]
     if any(m not in MODES for m in modes):
         ap.error(f"--modes: {modes}; accepted: {', '.join(MODES)}")
     from fi_backend.shapes import PREFILL_FA3_TUNINGS
     from perf.zoo import parse_shapes
-    fi_fa3 = P.FlashInferRagged("fa3")
+    fi_fa3 = None if a.no_flashinfer else P.FlashInferRagged("fa3")
+    anchor = "ours" if fi_fa3 is None else "flashinfer_fa3"
     rows = []
     for heads in a.heads.split(","):
         hq, hkv = (int(x) for x in heads.split("/"))
         for b, s in parse_shapes(a.shapes):
-            case = P.Case(b, s, hq, hkv, seed=b + s)
+            case = P.Case(b, s, hq, hkv, head_dim=a.head_dim, seed=b + s)
             fns, outs = {}, {}
             for name in modes:
                 fns[name], outs[name] = probe_fn(case, *MODES[name])
             for page in (int(x) for x in a.paged.split(",") if x):
-                fns[f"cute_overlap_paged{page}"], outs[f"cute_overlap_paged{page}"] = paged_fn(case, page)
+                for wgs in (int(x) for x in a.paged_warpgroups.split(",")):
+                    name = f"cute_overlap_paged{page}" + ("" if wgs == 2 else f"_wg{wgs}")
+                    fns[name], outs[name] = paged_fn(case, page, warpgroups=wgs)
                 # the same pages through BatchAttention: the prefill family's CuTe member (the launch engines run)
                 name = f"member_paged{page}"
                 fns[name], outs[name], info = P.ours_fn(case, paged=P.Paged(case, page))
                 if not info["cute_step"]:
                     raise RuntimeError(f"the CuTe member did not take the step: {info['cute_unsupported']}")
-            fns["flashinfer_fa3"], outs["flashinfer_fa3"] = fi_fa3.fn(case)
+            if fi_fa3 is not None:
+                fns["flashinfer_fa3"], outs["flashinfer_fa3"] = fi_fa3.fn(case)
             fns["ours"], outs["ours"], _ = P.ours_fn(case)
-            fns["ours_fa3"], outs["ours_fa3"], _ = P.ours_fn(case, tuning=PREFILL_FA3_TUNINGS[case.d])
+            if case.d in PREFILL_FA3_TUNINGS:
+                fns["ours_fa3"], outs["ours_fa3"], _ = P.ours_fn(case, tuning=PREFILL_FA3_TUNINGS[case.d])
             times = time_rounds(fns, a.rounds, a.rep)
             us = {k: statistics.median(v) for k, v in times.items()}
-            fi = us["flashinfer_fa3"]
+            base = us[anchor]
             r = {**case.shape(), "us": us, "us_per_round": times,
-                 "flashinfer_fa3_time_over": {k: fi / v for k, v in us.items() if k != "flashinfer_fa3"},
-                 "checks": {k: P.check(f"{heads} {b}x{s} {k} vs FlashInfer FA3", diff_stats(o, outs["flashinfer_fa3"]))
-                            for k, o in outs.items() if k != "flashinfer_fa3"}}
+                 f"{anchor}_time_over": {k: base / v for k, v in us.items() if k != anchor},
+                 "checks": {k: P.check(f"{heads} {b}x{s} {k} vs {anchor}", diff_stats(o, outs[anchor]))
+                            for k, o in outs.items() if k != anchor}}
             rows.append(r)
             log(f"{heads} {b}x{s}: " + ", ".join(f"{k} {v:.1f} us" for k, v in us.items())
-                + " | FI FA3 time / " + ", ".join(f"{k} {v:.3f}" for k, v in r["flashinfer_fa3_time_over"].items()))
+                + f" | {anchor} time / " + ", ".join(f"{k} {v:.3f}" for k, v in r[f"{anchor}_time_over"].items()))
             del fns, outs, case
             torch.cuda.empty_cache()
-    write_result(a.name, {**stamp(), "causal": True, "head_dim": P.D, "rows": rows,
-                          "anchor": "FlashInfer 0.6.14 BatchPrefillWithRaggedKVCacheWrapper(backend='fa3')",
-                          "ratios": "flashinfer_fa3_time_over: FlashInfer FA3's time / that kernel's "
-                                    "(> 1: it is faster)"})
+    write_result(a.name, {**stamp(), "causal": True, "head_dim": a.head_dim, "rows": rows,
+                          "anchor": "FlashInfer 0.6.14 BatchPrefillWithRaggedKVCacheWrapper(backend='fa3')"
+                          if fi_fa3 is not None else "ours: BatchAttention(kernel='prefill') on ragged K / V",
+                          "ratios": f"{anchor}_time_over: {anchor}'s time / that kernel's (> 1: it is faster)"})
     return 1 if P.failures() else 0
 
 

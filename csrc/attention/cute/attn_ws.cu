@@ -1,8 +1,9 @@
 // The prefill family's CuTe member (fi_backend/cute_member.py, docs/prefill.md): FlashAttention-3's CTA on CUTLASS /
 // CuTe's SM90 atoms. A producer warpgroup whose first warp issues every TMA load (Q once, then K and V tiles through
-// two PipelineTmaAsync rings), and two consumer warpgroups of 64 rows each (a 128-row query tile), with registers
-// moved to them by setmaxnreg. Per KV tile a consumer waits for K, runs S = Q K^T, frees K, runs the online softmax,
-// waits for V, runs O += P V and frees V. A work tile is one query head's 128 tokens (FlashAttention-3's: GQA heads
+// two PipelineTmaAsync rings), and two or three consumer warpgroups of 64 rows each (a 128- or 192-row query tile),
+// with registers moved to them by setmaxnreg. Per KV tile a consumer waits for K, runs S = Q K^T, frees K, runs the
+// online softmax, waits for V, runs O += P V and frees V. A work tile is one query head's 128 or 192 tokens
+// (FlashAttention-3's: GQA heads
 // not packed); the grid is persistent, one CTA an SM, each taking its next tile from a counter in global memory
 // (dynamic: causal tiles' lengths differ). Tiles are ordered in sections of (request, head) pairs whose KV fits in L2
 // together (the CTAs at work at once read the same KV), causal ones longest first within a section. The producer
@@ -12,10 +13,10 @@
 // KV tiles run from the last to the first, as FlashAttention-3's: the causal diagonal (the one masked tile) comes
 // first. OVERLAP 1 is FlashAttention-3's intra-warpgroup overlap: S of tile n is issued with P.V of tile n + 1 (the
 // one before it in this order), and the softmax of S runs while that P.V is in flight. PINGPONG 1 (with OVERLAP) has
-// the two consumer warpgroups issue their MMAs in turns on two named barriers, so one's softmax runs under the other's
+// the consumer warpgroups issue their MMAs in turns on named barriers, so one's softmax runs under the others'
 // MMAs.
-// Template parameters: HEAD_DIM 64, 96, 128 or 256, STAGES (2), CAUSAL, OVERLAP, PINGPONG, SOFTCAP (0 / 1), BF16 (1:
-// bf16, 0: fp16), PAGE (0: ragged K / V, entry fi_cute_attn_ws; else pages of PAGE tokens read through a BSR, entry
+// Template parameters: HEAD_DIM 64, 96, 128 or 256, STAGES (2), WARPGROUPS (consumers: 2 or 3), CAUSAL, OVERLAP,
+// PINGPONG, SOFTCAP (0 / 1), BF16 (1: bf16, 0: fp16), PAGE (0: ragged K / V, entry fi_cute_attn_ws; else pages of PAGE tokens read through a BSR, entry
 // fi_cute_attn_bsr, which also takes a sliding window: window_left >= 0, KV tiles below every row's window skipped).
 // Requests: b's query rows qo_indptr[b] .. qo_indptr[b + 1] (int32, device), any lengths with 1 <= q_len <= kv_len,
 // causal bottom-right aligned (query i sees keys <= kv_len - q_len + i); max_q_len bounds the query tiles. lse
@@ -46,7 +47,7 @@ constexpr bool kCausal = {{CAUSAL}}, kOverlap = {{OVERLAP}}, kPingPong = {{PINGP
 constexpr bool kSoftCap = {{SOFTCAP}};  // logits = cap x tanh(logits / cap) (Gemma-2's), cap from Args
 #define FI_CUTE_PAGE {{PAGE}}
 constexpr int kPage = FI_CUTE_PAGE;  // 0: K / V ragged [tokens, kv_heads, D]; else pages of kPage tokens (a BSR)
-static_assert(!kPingPong || kOverlap, "ping-pong: the overlapped loop's two warpgroups");
+static_assert(!kPingPong || kOverlap, "ping-pong: the overlapped loop's warpgroups");
 static_assert(kHeadDim % 32 == 0, "head size: whole 64-byte swizzle atoms");
 // Dims a swizzle atom's row holds: 64 (128-byte rows, 128-byte swizzle) where the head size allows, else 32 (head size
 // 96: 64-byte rows and swizzle). A row of an atom is a token's dims of one block in every layout below.
@@ -56,7 +57,14 @@ using AtomK = std::conditional_t<kDimBlock == 64, GMMA::Layout_K_SW128_Atom<Elem
 using AtomMN = std::conditional_t<kDimBlock == 64, GMMA::Layout_MN_SW128_Atom<Elem>, GMMA::Layout_MN_SW64_Atom<Elem>>;
 // KV tiles of 128 tokens; 64 at head size 256, where O (128 registers a thread) and 128-token K / V stages would not
 // fit (FlashAttention-3 takes 80 there)
-constexpr int kRows = 128, kKv = kHeadDim == 256 ? 64 : 128, kThreads = 384, kConsumers = 256;
+// WARPGROUPS consumer warpgroups of 64 query rows each: 2 (128-row tiles), or 3 (192 rows, FlashAttention-3's at head
+// size 64, where a KV tile's MMAs are short against its softmax; at 96 S, P and O overflow the 160 registers a
+// consumer thread then gets and ptxas serialises the wgmma)
+constexpr int kWarpGroups = {{WARPGROUPS}};
+static_assert(kWarpGroups == 2 || (kWarpGroups == 3 && kHeadDim == 64),
+              "consumer warpgroups: 2, or 3 at head size 64");
+constexpr int kRows = 64 * kWarpGroups, kKv = kHeadDim == 256 ? 64 : 128, kConsumers = 128 * kWarpGroups;
+constexpr int kThreads = 128 + kConsumers;
 using D = Int<kHeadDim>;
 using SmemLayoutQ = decltype(tile_to_shape(AtomK{}, Shape<Int<kRows>, D>{}));
 using SmemLayoutO = SmemLayoutQ;  // O staged for coalesced stores
@@ -74,23 +82,28 @@ using SmemLayoutVt = decltype(tile_to_shape(AtomMN{}, Shape<D, Int<kKv>, Int<kSt
 // as the layouts below.
 constexpr int kBox = kPage == 0 || kPage >= kKv ? kKv : kPage, kBoxes = kKv / kBox;
 static_assert(kPage == 0 || (kPage >= 16 && (kPage & (kPage - 1)) == 0), "page size: a power of two, 16 or more");
-// Registers by setmaxnreg: 128 x producer + 256 x consumer must not pass the 384 threads' launch share (168 each,
-// 64512), or the consumers' setmaxnreg waits forever; a producer looking up several pages a KV tile needs more than 24
-constexpr int kProducerRegs = kBoxes > 1 ? 40 : 24, kConsumerRegs = kBoxes > 1 ? 232 : 240;
-static_assert(kProducerRegs * 128 + kConsumerRegs * 256 <= 168 * kThreads, "setmaxnreg: more than the launch gave");
+// Registers by setmaxnreg: 128 x producer + kConsumers x consumer must not pass the launch's share (the most a thread
+// of kThreads may hold: 168 at 384 threads, 128 at 512), or the consumers' setmaxnreg waits forever; a producer
+// looking up several pages a KV tile needs more than 24
+constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+constexpr int kProducerRegs = kWarpGroups == 3 ? (kBoxes > 1 ? 40 : 32) : (kBoxes > 1 ? 40 : 24);
+constexpr int kConsumerRegs = kWarpGroups == 3 ? (kBoxes > 1 ? 152 : 160) : (kBoxes > 1 ? 232 : 240);
+static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumers <= kLaunchRegs * kThreads,
+              "setmaxnreg: more than the launch gave");
 using SmemLayoutKBox = decltype(tile_to_shape(AtomK{}, Shape<Int<kBox>, DimBlock>{}));
 using SmemLayoutVtBox = decltype(tile_to_shape(AtomMN{}, Shape<DimBlock, Int<kBox>>{}));
 using AtomQK = decltype(GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<kKv>, D>>());
 using AtomPV = decltype(GMMA::rs_op_selector<Elem, Elem, float, Shape<_64, D, Int<kKv>>, GMMA::Major::K,
                                              GMMA::Major::MN>());
-using MmaQK = decltype(make_tiled_mma(AtomQK{}, Layout<Shape<_2, _1, _1>>{}));  // two warpgroups, 64 rows each
-using MmaPV = decltype(make_tiled_mma(AtomPV{}, Layout<Shape<_2, _1, _1>>{}));
+using MmaQK = decltype(make_tiled_mma(AtomQK{}, Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));  // 64 rows a warpgroup
+using MmaPV = decltype(make_tiled_mma(AtomPV{}, Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
 using Pipeline = cutlass::PipelineTmaAsync<kStages>;
 using PipelineState = cutlass::PipelineState<kStages>;
 constexpr uint32_t kTileBytes = kKv * kHeadDim * sizeof(Elem), kQBytes = kRows * kHeadDim * sizeof(Elem);
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr int kEpilogueBarrier = 2;  // named barriers 2, 3: a warpgroup's epilogue (0, 1: the ping-pong's turns)
-constexpr int kTailBarrier = 4;      // both consumer warpgroups: a V tile's tail zeroed
+// named barriers 0 .. kWarpGroups - 1: the ping-pong's turns; then one a warpgroup's epilogue; then the consumers' V
+// tail
+constexpr int kEpilogueBarrier = kWarpGroups, kTailBarrier = 2 * kWarpGroups;
 
 struct SharedStorage {
   cute::array_aligned<Elem, cosize_v<SmemLayoutQ>, 1024> q;
@@ -309,13 +322,15 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
   const float lse_scale = kSoftCap ? 1.f : sm_scale, cap_in = kSoftCap ? sm_scale / a.softcap : 0.f;
 
   const int wg = ctid / 128;
-  auto turn_begin = [&]() {  // ping-pong: wait for this warpgroup's turn to issue MMAs
-    if constexpr (kPingPong) cutlass::arch::NamedBarrier::sync(kConsumers, wg);
+  // ping-pong: the warpgroups issue their MMAs in turns, 0, 1, (2,) 0, ...; turn barrier i: warpgroup i waits, the
+  // one before it arrives (256 threads)
+  auto turn_begin = [&]() {  // wait for this warpgroup's turn to issue MMAs
+    if constexpr (kPingPong) cutlass::arch::NamedBarrier::sync(256, wg);
   };
-  auto turn_end = [&]() {  // ... and pass the turn to the other warpgroup
-    if constexpr (kPingPong) cutlass::arch::NamedBarrier::arrive(kConsumers, 1 - wg);
+  auto turn_end = [&]() {  // ... and pass the turn to the next warpgroup
+    if constexpr (kPingPong) cutlass::arch::NamedBarrier::arrive(256, (wg + 1) % kWarpGroups);
   };
-  if (kPingPong && wg == 1) cutlass::arch::NamedBarrier::arrive(kConsumers, 0);  // warpgroup 0 goes first
+  if (kPingPong && wg == kWarpGroups - 1) cutlass::arch::NamedBarrier::arrive(256, 0);  // warpgroup 0 goes first
   auto issue_qk = [&](int stage) {
     warpgroup_fence_operand(tS);
     warpgroup_arrive();
