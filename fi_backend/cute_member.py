@@ -1,14 +1,15 @@
 """The prefill family's CuTe member (issue 30, docs/prefill.md): FlashAttention-3's CTA built on CUTLASS / CuTe's SM90
-atoms (csrc/attention/cute/attn_ws.cu, entry fi_cute_attn_bsr). A TMA producer warp, two consumer warpgroups of 64
+atoms (csrc/attention/cute/attn_ws.cu, entry fi_cute_attn_bsr). A producer warpgroup, two consumer warpgroups of 64
 query rows with the intra-warpgroup overlap, 128 x 128 tiles of one query head (steps of long prompts at head size 64:
-three consumer warpgroups, 192 x 128), a persistent grid taking tiles from
-a counter in L2-sized sections. It reads the step's BSR directly (pages as TMA boxes) and needs no plan items.
+three consumer warpgroups, 192 x 128), a persistent grid taking tiles from a counter in L2-sized sections. It reads
+the step's BSR directly (pages as TMA boxes, or below GATHER_BELOW tokens rows gathered by the producer's threads)
+and needs no plan items.
 
 BatchAttention(kernel="prefill") loads it where it applies (`unsupported` says why not: Hopper, the default, sliding
-window, soft-cap or soft-cap + window variant, head size 64, 96 or 128, 16-bit KV, pages of 16..256 tokens, a power of
-two, the CUTLASS headers) and plan()
-gives it the steps it runs well (`takes_step`); every other step, and every step captured in a CUDA graph, runs the
-tile family as before. FI_BACKEND_PREFILL_CUTE=0 turns it off.
+window, soft-cap or soft-cap + window variant, head size 64, 96, 128 or 256, 16-bit KV, pages of 16..256 tokens (1..256
+where gathered), a power of two, the CUTLASS headers) and plan() gives it the steps it runs well (`takes_step`); every
+other step, and every step captured in a CUDA graph, runs the tile family as before. FI_BACKEND_PREFILL_CUTE=0 turns
+it off.
 """
 from __future__ import annotations
 
@@ -31,9 +32,22 @@ HEAD_DIMS = (64, 96, 128, 256)
 # tile empty)
 WIDE_HEAD_DIMS = (64,)
 WIDE_MIN_QUERY = 8192
-# A step goes to the member where its work tiles fill the GPU at least once (a short step's few tiles leave SMs idle
-# that the tile family's KV splits would use) ...
-MIN_TILES_PER_SM = 1.0
+# Pages below GATHER_BELOW tokens are gathered: K / V rows copied by the producer warpgroup's threads (cp.async), not
+# loaded as TMA boxes (one a page and 64-dim block: 8-16 of them a KV tile at pages of 16); pages of fewer than 16
+# tokens (SGLang's of one) only so. Off (0): gathering ran 1.2-1.6x slower than the boxes at pages of 16 and 64, and
+# at pages of one slower than the tile family (H100, head size 128, perf/results/cute_probe_gather.json)
+GATHER_BELOW = 0
+
+
+def gathers(page_size: int) -> bool:
+    """Whether the member gathers K / V rows at this page size (else TMA boxes)."""
+    return page_size < GATHER_BELOW
+
+
+# A step goes to the member where it has at least MIN_TILES_PER_SM work tiles an SM: a 128-row prompt's 32 heads
+# (32 tiles) ran 0.83-0.91x the tile family, whose KV splits use the idle SMs, but 256 and 512 rows (64 and 128
+# tiles) 1.33-1.85x (H100, page 16, heads 32/8, 32/32, 28/4: perf/results/member_steps_*.json) ...
+MIN_TILES_PER_SM = 0.4
 # ... and where requests of fewer than SHORT_QUERY rows (decode rows of a mixed step: each takes a whole 128-row tile
 # a query head, GQA not packed) cost at most SHORT_SHARE of its tile pairs.
 SHORT_QUERY = 64
@@ -76,8 +90,9 @@ def unsupported(variant: Variant, head_dim: int, q_dtype: torch.dtype, kv_dtype:
         return f"head_dim {head_dim} (the member runs {HEAD_DIMS})"
     if q_dtype not in (torch.bfloat16, torch.float16) or kv_dtype != q_dtype:
         return f"KV dtype {kv_dtype} (the member reads 16-bit KV of the query's dtype)"
-    if page_size < 16 or page_size > 256 or page_size & (page_size - 1):
-        return f"page_size {page_size} (the member takes pages of 16..256 tokens, a power of two)"
+    if page_size < 1 or page_size > 256 or page_size & (page_size - 1) or (page_size < 16 and not gathers(page_size)):
+        least = 1 if gathers(1) else 16
+        return f"page_size {page_size} (the member takes pages of {least}..256 tokens, a power of two)"
     if device is not None and (device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0)):
         return "not an sm_90 GPU"
     from .shapes import prefill_uses_wgmma
@@ -97,7 +112,7 @@ def specs(head_dim: int, q_dtype: torch.dtype, page_size: int, variant: Variant 
     from .kernels import cutlass
     dtype = "bf16" if q_dtype == torch.bfloat16 else "fp16"
     return [cutlass.attn_ws_spec(head_dim, causal, overlap=True, pingpong=False, page_size=page_size, dtype=dtype,
-                                 softcap=_softcap(variant), warpgroups=wgs)
+                                 softcap=_softcap(variant), warpgroups=wgs, gather=gathers(page_size))
             for wgs in ((2, 3) if head_dim in WIDE_HEAD_DIMS else (2,)) for causal in (False, True)]
 
 

@@ -27,8 +27,14 @@ def test_unsupported_names_the_reason(monkeypatch):
     assert "head_dim 80" in _why(head_dim=80)
     assert "head_dim 192" in _why(head_dim=192)
     assert "KV dtype" in _why(kv_dtype=torch.float8_e4m3fn)
-    for page in (1, 8, 24, 512):
+    for page in (0, 24, 512):
         assert f"page_size {page}" in _why(page_size=page)
+    # pages of fewer than 16 tokens: refused, unless gathered (below GATHER_BELOW: off by default, slower than the
+    # TMA boxes and the tile family, docs/prefill.md)
+    for page in (1, 8):
+        assert f"page_size {page} (the member takes pages of 16..256" in _why(page_size=page)
+    monkeypatch.setattr(C, "GATHER_BELOW", 16)
+    assert C.gathers(1) and C.gathers(8) and not C.gathers(16) and "page_size" not in _why(page_size=1)
     assert "sm_90" in _why()  # this machine's device is the CPU
 
 
@@ -57,8 +63,10 @@ def test_takes_step():
     m = _Member()
     assert m.plan(_t([1000, 333]), _t([1000, 2000]), causal=True, window_left=99)
     assert m.planned and m._step == (1, 2, 1000, 1333, 3000, 99, 0.0)
-    # too few tiles to fill 132 SMs: 2 x 32 heads
-    assert not m.plan(_t([200]), _t([200]), causal=True) and not m.planned
+    # too few tiles for 132 SMs: 1 x 32 heads (0.4 an SM: at least 53); 2 x 32 heads are enough
+    assert not m.plan(_t([128]), _t([128]), causal=True) and not m.planned
+    assert m.plan(_t([200]), _t([200]), causal=True)
+    assert not m.plan(_t([200]), _t([200]), causal=True, allowed=False) and not m.planned
     # KV shorter than the queries (causal), an empty KV (any mask)
     assert not m.plan(_t([1000, 500]), _t([1000, 400]), causal=True)
     assert not m.plan(_t([1000, 500]), _t([1000, 0]), causal=False)
@@ -91,7 +99,8 @@ def test_modules_of_names_the_members_modules(monkeypatch):
     from fi_backend import models
     monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", "90a")
     cute = lambda m, **kw: [s.tag for s in models.modules_of(models.find(m), **kw) if s.family == "cute_attn_ws"]
-    assert cute("Llama-3.1-8B") == ["d128_bf1_ca0_ov1_pa16_pi0_so0_st2_wa2", "d128_bf1_ca1_ov1_pa16_pi0_so0_st2_wa2"]
+    assert cute("Llama-3.1-8B") == ["d128_bf1_ca0_ga0_ov1_pa16_pi0_so0_st2_wa2",
+                                    "d128_bf1_ca1_ga0_ov1_pa16_pi0_so0_st2_wa2"]
     # head size 64: two warpgroups and three (steps of long prompts), per page size
     assert len(cute("Qwen2.5-0.5B", page_sizes=(16, 32))) == 8 and cute("Llama-3.2-1B")[0].startswith("d64_")
     assert [t[-3:] for t in cute("Llama-3.2-1B")] == ["wa2", "wa2", "wa3", "wa3"]
@@ -121,7 +130,14 @@ def test_wrappers_modules_are_prepared_in_parallel(monkeypatch, capsys):
     family = attention_specs(V.DEFAULT, 128, "bf16", "bf16", 4, kernel="prefill")
     paged = BatchAttention.module_specs(32, 8, 128, page_size=16, kernel="prefill")
     assert tags(paged) == tags(family + C.specs(128, torch.bfloat16, 16))
+    # pages of one token: the tile family only, or with gathering on the gathering member's modules too
     assert tags(BatchAttention.module_specs(32, 8, 128, page_size=1, kernel="prefill")) == tags(family)
+    monkeypatch.setattr(C, "GATHER_BELOW", 16)
+    one = BatchAttention.module_specs(32, 8, 128, page_size=1, kernel="prefill")
+    assert tags(one) == tags(family + C.specs(128, torch.bfloat16, 1)) and all("_ga1_" in s.tag for s in one[-2:])
+    monkeypatch.setattr(C, "GATHER_BELOW", 0)
+    assert tags(BatchAttention.module_specs(32, 8, 128, page_size=1, kernel="decode")) == tags(
+        attention_specs(V.DEFAULT, 128, "bf16", "bf16", 4, kernel="decode"))
     assert tags(BatchAttention.module_specs(32, 8, 128, kv_dtype=torch.float8_e4m3fn, kernel="prefill")) == tags(
         attention_specs(V.DEFAULT, 128, "bf16", "fp8_e4m3", 4, kernel="prefill"))
     decode = BatchAttention.module_specs(32, 8, 128, kernel="decode")

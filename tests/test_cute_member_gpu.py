@@ -29,10 +29,16 @@ def _built():
     wanted = [(V.DEFAULT, *shape[:5]) for shape in _SHAPES + [(32, 8, 128, 16, torch.bfloat16),
                                                               (4, 1, 64, 16, torch.bfloat16)]]
     wanted += [(_VARIANTS[name][0], Hq, Hkv, D, 16, torch.bfloat16) for name, Hq, Hkv, D in _VARIANT_SHAPES]
-    for variant, Hq, Hkv, D, page, dtype in wanted:
-        for s in cute_member.specs(D, dtype, page, variant) + attention_specs(
-                variant, D, names[dtype], names[dtype], Hq // Hkv, None, "prefill", False):
-            specs[s.memo_key] = s
+    gather = [(V.DEFAULT, *shape, torch.bfloat16) for shape in _GATHER_SHAPES]
+    for gather_below, todo in ((cute_member.GATHER_BELOW, wanted), (_GATHER_BELOW, gather)):
+        saved, cute_member.GATHER_BELOW = cute_member.GATHER_BELOW, gather_below
+        try:
+            for variant, Hq, Hkv, D, page, dtype in todo:
+                for s in cute_member.specs(D, dtype, page, variant) + attention_specs(
+                        variant, D, names[dtype], names[dtype], Hq // Hkv, None, "prefill", False):
+                    specs[s.memo_key] = s
+        finally:
+            cute_member.GATHER_BELOW = saved
     failed = [(s.tag, r) for s, r in zip(specs.values(), kernels.build_many(list(specs.values())))
               if isinstance(r, Exception)]
     assert not failed, f"modules failed to build: {failed}"
@@ -99,6 +105,25 @@ def test_member_wide_steps(causal):
     assert attn.cute_step and attn._cute._step[0] == int(causal) + 2, "the step should have run three warpgroups"
 
 
+# (query heads, KV heads, head size, page) gathered with GATHER_BELOW = _GATHER_BELOW
+_GATHER_SHAPES = [(32, 8, 128, 1), (32, 8, 128, 16), (28, 4, 128, 1), (32, 32, 96, 1), (8, 4, 256, 16), (24, 8, 64, 1),
+                  (24, 8, 64, 32)]
+_GATHER_BELOW = 128
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,page", _GATHER_SHAPES)
+def test_member_gathers(monkeypatch, Hq, Hkv, D, page):
+    """Pages below GATHER_BELOW: the producer warpgroup's threads gather K / V rows (pages of one token, SGLang's,
+    included), against the reference on the chunked-prefill lengths; the modules are the gathering ones."""
+    from fi_backend import cute_member
+    monkeypatch.setattr(cute_member, "GATHER_BELOW", _GATHER_BELOW)
+    attn = _wrapper(Hq, Hkv, D, page=page)
+    assert attn.cute_unsupported is None, attn.cute_unsupported
+    assert all("_ga1_" in name for name in attn._cute.module_names), attn._cute.module_names
+    _check_step(attn, _Q_LENS, _KV_LENS, what=f"gather {Hq}/{Hkv} D={D} page={page}")
+    assert attn.cute_step
+
+
 _VARIANTS = {"window": (V.SLIDING_WINDOW, {"window_left": 299}),
              "window_wide": (V.SLIDING_WINDOW, {"window_left": 4095}),    # wider than every request: nothing skipped
              "soft_cap": (V.SOFT_CAP, {"logits_soft_cap": 5.0}),           # low: the cap changes the logits
@@ -139,11 +164,16 @@ def test_switched_off(monkeypatch):
     assert not attn.cute_step
 
 
-def test_bad_bsr_is_flagged_and_never_read_past():
+@pytest.mark.parametrize("gather", [False, True])
+def test_bad_bsr_is_flagged_and_never_read_past(monkeypatch, gather):
     """A page id outside the cache and a request whose pages run past kv_indices: the member flags them in the
     wrapper's error word (check_errors names them, as the tile family's kernel does), reads zeros for those pages
-    and nothing past kv_indices (compute-sanitizer memcheck in .ci/gpu's cute step), and the output stays finite."""
+    and nothing past kv_indices (compute-sanitizer memcheck in .ci/gpu's cute step), and the output stays finite;
+    TMA boxes and gathered rows alike."""
+    from fi_backend import cute_member
+    monkeypatch.setattr(cute_member, "GATHER_BELOW", _GATHER_BELOW if gather else 0)
     attn = _wrapper(32, 8, 128, page=16)
+    assert all(("_ga1_" in name) == gather for name in attn._cute.module_names)
     bsr, qo_cpu, kv_cpu, nb = make_bsr(_KV_LENS, _Q_LENS, 16)
     cache, k, v = random_kv(nb, 16, 8, 128, torch.bfloat16)
     q = torch.randn(int(qo_cpu[-1]), 32, 128, device=DEV, dtype=torch.bfloat16)

@@ -58,30 +58,36 @@ def _probe_spec(name: str, head_dim: int, **params: int) -> ModuleSpec:
 
 
 def attn_ws_spec(head_dim: int, causal: bool, stages: int = 2, overlap: bool = True, pingpong: bool = True,
-                 page_size: int = 0, dtype: str = "bf16", softcap: bool = False, warpgroups: int = 2) -> ModuleSpec:
+                 page_size: int = 0, dtype: str = "bf16", softcap: bool = False, warpgroups: int = 2,
+                 gather: bool = False) -> ModuleSpec:
     """The CuTe probe: FlashAttention-3's CTA (a TMA producer warp, K and V pipelines, two consumer warpgroups of a
     128-token tile of one query head; csrc/attention/cute/attn_ws.cu), head size 64, 96, 128 or 256, causal or not; its
     intra-warpgroup overlap and its ping-pong each on or off (ping-pong needs the overlap); K / V ragged
     (page_size 0: entry fi_cute_attn_ws) or a BSR over pages of page_size tokens (a power of two, 16 or more: entry
     fi_cute_attn_bsr, with a sliding window); Q, K, V and O of dtype "bf16" or "fp16"; softcap: logits soft-capped
     (Gemma-2's); warpgroups: consumer warpgroups of 64 query rows, 2 (128-row tiles) or 3 (192 rows: head size 64,
-    where S, P and O fit the 160 registers a consumer thread then gets)."""
+    where S, P and O fit the 160 registers a consumer thread then gets); gather (paged): K / V rows copied by the
+    producer warpgroup's threads (cp.async), not TMA boxes, pages of any power of two (1 included)."""
     if stages not in (2, 3):
         raise ValueError(f"stages must be 2 or 3 (got {stages})")
     if pingpong and not overlap:
         raise ValueError("pingpong needs overlap (the overlapped loop's two warpgroups take turns)")
-    if page_size and (page_size < 16 or page_size & (page_size - 1)):
-        raise ValueError(f"page_size must be 0 (ragged) or a power of two, 16 or more (got {page_size})")
+    if gather and not page_size:
+        raise ValueError("gather needs pages (page_size > 0): ragged K / V load by TMA")
+    if page_size and (page_size & (page_size - 1) or (page_size < 16 and not gather)):
+        raise ValueError(f"page_size must be 0 (ragged) or a power of two, 16 or more (any with gather; got "
+                         f"{page_size})")
     if dtype not in ("bf16", "fp16"):
         raise ValueError(f"dtype must be 'bf16' or 'fp16' (got {dtype!r})")
     if warpgroups not in (2, 3) or (warpgroups == 3 and head_dim != 64):
         raise ValueError(f"warpgroups must be 2, or 3 at head size 64 (got {warpgroups} at head size {head_dim})")
     return _probe_spec("attn_ws", head_dim, stages=stages, causal=int(bool(causal)), overlap=int(bool(overlap)),
                        pingpong=int(bool(pingpong)), page=int(page_size), bf16=int(dtype == "bf16"),
-                       softcap=int(bool(softcap)), warpgroups=int(warpgroups))
+                       softcap=int(bool(softcap)), warpgroups=int(warpgroups), gather=int(bool(gather)))
 
 
 PAGED_PROBE_PAGES = (16, 64, 256)  # below, in and above a 128-token KV tile
+GATHER_PROBE_PAGES = (1, 16, 64)   # gathered: SGLang's pages of one token, and pages below a KV tile
 
 
 def probe_specs() -> list:
@@ -93,4 +99,7 @@ def probe_specs() -> list:
          for pingpong in (False, True)] + \
         [attn_ws_spec(d, causal, overlap=True, pingpong=False, page_size=page, warpgroups=wgs)
          for d, wgs in ((64, 2), (64, 3), (96, 2), (128, 2), (256, 2))
-         for causal in (False, True) for page in PAGED_PROBE_PAGES if d != 256 or page != 64]
+         for causal in (False, True) for page in PAGED_PROBE_PAGES if d != 256 or page != 64] + \
+        [attn_ws_spec(d, causal, overlap=True, pingpong=False, page_size=page, warpgroups=wgs, gather=True)
+         for d, wgs in ((64, 2), (64, 3), (96, 2), (128, 2), (256, 2))
+         for causal in (False, True) for page in GATHER_PROBE_PAGES]

@@ -51,13 +51,15 @@ def probe_fn(case: P.Case, overlap: bool, pingpong: bool, l2_section_bytes: int 
     return fn, out
 
 
-def paged_fn(case: P.Case, page_size: int, l2_section_bytes: int = L2_SECTION, warpgroups: int = 2):
-    """The overlapped CTA reading K / V from a pool of page_size pages in random order (perf.prefill.Paged)."""
+def paged_fn(case: P.Case, page_size: int, l2_section_bytes: int = L2_SECTION, warpgroups: int = 2,
+             gather: bool = False):
+    """The overlapped CTA reading K / V from a pool of page_size pages in random order (perf.prefill.Paged), as TMA
+    boxes or (gather) rows copied by the producer's threads."""
     from fi_backend import kernels
     from fi_backend.kernels import cutlass
     paged = P.Paged(case, page_size)
     module = kernels.load(cutlass.attn_ws_spec(case.d, True, overlap=True, pingpong=False, page_size=page_size,
-                                               warpgroups=warpgroups))
+                                               warpgroups=warpgroups, gather=gather))
     run = module.function("fi_cute_attn_bsr", [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 19 +
                           [ctypes.c_float] * 2 + [ctypes.c_void_p])
     out = torch.empty_like(case.q)
@@ -91,6 +93,8 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default=",".join(MODES), help=f"the CTA's ragged modes, of {', '.join(MODES)}")
     ap.add_argument("--paged", default="16", help="page sizes to time the overlapped CTA on (pages in random order), "
                                                     "comma-separated; empty: none")
+    ap.add_argument("--gather", default="", help="page sizes to time the CTA gathering K / V rows on (any power of "
+                                                  "two, 1 included), comma-separated; empty: none")
     ap.add_argument("--head-dim", type=int, default=P.D, help="head size (64, 96, 128 or 256)")
     ap.add_argument("--paged-warpgroups", default="2", help="consumer warpgroups of the paged CTA, comma-separated "
                                                             "(3: head size 64 only)")
@@ -116,6 +120,10 @@ def main(argv=None) -> int:
                 for wgs in (int(x) for x in a.paged_warpgroups.split(",")):
                     name = f"cute_overlap_paged{page}" + ("" if wgs == 2 else f"_wg{wgs}")
                     fns[name], outs[name] = paged_fn(case, page, warpgroups=wgs)
+            for page in (int(x) for x in a.gather.split(",") if x):
+                for wgs in (int(x) for x in a.paged_warpgroups.split(",")):
+                    name = f"cute_gather_paged{page}" + ("" if wgs == 2 else f"_wg{wgs}")
+                    fns[name], outs[name] = paged_fn(case, page, warpgroups=wgs, gather=True)
                 # the same pages through BatchAttention: the prefill family's CuTe member (the launch engines run)
                 name = f"member_paged{page}"
                 fns[name], outs[name], info = P.ours_fn(case, paged=P.Paged(case, page))

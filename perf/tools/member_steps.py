@@ -75,6 +75,9 @@ def main(argv=None) -> int:
         if not minfo["cute_step"]:
             log(f"{cell}: the member cannot take this step ({minfo['cute_unsupported'] or 'its KV'}); skipped")
             continue
+        for fn in fns.values():  # each output written once before they are compared
+            fn()
+        torch.cuda.synchronize()
         checks = {k: P.check(f"{cell} {k} vs the family", diff_stats(outs[k], outs["family"]))
                   for k in ("rule", "member")}
         times = time_rounds(fns, a.rounds, a.rep)

@@ -16,8 +16,11 @@
 // the consumer warpgroups issue their MMAs in turns on named barriers, so one's softmax runs under the others'
 // MMAs.
 // Template parameters: HEAD_DIM 64, 96, 128 or 256, STAGES (2), WARPGROUPS (consumers: 2 or 3), CAUSAL, OVERLAP,
-// PINGPONG, SOFTCAP (0 / 1), BF16 (1: bf16, 0: fp16), PAGE (0: ragged K / V, entry fi_cute_attn_ws; else pages of PAGE tokens read through a BSR, entry
-// fi_cute_attn_bsr, which also takes a sliding window: window_left >= 0, KV tiles below every row's window skipped).
+// PINGPONG, SOFTCAP (0 / 1), BF16 (1: bf16, 0: fp16), PAGE (0: ragged K / V, entry fi_cute_attn_ws; else pages of
+// PAGE tokens read through a BSR, entry fi_cute_attn_bsr, which also takes a sliding window: window_left >= 0, KV
+// tiles below every row's window skipped), GATHER (paged: 0, K / V by TMA boxes, one a page and 64-dim block, pages
+// of 16 tokens or more; 1, K / V rows gathered by the producer warpgroup's 128 threads with cp.async, 16 bytes a
+// copy, pages of any power of two: FlashAttention-3's paged path, for pages too small for TMA boxes to pay).
 // Requests: b's query rows qo_indptr[b] .. qo_indptr[b + 1] (int32, device), any lengths with 1 <= q_len <= kv_len,
 // causal bottom-right aligned (query i sees keys <= kv_len - q_len + i); max_q_len bounds the query tiles. lse
 // float32 natural log, logits scaled by sm_scale. counter: one int32 of device memory the call zeroes on its stream
@@ -47,6 +50,8 @@ constexpr bool kCausal = {{CAUSAL}}, kOverlap = {{OVERLAP}}, kPingPong = {{PINGP
 constexpr bool kSoftCap = {{SOFTCAP}};  // logits = cap x tanh(logits / cap) (Gemma-2's), cap from Args
 #define FI_CUTE_PAGE {{PAGE}}
 constexpr int kPage = FI_CUTE_PAGE;  // 0: K / V ragged [tokens, kv_heads, D]; else pages of kPage tokens (a BSR)
+constexpr bool kGather = {{GATHER}};
+static_assert(!kGather || kPage > 0, "gather: paged K / V only");
 static_assert(!kPingPong || kOverlap, "ping-pong: the overlapped loop's warpgroups");
 static_assert(kHeadDim % 32 == 0, "head size: whole 64-byte swizzle atoms");
 // Dims a swizzle atom's row holds: 64 (128-byte rows, 128-byte swizzle) where the head size allows, else 32 (head size
@@ -80,30 +85,57 @@ using SmemLayoutVt = decltype(tile_to_shape(AtomMN{}, Shape<D, Int<kKv>, Int<kSt
 // Paged K / V: TMA boxes of kBox tokens x 64 dims, one a page and 64-dim block (several a KV tile below 128 tokens a
 // page). A box is a contiguous run of the stage's atoms in both layouts (K: rows first; V: tokens first), laid out
 // as the layouts below.
-constexpr int kBox = kPage == 0 || kPage >= kKv ? kKv : kPage, kBoxes = kKv / kBox;
-static_assert(kPage == 0 || (kPage >= 16 && (kPage & (kPage - 1)) == 0), "page size: a power of two, 16 or more");
+constexpr int kBox = kPage == 0 || kPage >= kKv || kGather ? kKv : kPage, kBoxes = kKv / kBox;
+static_assert(kPage == 0 || ((kPage & (kPage - 1)) == 0 && (kGather || kPage >= 16)),
+              "page size: a power of two, 16 or more (any where gathered)");
 // Registers by setmaxnreg: 128 x producer + kConsumers x consumer must not pass the launch's share (the most a thread
 // of kThreads may hold: 168 at 384 threads, 128 at 512), or the consumers' setmaxnreg waits forever; a producer
-// looking up several pages a KV tile needs more than 24
+// looking up several pages a KV tile (boxes, or gathered rows) needs more than 24
 constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
-constexpr int kProducerRegs = kWarpGroups == 3 ? (kBoxes > 1 ? 40 : 32) : (kBoxes > 1 ? 40 : 24);
-constexpr int kConsumerRegs = kWarpGroups == 3 ? (kBoxes > 1 ? 152 : 160) : (kBoxes > 1 ? 232 : 240);
+constexpr bool kManyPages = kBoxes > 1 || kGather;
+// (three warpgroups: consumers below 160 serialise their wgmma, so the producer keeps 32 whatever it loads)
+constexpr int kProducerRegs = kWarpGroups == 3 ? 32 : (kManyPages ? 40 : 24);
+constexpr int kConsumerRegs = kWarpGroups == 3 ? 160 : (kManyPages ? 232 : 240);
 static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumers <= kLaunchRegs * kThreads,
               "setmaxnreg: more than the launch gave");
 using SmemLayoutKBox = decltype(tile_to_shape(AtomK{}, Shape<Int<kBox>, DimBlock>{}));
+// Gather: the byte offset in a K or V^T stage of the 16-byte chunk of token `row` from dim `dim` (a multiple of 8):
+// rows of kDimBlock dims, a block's kKv rows in a run, chunks swizzled within a row (128-byte atoms: chunk ^ row % 8;
+// 64-byte: chunk ^ row / 2 % 4); the same offsets as the layouts' (checked below), in a few integer operations
+__host__ __device__ constexpr uint32_t chunk_offset(uint32_t row, uint32_t dim) {  // (unsigned: shifts and masks)
+  constexpr uint32_t kRowBytes = kDimBlock * 2;
+  return dim / kDimBlock * (kKv * kRowBytes) + row * kRowBytes +
+         ((dim % kDimBlock / 8) ^ (row * kRowBytes / 128 % (kRowBytes / 16))) * 16;
+}
+// (a layout's swizzle acts on byte addresses: applied to its inner layout's element offset x 2)
+template <class Layout, class... Coord>
+constexpr int layout_bytes(Layout const& layout, Coord... coord) {
+  return (int)layout.layout_a()(2 * (int)layout.layout_b()(coord...));
+}
+constexpr bool chunk_offsets_match() {
+  for (int row = 0; row < kKv; ++row)
+    for (int dim = 0; dim < kHeadDim; dim += 8)
+      if ((int)chunk_offset(row, dim) != layout_bytes(SmemLayoutK{}, row, dim, 0) ||
+          (int)chunk_offset(row, dim) != layout_bytes(SmemLayoutVt{}, dim, row, 0))
+        return false;
+  return layout_bytes(SmemLayoutK{}, 0, 0, 1) == 2 * kKv * kHeadDim &&
+         layout_bytes(SmemLayoutVt{}, 0, 0, 1) == 2 * kKv * kHeadDim;
+}
 using SmemLayoutVtBox = decltype(tile_to_shape(AtomMN{}, Shape<DimBlock, Int<kBox>>{}));
 using AtomQK = decltype(GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<kKv>, D>>());
 using AtomPV = decltype(GMMA::rs_op_selector<Elem, Elem, float, Shape<_64, D, Int<kKv>>, GMMA::Major::K,
                                              GMMA::Major::MN>());
 using MmaQK = decltype(make_tiled_mma(AtomQK{}, Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));  // 64 rows a warpgroup
 using MmaPV = decltype(make_tiled_mma(AtomPV{}, Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
-using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+// K and V stages: filled by TMA (their bytes counted), or by the producer's 128 threads' cp.async (each thread's
+// arrival made when its copies land)
+using Pipeline = std::conditional_t<kGather, cutlass::PipelineAsync<kStages>, cutlass::PipelineTmaAsync<kStages>>;
 using PipelineState = cutlass::PipelineState<kStages>;
 constexpr uint32_t kTileBytes = kKv * kHeadDim * sizeof(Elem), kQBytes = kRows * kHeadDim * sizeof(Elem);
 constexpr float kLog2e = 1.4426950408889634f;
 // named barriers 0 .. kWarpGroups - 1: the ping-pong's turns; then one a warpgroup's epilogue; then the consumers' V
-// tail
-constexpr int kEpilogueBarrier = kWarpGroups, kTailBarrier = 2 * kWarpGroups;
+// tail; then the producer warpgroup's tile draw (gather)
+constexpr int kEpilogueBarrier = kWarpGroups, kTailBarrier = 2 * kWarpGroups, kDrawBarrier = 2 * kWarpGroups + 1;
 
 struct SharedStorage {
   cute::array_aligned<Elem, cosize_v<SmemLayoutQ>, 1024> q;
@@ -112,7 +144,9 @@ struct SharedStorage {
   cute::array_aligned<Elem, kChunkedO ? kRows * kOPitch : cosize_v<SmemLayoutO>, 1024> o;
   typename Pipeline::SharedStorage pipe_k, pipe_v;
   alignas(8) uint64_t q_full, q_empty;
-  int tile;  // the work tile whose Q q_full announces (work: none left)
+  int tile;     // the work tile whose Q q_full announces (work: none left)
+  int draw[2];  // gather: the work tile the producer's thread 0 drew for all 128 (by the draw's parity)
+  int64_t row_off[kGather ? 2 : 1][kGather ? kKv : 1];  // gather: a KV tile's rows' offsets in the cache
 };
 constexpr int kSmemBytes = sizeof(SharedStorage);
 
@@ -134,6 +168,9 @@ struct Args {
   int window_left;  // >= 0: a query at position p sees keys from p - window_left on (a sliding window); -1: all
   float sm_scale;
   float softcap;  // kSoftCap: the cap (> 0)
+  const Elem* k;  // gather: the caches, token `slot` of page p and KV head h at p x kv_stride_block + slot x
+  const Elem* v;  // kv_stride_token + h x kv_stride_head (elements)
+  int64_t kv_stride_block, kv_stride_token, kv_stride_head;
 };
 
 template <class TmaQ, class TmaK, class TmaV>
@@ -188,12 +225,23 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
   Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), SmemLayoutVt{});
 
   typename Pipeline::Params pp;
-  pp.transaction_bytes = kTileBytes;
   pp.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-  pp.is_leader = tid == 0;
-  pp.num_consumers = kConsumers;
-  Pipeline pipe_k(ss.pipe_k, pp, Shape<_1, _1, _1>{});
-  Pipeline pipe_v(ss.pipe_v, pp, Shape<_1, _1, _1>{});
+  [&](auto& params) {  // generic: each branch names only its pipeline's fields
+    if constexpr (kGather) {
+      params.producer_arv_count = 128;  // each producer thread's noinc arrival, once its copies of the stage land
+      params.consumer_arv_count = kConsumers;
+    } else {
+      params.transaction_bytes = kTileBytes;
+      params.is_leader = tid == 0;
+      params.num_consumers = kConsumers;
+    }
+  }(pp);
+  auto make_pipeline = [&](auto& storage) {
+    if constexpr (kGather) return Pipeline(storage, pp);
+    else return Pipeline(storage, pp, Shape<_1, _1, _1>{});
+  };
+  Pipeline pipe_k = make_pipeline(ss.pipe_k);
+  Pipeline pipe_v = make_pipeline(ss.pipe_v);
   if (tid == 0) {
     cutlass::arch::ClusterTransactionBarrier::init(&ss.q_full, 1);
     cutlass::arch::ClusterBarrier::init(&ss.q_empty, kConsumers);
@@ -203,59 +251,126 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
 
   if (warp_group == 0) {  // producer
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
-    if (warp_in_group == 0 && cute::elect_one_sync()) {
-      Tensor mQ = tma_q.get_tma_tensor(make_shape(a.total_q, D{}, heads));
-      // ragged: (token, dim, KV head); paged: (slot, dim, KV head, page)
-      auto mK = [&] {
-        if constexpr (kPage == 0) return tma_k.get_tma_tensor(make_shape(a.total_kv, D{}, kv_heads));
-        else return tma_k.get_tma_tensor(make_shape(Int<kPage>{}, D{}, kv_heads, a.num_pages));
-      }();
-      auto mVt = [&] {
-        if constexpr (kPage == 0) return tma_v.get_tma_tensor(make_shape(D{}, a.total_kv, kv_heads));
-        else return tma_v.get_tma_tensor(make_shape(D{}, Int<kPage>{}, kv_heads, a.num_pages));
-      }();
-      PipelineState st = cutlass::make_producer_start_state<Pipeline>();
-      Tile w;
-      auto next_valid = [&](int t) {  // the first tile from t on that has query rows (work: none)
-        while (t < work && !coords(t, w)) t = gridDim.x + atomicAdd(counter, 1);
-        return t;
-      };
-      int t = next_valid(blockIdx.x);
-      for (int j = 0;; ++j) {
-        if (t >= work) {  // none left: tell the consumers (no bytes to wait for)
+    // The tile loop is thread 0's (the tile counter, Q's TMA load, the end), or with gather every producer thread's:
+    // thread 0 draws each tile and hands it to the others through ss.draw (named barrier kDrawBarrier)
+    const bool leader = kGather ? tid == 0 : (warp_in_group == 0 && cute::elect_one_sync());
+    if (!kGather && !leader) return;
+    Tensor mQ = tma_q.get_tma_tensor(make_shape(a.total_q, D{}, heads));
+    PipelineState st = cutlass::make_producer_start_state<Pipeline>();
+    Tile w;
+    auto next_valid = [&](int t) {  // the first tile from t on that has query rows (work: none)
+      while (t < work && !coords(t, w)) t = gridDim.x + atomicAdd(counter, 1);
+      return t;
+    };
+    int t = leader ? next_valid(blockIdx.x) : 0;
+    for (int j = 0;; ++j) {
+      if constexpr (kGather) {
+        if (leader) ss.draw[j & 1] = t;
+        cutlass::arch::NamedBarrier::sync(128, kDrawBarrier);
+        t = ss.draw[j & 1];
+        if (!leader && t < work) coords(t, w);
+      }
+      if (t >= work) {  // none left: tell the consumers (no bytes to wait for)
+        if (leader) {
           if (j > 0) cutlass::arch::ClusterBarrier::wait(&ss.q_empty, (j - 1) & 1);
           ss.tile = work;
           cutlass::arch::ClusterBarrier::arrive(&ss.q_full);
-          break;
         }
-        const int next = gridDim.x + atomicAdd(counter, 1);  // in flight while this tile's loads go out
-        const int kv_head = w.head / (heads / kv_heads);
-        // tiles from the request's own first row / key (TMA coordinates: any offset)
+        break;
+      }
+      const int next = leader ? gridDim.x + atomicAdd(counter, 1) : 0;  // in flight while this tile's loads go out
+      const int kv_head = w.head / (heads / kv_heads);
+      auto load_q = [&] {  // after the tile's first K: that K may land while the last tile's S still runs
+        if (!leader) return;
+        // tiles from the request's own first row (TMA coordinates: any offset)
         Tensor gQ = local_tile(domain_offset(make_coord(w.q_begin, 0), mQ(_, _, w.head)), Shape<Int<kRows>, D>{},
-                               make_coord(w.qtile, 0));                                                    // (128, D)
+                               make_coord(w.qtile, 0));                                                    // (rows, D)
+        auto [tQg, tQs] = tma_partition(tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+        if (j > 0) cutlass::arch::ClusterBarrier::wait(&ss.q_empty, (j - 1) & 1);  // its Q is done with
+        ss.tile = t;
+        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full, kQBytes);
+        copy(tma_q.with(ss.q_full), tQg, tQs);
+      };
+      // A bad BSR is flagged (fi_backend's ErrorBits) and never read past: an entry outside kv_indices or a page id
+      // outside the cache is page num_pages (TMA: past the map's end, boxes of zeros; gather: zeros)
+      auto page_of = [&](int64_t e) {
+        int page = a.num_pages, bad = 2;
+        if (e >= 0 && e < a.num_kv_indices) {
+          page = __ldg(a.kv_indices + e);
+          bad = (unsigned)page < (unsigned)a.num_pages ? 0 : 1;
+          if (bad) page = a.num_pages;
+        }
+        if (bad && a.error_flags != nullptr) atomicOr(a.error_flags, bad);
+        return page;
+      };
+      if constexpr (kGather) {
+        // KV tile n into stage `stage`, K or (is_v) V^T: 16-byte chunks of token rows, thread i taking chunks i,
+        // i + 128, ... of the tile's rows (consecutive threads, consecutive chunks of a row: whole rows coalesced);
+        // a chunk lands at its (token, dims) in the stage's swizzled layout, where its 8 dims are contiguous in K's
+        // and V^T's alike. Tokens past the request's KV, or of a bad entry, read as zeros.
+        static_assert(chunk_offsets_match(), "gather: chunk_offset disagrees with the stages' layouts");
+        // Each row's offset in the cache (elements; -1: zeros) is looked up once a KV tile, by thread `row`, into
+        // ss.row_off (by the tile's parity: a row's readers of the last tile are past the barrier that precedes the
+        // next write), so the copies wait for one round of lookups a tile and K and V share it
+        auto look_up_rows = [&](int n, int parity) {
+          for (int row = tid; row < kKv; row += 128) {
+            const int token = n * kKv + row;
+            int64_t off = -1;
+            if (token < w.kv_len) {  // (unsigned: a power of two's division and remainder are a shift and a mask)
+              const int page = page_of((int64_t)w.kv_begin + (unsigned)token / kPage);
+              if (page < a.num_pages) off = page * a.kv_stride_block + (unsigned)token % kPage * a.kv_stride_token;
+            }
+            ss.row_off[parity][row] = off;
+          }
+          cutlass::arch::NamedBarrier::sync(128, kDrawBarrier);
+        };
+        auto gather = [&](const Elem* base, const Elem* stage_smem, int parity) {
+          constexpr int kChunks = kHeadDim / 8, kIters = kKv * kChunks / 128;
+          static_assert(kKv * kChunks % 128 == 0, "gather: whole chunks a thread");
+          const Elem* head = base + kv_head * a.kv_stride_head;
+          const uint32_t stage_u32 = ptx::smem_u32(stage_smem);
+#pragma unroll 4  // fully unrolled, the offsets' loads are hoisted and the producer's registers spill
+          for (int i = 0; i < kIters; ++i) {
+            const uint32_t idx = tid + 128 * i, row = idx / kChunks, dim = idx % kChunks * 8;
+            const int64_t off = ss.row_off[parity][row];
+            ptx::cp_async_16(stage_u32 + chunk_offset(row, dim), off >= 0 ? head + off + dim : head, off >= 0);
+          }
+        };
+        for (int n = w.ntiles - 1; n >= w.n_lo; --n) {  // the consumers' order: the diagonal first
+          const int parity = n & 1;
+          look_up_rows(n, parity);
+          pipe_k.producer_acquire(st);
+          gather(a.k, ss.k.data() + st.index() * kKv * kHeadDim, parity);
+          cutlass::arch::cpasync_barrier_arrive_noinc(pipe_k.producer_get_barrier(st));
+          if (n == w.ntiles - 1) load_q();
+          pipe_v.producer_acquire(st);
+          gather(a.v, ss.v.data() + st.index() * kKv * kHeadDim, parity);
+          cutlass::arch::cpasync_barrier_arrive_noinc(pipe_v.producer_get_barrier(st));
+          ++st;
+        }
+      } else {
+        // ragged: (token, dim, KV head); paged: (slot, dim, KV head, page)
+        auto mK = [&] {
+          if constexpr (kPage == 0) return tma_k.get_tma_tensor(make_shape(a.total_kv, D{}, kv_heads));
+          else return tma_k.get_tma_tensor(make_shape(Int<kPage>{}, D{}, kv_heads, a.num_pages));
+        }();
+        auto mVt = [&] {
+          if constexpr (kPage == 0) return tma_v.get_tma_tensor(make_shape(D{}, a.total_kv, kv_heads));
+          else return tma_v.get_tma_tensor(make_shape(D{}, Int<kPage>{}, kv_heads, a.num_pages));
+        }();
         // paged: box j of KV tile n is the request's page (n x 128 + j x kBox) / kPage (its last page past the end),
         // at slot (n x 128 + j x kBox) % kPage; each page id loaded just before its box (an array of them spilled)
-        // A bad BSR is flagged (fi_backend's ErrorBits) and never read past: an entry outside kv_indices or a page id
-        // outside the cache becomes page num_pages, past the TMA map's end, whose boxes TMA fills with zeros
         auto load_boxes = [&](int n, auto&& issue) {
           const int last = (w.kv_len - 1) / max(kPage, 1);
           CUTE_UNROLL
-          for (int jj = 0; jj < kBoxes; ++jj) {
-            const int64_t e = (int64_t)w.kv_begin + min((n * kKv + jj * kBox) / max(kPage, 1), last);
-            int page = a.num_pages, bad = 2;
-            if (e >= 0 && e < a.num_kv_indices) {
-              page = __ldg(a.kv_indices + e);
-              bad = (unsigned)page < (unsigned)a.num_pages ? 0 : 1;
-              if (bad) page = a.num_pages;
-            }
-            if (bad && a.error_flags != nullptr) atomicOr(a.error_flags, bad);
-            issue(jj, page, (n * kKv + jj * kBox) % max(kPage, 1));
-          }
+          for (int jj = 0; jj < kBoxes; ++jj)
+            issue(jj, page_of((int64_t)w.kv_begin + min((n * kKv + jj * kBox) / max(kPage, 1), last)),
+                  (n * kKv + jj * kBox) % max(kPage, 1));
         };
-        auto [tQg, tQs] = tma_partition(tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
         // KV tile n into stage `stage`, K or (is_v) V^T: one TMA copy (ragged), or a box a page and 64-dim block
-        // (paged; boxes past the request's last page read that page again: their keys are masked, V stays finite).
-        // K's tiles are (token, dim), V^T's (dim, token): `order` puts a (token, dim) pair in the operand's modes
+        // (paged; boxes past the request's last page read that page again: their keys are masked, V zeroed by the
+        // consumers). K's tiles are (token, dim), V^T's (dim, token): `order` puts a (token, dim) pair in the
+        // operand's modes
         auto load_kv = [&](auto is_v, auto const& tma, auto const& gmem, auto& smem, int n, int stage,
                            uint64_t* bar) {
           auto order = [](auto token, auto dim) {
@@ -269,12 +384,12 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
                                           group_modes<0, 2>(g));
             copy(tma.with(*bar), tg, ts);
           } else {
-            load_boxes(n, [&](int j, int page, int slot0) {
+            load_boxes(n, [&](int jj, int page, int slot0) {
               CUTE_UNROLL
               for (int c = 0; c < kHeadDim / kDimBlock; ++c) {
                 Tensor g = local_tile(gmem(_, _, kv_head, page), order(Int<kBox>{}, DimBlock{}),
                                       order(slot0 / kBox, c));
-                Tensor sb = local_tile(smem(_, _, stage), order(Int<kBox>{}, DimBlock{}), order(j, c));
+                Tensor sb = local_tile(smem(_, _, stage), order(Int<kBox>{}, DimBlock{}), order(jj, c));
                 auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sb),
                                               group_modes<0, 2>(g));
                 copy(tma.with(*bar), tg, ts);
@@ -285,22 +400,16 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
         for (int n = w.ntiles - 1; n >= w.n_lo; --n) {  // the consumers' order: the diagonal first
           pipe_k.producer_acquire(st);
           load_kv(cute::false_type{}, tma_k, mK, sK, n, st.index(), pipe_k.producer_get_barrier(st));
-          if (n == w.ntiles - 1) {  // Q after the first K: that K may land while the last tile's S still runs
-            if (j > 0) cutlass::arch::ClusterBarrier::wait(&ss.q_empty, (j - 1) & 1);  // its Q is done with
-            ss.tile = t;
-            cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full, kQBytes);
-            copy(tma_q.with(ss.q_full), tQg, tQs);
-          }
+          if (n == w.ntiles - 1) load_q();
           pipe_v.producer_acquire(st);
           load_kv(cute::true_type{}, tma_v, mVt, sVt, n, st.index(), pipe_v.producer_get_barrier(st));
           ++st;
         }
-        t = next_valid(next);
       }
+      if (leader) t = next_valid(next);
     }
     return;
   }
-
   // consumers
   cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
   const int ctid = tid - 128, lane = tid & 31;
@@ -409,7 +518,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
   // Paged: V tokens past the request's KV in its last KV tile are the last page's unused slots (any bits: NaN x a
   // probability of 0 is NaN) or boxes that re-read that page; zeroed in shared memory before P.V reads them
   auto zero_v_tail = [&](const Tile& w, int n, int stage) {
-    if constexpr (kPage != 0) {
+    if constexpr (kPage != 0 && !kGather) {  // gathered: zeros already
       const int valid = w.kv_len - n * kKv;
       if (valid >= kKv) return;
       // a token's dims of a dim block are one row of kDimBlock x 2 bytes, row (block x kKv + token) of the stage
@@ -428,6 +537,11 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
     CUTE_UNROLL
     for (int i = 0; i < size(tP32); ++i) tP32(i) = ptx::pack2<kBf16>(tS(2 * i), tS(2 * i + 1));
   };
+  // a stage's K or V ready to read; gathered by cp.async (the generic proxy), made visible to the wgmma's async proxy
+  auto wait_stage = [&](Pipeline& pipe, PipelineState s) {
+    pipe.consumer_wait(s);
+    if constexpr (kGather) cutlass::arch::fence_view_async_shared();
+  };
   PipelineState st;
   float alpha[2];
   Tile w;
@@ -442,7 +556,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
     sum[0] = sum[1] = 0.f;
     if constexpr (kOverlap) {
       // the first tile (the diagonal when causal): S and its softmax alone
-      pipe_k.consumer_wait(st);
+      wait_stage(pipe_k, st);
       turn_begin();
       issue_qk(st.index());
       turn_end();
@@ -456,8 +570,8 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
       PipelineState prev = st;
       ++st;
       for (int n = ntiles - 2; n >= w.n_lo; --n) {
-        pipe_k.consumer_wait(st);
-        pipe_v.consumer_wait(prev);
+        wait_stage(pipe_k, st);
+        wait_stage(pipe_v, prev);
         if (n == ntiles - 2) zero_v_tail(w, ntiles - 1, prev.index());
         turn_begin();
         issue_qk(st.index());
@@ -477,7 +591,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
         prev = st;
         ++st;
       }
-      pipe_v.consumer_wait(prev);  // the last tile's P.V, outside the turns (as FlashAttention-3's)
+      wait_stage(pipe_v, prev);  // the last tile's P.V, outside the turns (as FlashAttention-3's)
       if (ntiles - 1 == w.n_lo) zero_v_tail(w, ntiles - 1, prev.index());  // the one tile run
       issue_pv(prev.index());
       warpgroup_wait<0>();
@@ -485,7 +599,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
       pipe_v.consumer_release(prev);
     } else {
       for (int n = ntiles - 1; n >= w.n_lo; --n, ++st) {
-        pipe_k.consumer_wait(st);
+        wait_stage(pipe_k, st);
         issue_qk(st.index());
         warpgroup_wait<0>();
         warpgroup_fence_operand(tS);
@@ -495,7 +609,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
         softmax(alpha);
         rescale_o(alpha);
         to_p();
-        pipe_v.consumer_wait(st);
+        wait_stage(pipe_v, st);
         if (n == ntiles - 1) zero_v_tail(w, n, st.index());
         issue_pv(st.index());
         warpgroup_wait<0>();
@@ -616,7 +730,8 @@ FI_EXPORT int fi_cute_attn_ws(const void* q, const void* k, const void* v, void*
   auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, take<0, 2>(SmemLayoutK{}));
   auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gVt, take<0, 2>(SmemLayoutVt{}));
   Args a{static_cast<Elem*>(o), (int64_t)H * kHeadDim, kHeadDim, lse, H, qo_indptr, kv_indptr, nullptr, nullptr,
-         nullptr, counter, nullptr, 0, 0, (int)batch, (int)max_q_len, H, Hkv, tq, tkv, 0, 0, -1, sm_scale, 0.f};
+         nullptr, counter, nullptr, 0, 0, (int)batch, (int)max_q_len, H, Hkv, tq, tkv, 0, 0, -1, sm_scale, 0.f,
+         nullptr, nullptr, 0, 0, 0};
   return launch(tma_q, tma_k, tma_v, a, l2_section_bytes, stream);
 }
 #else
@@ -648,16 +763,23 @@ FI_EXPORT int fi_cute_attn_bsr(const void* q, void* o, float* lse, const void* k
   const int H = (int)heads, Hkv = (int)kv_heads, tq = (int)total_q, nb = (int)num_kv_blocks;
   Tensor gQ = make_tensor(make_gmem_ptr(static_cast<const Elem*>(q)), make_shape(tq, D{}, H),
                           make_stride(q_stride_row, _1{}, q_stride_head));
-  Tensor gK = make_tensor(make_gmem_ptr(static_cast<const Elem*>(k)), make_shape(Int<kPage>{}, D{}, Hkv, nb),
-                          make_stride(kv_stride_token, _1{}, kv_stride_head, kv_stride_block));
-  Tensor gVt = make_tensor(make_gmem_ptr(static_cast<const Elem*>(v)), make_shape(D{}, Int<kPage>{}, Hkv, nb),
-                           make_stride(_1{}, kv_stride_token, kv_stride_head, kv_stride_block));
   auto tma_q = make_tma_copy(SM90_TMA_LOAD{}, gQ, SmemLayoutQ{});
-  auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, SmemLayoutKBox{});
-  auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gVt, SmemLayoutVtBox{});
   Args a{static_cast<Elem*>(o), o_stride_row, o_stride_head, lse, lse_stride_row, qo_indptr, nullptr, kv_lens,
          kv_block_start, kv_indices, counter, error_flags, num_kv_indices, (int)kv_block_start_int64, (int)batch,
-         (int)max_q_len, H, Hkv, tq, (int)total_kv, nb, 0, (int)window_left, sm_scale, softcap};
-  return launch(tma_q, tma_k, tma_v, a, l2_section_bytes, stream);
+         (int)max_q_len, H, Hkv, tq, (int)total_kv, nb, 0, (int)window_left, sm_scale, softcap,
+         static_cast<const Elem*>(k), static_cast<const Elem*>(v), kv_stride_block, kv_stride_token, kv_stride_head};
+  if constexpr (kGather) {
+    if (((kv_stride_block | kv_stride_token | kv_stride_head) & 7) != 0 || ((uintptr_t)k | (uintptr_t)v) & 15)
+      return (int)cudaErrorInvalidValue;  // 16-byte rows: aligned copies
+    return launch(tma_q, tma_q, tma_q, a, l2_section_bytes, stream);  // no K / V maps: the kernel never reads them
+  } else {
+    Tensor gK = make_tensor(make_gmem_ptr(static_cast<const Elem*>(k)), make_shape(Int<kPage>{}, D{}, Hkv, nb),
+                            make_stride(kv_stride_token, _1{}, kv_stride_head, kv_stride_block));
+    Tensor gVt = make_tensor(make_gmem_ptr(static_cast<const Elem*>(v)), make_shape(D{}, Int<kPage>{}, Hkv, nb),
+                             make_stride(_1{}, kv_stride_token, kv_stride_head, kv_stride_block));
+    auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, SmemLayoutKBox{});
+    auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gVt, SmemLayoutVtBox{});
+    return launch(tma_q, tma_k, tma_v, a, l2_section_bytes, stream);
+  }
 }
 #endif
