@@ -369,6 +369,7 @@ class RefWrapper:
     module_names = []
     keep_groups = True
     cute_unsupported = "a reference wrapper"  # no CuTe member (CuteRefWrapper has a stand-in)
+    cute_step = False                         # whether the last plan went to the member
 
     def __init__(self, name):
         self.name, self.plans, self.runs, self.idle_runs = name, [], 0, 0
@@ -586,6 +587,10 @@ class CuteRefWrapper(RefWrapper):
     def cute_takes(self, q_lens, kv_lens, causal=True):
         return bool(q_lens.numel()) and bool((q_lens >= 2).all())
 
+    def plan(self, qo_indptr, kv_lens, bsr, **kw):
+        super().plan(qo_indptr, kv_lens, bsr, **kw)
+        self.cute_step = self.cute_takes(qo_indptr[1:] - qo_indptr[:-1], kv_lens)
+
 
 def test_split_mixed_sends_the_prefill_part_to_the_cute_member(monkeypatch):
     """split_mixed (the prefill wrapper has a CuTe member): a mixed step whose prefill part the member takes, and
@@ -604,8 +609,12 @@ def test_split_mixed_sends_the_prefill_part_to_the_cute_member(monkeypatch):
         dec, pre = RefWrapper("decode"), CuteRefWrapper("prefill")
         planner = adapter._StepPlanner(dec, pre, page_size=Engine.P, sm_scale=0.3, variant_params={}, split_mixed=True)
         cm, q, k, v = eng.step(reqs)
+        cute_plans = adapter.plan_counts()["cute"]
         md = planner.plan(cm)
         assert md.num_decode_rows == nd and len(dec.plans) == (1 if nd else 0) and len(pre.plans) == 1
+        # plan_counts counts the steps the member took: the first two cases' prefill plans, not the third's
+        assert pre.cute_step == (reqs is not cases[2][0])
+        assert adapter.plan_counts()["cute"] - cute_plans == int(pre.cute_step)
         _forward_and_check(layer_impl, eng, reqs, cm, md, q, k, v)
         assert dec.runs == (1 if nd else 0) and pre.runs == 1
 

@@ -33,6 +33,17 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool 
                : "memory");
 }
 
+// cp_async_16's effect by two predicated copies instead of a computed source size: fewer instructions where the
+// copy is the loop's work (the CuTe member's gathering producer). src is not read when !valid (still 16-byte
+// aligned).
+__device__ __forceinline__ void cp_async_16_or_zero(uint32_t dst, const void* src, bool valid) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %2, 0;\n"
+      "@p cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n"
+      "@!p cp.async.cg.shared.global [%0], [%1], 16, 0;\n}\n" ::"r"(dst), "l"(src), "r"((int)valid)
+      : "memory");
+}
+
 // Fetch the line holding `p` into L2 (no register result, nothing waits on it).
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));

@@ -120,15 +120,15 @@ def main(argv=None) -> int:
                 for wgs in (int(x) for x in a.paged_warpgroups.split(",")):
                     name = f"cute_overlap_paged{page}" + ("" if wgs == 2 else f"_wg{wgs}")
                     fns[name], outs[name] = paged_fn(case, page, warpgroups=wgs)
-            for page in (int(x) for x in a.gather.split(",") if x):
-                for wgs in (int(x) for x in a.paged_warpgroups.split(",")):
-                    name = f"cute_gather_paged{page}" + ("" if wgs == 2 else f"_wg{wgs}")
-                    fns[name], outs[name] = paged_fn(case, page, warpgroups=wgs, gather=True)
                 # the same pages through BatchAttention: the prefill family's CuTe member (the launch engines run)
                 name = f"member_paged{page}"
                 fns[name], outs[name], info = P.ours_fn(case, paged=P.Paged(case, page))
                 if not info["cute_step"]:
                     raise RuntimeError(f"the CuTe member did not take the step: {info['cute_unsupported']}")
+            for page in (int(x) for x in a.gather.split(",") if x):
+                for wgs in (int(x) for x in a.paged_warpgroups.split(",")):
+                    name = f"cute_gather_paged{page}" + ("" if wgs == 2 else f"_wg{wgs}")
+                    fns[name], outs[name] = paged_fn(case, page, warpgroups=wgs, gather=True)
             if fi_fa3 is not None:
                 fns["flashinfer_fa3"], outs["flashinfer_fa3"] = fi_fa3.fn(case)
             fns["ours"], outs["ours"], _ = P.ours_fn(case)

@@ -329,11 +329,28 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
           static_assert(kKv * kChunks % 128 == 0, "gather: whole chunks a thread");
           const Elem* head = base + kv_head * a.kv_stride_head;
           const uint32_t stage_u32 = ptx::smem_u32(stage_smem);
+          // Where a thread's chunks are one dim block's in rows 8 apart (head sizes 64, 128: 8 or 16 chunks a row),
+          // their swizzle is the same and only the row moves: one offset, then a constant stride
+          constexpr int kRowStep = 128 / kChunks;
+          if constexpr (128 % kChunks == 0 && kRowStep % 8 == 0) {
+            const uint32_t row0 = tid / kChunks, dim = tid % kChunks * 8;
+            const uint32_t dst0 = stage_u32 + chunk_offset(row0, dim);
+            const int64_t* offs = &ss.row_off[parity][row0];
+            head += dim;
 #pragma unroll 4  // fully unrolled, the offsets' loads are hoisted and the producer's registers spill
-          for (int i = 0; i < kIters; ++i) {
-            const uint32_t idx = tid + 128 * i, row = idx / kChunks, dim = idx % kChunks * 8;
-            const int64_t off = ss.row_off[parity][row];
-            ptx::cp_async_16(stage_u32 + chunk_offset(row, dim), off >= 0 ? head + off + dim : head, off >= 0);
+            for (int i = 0; i < kIters; ++i) {
+              const int64_t off = offs[i * kRowStep];
+              // (a zero-filled chunk still names an aligned source: the row's head)
+              ptx::cp_async_16_or_zero(dst0 + i * kRowStep * kDimBlock * 2, head + (off >= 0 ? off : 0), off >= 0);
+            }
+          } else {
+#pragma unroll 4
+            for (int i = 0; i < kIters; ++i) {
+              const uint32_t idx = tid + 128 * i, row = idx / kChunks, dim = idx % kChunks * 8;
+              const int64_t off = ss.row_off[parity][row];
+              ptx::cp_async_16_or_zero(stage_u32 + chunk_offset(row, dim), off >= 0 ? head + off + dim : head,
+                                       off >= 0);
+            }
           }
         };
         for (int n = w.ntiles - 1; n >= w.n_lo; --n) {  // the consumers' order: the diagonal first
