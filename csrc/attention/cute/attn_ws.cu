@@ -3,8 +3,8 @@
 // two PipelineTmaAsync rings), and two or three consumer warpgroups of 64 rows each (a 128- or 192-row query tile),
 // with registers moved to them by setmaxnreg. Per KV tile a consumer waits for K, runs S = Q K^T, frees K, runs the
 // online softmax, waits for V, runs O += P V and frees V. A work tile is one query head's 128 or 192 tokens
-// (FlashAttention-3's: GQA heads
-// not packed); the grid is persistent, one CTA an SM, each taking its next tile from a counter in global memory
+// (FlashAttention-3's: GQA heads not packed); the grid is persistent, one CTA an SM, each taking its next tile from a
+// counter in global memory
 // (dynamic: causal tiles' lengths differ). Tiles are ordered in sections of (request, head) pairs whose KV fits in L2
 // together (the CTAs at work at once read the same KV), causal ones longest first within a section. The producer
 // picks the tiles: it fetches the next index while the current one loads, hands it to the consumers in shared memory
