@@ -63,12 +63,14 @@ using AtomMN = std::conditional_t<kDimBlock == 64, GMMA::Layout_MN_SW128_Atom<El
 // KV tiles of 128 tokens; 64 at head size 256, where O (128 registers a thread) and 128-token K / V stages would not
 // fit (FlashAttention-3 takes 80 there)
 // WARPGROUPS consumer warpgroups of 64 query rows each: 2 (128-row tiles), or 3 (192 rows, FlashAttention-3's at head
-// size 64, where a KV tile's MMAs are short against its softmax; at 96 S, P and O overflow the 160 registers a
-// consumer thread then gets and ptxas serialises the wgmma)
+// sizes 64 and 96, where a KV tile's MMAs are short against its softmax). Three at 96 take KV tiles of 96 tokens: with
+// 128, S, P and O overflow the 160 registers a consumer thread then gets and ptxas serialises the wgmma
+// (FlashAttention-3 keeps 144 but writes P to shared memory)
 constexpr int kWarpGroups = {{WARPGROUPS}};
-static_assert(kWarpGroups == 2 || (kWarpGroups == 3 && kHeadDim == 64),
-              "consumer warpgroups: 2, or 3 at head size 64");
-constexpr int kRows = 64 * kWarpGroups, kKv = kHeadDim == 256 ? 64 : 128, kConsumers = 128 * kWarpGroups;
+static_assert(kWarpGroups == 2 || (kWarpGroups == 3 && (kHeadDim == 64 || kHeadDim == 96)),
+              "consumer warpgroups: 2, or 3 at head sizes 64 and 96");
+constexpr int kRows = 64 * kWarpGroups, kConsumers = 128 * kWarpGroups;
+constexpr int kKv = kHeadDim == 256 ? 64 : kHeadDim == 96 && kWarpGroups == 3 ? 96 : 128;
 constexpr int kThreads = 128 + kConsumers;
 using D = Int<kHeadDim>;
 using SmemLayoutQ = decltype(tile_to_shape(AtomK{}, Shape<Int<kRows>, D>{}));
@@ -88,6 +90,8 @@ using SmemLayoutVt = decltype(tile_to_shape(AtomMN{}, Shape<D, Int<kKv>, Int<kSt
 constexpr int kBox = kPage == 0 || kPage >= kKv || kGather ? kKv : kPage, kBoxes = kKv / kBox;
 static_assert(kPage == 0 || ((kPage & (kPage - 1)) == 0 && (kGather || kPage >= 16)),
               "page size: a power of two, 16 or more (any where gathered)");
+static_assert(kPage == 0 || kGather || (kPage < kKv ? kKv % (kPage > 0 ? kPage : 1) : kPage % kKv) == 0,
+              "page size: whole pages a KV tile, or whole KV tiles a page (96-token tiles: pages of 16 or 32)");
 // Registers by setmaxnreg: 128 x producer + kConsumers x consumer must not pass the launch's share (the most a thread
 // of kThreads may hold: 168 at 384 threads, 128 at 512), or the consumers' setmaxnreg waits forever; a producer
 // looking up several pages a KV tile (boxes, or gathered rows) needs more than 24
