@@ -313,18 +313,31 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
         // a chunk lands at its (token, dims) in the stage's swizzled layout, where its 8 dims are contiguous in K's
         // and V^T's alike. Tokens past the request's KV, or of a bad entry, read as zeros.
         static_assert(chunk_offsets_match(), "gather: chunk_offset disagrees with the stages' layouts");
-        // Each row's offset in the cache (elements; -1: zeros) is looked up once a KV tile, by thread `row`, into
-        // ss.row_off (by the tile's parity: a row's readers of the last tile are past the barrier that precedes the
-        // next write), so the copies wait for one round of lookups a tile and K and V share it
-        auto look_up_rows = [&](int n, int parity) {
-          for (int row = tid; row < kKv; row += 128) {
-            const int token = n * kKv + row;
+        // Each row's offset in the cache (elements; -1: zeros) is looked up once a KV tile, by thread `row` (kKv <=
+        // 128), into ss.row_off, and K and V share it. The next tile's page ids are loaded before this tile's copies
+        // and published after them (fetch_row, then publish_row), so no copy waits for a lookup. By the tile's
+        // parity: a row's readers of the tile before are past the barrier that precedes the next write.
+        struct RowFetch {
+          int token, page, bad;  // bad: fi_backend's ErrorBits (2: an entry past kv_indices)
+        };
+        auto fetch_row = [&](int n) {
+          RowFetch f{n * kKv + tid, a.num_pages, 0};
+          if (tid < kKv && f.token < w.kv_len) {  // (unsigned: division by a power of two is a shift)
+            const int64_t e = (int64_t)w.kv_begin + (unsigned)f.token / kPage;
+            if (e >= 0 && e < a.num_kv_indices) f.page = __ldg(a.kv_indices + e);
+            else f.bad = 2;
+          }
+          return f;
+        };
+        auto publish_row = [&](const RowFetch& f, int parity) {
+          if (tid < kKv) {
             int64_t off = -1;
-            if (token < w.kv_len) {  // (unsigned: a power of two's division and remainder are a shift and a mask)
-              const int page = page_of((int64_t)w.kv_begin + (unsigned)token / kPage);
-              if (page < a.num_pages) off = page * a.kv_stride_block + (unsigned)token % kPage * a.kv_stride_token;
+            if (f.token < w.kv_len) {
+              const int bad = f.bad ? f.bad : (unsigned)f.page < (unsigned)a.num_pages ? 0 : 1;
+              if (!bad) off = f.page * a.kv_stride_block + (unsigned)f.token % kPage * a.kv_stride_token;
+              else if (a.error_flags != nullptr) atomicOr(a.error_flags, bad);
             }
-            ss.row_off[parity][row] = off;
+            ss.row_off[parity][tid] = off;
           }
           cutlass::arch::NamedBarrier::sync(128, kDrawBarrier);
         };
@@ -357,9 +370,11 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
             }
           }
         };
+        RowFetch next_rows = fetch_row(w.ntiles - 1);
+        publish_row(next_rows, (w.ntiles - 1) & 1);
         for (int n = w.ntiles - 1; n >= w.n_lo; --n) {  // the consumers' order: the diagonal first
           const int parity = n & 1;
-          look_up_rows(n, parity);
+          if (n > w.n_lo) next_rows = fetch_row(n - 1);  // in flight under this tile's copies
           pipe_k.producer_acquire(st);
           gather(a.k, ss.k.data() + st.index() * kKv * kHeadDim, parity);
           cutlass::arch::cpasync_barrier_arrive_noinc(pipe_k.producer_get_barrier(st));
@@ -368,6 +383,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
           gather(a.v, ss.v.data() + st.index() * kKv * kHeadDim, parity);
           cutlass::arch::cpasync_barrier_arrive_noinc(pipe_v.producer_get_barrier(st));
           ++st;
+          if (n > w.n_lo) publish_row(next_rows, parity ^ 1);
         }
       } else {
         // ragged: (token, dim, KV head); paged: (slot, dim, KV head, page)
