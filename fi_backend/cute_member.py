@@ -27,15 +27,15 @@ ROWS = KV_TILE = 128
 HEAD_DIMS = (64, 96, 128, 256)
 # Head sizes whose member also loads the CTA with three consumer warpgroups (192-row query tiles, FlashAttention-3's at
 # head size 64: a KV tile's MMAs are short against its softmax), for steps whose requests average at least
-# WIDE_MIN_QUERY query rows (H100, causal, 32 heads, perf/results/cute_probe_d64_wg3.json: 1 x 16k 1.12x ragged and
-# 1.20x on pages of 16, 4 x 4k 0.96-1.03x, 16 x 1k 0.77-0.82x, where a 1024-row prompt leaves a third of its sixth
-# tile empty)
+# WIDE_MIN_QUERY query rows (H100, causal, 32 heads, perf/results/cute_probe_d64_wg3.json: 1 x 16k 1.09-1.12x ragged
+# and 1.20x on pages of 16, 4 x 4k 0.96-1.03x, 16 x 1k 0.77-0.82x, where a 1024-row prompt leaves a third of its
+# sixth tile empty)
 WIDE_HEAD_DIMS = (64,)
 WIDE_MIN_QUERY = 8192
 # Pages below GATHER_BELOW tokens are gathered: K / V rows copied by the producer warpgroup's threads (cp.async), not
 # loaded as TMA boxes (one a page and 64-dim block: 8-16 of them a KV tile at pages of 16); pages of fewer than 16
-# tokens (SGLang's of one) only so. Off (0): gathering ran 1.2-1.6x slower than the boxes at pages of 16 and 64, and
-# at pages of one slower than the tile family (H100, head size 128, perf/results/cute_probe_gather.json)
+# tokens (SGLang's of one) only so. Off (0): gathering took 1.11-1.19x the boxes' time at pages of 16, and at pages of
+# one 1.19-1.27x the tile family's (H100, 32/8/128, perf/results/cute_probe_gather_fast.json; docs/prefill.md)
 GATHER_BELOW = 0
 
 
