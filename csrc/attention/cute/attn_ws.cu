@@ -296,7 +296,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
         copy(tma_q.with(ss.q_full), tQg, tQs);
       };
       // A bad BSR is flagged (fi_backend's ErrorBits) and never read past: an entry outside kv_indices or a page id
-      // outside the cache is page num_pages (TMA: past the map's end, boxes of zeros; gather: zeros)
+      // outside the cache is page num_pages, past the TMA map's end: boxes of zeros (gathered: publish_row's zeros)
       auto page_of = [&](int64_t e) {
         int page = a.num_pages, bad = 2;
         if (e >= 0 && e < a.num_kv_indices) {
@@ -308,10 +308,10 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
         return page;
       };
       if constexpr (kGather) {
-        // KV tile n into stage `stage`, K or (is_v) V^T: 16-byte chunks of token rows, thread i taking chunks i,
-        // i + 128, ... of the tile's rows (consecutive threads, consecutive chunks of a row: whole rows coalesced);
-        // a chunk lands at its (token, dims) in the stage's swizzled layout, where its 8 dims are contiguous in K's
-        // and V^T's alike. Tokens past the request's KV, or of a bad entry, read as zeros.
+        // A KV tile's K or V^T into a stage (gather(cache, stage, parity)): 16-byte chunks of token rows, thread i
+        // taking chunks i, i + 128, ... of the tile's rows (consecutive threads, consecutive chunks of a row: rows
+        // coalesced); a chunk lands at its (token, dims) in the stage's swizzled layout, where its 8 dims are
+        // contiguous in K's and V^T's alike. Tokens past the request's KV, or of a bad entry, read as zeros.
         static_assert(chunk_offsets_match(), "gather: chunk_offset disagrees with the stages' layouts");
         // Each row's offset in the cache (elements; -1: zeros) is looked up once a KV tile, by thread `row` (kKv <=
         // 128), into ss.row_off, and K and V share it. The next tile's page ids are loaded before this tile's copies
