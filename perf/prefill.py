@@ -147,58 +147,17 @@ class Paged:
         self.last_page_len = torch.full((case.batch,), s - (blocks - 1) * P, dtype=torch.int32)
 
 
-class AppendCase:
-    """`batch` requests each appending a chunk of q_len query tokens to a cache of kv_len tokens (the chunk's own
-    K/V included, bottom-right causal): q [b * q_len, Hq, D] and a paged pool (.pool: page_size, k, v
-    [pages, P, Hkv, D], block table, FlashInfer's CSR and our BSR), pages a random permutation of the pool."""
-
-    def __init__(self, batch, q_len, kv_len, num_qo_heads, num_kv_heads, head_dim=D, page_size=16, seed=0,
-                 device="cuda"):
-        from types import SimpleNamespace
-
-        from fi_backend import formats
-        if not 1 <= q_len <= kv_len:
-            raise ValueError(f"AppendCase: need 1 <= q_len <= kv_len (got q_len {q_len}, kv_len {kv_len})")
-        g = torch.Generator(device=device).manual_seed(seed)
-        self.batch, self.q_len, self.kv_len = batch, q_len, kv_len
-        self.hq, self.hkv, self.d = num_qo_heads, num_kv_heads, head_dim
-        self.rows = batch * q_len
-        self.q = torch.randn(self.rows, num_qo_heads, head_dim, generator=g, device=device, dtype=DTYPE)
-        self.lens = torch.full((batch,), kv_len, dtype=torch.int32)
-        self.indptr = torch.arange(batch + 1, dtype=torch.int32) * q_len
-        self.indptr_dev = self.indptr.to(device)
-        P = page_size
-        blocks = (kv_len + P - 1) // P
-        num_pages = batch * blocks
-        perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed + 1)).to(torch.int32)
-        table = perm.view(batch, blocks).to(device)
-        shape = (num_pages, P, num_kv_heads, head_dim)
-        k = torch.randn(shape, generator=g, device=device, dtype=DTYPE)
-        v = torch.randn(shape, generator=g, device=device, dtype=DTYPE)
-        self.pool = SimpleNamespace(
-            page_size=P, num_pages=num_pages, table=table, k=k, v=v,
-            bsr=formats.from_block_table(table, self.lens.to(device), self.indptr_dev, P, num_kv_blocks=num_pages),
-            csr_indptr=torch.arange(batch + 1, dtype=torch.int32) * blocks, csr_indices=table.reshape(-1),
-            last_page_len=torch.full((batch,), kv_len - (blocks - 1) * P, dtype=torch.int32))
-        self.kv_bytes = 2 * batch * kv_len * num_kv_heads * head_dim * k.element_size()
-
-    def shape(self) -> dict:
-        return {"batch": self.batch, "q_len": self.q_len, "kv_len": self.kv_len, "num_qo_heads": self.hq,
-                "num_kv_heads": self.hkv, "head_dim": self.d, "page_size": self.pool.page_size,
-                "kv_bytes": self.kv_bytes}
-
-
 class StepCase:
     """One engine step of any mix: request i has q_lens[i] new query tokens at the end of kv_lens[i] tokens of KV
-    (bottom-right causal; a decode row is q_len 1), over a paged pool whose pages are a random permutation. The
-    fields ours_fn reads from an AppendCase (q, lens, indptr, indptr_dev, pool with its BSR)."""
+    (bottom-right causal; a decode row is q_len 1): q [sum(q_lens), Hq, D] and a paged pool (.pool: page_size, k, v
+    [pages, P, Hkv, D], block table, FlashInfer's CSR and our BSR) whose pages are a random permutation."""
 
     def __init__(self, q_lens, kv_lens, num_qo_heads, num_kv_heads, head_dim=D, page_size=16, seed=0, device="cuda"):
         from types import SimpleNamespace
 
         from fi_backend import formats
         if len(q_lens) != len(kv_lens) or not q_lens or any(not 1 <= q <= k for q, k in zip(q_lens, kv_lens)):
-            raise ValueError(f"StepCase: need 1 <= q_len <= kv_len a request (got {q_lens}, {kv_lens})")
+            raise ValueError(f"{type(self).__name__}: need 1 <= q_len <= kv_len a request (got {q_lens}, {kv_lens})")
         g = torch.Generator(device=device).manual_seed(seed)
         self.batch, self.hq, self.hkv, self.d = len(q_lens), num_qo_heads, num_kv_heads, head_dim
         self.q_lens, self.kv_lens = list(q_lens), list(kv_lens)
@@ -210,24 +169,42 @@ class StepCase:
         P = page_size
         blocks = [(k + P - 1) // P for k in kv_lens]
         num_pages = sum(blocks)
+        # request i's pages: the next blocks[i] of a random permutation (so the CSR's indices are the permutation)
         perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed + 1)).to(torch.int32)
         table = torch.zeros(self.batch, max(blocks), dtype=torch.int32)
-        at = 0
-        for i, n in enumerate(blocks):
-            table[i, :n] = perm[at:at + n]
-            at += n
+        for i, pages in enumerate(perm.split(blocks)):
+            table[i, :len(pages)] = pages
         table = table.to(device)
         shape = (num_pages, P, num_kv_heads, head_dim)
         k = torch.randn(shape, generator=g, device=device, dtype=DTYPE)
         v = torch.randn(shape, generator=g, device=device, dtype=DTYPE)
         self.pool = SimpleNamespace(
             page_size=P, num_pages=num_pages, table=table, k=k, v=v,
-            bsr=formats.from_block_table(table, self.lens.to(device), self.indptr_dev, P, num_kv_blocks=num_pages))
+            bsr=formats.from_block_table(table, self.lens.to(device), self.indptr_dev, P, num_kv_blocks=num_pages),
+            csr_indptr=torch.tensor([0] + blocks, dtype=torch.int32).cumsum(0, dtype=torch.int32),
+            csr_indices=perm.to(device),
+            last_page_len=torch.tensor([k - (n - 1) * P for k, n in zip(kv_lens, blocks)], dtype=torch.int32))
         self.kv_bytes = 2 * sum(kv_lens) * num_kv_heads * head_dim * k.element_size()
 
     def shape(self) -> dict:
         return {"batch": self.batch, "q_lens": self.q_lens, "kv_lens": self.kv_lens, "num_qo_heads": self.hq,
                 "num_kv_heads": self.hkv, "head_dim": self.d, "page_size": self.pool.page_size}
+
+
+class AppendCase(StepCase):
+    """`batch` requests each appending a chunk of q_len query tokens to a cache of kv_len tokens (the chunk's own
+    K/V included, bottom-right causal): a StepCase of equal requests."""
+
+    def __init__(self, batch, q_len, kv_len, num_qo_heads, num_kv_heads, head_dim=D, page_size=16, seed=0,
+                 device="cuda"):
+        super().__init__([q_len] * batch, [kv_len] * batch, num_qo_heads, num_kv_heads, head_dim, page_size, seed,
+                         device)
+        self.q_len, self.kv_len = q_len, kv_len
+
+    def shape(self) -> dict:
+        return {"batch": self.batch, "q_len": self.q_len, "kv_len": self.kv_len, "num_qo_heads": self.hq,
+                "num_kv_heads": self.hkv, "head_dim": self.d, "page_size": self.pool.page_size,
+                "kv_bytes": self.kv_bytes}
 
 
 # ------------------------------------------------------------------------------------------ implementations
