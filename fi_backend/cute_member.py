@@ -22,7 +22,8 @@ from . import env, kernels
 from . import variants as V
 from .variants import Variant
 
-# Tiles of the CTA (kRows x kKv: 64-token KV tiles at head size 256, the step rule counts 128) and its head sizes.
+# The tiles the step rule counts, 128 x 128 (the CTA's are 192 rows on three warpgroups and 64 keys at head size
+# 256), and the member's head sizes.
 ROWS = KV_TILE = 128
 HEAD_DIMS = (64, 96, 128, 256)
 # Head sizes whose member also loads the CTA with three consumer warpgroups (192-row query tiles, FlashAttention-3's at
