@@ -20,7 +20,8 @@ PRED = re.compile(r"^@!?U?P\w+\s+")
 
 
 def load(path: str):
-    """(rows as dicts of the columns used, stall columns)."""
+    """(rows as dicts of the columns used, stall columns) of the file's first kernel (a file of several profiled
+    launches repeats the header before each)."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         rows = list(csv.reader(f))
@@ -30,6 +31,8 @@ def load(path: str):
     ix = {c: i for i, c in enumerate(head)}
     out = []
     for r in rows[at + 1:]:
+        if r and r[0] == "Address":
+            break
         if len(r) < len(head):
             continue
         src = r[ix["Source"]].strip()

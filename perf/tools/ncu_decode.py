@@ -1,0 +1,43 @@
+"""One profiled launch (after 3 warm-ups) of our single-format decode or FlashInfer's tensor-core decode on a
+perf.composable cell (B requests sharing an L-token prefix's pages, S unique tokens each), for ncu:
+
+    ncu --profile-from-start off --set full -o ours python3 -m perf.tools.ncu_decode ours 128x1024x256 [--unshared]
+
+argv: impl (ours, flashinfer), BxLxS, and --unshared for the same lengths on distinct pages (the control: every
+request its own prefix pages). Used to find why FlashInfer's decode gains more from shared pages than ours
+(docs/composable.md, finding 1)."""
+import sys
+
+import torch
+
+from perf.composable import Cell, flashinfer_decode, ours
+
+IMPLS = ("ours", "flashinfer")
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) < 2 or argv[0] not in IMPLS:
+        print(f"usage: python3 -m perf.tools.ncu_decode {{{','.join(IMPLS)}}} BxLxS [--unshared]", file=sys.stderr)
+        return 2
+    impl = argv[0]
+    B, L, S = (int(x) for x in argv[1].split("x"))
+    cell = Cell(B, L, S, 1 if "--unshared" in argv[2:] else 0)
+    if impl == "ours":
+        fn, _, info = ours(cell, "decode", False)
+        print(info, flush=True)
+    else:
+        fn, _ = flashinfer_decode(cell)
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    print("done", impl, argv[1], flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
