@@ -354,6 +354,14 @@ struct Kernel {
 
         // ---- logits: scale, LogitsTransform, LogitsMask (natural units), then log2 units
         constexpr int kHalves = kTwoN ? 2 : 1;
+        // A row half's keys in this block: its logit (8 nt + e % 2) is a key while it is below room[hf] (the
+        // tile's keys, the causal limit, none for a padding row), one compare a logit and no branch
+        int room[2];
+#pragma unroll
+        for (int hf = 0; hf < kHalves; ++hf) {
+          const int cut = p.causal ? min(n_valid, ri[hf].climit - tile_begin + 1) : n_valid;
+          room[hf] = ri[hf].valid ? cut - (tb + 2 * c) : 0;
+        }
         float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
@@ -362,8 +370,7 @@ struct Kernel {
             const int hf = e >> 1;
             const int t = tb + 8 * nt + 2 * c + (e & 1);
             const int kv_idx = tile_begin + t;
-            bool ok = ri[hf].valid && t < n_valid;
-            if (p.causal) ok = ok && kv_idx <= ri[hf].climit;
+            bool ok = 8 * nt + (e & 1) < room[hf];
             const float x = s[nt][e] * p.logits_scale;
             constexpr bool kNatural = Variant::kHasLogitsTransform || Variant::kHasAlibiSlope;  // not raw S
             LogitsCtx ctx;

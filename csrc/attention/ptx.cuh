@@ -44,6 +44,18 @@ __device__ __forceinline__ void cp_async_16_or_zero(uint32_t dst, const void* sr
       : "memory");
 }
 
+// A KV row's two 16-byte chunks, K's and V's, at byte offset `off` from k_src and v_src (k_src + off, v_src + off),
+// both zero-filled where off < 0 (the row is not loaded): the source ignored by predicate (PTX's ignore-src), so a
+// copy is one predicated instruction, where a computed source size costs a few integer instructions. The unread
+// sources must still be 16-byte aligned.
+__device__ __forceinline__ void cp_async_16_kv(uint32_t k_dst, uint32_t v_dst, const void* k_src, const void* v_src,
+                                               int64_t off) {
+  asm volatile(
+      "{\n.reg .pred p;\n.reg .b64 k, v;\nsetp.lt.s64 p, %4, 0;\nadd.s64 k, %2, %4;\nadd.s64 v, %3, %4;\n"
+      "cp.async.cg.shared.global.L2::128B [%0], [k], 16, p;\ncp.async.cg.shared.global.L2::128B [%1], [v], 16, p;\n}\n"
+      ::"r"(k_dst), "r"(v_dst), "l"(k_src), "l"(v_src), "l"(off) : "memory");
+}
+
 // Fetch the line holding `p` into L2 (no register result, nothing waits on it).
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));

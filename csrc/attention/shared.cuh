@@ -214,6 +214,7 @@ struct Loader {
   // Shared-memory rows are Cfg::kHeadDimPad wide (Cfg::kChunksPerRow chunks); a row's first kLoadChunks
   // chunks hold the head, the pad is filled with zeros (the decode kernel's MMAs run the padded width).
   static constexpr int kLoadChunks = kHeadDim * Cfg::KV::kBytes / 16;
+  static constexpr int64_t kNoRow = -16;  // a row offset: not loaded (16-byte aligned, so an unread copy source)
   static constexpr int kQChunks = kHeadDim * 2 / 16, kQChunksPad = Cfg::kHeadDimPad * 2 / 16;
   static constexpr int kHPC = Cfg::kHeadsPerChunk;
   static constexpr int kRowsPerTile = Cfg::kRowsPerTile;
@@ -367,13 +368,13 @@ struct Loader {
     }
   }
 
-  // Byte offset (from the K or V base) of a looked-up row, -1 for a row that is not loaded; a page id
+  // Byte offset (from the K or V base) of a looked-up row, kNoRow for a row that is not loaded; a page id
   // outside the cache or an index outside kv_indices is reported and not loaded.
   static __device__ __forceinline__ int64_t row_offset(const Params& p, int page, int slot, int kv_head) {
-    if (slot < 0) return -1;
+    if (slot < 0) return kNoRow;
     if (page < 0 || page >= p.num_kv_blocks) {
       report(p.error_flags, page == INT32_MIN ? kErrIndexOutOfRange : kErrPageOutOfRange);
-      return -1;
+      return kNoRow;
     }
     return ((int64_t)page * p.kv_stride_block + (int64_t)slot * p.kv_stride_token + (int64_t)kv_head * p.kv_stride_head) *
            Cfg::KV::kBytes;
@@ -484,19 +485,18 @@ struct Loader {
     if (!gather) return;
     const uint32_t ks = ptx::smem_u32(stage), vs = ks + Cfg::kKvTileBytes;
     const int row_base = tid / Cfg::kChunksPerRow, chunk = tid % Cfg::kChunksPerRow;
-    const char* kbase = static_cast<const char*>(p.k);
-    const char* vbase = static_cast<const char*>(p.v);
+    // A row not loaded (kNoRow) still names a 16-byte aligned source, which its zero-filling copy never reads:
+    // no select of a safe address a copy (this loop is most of a decode step's instructions where KV comes from L2)
+    const bool chunk_ok = chunk < kLoadChunks;
+    const char* kchunk = static_cast<const char*>(p.k) + chunk * 16;
+    const char* vchunk = static_cast<const char*>(p.v) + chunk * 16;
     const int64_t* offs = row_offsets(smem, tile_no);
 #pragma unroll
     for (int r = 0; r < kTPT; ++r) {
       const int row = row_base + r * Cfg::kRowsPerRound;
       if (kTile % Cfg::kRowsPerRound != 0 && row >= kTile) break;  // a partial last round
-      const int64_t row_off = offs[row];
-      const bool ok = row_off >= 0 && chunk < kLoadChunks;
-      const int64_t off = ok ? row_off + chunk * 16 : 0;
       const uint32_t dst = Cfg::tile_offset(row, chunk);
-      ptx::cp_async_16(ks + dst, kbase + off, ok);
-      ptx::cp_async_16(vs + dst, vbase + off, ok);
+      ptx::cp_async_16_kv(ks + dst, vs + dst, kchunk, vchunk, chunk_ok ? offs[row] : kNoRow);
     }
   }
 
