@@ -71,9 +71,10 @@ ITEM_SHARED = _planner.ITEM_SHARED
 MAX_SHARED_CHUNKS = _planner.MAX_SHARED_CHUNKS
 SHARED_GAIN = _planner.SHARED_GAIN
 # A decode step's groups move it to the prefill kernel (the adapters' graph_prefill), where each request's own item
-# costs about as much as reading this many KV tokens more than on the decode kernel (a whole query tile's MMAs,
-# query copy and partial state for its one row). Measured on the H100: docs/composable.md, "Which kernel".
-PREFILL_DECODE_ITEM_TOKENS = 330
+# costs about as much as the decode kernel spends on this many shared KV tokens (read from L2 there: a whole query
+# tile's MMAs, query copy and partial state for the item's one row). Fitted on the H100: docs/composable.md,
+# "Which kernel".
+PREFILL_DECODE_ITEM_TOKENS = 1170
 # Smallest KV chunk a split produces: below ~128 tokens the fixed cost of an item (loading the query
 # tile, filling the pipeline, writing and later merging a partial state) outweighs the extra parallelism.
 DEFAULT_MIN_KV_CHUNK = 128
