@@ -485,8 +485,8 @@ struct Loader {
     if (!gather) return;
     const uint32_t ks = ptx::smem_u32(stage), vs = ks + Cfg::kKvTileBytes;
     const int row_base = tid / Cfg::kChunksPerRow, chunk = tid % Cfg::kChunksPerRow;
-    // A row not loaded (kNoRow) still names a 16-byte aligned source, which its zero-filling copy never reads:
-    // no select of a safe address a copy (this loop is most of a decode step's instructions where KV comes from L2)
+    // A row not loaded (kNoRow) still names a 16-byte aligned source, which its zero-filling copy never reads: no
+    // select of a safe address a copy (where KV comes from L2, decode is bound by instructions, this loop's first)
     const bool chunk_ok = chunk < kLoadChunks;
     const char* kchunk = static_cast<const char*>(p.k) + chunk * 16;
     const char* vchunk = static_cast<const char*>(p.v) + chunk * 16;
