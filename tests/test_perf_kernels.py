@@ -328,3 +328,24 @@ def test_every_tool_imports():
     readme = (Path(K.__file__).parent / "tools" / "README.md").read_text()
     assert all(f"{t}.py" in readme for t in tools), "each tool has its line in perf/tools/README.md"
     del sys.modules["perf.tools.ncu_prefill"]
+
+
+def test_tree_ab_makes_a_base_tree_and_refuses_without_one(tmp_path, capsys):
+    """perf.tools.tree_ab: --make-base writes HEAD's source parts (and the planner extension) into the base tree; a
+    run without a command, or with a base tree that lacks a part, is refused with the reason."""
+    import subprocess
+    from perf.tools import tree_ab
+    if subprocess.run(["git", "-C", str(tree_ab.ROOT), "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    base = tmp_path / "base"
+    assert tree_ab.main(["--base", str(base), "--make-base", "HEAD"]) == 0
+    for part in tree_ab.TREE_PARTS:
+        assert (base / part).exists(), part
+    assert (base / "csrc" / "attention" / "decode.cuh").is_file()
+    with pytest.raises(SystemExit):
+        tree_ab.main(["--base", str(base)])
+    assert "the perf command goes after --" in capsys.readouterr().err
+    (base / "pyproject.toml").unlink()
+    with pytest.raises(SystemExit):
+        tree_ab.main(["--base", str(base), "--", "zoo"])
+    assert "lacks pyproject.toml" in capsys.readouterr().err
