@@ -342,6 +342,7 @@ def test_tree_ab_makes_a_base_tree_and_refuses_without_one(tmp_path, capsys):
     for part in tree_ab.TREE_PARTS:
         assert (base / part).exists(), part
     assert (base / "csrc" / "attention" / "decode.cuh").is_file()
+    assert (base / tree_ab.REVISION).read_text().strip()   # the base runs' FI_COMMIT
     with pytest.raises(SystemExit):
         tree_ab.main(["--base", str(base)])
     assert "the perf command goes after --" in capsys.readouterr().err

@@ -10,7 +10,9 @@ The new tree is this checkout. The base tree is `--base` (default .base/), which
 (with the planner extension), perf/ and pyproject.toml. A module built from either tree has its own cache identity,
 so one FI_BACKEND_CACHE_DIR serves both. The command gets `--name <name>_<tree>_<k>` (name: --name, default ab), so it
 must be one that takes --name (kernels, zoo, composable, ...).
-Its JSON is copied to $OUT where that is set, and its output lines are printed with the tree in front."""
+Its JSON is copied to $OUT where that is set, and its output lines are printed with the tree in front. The base
+runs' results name the base's commit (its REVISION file); set FI_COMMIT for the new tree's, as for any run on the GPU
+machine, whose git may read a stale commit."""
 from __future__ import annotations
 
 import argparse
@@ -22,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 TREE_PARTS = ("csrc", "fi_backend", "perf", "pyproject.toml")
+REVISION = "REVISION"   # in the base tree: the commit it was made from
 
 
 def make_base(rev: str, base: Path) -> None:
@@ -33,13 +36,18 @@ def make_base(rev: str, base: Path) -> None:
     subprocess.run(["tar", "-x", "-C", str(base)], input=archive.stdout, check=True)
     for so in (ROOT / "fi_backend").glob("_planner*.so"):
         shutil.copy2(so, base / "fi_backend" / so.name)
-    print(f"base tree of {rev} in {base}", file=sys.stderr)
+    sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", rev], check=True, capture_output=True,
+                         text=True).stdout.strip()
+    (base / REVISION).write_text(sha + "\n")   # the base runs' results name it (FI_COMMIT): the tree has no git
+    print(f"base tree of {rev} ({sha}) in {base}", file=sys.stderr)
 
 
 def run_tree(tree: str, root: Path, args: list, name: str) -> int:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(root)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env.pop("OUT", None)   # the command writes under its own tree; the JSON is copied to $OUT below
+    if (root / REVISION).is_file():
+        env["FI_COMMIT"] = (root / REVISION).read_text().strip()
     proc = subprocess.run([sys.executable, "-m", "perf", *args, "--name", name], cwd=root, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout.splitlines():
