@@ -152,6 +152,19 @@ def time_rounds(fns: dict, rounds: int, rep: int, on_round=None) -> dict:
     return times
 
 
+def profile_once(fn, warmup: int = 3) -> None:
+    """fn() `warmup` times, then once between cudaProfilerStart / Stop: the one launch an ncu run with
+    --profile-from-start off records (perf.tools.ncu_prefill, ncu_decode)."""
+    import torch
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
 def rotating(run, sets):
     """fn() that calls run(i) with the next input set each call (host-side bookkeeping only: time_us times the
     device with the host running ahead), so that time_rounds / measure rotate sets past the L2 cache."""

@@ -8,8 +8,8 @@ request its own prefix pages). Used to find why FlashInfer's decode gains more f
 (docs/composable.md, finding 1)."""
 import sys
 
-import torch
 
+from perf.common import profile_once
 from perf.composable import Cell, flashinfer_decode, ours
 
 IMPLS = ("ours", "flashinfer")
@@ -28,13 +28,7 @@ def main(argv=None) -> int:
         print(info, flush=True)
     else:
         fn, _ = flashinfer_decode(cell)
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()
+    profile_once(fn)
     print("done", impl, argv[1], flush=True)
     return 0
 

@@ -7,8 +7,8 @@ argv: impl (ours, fa2, fa3, cute: the CuTe probe's CTA with overlap and ping-pon
 import json
 import sys
 
-import torch
 
+from perf.common import profile_once
 from perf.prefill import Case, FlashInferRagged, ours_fn
 
 IMPLS = ("ours", "fa2", "fa3", "cute")
@@ -31,13 +31,7 @@ def main(argv=None) -> int:
         fn, out = probe_fn(case, True, True)
     else:
         fn, out = FlashInferRagged(impl).fn(case)
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStop()
+    profile_once(fn)
     print("done", impl, bs, hkv, flush=True)
     return 0
 
