@@ -625,7 +625,9 @@ class BatchAttention:
             if len(self._family) > 1 and self.kernel == "decode":
                 member = self._decode_member(B)
             elif len(self._family) > 1 and self._frozen is None and not self.deterministic:  # a captured graph keeps its kernel
-                member = self._pick_member(q_lens)
+                # shared-prefix groups: the smallest query tile, as each member's own KV is an item of its few rows
+                # (docs/composable.md, "Which kernel")
+                member = len(self._family) - 1 if groups is not None else self._pick_member(q_lens)
             if member != self._member:
                 self._use_member(member)
             kv32 = kv_cpu.to(torch.int32)

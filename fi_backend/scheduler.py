@@ -74,7 +74,7 @@ SHARED_GAIN = _planner.SHARED_GAIN
 # costs about as much as the decode kernel spends on this many shared KV tokens (read from L2 there: a whole query
 # tile's MMAs, query copy and partial state for the item's one row). Fitted on the H100: docs/composable.md,
 # "Which kernel".
-PREFILL_DECODE_ITEM_TOKENS = 1170
+PREFILL_DECODE_ITEM_TOKENS = 500
 # Smallest KV chunk a split produces: below ~128 tokens the fixed cost of an item (loading the query
 # tile, filling the pipeline, writing and later merging a partial state) outweighs the extra parallelism.
 DEFAULT_MIN_KV_CHUNK = 128

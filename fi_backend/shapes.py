@@ -269,6 +269,14 @@ def _prefill_family(head_dim: int, kv_bytes: int, wgmma: Optional[bool] = None,
         # ALiBi by MMA is no per-element hook: without other hooks it runs the plain shape
         bias = int(_bias_mma_possible(variant, {"wgmma": 1, "warps": ws["plain"][0]}, hpc))
         hooked = variant is not None and _logits_hooks(variant, bias)
+        if not hooked and not bias:
+            # the smaller members warp-specialised too: a producer warpgroup copies the next item's query tile
+            # and KV while the compute warps finish one, which pays most on steps of many short items
+            # (docs/prefill.md, "The family and how a member is chosen")
+            for m in range(1, len(family)):
+                shape = {**family[m], "producer": 1}
+                if not _producer_blockers(variant, head_dim, kv_bytes, {**shape, "hpc": hpc}):
+                    family[m] = shape
         names = ["aligned" if _rows(ws["plain"]) % hpc and not _rows(ws["aligned"]) % hpc else "plain"]
         if hooked:  # a window mask without a transform: 4 stages where they fit (not beside the bias MMA's operands)
             window = variant.mask_is_kv_range and not variant.logits_transform and "window" in ws

@@ -13,10 +13,13 @@ before timing. Writes perf/results/composable.json (device, date, commit).
     python -m perf composable [--rounds 5] [--rep 50] [--cells 64x32768x256,16x8192x256,128x1024x256] [--page 16]
                               [--shared-gain 0]   # the planner's verdict forced: every group kept
                               [--unshared]        # both single-format decodes on distinct pages too (control)
+                              [--prefill-tunings '[{"warps": 8, "mfrags": 2}]']   # the groups on forced prefill
+                                                  # tile shapes too (tuning of fi_backend.specs.prefill_spec)
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 import torch
@@ -68,12 +71,12 @@ def set_page(page: int) -> None:
     PAGE = page
 
 
-def ours(cell: Cell, kernel: str, groups: bool):
+def ours(cell: Cell, kernel: str, groups: bool, tuning=None):
     from fi_backend import formats
     from fi_backend.wrappers import BatchAttention
     ws = BatchAttention.workspace_for("cuda", HQ, HKV, D, max_requests=cell.B, max_tokens=cell.B, kernel=kernel,
-                                      shared_prefix=True)
-    attn = BatchAttention(ws, HQ, HKV, D, q_dtype=DTYPE, page_size=PAGE, kernel=kernel)
+                                      shared_prefix=True, tuning=tuning)
+    attn = BatchAttention(ws, HQ, HKV, D, q_dtype=DTYPE, page_size=PAGE, kernel=kernel, tuning=tuning)
     bsr = formats.from_block_table(cell.table, cell.kv_lens.cuda(), cell.qo.cuda(), PAGE, num_kv_blocks=cell.num_pages)
     attn.plan(cell.qo, cell.kv_lens, bsr, causal=True, prefix_groups=cell.groups if groups else None)
     if groups and attn.plan_info.shared_groups != len(cell.groups):   # the planner found groups not worth it here
@@ -120,25 +123,28 @@ def flashinfer_decode(cell: Cell):
     return fn, out
 
 
-def run_cell(B: int, L: int, S: int, rounds: int, rep: int, N: int = 0, unshared: bool = False) -> dict:
+def run_cell(B: int, L: int, S: int, rounds: int, rep: int, N: int = 0, unshared: bool = False,
+             tunings=()) -> dict:
     cell = Cell(B, L, S, N)
     single, single_out, _ = ours(cell, "decode", False)
     dec, dec_out, dec_info = ours(cell, "decode", True)
     pre, pre_out, pre_info = ours(cell, "prefill", True)
+    forced = {f"ours_prefill_groups_t{i}": ours(cell, "prefill", True, t) for i, t in enumerate(tunings)}
     fi, fi_state = flashinfer_cascade(cell)
     fid, fid_out = flashinfer_decode(cell)
-    for f in (single, dec, pre, fi, fid):   # one call each on the same pool, then compare
+    for f in (single, dec, pre, fi, fid, *(v[0] for v in forced.values())):   # one call each on the same pool
         f()
         f()
     torch.cuda.synchronize()
     checks = {k: diff_stats(o, single_out) for k, o in (("ours_decode_groups", dec_out), ("ours_prefill_groups", pre_out),
                                                          ("flashinfer_cascade", fi_state["out"]),
-                                                         ("flashinfer_decode", fid_out))}
+                                                         ("flashinfer_decode", fid_out),
+                                                         *((k, v[1]) for k, v in forced.items()))}
     for k, c in checks.items():
         if not c["rel_diff"] < 2e-2:
             raise AssertionError(f"{B}x{L}+{S}: {k} differs from ours single-format: {c}")
     fns = {"ours_single": single, "ours_decode_groups": dec, "ours_prefill_groups": pre, "flashinfer_cascade": fi,
-           "flashinfer_decode": fid}
+           "flashinfer_decode": fid, **{k: v[0] for k, v in forced.items()}}
     if unshared:   # the control: the same lengths on distinct pages (every request its own prefix pages)
         ctl = Cell(B, L, S, 1, seed=1)
         fns["ours_single_unshared"], ctl_out, _ = ours(ctl, "decode", False)
@@ -157,7 +163,8 @@ def run_cell(B: int, L: int, S: int, rounds: int, rep: int, N: int = 0, unshared
     res = {"cell": name, "batch": B, "prefix": L, "suffix": S, "group_size": cell.N, "page": PAGE,
            "median_us": med, "rounds_us": times,
            "speedup_vs_single": med["ours_single"] / best, "vs_flashinfer_cascade": med["flashinfer_cascade"] / best,
-           "checks": checks, "plan": {"decode": dec_info._asdict(), "prefill": pre_info._asdict()}}
+           "checks": checks, "plan": {"decode": dec_info._asdict(), "prefill": pre_info._asdict(),
+                                      **{k: v[2]._asdict() for k, v in forced.items()}}}
     if unshared:   # time on distinct pages over time on shared ones: how much each single-format decode gains from them
         res["shared_pages_speedup"] = {"ours": med["ours_single_unshared"] / med["ours_single"],
                                        "flashinfer": med["flashinfer_decode_unshared"] / med["flashinfer_decode"]}
@@ -176,6 +183,9 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="composable")
     ap.add_argument("--unshared", action="store_true",
                     help="also time both single-format decodes on the same lengths with distinct pages (the control)")
+    ap.add_argument("--prefill-tunings", type=json.loads, default=[],
+                    help="a JSON list of prefill kernel shapes (fi_backend.specs.prefill_spec tunings) to time the "
+                         "groups on besides the family's pick: ours_prefill_groups_t0, _t1, ...")
     ap.add_argument("--shared-gain", type=float, default=None,
                     help="the planner's shared-prefix verdict factor (FI_BACKEND_PLAN_SHARED_GAIN; 0: keep every group)")
     a = ap.parse_args(argv)
@@ -186,9 +196,10 @@ def main(argv=None) -> int:
         ap.error(f"--cells: each cell is BxLxS or BxLxSxN; got {a.cells}")
     set_page(a.page)
     import flashinfer
-    results = [run_cell(*c[:3], a.rounds, a.rep, *c[3:], unshared=a.unshared) for c in cells]
+    results = [run_cell(*c[:3], a.rounds, a.rep, *c[3:], unshared=a.unshared, tunings=a.prefill_tunings)
+               for c in cells]
     write_result(a.name, {**stamp(), "flashinfer": flashinfer.__version__,
                                 "heads": {"qo": HQ, "kv": HKV, "head_dim": D, "page": PAGE, "dtype": "bf16"},
-                                "shared_gain": a.shared_gain,
+                                "shared_gain": a.shared_gain, "prefill_tunings": a.prefill_tunings,
                                 "cells": results})
     return 0

@@ -226,14 +226,14 @@ def test_which_variants_run_shared_items():
 
 
 def test_decode_groups_pay_where_the_prefill_kernel_is_measured_faster():
-    """The H100 cells of perf/results/composable_n8_*.json and composable_shared_pages_2a438e8.json: parallel
-    samples of short prompts (64 groups of 8 sharing 160 tokens) ran slower on the prefill kernel than single-format
-    on the decode kernel (1.05-1.43x), as does 128 x 1k since the decode kernel got faster on shared pages (0.91x);
-    long shared prefixes faster (64 x 4k: 2.12x; 16 x 8k: 2.27x)."""
+    """The H100 cells of perf/results/composable_n8_*.json and composable_tiles_a3ee403.json: parallel samples of short
+    prompts (64 groups of 8 sharing 160 tokens) ran slower on the prefill kernel's smallest tile than single-format
+    on the decode kernel (0.63x); 128 x 1k faster (1.25x), long shared prefixes more so (64 x 4k: 2.5x)."""
     n8 = np.array([[8 * i, 8 * i + 8, 160] for i in range(64)], np.int32)
     assert not S.decode_groups_pay(n8, 512)
     assert S.decode_groups_pay(np.array([[0, 64, 4096]]), 64)
-    assert not S.decode_groups_pay(np.array([[0, 128, 1024]]), 128)
+    assert S.decode_groups_pay(np.array([[0, 128, 1024]]), 128)             # 1016 saved a request
+    assert not S.decode_groups_pay(np.array([[0, 128, 400]]), 128)
     assert S.decode_groups_pay(np.array([[0, 16, 8192]]), 16)
     assert not S.decode_groups_pay(np.array([[3, 4, 32768]]), 8)            # a group of one saves nothing
     assert not S.decode_groups_pay(np.array([[0, 2, 200]]), 1000)          # a small group in a large batch

@@ -122,9 +122,14 @@ def test_prefill_shared_memory_mirror_matches(build_env, monkeypatch):
         assert shape["wgmma"]
         hooks = bool(v.logits_transform or v.logits_mask)
         ws = d == 128 and m == 0 and kv_bytes == 2 and not (v.query_transform or v.key_transform)
-        assert shape["producer"] == int(ws), (v.name, d, kv, m)
+        # the smaller member too, for variants without logits hooks or the bias MMA
+        ws_small = (d == 128 and m > 0 and kv_bytes == 2 and not (v.query_transform or v.key_transform or hooks
+                                                                   or v.mask_is_kv_range or v.alibi_slope))
+        assert shape["producer"] == int(ws or ws_small), (v.name, d, kv, m)
         # (a KV-range mask, the sliding window, counts as a hook: 12 x 1 measured faster, ab47w_*)
-        if ws:  # warp-specialised member 0 (_PREFILL_WS_MEMBER0): 12 x 1 with logits hooks or 3 heads a chunk,
+        if ws_small:
+            assert (shape["warps"], shape["mfrags"]) == (8, 1), (v.name, shape)
+        elif ws:  # warp-specialised member 0 (_PREFILL_WS_MEMBER0): 12 x 1 with logits hooks or 3 heads a chunk,
             aligned = g == 3  # else 8 x 2
             assert (shape["warps"], shape["mfrags"]) == ((12, 1) if hooks or aligned else (8, 2)), (v.name, shape)
         else:
@@ -132,7 +137,7 @@ def test_prefill_shared_memory_mirror_matches(build_env, monkeypatch):
                                       else W._prefill_family(d, kv_bytes)[m]["warps"])
         qb = W._prefill_q_buffers(v, d, kv_bytes, shape)
         hooks_at_16 = hooks and shape["warps"] >= 16
-        assert qb == (W.PREFILL_PRODUCER_Q_BUFFERS if ws else
+        assert qb == (W.PREFILL_PRODUCER_Q_BUFFERS if ws or ws_small else
                       1 if v.query_transform or hooks_at_16 or d == 256 else shape["stages"]), (v.name, d, qb)
         assert launcher.smem_bytes == W._prefill_smem_bytes(d, kv_bytes, shape, qb) <= W.SMEM_PER_CTA, (v.name, d, kv, m)
 
@@ -342,7 +347,9 @@ def test_warp_specialised_prefill_specs(monkeypatch):
     assert spec.memo_key != W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, tuning=no_producer).memo_key
     # member 0 by default where it can (_PREFILL_WS_MEMBER0), any heads per chunk; not with fp8 KV or RoPE
     assert _producer(W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4)) == "true"
-    assert _producer(W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, member=1)) == "false"
+    assert _producer(W.prefill_spec(V.DEFAULT, 128, "bf16", "bf16", 4, member=1)) == "true"   # 8 x 1 too
+    assert _producer(W.prefill_spec(V.SLIDING_WINDOW, 128, "bf16", "bf16", 4, member=1)) == "false"  # hooks: not
+    assert _producer(W.prefill_spec(V.ALIBI, 128, "bf16", "bf16", 1, member=1)) == "false"  # the bias MMA: not
     assert _producer(W.prefill_spec(V.DEFAULT, 128, "bf16", "fp8_e4m3", 4)) == "false"
     assert _producer(W.prefill_spec(V.ROPE, 128, "bf16", "bf16", 4)) == "false"
     for group in (3, 5, 6, 7, 16, 64):  # the query copy derives each packed row's (row, head)
