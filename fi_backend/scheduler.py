@@ -72,8 +72,8 @@ MAX_SHARED_CHUNKS = _planner.MAX_SHARED_CHUNKS
 SHARED_GAIN = _planner.SHARED_GAIN
 # A decode step's groups move it to the prefill kernel (the adapters' graph_prefill), where each request's own item
 # costs about as much as the decode kernel spends on this many shared KV tokens (read from L2 there: a whole query
-# tile's MMAs, query copy and partial state for the item's one row). Fitted on the H100: docs/composable.md,
-# "Which kernel".
+# tile's MMAs, query copy and partial state for the item's one row; the family's smallest tile). Fitted on the
+# H100: docs/composable.md, "The threshold, measured".
 PREFILL_DECODE_ITEM_TOKENS = 500
 # Smallest KV chunk a split produces: below ~128 tokens the fixed cost of an item (loading the query
 # tile, filling the pipeline, writing and later merging a partial state) outweighs the extra parallelism.
