@@ -670,6 +670,18 @@ class BatchAttention:
         self._requests = B
         self._planned = True
 
+    def for_prefix_groups(self) -> "BatchAttention":
+        """Make this prefill wrapper one that runs decode steps with shared-prefix groups (an adapter's
+        graph_prefill): it takes the family's smallest query tile now, the member its group steps plan for, so a
+        CUDA graph captured on one of its idle plans holds that kernel (plan() keeps a captured graph's member).
+        Returns self."""
+        if self.kernel != "prefill":
+            raise ValueError(f"for_prefix_groups() is for prefill wrappers; this one's kernel is {self.kernel!r}")
+        if self._frozen is not None:
+            raise ValueError("for_prefix_groups() after a CUDA-graph capture: call it before capturing")
+        self._use_member(len(self._family) - 1)
+        return self
+
     def release_graph(self) -> None:
         """Forget the captured graphs' BSR tensors, settings and decode members (after the graphs are destroyed)."""
         self._frozen = None

@@ -216,7 +216,9 @@ def test_graph_of_two_wrappers_one_active_one_idle():
     (groups on the prefill kernel) and an idle plan (the same rows, no items) on the other, which writes nothing."""
     g = GraphSteps(40)
     dec = make_wrapper(32, 8, 128, kernel="decode", page_size=g.page)
-    pre = make_wrapper(32, 8, 128, kernel="prefill", page_size=g.page)
+    pre = make_wrapper(32, 8, 128, kernel="prefill", page_size=g.page).for_prefix_groups()   # as the adapters' is
+    smallest = min(int(m.rows_per_tile) for m in pre._family)
+    assert len(pre._family) > 1 and pre.rows_per_tile == smallest
     cache, k, v, q_buf, out_buf = g.cache, g.k, g.v, g.q, g.out
 
     def step(groups):
@@ -240,6 +242,7 @@ def test_graph_of_two_wrappers_one_active_one_idle():
         replay_check(graph, dec, q_buf, out_buf, k, v, step(groups), TOL[torch.bfloat16] * 2,
                      f"two wrappers, graph replay {groups}")
         pre.check_errors()
+        assert pre.rows_per_tile == smallest   # the kernel the graph holds
     step([])   # eager: the idle wrapper alone leaves the output as it was
     out_buf.fill_(float("nan"))
     pre.run(q_buf, cache, out=out_buf)
@@ -247,6 +250,21 @@ def test_graph_of_two_wrappers_one_active_one_idle():
     assert out_buf.isnan().all()
     dec.release_graph()
     pre.release_graph()
+
+
+def test_group_steps_plan_on_the_smallest_tile():
+    """A prefill wrapper plans a step with groups on its family's smallest query tile (each request's own KV is an
+    item of its few rows), any other step by the family's pick; for_prefix_groups() is for prefill wrappers."""
+    attn = make_wrapper(32, 8, 128, kernel="prefill", page_size=16)
+    smallest = min(int(m.rows_per_tile) for m in attn._family)
+    kv_lens, q_lens, groups = _batch(64, 4096, 300)
+    run_grouped(attn, kv_lens, q_lens, groups, what="64 x 4096 on the prefill kernel", expect_shared=1)
+    assert attn.rows_per_tile == smallest
+    bsr, qo, kv, _ = grouped_table(kv_lens, q_lens, 16, groups)
+    attn.plan(qo, kv, bsr, causal=True)   # the same decode rows without groups: the pick (64 x 8 tiles: member 0)
+    assert attn.rows_per_tile == max(int(m.rows_per_tile) for m in attn._family)
+    with pytest.raises(ValueError, match="for_prefix_groups.*prefill wrappers"):
+        make_wrapper(32, 8, 128, kernel="decode", page_size=16).for_prefix_groups()
 
 
 def test_debug_plan_refuses_inconsistent_groups():

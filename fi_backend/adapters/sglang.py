@@ -647,9 +647,10 @@ class _StepPlanner:
 
 def _make_wrapper(kernel: str, *, device, settings: LayerSettings, variant, q_dtype, kv_dtype, page_size: int,
                   kv_layout: str, max_requests: int, max_rows: int, deterministic: bool = False,
-                  shared_prefix: bool = False):
+                  shared_prefix: bool = False, prefix_groups_only: bool = False):
     """A BatchAttention of one kernel with its own workspace, sized once for the engine's limits (shared_prefix:
-    partial rows for the groups of up to SHARED_PREFIX_MAX_REQUESTS requests)."""
+    partial rows for the groups of up to SHARED_PREFIX_MAX_REQUESTS requests; prefix_groups_only: graph_prefill,
+    BatchAttention.for_prefix_groups)."""
     from fi_backend.wrappers import BatchAttention
     hq, hkv, d = settings.num_qo_heads, settings.num_kv_heads, settings.head_dim
     ws = BatchAttention.workspace_for(device, hq, hkv, d, max_requests=max_requests, max_tokens=max_rows,
@@ -659,6 +660,8 @@ def _make_wrapper(kernel: str, *, device, settings: LayerSettings, variant, q_dt
     wrapper = BatchAttention(ws, hq, hkv, d, q_dtype=q_dtype, kv_dtype=kv_dtype, page_size=page_size,
                              kv_layout=kv_layout, variant=variant, kernel=kernel, deterministic=deterministic)
     wrapper.graphs_keep_request_count = True   # decode graphs replay with the padded batch they were captured at
+    if prefix_groups_only:
+        wrapper.for_prefix_groups()
     _wrappers.add(wrapper)
     return wrapper
 
@@ -765,7 +768,7 @@ class _Backend:
                 decode = _make_wrapper("decode", max_rows=max_requests, shared_prefix=shared, **common)
                 prefill = _make_wrapper("prefill", max_rows=rows, shared_prefix=shared, **common)
                 graph_prefill = _make_wrapper("prefill", max_rows=max_requests, shared_prefix=True,
-                                              **common) if shared else None
+                                              prefix_groups_only=True, **common) if shared else None
             except Exception as e:  # a build failure or a refused shape: say which, at start-up
                 raise RuntimeError(f"fi-backend cannot run this model's attention ({what}): {e}") from e
             for name in decode.module_names + prefill.module_names:

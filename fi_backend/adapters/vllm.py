@@ -445,8 +445,9 @@ def batch_invariant() -> bool:
 
 def _make_wrapper(kernel: str, *, device, num_qo_heads: int, num_kv_heads: int, head_dim: int, q_dtype, kv_dtype,
                   page_size: int, variant, max_requests: int, max_rows: int, deterministic: bool = False,
-                  shared_prefix: bool = False):
-    """A BatchAttention of one kernel with its own workspace, sized once for the engine's limits."""
+                  shared_prefix: bool = False, prefix_groups_only: bool = False):
+    """A BatchAttention of one kernel with its own workspace, sized once for the engine's limits
+    (prefix_groups_only: graph_prefill, BatchAttention.for_prefix_groups)."""
     from fi_backend.wrappers import BatchAttention
     ws = BatchAttention.workspace_for(device, num_qo_heads, num_kv_heads, head_dim, max_requests=max_requests,
                                       max_tokens=max_rows, q_dtype=q_dtype, kv_dtype=kv_dtype, variant=variant,
@@ -455,6 +456,8 @@ def _make_wrapper(kernel: str, *, device, num_qo_heads: int, num_kv_heads: int, 
                              page_size=page_size, kv_layout="NHD", variant=variant, kernel=kernel,
                              deterministic=deterministic)
     wrapper.graphs_keep_request_count = True   # FULL decode graphs replay at their captured num_reqs
+    if prefix_groups_only:
+        wrapper.for_prefix_groups()
     _wrappers.add(wrapper)
     return wrapper
 
@@ -693,7 +696,8 @@ class _MetadataBuilder:
             decode = _make_wrapper("decode", max_rows=sched.max_num_seqs, **common)
             prefill = _make_wrapper("prefill", max_rows=max(sched.max_num_batched_tokens, sched.max_num_seqs),
                                     **common)
-            graph_prefill = _make_wrapper("prefill", max_rows=sched.max_num_seqs, **common) if grouped_decode else None
+            graph_prefill = (_make_wrapper("prefill", max_rows=sched.max_num_seqs, prefix_groups_only=True, **common)
+                             if grouped_decode else None)
         except Exception as e:  # a build failure or a refused shape: say which model shape, at start-up
             raise RuntimeError(f"fi-backend cannot run this model's attention ({what}): {e}") from e
         if grouped_decode:
