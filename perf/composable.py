@@ -13,6 +13,8 @@ before timing. Writes perf/results/composable.json (device, date, commit).
     python -m perf composable [--rounds 5] [--rep 50] [--cells 64x32768x256,16x8192x256,128x1024x256] [--page 16]
                               [--shared-gain 0]   # the planner's verdict forced: every group kept
                               [--unshared]        # both single-format decodes on distinct pages too (control)
+                              [--workspace-requests 256]   # workspaces sized as an engine's (max_num_seqs): the
+                                                  # groups' partial rows, so their prefix chunks, grow with it
                               [--prefill-tunings '[{"warps": 8, "mfrags": 2}]']   # the groups on forced prefill
                                                   # tile shapes too (tuning of fi_backend.specs.prefill_spec)
 """
@@ -27,6 +29,7 @@ import torch
 from perf.common import diff_stats, log, stamp, time_rounds, write_result
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
+WORKSPACE_REQUESTS = 0   # our workspaces' max_requests (0: the cell's batch); engines size theirs by their limit
 DTYPE = torch.bfloat16
 CELLS = ((64, 32768, 256), (16, 8192, 256), (128, 1024, 256))
 SETS = 2
@@ -74,7 +77,8 @@ def set_page(page: int) -> None:
 def ours(cell: Cell, kernel: str, groups: bool, tuning=None):
     from fi_backend import formats
     from fi_backend.wrappers import BatchAttention
-    ws = BatchAttention.workspace_for("cuda", HQ, HKV, D, max_requests=cell.B, max_tokens=cell.B, kernel=kernel,
+    n = max(cell.B, WORKSPACE_REQUESTS)
+    ws = BatchAttention.workspace_for("cuda", HQ, HKV, D, max_requests=n, max_tokens=n, kernel=kernel,
                                       shared_prefix=True, tuning=tuning)
     attn = BatchAttention(ws, HQ, HKV, D, q_dtype=DTYPE, page_size=PAGE, kernel=kernel, tuning=tuning)
     bsr = formats.from_block_table(cell.table, cell.kv_lens.cuda(), cell.qo.cuda(), PAGE, num_kv_blocks=cell.num_pages)
@@ -186,6 +190,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-tunings", type=json.loads, default=[],
                     help="a JSON list of prefill kernel shapes (fi_backend.specs.prefill_spec tunings) to time the "
                          "groups on besides the family's pick: ours_prefill_groups_t0, _t1, ...")
+    ap.add_argument("--workspace-requests", type=int, default=0,
+                    help="our workspaces' max_requests (default: each cell's batch), as an engine sizes them by its "
+                         "request limit; groups get SHARED_ROWS_PER_REQUEST partial rows a request of it")
     ap.add_argument("--shared-gain", type=float, default=None,
                     help="the planner's shared-prefix verdict factor (FI_BACKEND_PLAN_SHARED_GAIN; 0: keep every group)")
     a = ap.parse_args(argv)
@@ -195,11 +202,14 @@ def main(argv=None) -> int:
     if any(len(c) not in (3, 4) for c in cells):
         ap.error(f"--cells: each cell is BxLxS or BxLxSxN; got {a.cells}")
     set_page(a.page)
+    global WORKSPACE_REQUESTS
+    WORKSPACE_REQUESTS = a.workspace_requests
     import flashinfer
     results = [run_cell(*c[:3], a.rounds, a.rep, *c[3:], unshared=a.unshared, tunings=a.prefill_tunings)
                for c in cells]
     write_result(a.name, {**stamp(), "flashinfer": flashinfer.__version__,
                                 "heads": {"qo": HQ, "kv": HKV, "head_dim": D, "page": PAGE, "dtype": "bf16"},
                                 "shared_gain": a.shared_gain, "prefill_tunings": a.prefill_tunings,
+                                "workspace_requests": a.workspace_requests,
                                 "cells": results})
     return 0
