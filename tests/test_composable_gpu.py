@@ -260,8 +260,8 @@ def test_group_steps_plan_on_the_smallest_tile():
     kv_lens, q_lens, groups = _batch(64, 4096, 300)
     run_grouped(attn, kv_lens, q_lens, groups, what="64 x 4096 on the prefill kernel", expect_shared=1)
     assert attn.rows_per_tile == smallest
-    bsr, qo, kv, _ = grouped_table(kv_lens, q_lens, 16, groups)
-    attn.plan(qo, kv, bsr, causal=True)   # the same decode rows without groups: the pick (64 x 8 tiles: member 0)
+    bsr, qo, kv, _ = grouped_table([2000] * 16, [128] * 16, 16, [])
+    attn.plan(qo, kv, bsr, causal=True)   # no groups: the family's pick (16 x 128 in whole waves: the large tile)
     assert attn.rows_per_tile == max(int(m.rows_per_tile) for m in attn._family)
     with pytest.raises(ValueError, match="for_prefix_groups.*prefill wrappers"):
         make_wrapper(32, 8, 128, kernel="decode", page_size=16).for_prefix_groups()

@@ -446,3 +446,7 @@ def test_pick_member_takes_large_tiles_in_whole_waves():
     pick = lambda lens: W.BatchAttention._pick_member(fake, torch.tensor(lens, dtype=torch.int32))  # noqa: E731
     assert pick([2048]) == 0 and pick([128] * 16) == 0 and pick([1291] * 4) == 0 and pick([64] * 64) == 0
     assert pick([300] * 8) == 1 and pick([1291]) == 1 and pick([512]) == 1 and pick([256]) == 1
+    # every request in half the large tile or less: the small one (200 x 1, 64 x 17 measured), unless a request
+    # of the step is longer (a mixed step's chunk)
+    assert pick([1] * 200) == 1 and pick([17] * 64) == 1 and pick([32] * 128) == 1
+    assert pick([33] * 128) == 0 and pick([2048] + [1] * 64) == 0
