@@ -255,7 +255,7 @@ def test_graph_of_two_wrappers_one_active_one_idle():
 def test_group_steps_plan_on_the_smallest_tile():
     """A prefill wrapper plans a step with groups on its family's smallest query tile (each request's own KV is an
     item of its few rows), any other step by the family's pick; for_prefix_groups() is for prefill wrappers."""
-    attn = make_wrapper(32, 8, 128, kernel="prefill", page_size=16)
+    attn = make_wrapper(32, 8, 128, kernel="prefill", page_size=16, max_tokens=4096)
     smallest = min(int(m.rows_per_tile) for m in attn._family)
     kv_lens, q_lens, groups = _batch(64, 4096, 300)
     run_grouped(attn, kv_lens, q_lens, groups, what="64 x 4096 on the prefill kernel", expect_shared=1)
