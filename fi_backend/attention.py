@@ -445,15 +445,17 @@ class BatchAttention:
         pick = 1 if requests * self.num_units < self._grids[0] else 0
         return 1 if 1 in self._captured.values() and not self.graphs_keep_request_count else pick
 
-    def _pick_member(self, q_lens: torch.Tensor) -> int:
+    def _pick_member(self, q_lens: torch.Tensor, grouped: bool = False) -> int:
         """The largest query tile that gives each CTA FAMILY_TILES_PER_CTA tiles on this step, or that fills
         whole waves of CTAs (tiles / CTAs at least 1 and within FAMILY_WAVE_SLACK of a whole number from
-        below): fewer, larger tiles otherwise leave CTAs idle on short prefills. Else the smallest. A step
-        whose every request fits in half the largest tile (decode-like rows, short extends) takes the smallest:
-        each request's tile is mostly empty, and a smaller one wastes fewer MMAs (H100, 32 / 8 heads: 200 x 1
-        and 64 x 17 1.23-1.32x faster, docs/prefill.md). q_lens: CPU int32 [B]."""
+        below): fewer, larger tiles otherwise leave CTAs idle on short prefills. Else the smallest. The smallest
+        also where a request's tile is mostly empty and a smaller one wastes fewer MMAs: a step with shared-prefix
+        groups (grouped: each member's own KV is an item of its few rows; docs/composable.md, "Which kernel"), and
+        one whose every request fits in half the largest tile (decode-like rows, short extends; H100, 32 / 8
+        heads: 200 x 1 and 64 x 17 1.23-1.32x faster, docs/prefill.md). q_lens: CPU int32 [B]."""
         last = len(self._family) - 1
-        if last > 0 and q_lens.numel() and 2 * int(q_lens.max()) <= int(self._family[0].rows_per_tile):
+        if last > 0 and (grouped or (q_lens.numel()
+                                     and 2 * int(q_lens.max()) <= int(self._family[0].rows_per_tile))):
             return last
         for m, launcher in enumerate(self._family[:-1]):
             rows = int(launcher.rows_per_tile)
@@ -629,9 +631,7 @@ class BatchAttention:
             if len(self._family) > 1 and self.kernel == "decode":
                 member = self._decode_member(B)
             elif len(self._family) > 1 and self._frozen is None and not self.deterministic:  # a captured graph keeps its kernel
-                # shared-prefix groups: the smallest query tile, as each member's own KV is an item of its few rows
-                # (docs/composable.md, "Which kernel")
-                member = len(self._family) - 1 if groups is not None else self._pick_member(q_lens)
+                member = self._pick_member(q_lens, grouped=groups is not None)
             if member != self._member:
                 self._use_member(member)
             kv32 = kv_cpu.to(torch.int32)
@@ -683,7 +683,7 @@ class BatchAttention:
             raise ValueError(f"for_prefix_groups() is for prefill wrappers; this one's kernel is {self.kernel!r}")
         if self._frozen is not None:
             raise ValueError("for_prefix_groups() after a CUDA-graph capture: call it before capturing")
-        self._use_member(len(self._family) - 1)
+        self._use_member(self._pick_member(torch.zeros(0, dtype=torch.int32), grouped=True))
         return self
 
     def release_graph(self) -> None:

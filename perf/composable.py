@@ -66,6 +66,15 @@ class Cell:
         )
 
 
+def set_heads(num_qo_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """The cells' heads (Llama-3.1-8B's 32 / 8 / 128 by default)."""
+    global HQ, HKV, D
+    if num_kv_heads < 1 or num_qo_heads % num_kv_heads or head_dim not in (64, 80, 96, 128, 256):
+        raise ValueError(f"heads: query heads a multiple of KV heads >= 1, head_dim 64, 80, 96, 128 or 256; got "
+                         f"{num_qo_heads} / {num_kv_heads} / {head_dim}")
+    HQ, HKV, D = num_qo_heads, num_kv_heads, head_dim
+
+
 def set_page(page: int) -> None:
     """The cells' page size (tokens a KV page)."""
     global PAGE

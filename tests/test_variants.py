@@ -450,3 +450,6 @@ def test_pick_member_takes_large_tiles_in_whole_waves():
     # of the step is longer (a mixed step's chunk)
     assert pick([1] * 200) == 1 and pick([17] * 64) == 1 and pick([32] * 128) == 1
     assert pick([33] * 128) == 0 and pick([2048] + [1] * 64) == 0
+    # a step with shared-prefix groups: the small one, whatever its lengths
+    grouped = lambda lens: W.BatchAttention._pick_member(fake, torch.tensor(lens, dtype=torch.int32), True)  # noqa: E731
+    assert grouped([1] * 512) == 1 and grouped([2048] * 8) == 1 and grouped([]) == 1

@@ -24,7 +24,7 @@ def main(argv=None) -> int:
         return 2
     impl = argv[0]
     if "--heads" in argv:
-        composable.HQ, composable.HKV, composable.D = (int(x) for x in argv[argv.index("--heads") + 1].split("/"))
+        composable.set_heads(*(int(x) for x in argv[argv.index("--heads") + 1].split("/")))
     B, L, S = (int(x) for x in argv[1].split("x"))
     cell = Cell(B, L, S, 1 if "--unshared" in argv[2:] else 0)
     if impl == "ours":

@@ -7,7 +7,6 @@ argv: impl (ours, fa2, fa3, cute: the CuTe probe's CTA with overlap and ping-pon
 import json
 import sys
 
-
 from perf.common import profile_once
 from perf.prefill import Case, FlashInferRagged, ours_fn
 
