@@ -226,7 +226,7 @@ def test_which_variants_run_shared_items():
 
 
 def test_decode_groups_pay_where_the_prefill_kernel_is_measured_faster():
-    """The H100 cells of perf/results/composable_n8_*.json and composable_member1_4e9757d.json: parallel samples of short
+    """The H100 cells of perf/results/composable_n8_*.json and composable_member1_8051960.json: parallel samples of short
     prompts (64 groups of 8 sharing 160 tokens) ran slower on the prefill kernel's smallest tile than single-format
     on the decode kernel (0.63x); 128 x 1k faster (1.25x), long shared prefixes more so (64 x 4k: 2.5x)."""
     n8 = np.array([[8 * i, 8 * i + 8, 160] for i in range(64)], np.int32)
