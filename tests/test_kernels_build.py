@@ -452,11 +452,11 @@ def test_cutlass_headers_lookup(tmp_path, monkeypatch):
     assert spec.include_dirs == (str(tmp_path / "include"),) and "cutlass 4.2.0" in spec.key_extra
     with pytest.raises(ValueError, match="head_dim must be 64, 96, 128 or 256"):
         cutlass.attn_ws_spec(80, True)
-    # three consumer warpgroups at head sizes 64 and 96 (P.V from shared memory: any page size);
+    # three consumer warpgroups at head sizes 64 and 96 (96-token KV tiles: TMA pages of 16 or 32, any gathered);
     # gathering needs pages, and pages below 16 need gathering
-    assert cutlass.attn_ws_spec(96, True, warpgroups=3, page_size=64).params["WARPGROUPS"] == "3"
+    assert cutlass.attn_ws_spec(96, True, warpgroups=3, page_size=32).params["WARPGROUPS"] == "3"
     assert cutlass.attn_ws_spec(96, True, warpgroups=3, page_size=64, gather=True).params["GATHER"] == "1"
-    for kw, match in (({"warpgroups": 4}, "warpgroups"),
+    for kw, match in (({"warpgroups": 3, "page_size": 64}, "pages of 16 or 32"), ({"warpgroups": 4}, "warpgroups"),
                       ({"gather": True}, "gather needs pages"), ({"page_size": 8}, "any with gather")):
         with pytest.raises(ValueError, match=match):
             cutlass.attn_ws_spec(96, True, **kw)

@@ -66,8 +66,7 @@ def attn_ws_spec(head_dim: int, causal: bool, stages: int = 2, overlap: bool = T
     (page_size 0: entry fi_cute_attn_ws) or a BSR over pages of page_size tokens (a power of two, 16 or more: entry
     fi_cute_attn_bsr, with a sliding window); Q, K, V and O of dtype "bf16" or "fp16"; softcap: logits soft-capped
     (Gemma-2's); warpgroups: consumer warpgroups of 64 query rows, 2 (128-row tiles) or 3 (192 rows: head size 64,
-    where S, P and O fit the 160 registers a consumer thread then gets; or 96, with P.V from shared memory, as
-    FlashAttention-3 runs it); gather (paged):
+    where S, P and O fit the 160 registers a consumer thread then gets; or 96, with 96-token KV tiles); gather (paged):
     K / V rows copied by the producer warpgroup's threads (cp.async), not TMA boxes, pages of any power of two (1
     included)."""
     if stages not in (2, 3):
@@ -84,6 +83,9 @@ def attn_ws_spec(head_dim: int, causal: bool, stages: int = 2, overlap: bool = T
     if warpgroups not in (2, 3) or (warpgroups == 3 and head_dim not in (64, 96)):
         raise ValueError(f"warpgroups must be 2, or 3 at head sizes 64 and 96 (got {warpgroups} at head size "
                          f"{head_dim})")
+    if warpgroups == 3 and head_dim == 96 and page_size not in (0, 16, 32) and not gather:
+        raise ValueError(f"three warpgroups at head size 96 take 96-token KV tiles: TMA pages of 16 or 32 tokens "
+                         f"(got {page_size}; gather=True takes any)")
     return _probe_spec("attn_ws", head_dim, stages=stages, causal=int(bool(causal)), overlap=int(bool(overlap)),
                        pingpong=int(bool(pingpong)), page=int(page_size), bf16=int(dtype == "bf16"),
                        softcap=int(bool(softcap)), warpgroups=int(warpgroups), gather=int(bool(gather)))
@@ -100,8 +102,10 @@ def probe_specs() -> list:
         [attn_ws_spec(d, causal, overlap=True, pingpong=False) for d in (96, 256) for causal in (False, True)] + \
         [attn_ws_spec(d, causal, overlap=True, pingpong=pingpong, warpgroups=3) for d in (64, 96)
          for causal in (False, True) for pingpong in (False, True)] + \
+        [attn_ws_spec(96, causal, overlap=True, pingpong=False, page_size=16, warpgroups=3)
+         for causal in (False, True)] + \
         [attn_ws_spec(d, causal, overlap=True, pingpong=False, page_size=page, warpgroups=wgs)
-         for d, wgs in ((64, 2), (64, 3), (96, 2), (96, 3), (128, 2), (256, 2))
+         for d, wgs in ((64, 2), (64, 3), (96, 2), (128, 2), (256, 2))
          for causal in (False, True) for page in PAGED_PROBE_PAGES if d != 256 or page != 64] + \
         [attn_ws_spec(d, causal, overlap=True, pingpong=False, page_size=page, warpgroups=wgs, gather=True)
          for d, wgs in ((64, 2), (64, 3), (96, 2), (96, 3), (128, 2), (256, 2))

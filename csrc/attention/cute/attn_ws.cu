@@ -30,7 +30,6 @@
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/atom/copy_traits_sm90_tma.hpp>
-#include <cute/atom/copy_traits_sm90.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
@@ -64,15 +63,14 @@ using AtomMN = std::conditional_t<kDimBlock == 64, GMMA::Layout_MN_SW128_Atom<El
 // KV tiles of 128 tokens; 64 at head size 256, where O (128 registers a thread) and 128-token K / V stages would not
 // fit (FlashAttention-3 takes 80 there)
 // WARPGROUPS consumer warpgroups of 64 query rows each: 2 (128-row tiles), or 3 (192 rows, FlashAttention-3's at head
-// sizes 64 and 96, where a KV tile's MMAs are short against its softmax). Three at 96 write P to shared memory and
-// run P.V from there (kPvSmem, FlashAttention-3's choice at 96): with P in registers for the RS MMA, S, P and O
-// overflow the 160 registers a consumer thread then gets and ptxas serialises the wgmma
+// sizes 64 and 96, where a KV tile's MMAs are short against its softmax). Three at 96 take KV tiles of 96 tokens: with
+// 128, S, P and O overflow the 160 registers a consumer thread then gets and ptxas serialises the wgmma
+// (FlashAttention-3 keeps 144 but writes P to shared memory)
 constexpr int kWarpGroups = {{WARPGROUPS}};
 static_assert(kWarpGroups == 2 || (kWarpGroups == 3 && (kHeadDim == 64 || kHeadDim == 96)),
               "consumer warpgroups: 2, or 3 at head sizes 64 and 96");
 constexpr int kRows = 64 * kWarpGroups, kConsumers = 128 * kWarpGroups;
-constexpr bool kPvSmem = kWarpGroups == 3 && kHeadDim == 96;
-constexpr int kKv = kHeadDim == 256 ? 64 : 128;
+constexpr int kKv = kHeadDim == 256 ? 64 : kHeadDim == 96 && kWarpGroups == 3 ? 96 : 128;
 constexpr int kThreads = 128 + kConsumers;
 using D = Int<kHeadDim>;
 using SmemLayoutQ = decltype(tile_to_shape(AtomK{}, Shape<Int<kRows>, D>{}));
@@ -93,7 +91,7 @@ constexpr int kBox = kPage == 0 || kPage >= kKv || kGather ? kKv : kPage, kBoxes
 static_assert(kPage == 0 || ((kPage & (kPage - 1)) == 0 && (kGather || kPage >= 16)),
               "page size: a power of two, 16 or more (any where gathered)");
 static_assert(kPage == 0 || kGather || (kPage < kKv ? kKv % (kPage > 0 ? kPage : 1) : kPage % kKv) == 0,
-              "page size: whole pages a KV tile, or whole KV tiles a page");
+              "page size: whole pages a KV tile, or whole KV tiles a page (96-token tiles: pages of 16 or 32)");
 // Registers by setmaxnreg: 128 x producer + kConsumers x consumer must not pass the launch's share (the most a thread
 // of kThreads may hold: 168 at 384 threads, 128 at 512), or the consumers' setmaxnreg waits forever; a producer
 // looking up several pages a KV tile (boxes, or gathered rows) needs more than 24
@@ -129,13 +127,8 @@ constexpr bool chunk_offsets_match() {
 }
 using SmemLayoutVtBox = decltype(tile_to_shape(AtomMN{}, Shape<DimBlock, Int<kBox>>{}));
 using AtomQK = decltype(GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<kKv>, D>>());
-// P.V: P from registers (S's accumulators in their own order), or from shared memory (kPvSmem): P [rows, tokens],
-// tokens contiguous in 128-byte swizzle atoms, written by stmatrix in S's accumulator layout
-using AtomPV = std::conditional_t<
-    kPvSmem,
-    decltype(GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, D, Int<kKv>>, GMMA::Major::K, GMMA::Major::MN>()),
-    decltype(GMMA::rs_op_selector<Elem, Elem, float, Shape<_64, D, Int<kKv>>, GMMA::Major::K, GMMA::Major::MN>())>;
-using SmemLayoutP = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Elem>{}, Shape<Int<kRows>, Int<kKv>>{}));
+using AtomPV = decltype(GMMA::rs_op_selector<Elem, Elem, float, Shape<_64, D, Int<kKv>>, GMMA::Major::K,
+                                             GMMA::Major::MN>());
 using MmaQK = decltype(make_tiled_mma(AtomQK{}, Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));  // 64 rows a warpgroup
 using MmaPV = decltype(make_tiled_mma(AtomPV{}, Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
 // K and V stages: filled by TMA (their bytes counted), or by the producer's 128 threads' cp.async (each thread's
@@ -145,17 +138,14 @@ using PipelineState = cutlass::PipelineState<kStages>;
 constexpr uint32_t kTileBytes = kKv * kHeadDim * sizeof(Elem), kQBytes = kRows * kHeadDim * sizeof(Elem);
 constexpr float kLog2e = 1.4426950408889634f;
 // named barriers 0 .. kWarpGroups - 1: the ping-pong's turns; then one a warpgroup's epilogue; then the consumers' V
-// tail; then the producer warpgroup's tile draw (gather); then one a warpgroup's P in shared memory (kPvSmem)
+// tail; then the producer warpgroup's tile draw (gather)
 constexpr int kEpilogueBarrier = kWarpGroups, kTailBarrier = 2 * kWarpGroups, kDrawBarrier = 2 * kWarpGroups + 1;
-constexpr int kPBarrier = 2 * kWarpGroups + 2;
-static_assert(kPBarrier + kWarpGroups <= 16, "named barriers: 16 a CTA");
 
 struct SharedStorage {
   cute::array_aligned<Elem, cosize_v<SmemLayoutQ>, 1024> q;
   cute::array_aligned<Elem, cosize_v<SmemLayoutK>, 1024> k;
   cute::array_aligned<Elem, cosize_v<SmemLayoutVt>, 1024> v;
   cute::array_aligned<Elem, kChunkedO ? kRows * kOPitch : cosize_v<SmemLayoutO>, 1024> o;
-  cute::array_aligned<Elem, kPvSmem ? cosize_v<SmemLayoutP> : 8, kPvSmem ? 1024 : 16> p;  // P for P.V (kPvSmem)
   typename Pipeline::SharedStorage pipe_k, pipe_v;
   alignas(8) uint64_t q_full, q_empty;
   int tile;     // the work tile whose Q q_full announces (work: none left)
@@ -163,26 +153,6 @@ struct SharedStorage {
   int64_t row_off[kGather ? 2 : 1][kGather ? kKv : 1];  // gather: a KV tile's rows' offsets in the cache
 };
 constexpr int kSmemBytes = sizeof(SharedStorage);
-static_assert(kSmemBytes <= 227 * 1024, "shared memory: 227 KB a CTA");
-
-// P.V's A operand (kPvSmem: descriptors of P in shared memory; else registers in S's accumulator order, a view of a
-// shape only), the copy that writes P there (stmatrix in S's layout; else none), P's registers as 32-bit words. Templates,
-// so that each side's code is built only where it runs.
-template <bool kSmem, class ThrMma, class SmemP>
-CUTE_DEVICE auto p_operand(ThrMma const& thr, SmemP const& sP) {
-  if constexpr (kSmem) return thr.partition_fragment_A(sP);
-  else return thr.partition_fragment_A(make_tensor(sP.data(), Shape<Int<kRows>, Int<kKv>>{}));
-}
-template <bool kSmem, class TiledMma>
-CUTE_DEVICE auto p_copy(TiledMma const& mma) {
-  if constexpr (kSmem) return make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Elem>{}, mma);
-  else return make_tiled_copy_C(Copy_Atom<UniversalCopy<Elem>, Elem>{}, mma);
-}
-template <bool kSmem, class TensorP>
-CUTE_DEVICE auto p_registers(TensorP& tP) {
-  if constexpr (kSmem) return make_tensor<uint32_t>(Int<1>{});
-  else return recast<uint32_t>(tP);
-}
 
 // The kernel's arguments besides the TMA maps (element strides).
 struct Args {
@@ -490,13 +460,8 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
   Tensor tVt = thr_pv.partition_fragment_B(sVt);  // (MMA, N, K, stage)
   Tensor tS = partition_fragment_C(mma_qk, Shape<Int<kRows>, Int<kKv>>{});
   Tensor tO = partition_fragment_C(mma_pv, Shape<Int<kRows>, D>{});
-  Tensor sP = make_tensor(make_smem_ptr(ss.p.data()), SmemLayoutP{});
-  // P.V's A operand: descriptors of sP (kPvSmem), else registers in S's accumulator order
-  Tensor tP = p_operand<kPvSmem>(thr_pv, sP);
-  // kPvSmem: P written by stmatrix in S's accumulator layout (bf16 / fp16 registers like S, then 16 bytes a lane)
-  auto copy_p = p_copy<kPvSmem>(mma_qk);
-  auto thr_copy_p = copy_p.get_thread_slice(ctid);
-  Tensor tPs = thr_copy_p.partition_D(sP);
+  Tensor tP = thr_pv.partition_fragment_A(make_tensor(make_smem_ptr(ss.q.data()), Shape<Int<kRows>, Int<kKv>>{}));
+  static_assert(decltype(size(tS))::value == decltype(size(tP))::value, "P: S's accumulators in their order");
   float mx[2] = {-INFINITY, -INFINITY}, sum[2] = {0.f, 0.f};  // reset per work tile below
   // soft-cap: S becomes the capped logits (sm_scale applied), the softmax's scale is then 1
   const float sm_scale = a.sm_scale, scale2 = kSoftCap ? kLog2e : sm_scale * kLog2e;
@@ -523,12 +488,9 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
     }
     warpgroup_commit_batch();
   };
-  // P as the registers the RS MMA reads while in flight: fenced like O (kPvSmem: one, unused)
-  Tensor tP32 = p_registers<kPvSmem>(tP);
-  static_assert(kPvSmem || decltype(size(tS))::value == 2 * decltype(size(tP32))::value,
-                "P: S's accumulators in their order");
+  Tensor tP32 = recast<uint32_t>(tP);  // P as the registers the RS MMA reads while in flight: fenced like O
   auto issue_pv = [&](int stage) {
-    if constexpr (!kPvSmem) warpgroup_fence_operand(tP32);
+    warpgroup_fence_operand(tP32);
     warpgroup_fence_operand(tO);
     warpgroup_arrive();
     CUTE_UNROLL
@@ -608,19 +570,9 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
     }
   };
   auto to_p = [&]() {  // only once the P.V reading the last P has been waited for; two values a cvt
-    if constexpr (kPvSmem) {
-      Tensor tPr = make_tensor_like<Elem>(tS);
-      Tensor tPr32 = recast<uint32_t>(tPr);
-      CUTE_UNROLL
-      for (int i = 0; i < size(tPr32); ++i) tPr32(i) = ptx::pack2<kBf16>(tS(2 * i), tS(2 * i + 1));
-      cute::copy(copy_p, thr_copy_p.retile_S(tPr), tPs);
-      cutlass::arch::fence_view_async_shared();  // the generic stores, before the async proxy's MMA reads
-      cutlass::arch::NamedBarrier::sync(128, kPBarrier + wg);  // the warpgroup's MMA reads all its rows
-    } else {
-      warpgroup_fence_operand(tP32);
-      CUTE_UNROLL
-      for (int i = 0; i < size(tP32); ++i) tP32(i) = ptx::pack2<kBf16>(tS(2 * i), tS(2 * i + 1));
-    }
+    warpgroup_fence_operand(tP32);
+    CUTE_UNROLL
+    for (int i = 0; i < size(tP32); ++i) tP32(i) = ptx::pack2<kBf16>(tS(2 * i), tS(2 * i + 1));
   };
   // a stage's K or V ready to read; gathered by cp.async (the generic proxy), made visible to the wgmma's async proxy
   auto wait_stage = [&](Pipeline& pipe, PipelineState s) {
