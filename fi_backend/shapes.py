@@ -92,13 +92,13 @@ def _kernel_shape(head_dim: int, kv_bytes: int, group: int, key_transform: bool 
         warps, sub, stages = _SHAPES_ROWS16[key]
     else:
         warps, sub, stages = _SHAPES[key]
-    return {"rows": rows, "hpc": hpc, "warps": warps, "sub": sub, "stages": stages, "local": 0}
+    return {"rows": rows, "hpc": hpc, "warps": warps, "sub": sub, "stages": stages}
 
 
 def _smem_bytes(head_dim: int, kv_bytes: int, shape: dict) -> int:
     """Shared memory of a kernel shape; mirrors Config::kSmemBytes (decode.cuh)."""
     head_dim = _row_dim(head_dim)
-    record = 80 * (shape["warps"] if shape.get("local") else 1)  # one a warp where warps load their own rows
+    record = 80
     stage = 2 * 16 * shape["sub"] * shape["warps"] * head_dim * kv_bytes + shape["rows"] * head_dim * 2 + record
     stage = (stage + 127) // 128 * 128
     row_offsets = 2 * 16 * shape["sub"] * shape["warps"] * 8  # the loader's published row offsets, two tiles

@@ -13,7 +13,7 @@ from .shapes import (SMEM_PER_CTA, _bias_mma_possible, _fa3_blockers, _fa3_q_buf
 from .variants import Variant
 
 _C_TYPE = {"bf16": "__nv_bfloat16", "fp16": "__half", "fp8_e4m3": "__nv_fp8_e4m3", "fp8_e5m2": "__nv_fp8_e5m2"}
-DECODE_TUNING_KEYS = frozenset({"warps", "sub", "stages", "local"})
+DECODE_TUNING_KEYS = frozenset({"warps", "sub", "stages"})
 PREFILL_TUNING_KEYS = frozenset({"warps", "mfrags", "tile", "stages", "step", "wgmma", "producer", "q_buffers",
                                  "min_blocks", "fa3"})
 
@@ -23,8 +23,7 @@ def decode_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, gr
     """The JIT module of the decode kernel for one (variant, head_dim, dtypes, GQA group), family member `member`
     (1: the shape for steps with few (request, unit) pairs, where shapes.decode_family_size is 2).
 
-    tuning (benchmarks): overrides of warps / sub / stages / local (1: each warp loads and waits for its own rows
-    of a tile, decode::Config::kWarpLocal; not with deterministic).
+    tuning (benchmarks): overrides of warps / sub / stages.
     deterministic: the module deterministic wrappers load (decode::Config's kDeterministic: the fold of a whole
     item's pieces and the fold merge, docs/deterministic.md); a module of its own (tag suffix _det), so the
     normal one carries none of that code."""
@@ -36,20 +35,16 @@ def decode_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, gr
     if unknown:
         raise ValueError(f"unknown decode tuning keys {sorted(unknown)}; accepted: {sorted(DECODE_TUNING_KEYS)}")
     shape.update(tuning)
-    if shape["local"] not in (0, 1):
-        raise ValueError(f"decode tuning local must be 0 or 1 (got {shape['local']!r})")
-    if deterministic:
-        shape["local"] = 0  # deterministic pieces merge mid-item (decode::Config's static_assert)
     smem = _smem_bytes(head_dim, kv_bytes, shape)
     if smem > SMEM_PER_CTA:
         raise ValueError(f"decode kernel shape {shape} for head_dim {head_dim} needs {smem} bytes of shared memory; "
                          f"a CTA may use at most {SMEM_PER_CTA}")
     config = ", ".join([str(head_dim), str(shape["rows"]), str(shape["hpc"]), _C_TYPE[q_dtype], _C_TYPE[kv_dtype],
                         str(shape["warps"]), str(shape["stages"]), str(shape["sub"])]
-                       + (["true"] if deterministic else ["false", "true"] if shape["local"] else []))
+                       + (["true"] if deterministic else []))
     tag = f"{variant.name}_{q_dtype}_{kv_dtype}_d{head_dim}_r{shape['rows']}_h{shape['hpc']}"
     if tuning:
-        tag += "_w{warps}s{stages}k{sub}".format(**shape) + ("l" if shape["local"] else "")
+        tag += "_w{warps}s{stages}k{sub}".format(**shape)
     elif member:
         tag += f"_m{member}"
     if deterministic:

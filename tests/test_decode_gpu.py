@@ -83,43 +83,6 @@ def test_fp8_kv_fp16_query_multirow():
              k_scale=2.0, v_scale=0.5, tol=3e-3, what="fp8 fp16 multirow")
 
 
-# ------------------------------------------------------------------------------------ warp-local loading
-
-# (Hq, Hkv, D, KV dtype, tuning): decode::Config::kWarpLocal (each warp loads and waits for its own rows) on the
-# shapes it can take: 8-row and 16-row tiles, 4 and 8 warps, 1, 2 and 4 16-token blocks a warp (fp8), 2 and 3 stages
-_LOCAL = [
-    (128, 8, 128, None, {"warps": 8, "sub": 1, "stages": 3, "local": 1}),
-    (32, 8, 128, None, {"warps": 4, "sub": 1, "stages": 2, "local": 1}),
-    (28, 4, 128, None, {"warps": 8, "sub": 1, "stages": 3, "local": 1}),
-    (16, 8, 256, None, {"warps": 4, "sub": 1, "stages": 2, "local": 1}),
-    (24, 8, 64, None, {"warps": 4, "sub": 1, "stages": 2, "local": 1}),
-    (40, 8, 96, None, {"warps": 4, "sub": 1, "stages": 2, "local": 1}),
-    (32, 8, 128, torch.float8_e4m3fn, {"warps": 4, "sub": 2, "stages": 3, "local": 1}),
-    (32, 8, 64, torch.float8_e5m2, {"warps": 4, "sub": 4, "stages": 3, "local": 1}),
-]
-
-
-@pytest.mark.parametrize("page", [1, 16, 32])
-@pytest.mark.parametrize("Hq,Hkv,D,kv_dtype,tuning", _LOCAL, ids=lambda x: str(x).replace(" ", ""))
-def test_warp_local(Hq, Hkv, D, kv_dtype, tuning, page):
-    """Warp-local loading against float64: single rows and speculative rows (row sub-tiles: a new query slot
-    every few tiles) under causal masks, lengths off every tile and page, split rows, a 33k request."""
-    attn = make_wrapper(Hq, Hkv, D, kv_dtype=kv_dtype, page_size=page, tuning=tuning)
-    kw = {"kv_dtype": kv_dtype, "k_scale": 0.37, "v_scale": 1.9} if kv_dtype is not None else {}
-    lens = [random.randint(1, 1200) for _ in range(37)] + [1, 17, 33000, 4099]
-    run_case(attn, lens, [1] * len(lens), dtype=torch.bfloat16, what=f"local {tuning} page={page}", **kw)
-    run_case(attn, [1500, 17, 300, 1, 4000, 129], [1, 3, 2, 1, 4, 5], dtype=torch.float16 if kv_dtype is None
-             else torch.bfloat16, causal=True, what=f"local multirow {tuning} page={page}", **kw)
-
-
-@pytest.mark.parametrize("name", ["rope_llama", "alibi_window", "soft_cap"])
-def test_warp_local_variants(name):
-    Hq, Hkv, D = 16, 4, 128
-    attn = make_wrapper(Hq, Hkv, D, page_size=16, variant=_variant_case(name, Hq)[1],
-                        tuning={"warps": 4, "sub": 1, "stages": 3, "local": 1})
-    run_variant_case(attn, name, [1500, 17, 300, 1, 4000], [1, 3, 2, 1, 4], torch.bfloat16)
-
-
 # ------------------------------------------------------------------------------------ variants
 
 @pytest.mark.parametrize("name", _VARIANT_NAMES)

@@ -47,7 +47,7 @@ using namespace attn;  // Params, Work, TileRecord, Loader, ... (shared.cuh)
 // kDeterministic_: the module runs deterministic plans (docs/deterministic.md): the fold of a whole item's
 // pieces and the fold merge of split rows are compiled in only then, so normal modules carry none of it.
 template <int kHeadDim_, int kRows_, int kHeadsPerChunk_, class DQ_, class DKV_, int kWarps_, int kStages_,
-          int kSub_ = 1, bool kDeterministic_ = false, bool kWarpLocal_ = false>
+          int kSub_ = 1, bool kDeterministic_ = false>
 struct Config {
   using DQ = DQ_;
   using DKV = DKV_;
@@ -67,10 +67,6 @@ struct Config {
   static constexpr bool kProducer = false;  // no producer warpgroup (shared.cuh)
   static constexpr int kSub = kSub_;  // 16-token blocks per warp per tile
   static constexpr bool kDeterministic = kDeterministic_;  // also read by the loader (shared.cuh)
-  // Each warp loads and waits for its own rows of a tile (shared.cuh, WarpLocal): no CTA barrier a tile, only
-  // at a sub-item's first tile (the query slot) and in the cross-warp merge.
-  static constexpr bool kWarpLocal = kWarpLocal_;
-  static constexpr int kRecords = kWarpLocal ? kWarps : 1;  // tile records a stage (one a warp, warp-local)
   static constexpr int kTile = 16 * kSub * kWarps;
   static constexpr bool kFp8 = KV::kFp8;
   static constexpr bool kFragFp8 = kFp8;  // Q.K^T k dimension in the fp8 ldmatrix order
@@ -88,8 +84,7 @@ struct Config {
   static constexpr int kQSlotBytes = kRows * kHeadDimPad * 2;
   static constexpr int kQBuffers = 1;  // the query rides in each stage's slot (kQSlotBytes)
   static constexpr bool kQCopy = false;  // ... not in a query buffer of the loader's (shared.cuh)
-  static constexpr int kStageBytes =
-      (2 * kKvTileBytes + kQSlotBytes + kRecords * (int)sizeof(TileRecord) + 127) / 128 * 128;
+  static constexpr int kStageBytes = (2 * kKvTileBytes + kQSlotBytes + (int)sizeof(TileRecord) + 127) / 128 * 128;
   // Cross-warp merge scratch [warp][row][D / kPasses] float lives in the stage just consumed.
   static constexpr int kScratchBytesFull = kWarps * kRows * kHeadDimPad * 4;
   static constexpr int kPasses = kScratchBytesFull <= 2 * kKvTileBytes ? 1 : (kScratchBytesFull <= 4 * kKvTileBytes ? 2 : 4);
@@ -98,10 +93,9 @@ struct Config {
   static constexpr int kRowOffsetsAt = kStages * kStageBytes + kMdBytes + 16;  // the loader's (shared.cuh)
   static constexpr int kSmemBytes = kRowOffsetsAt + 2 * kTile * 8;
   static __device__ __forceinline__ int tile_offset(int row, int chunk) { return rowmajor_offset<kRowBytes>(row, chunk); }
-  // Stage s's tile record (the calling warp's, warp-local): after its K, V and query slot.
+  // Stage s's tile record: after its K, V and query slot.
   static __device__ __forceinline__ TileRecord* record(uint8_t* smem, int s) {
-    return reinterpret_cast<TileRecord*>(smem + s * kStageBytes + 2 * kKvTileBytes + kQSlotBytes) +
-           (kWarpLocal ? (int)(threadIdx.x >> 5) : 0);
+    return reinterpret_cast<TileRecord*>(smem + s * kStageBytes + 2 * kKvTileBytes + kQSlotBytes);
   }
 
   static_assert(kHeadDim == 64 || kHeadDim == 80 || kHeadDim == 96 || kHeadDim == 128 || kHeadDim == 256,
@@ -113,7 +107,6 @@ struct Config {
   static_assert(kChunksPerRow >= 4, "rows of at least 64 bytes");
   static_assert(kMTiles % (kFp8 ? 2 * kPasses : kPasses) == 0 && kPassDim >= 32, "merge passes");
   static_assert(kKSteps % 2 == 0, "k steps come in pairs");
-  static_assert(!(kWarpLocal && kDeterministic), "deterministic pieces merge mid-item: a CTA barrier a tile");
 };
 
 // Dimension of O^T row half `half` (0: c0/c1, 1: c2/c3) of m tile mt held by lane g.
@@ -140,7 +133,6 @@ struct Kernel {
   static constexpr bool kBf16 = Cfg::kMmaBf16;
   static constexpr bool kTwoN = kRows == 16;  // second n tile of packed rows in P.V
   static constexpr bool kDet = Cfg::kDeterministic;
-  static constexpr bool kLocal = Cfg::kWarpLocal;
 
   using L = Loader<Cfg, Variant, VariantParams>;
   using E = Epilogue<Cfg, Variant, VariantParams>;
@@ -298,23 +290,12 @@ struct Kernel {
       uint8_t* stage = smem + st * Cfg::kStageBytes;
       L::before_barrier(p, smem, j, cur, page, slot);
       ptx::cp_async_wait<kStages - 2>();
+      __syncthreads();
+      L::step(p, vp, smem, j, cur, page, slot);
+
       const TileRecord* rec = Cfg::record(smem, st);
-      int flags;
-      if constexpr (kLocal) {
-        // This warp's rows and record have landed. A first tile (the same in every warp) waits for the CTA:
-        // its query slot was copied by every thread, and the last item's merge is done with its scratch (the
-        // stage the issue below refills).
-        __syncwarp();
-        flags = rec->flags;
-        if (flags & kEnd) break;
-        if (flags & kFirst) __syncthreads();
-        L::step(p, vp, smem, j, cur, page, slot);
-      } else {
-        __syncthreads();
-        L::step(p, vp, smem, j, cur, page, slot);
-        flags = rec->flags;
-        if (flags & kEnd) break;
-      }
+      const int flags = rec->flags;
+      if (flags & kEnd) break;
       const Work& w = rec->w;
       const int kv_head = kv_head_of(p, w.unit);  // for the hooks' contexts (unused ones cost nothing)
       if (flags & kFirst) {
@@ -325,7 +306,6 @@ struct Kernel {
           for (int h = 0; h < 2; ++h) slope[h] = ri[h].valid ? Variant::alibi_slope(vp, ri[h].qo_head) : 0.f;
         }
         load_q(vp, stage, w, ri, qa);
-        if constexpr (kLocal) __syncthreads();  // every warp holds the query before a later issue reuses its slot
         reset();
         if constexpr (kDet) {
 #pragma unroll

@@ -201,14 +201,6 @@ template <class Cfg>
 struct MayRunDeterministic<Cfg, std::void_t<decltype(Cfg::kDeterministic)>>
     : std::integral_constant<bool, Cfg::kDeterministic> {};
 
-// Whether each warp loads the tile rows it computes on (decode::Config::kWarpLocal): its rows' page lookups,
-// copies and waits are its own, so warps wait for their own rows only (no CTA barrier a tile); the record
-// is one a warp, and the query slot, written by every thread, is the one thing synchronised CTA-wide.
-template <class Cfg, class = void>
-struct WarpLocal : std::false_type {};
-template <class Cfg>
-struct WarpLocal<Cfg, std::void_t<decltype(Cfg::kWarpLocal)>> : std::integral_constant<bool, Cfg::kWarpLocal> {};
-
 template <class Cfg, class Variant, class VariantParams>
 struct Loader {
   using DQ = typename Cfg::DQ;
@@ -228,14 +220,8 @@ struct Loader {
   static constexpr int kRowsPerTile = Cfg::kRowsPerTile;
   static constexpr int kTPT = Cfg::kTokensPerThread;
   static constexpr int kStages = Cfg::kStages;
-  static constexpr bool kLocal = WarpLocal<Cfg>::value;
-  // Warp-local loading: warp w's rows are [w kWarpRows, (w + 1) kWarpRows), the ones it computes on.
-  static constexpr int kWarpRows = kLocal ? kTile / (kThreads / 32) : 0;
   // Page lookups one thread holds from prefetch_pages to publish: tile rows tid, tid + kThreads, ...
-  // (warp-local: its warp's rows lane, lane + 32, ...)
-  static constexpr int kLookups = kLocal ? (kWarpRows + 31) / 32 : (kTile + kThreads - 1) / kThreads;
-  static_assert(!kLocal || (!Cfg::kProducer && !Cfg::kQCopy && kThreads == Cfg::kThreads),
-                "warp-local loading: every thread loads its own warp's rows");
+  static constexpr int kLookups = (kTile + kThreads - 1) / kThreads;
 
   // Fill w for row sub-tile `sub` of plan item `item`; returns the item's number of sub-tiles.
   static __device__ __forceinline__ int begin_work(const Params& p, const VariantParams& vp, int item, int sub,
@@ -345,20 +331,7 @@ struct Loader {
     seek_item(p, vp, cur);
   }
 
-  static __device__ __forceinline__ int lookup_row(int r) {
-    if constexpr (kLocal) return (tid() >> 5) * kWarpRows + (tid() & 31) + 32 * r;
-    return tid() + r * kThreads;
-  }
-  // Whether lookup r of this thread is a row of the tile (of its warp's rows, warp-local).
-  static __device__ __forceinline__ bool lookup_in_tile(int r) {
-    if constexpr (kLocal) return kWarpRows % 32 == 0 || (tid() & 31) + 32 * r < kWarpRows;
-    return kTile % kThreads == 0 || lookup_row(r) < kTile;
-  }
-  // CTA barrier, or the warp's where each warp loads its own rows
-  static __device__ __forceinline__ void sync_loaders() {
-    if constexpr (kLocal) __syncwarp();
-    else __syncthreads();
-  }
+  static __device__ __forceinline__ int lookup_row(int r) { return tid() + r * kThreads; }
 
   // Page ids of this thread's lookup rows of the cursor's tile: page[r] (INT_MIN: index outside
   // kv_indices) and slot[r] (< 0: not a KV token of the item; nothing is loaded).
@@ -371,7 +344,7 @@ struct Loader {
       const int row = lookup_row(r);
       page[r] = -1;
       slot[r] = -1;
-      if (lookup_in_tile(r) && row < n_valid) {
+      if (row < n_valid) {
         int blk, s;
         ptx::divmod(p.page_div, tile_begin + row, blk, s);
         const int64_t idx = cur.w.block_start + blk;
@@ -420,7 +393,7 @@ struct Loader {
 #pragma unroll
     for (int r = 0; r < kLookups; ++r) {
       const int row = lookup_row(r);
-      if (lookup_in_tile(r)) offs[row] = row_offset(p, page[r], slot[r], kv_head);
+      if (kTile % kThreads == 0 || row < kTile) offs[row] = row_offset(p, page[r], slot[r], kv_head);
     }
   }
 
@@ -433,9 +406,8 @@ struct Loader {
     uint8_t* stage = smem + (tile_no % kStages) * Cfg::kStageBytes;
     TileRecord* rec = Cfg::record(smem, tile_no % kStages);
     const TileRecord* prev = Cfg::record(smem, (tile_no + kStages - 1) % kStages);
-    const bool writer = kLocal ? (tid & 31) == 0 : tid == 0;  // of the record (one a warp, warp-local)
     if (cur.done) {
-      if (writer) rec->flags = kEnd;
+      if (tid == 0) rec->flags = kEnd;
       return;
     }
     const int tile_begin = cur.w.kv_lo + cur.tile * kTile;
@@ -448,7 +420,7 @@ struct Loader {
         if (cur.tile == 0) qslot = qslot + 1 == Cfg::kQBuffers ? 0 : qslot + 1;
       }
     }
-    if (writer) {
+    if (tid == 0) {
       if (cur.tile == 0) {
         begin_work(p, vp, cur.item, cur.sub, rec->w);
       } else {  // the previous tile, same sub-item, is not consumed before this one is issued
@@ -512,12 +484,7 @@ struct Loader {
     }
     if (!gather) return;
     const uint32_t ks = ptx::smem_u32(stage), vs = ks + Cfg::kKvTileBytes;
-    // A round of kRowsPerRound rows (a warp's kRound, warp-local) at consecutive chunks of each row
-    constexpr int kRound = kLocal ? 32 / Cfg::kChunksPerRow : Cfg::kRowsPerRound;
-    constexpr int kRounds = kLocal ? kWarpRows / kRound : kTPT;
-    static_assert(!kLocal || (32 % Cfg::kChunksPerRow == 0 && kWarpRows % kRound == 0), "warp-local copy rounds");
-    const int row_base = kLocal ? (tid >> 5) * kWarpRows + (tid & 31) / Cfg::kChunksPerRow : tid / Cfg::kChunksPerRow;
-    const int chunk = tid % Cfg::kChunksPerRow;
+    const int row_base = tid / Cfg::kChunksPerRow, chunk = tid % Cfg::kChunksPerRow;
     // A row not loaded (kNoRow) still names a 16-byte aligned source, which its zero-filling copy never reads: no
     // select of a safe address a copy (where KV comes from L2, decode is bound by instructions, this loop's first)
     const bool chunk_ok = chunk < kLoadChunks;
@@ -525,9 +492,9 @@ struct Loader {
     const char* vchunk = static_cast<const char*>(p.v) + chunk * 16;
     const int64_t* offs = row_offsets(smem, tile_no);
 #pragma unroll
-    for (int r = 0; r < kRounds; ++r) {
-      const int row = row_base + r * kRound;
-      if (!kLocal && kTile % Cfg::kRowsPerRound != 0 && row >= kTile) break;  // a partial last round
+    for (int r = 0; r < kTPT; ++r) {
+      const int row = row_base + r * Cfg::kRowsPerRound;
+      if (kTile % Cfg::kRowsPerRound != 0 && row >= kTile) break;  // a partial last round
       const uint32_t dst = Cfg::tile_offset(row, chunk);
       ptx::cp_async_16_kv(ks + dst, vs + dst, kchunk, vchunk, chunk_ok ? offs[row] : kNoRow);
     }
@@ -554,7 +521,7 @@ struct Loader {
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
       publish(p, smem, s, cur, page, slot);
-      sync_loaders();
+      __syncthreads();
       issue(p, vp, smem, s, cur);
       ptx::cp_async_commit();
       advance(p, vp, cur);

@@ -50,8 +50,7 @@ def main(argv=None) -> int:
     tunings = json.loads(a.tunings)
     hq, hkv, d = (int(x) for x in a.heads.split("/"))
     kv_dtype = torch.float8_e4m3fn if a.kv_dtype == "fp8" else D.DTYPE
-    label = lambda t: "default" if not t else ("x".join(str(t.get(k, "-")) for k in ("warps", "sub", "stages"))
-                                               + ("l" if t.get("local") else ""))
+    label = lambda t: "default" if not t else "x".join(str(t.get(k, "-")) for k in ("warps", "sub", "stages"))
     rows = []
     for page in (int(p) for p in a.pages.split(",")):
         for cell in a.cells.split(","):
