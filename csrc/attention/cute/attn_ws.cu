@@ -83,11 +83,23 @@ using SmemLayoutK = decltype(tile_to_shape(AtomK{}, Shape<Int<kKv>, D, Int<kStag
 // V as P.V's B operand: (N = head dim, K = token), head dims contiguous; TMA fills it from V's transposed view. Atoms
 // tiled along the tokens first, so each 64-dim block holds all 128 tokens in a row: one TMA box a block (tiled along
 // the dims first, a box spans 8 tokens: 32 TMA copies a tile at head size 128)
-using SmemLayoutVt = decltype(tile_to_shape(AtomMN{}, Shape<D, Int<kKv>, Int<kStages>>{}, Step<_2, _1, _3>{}));
 // Paged K / V: TMA boxes of kBox tokens x 64 dims, one a page and 64-dim block (several a KV tile below 128 tokens a
 // page). A box is a contiguous run of the stage's atoms in both layouts (K: rows first; V: tokens first), laid out
 // as the layouts below.
 constexpr int kBox = kPage == 0 || kPage >= kKv || kGather ? kKv : kPage, kBoxes = kKv / kBox;
+// Pages below a KV tile: V takes one box a page, all its dim blocks (a 3-D box: dims of a block, the page's tokens,
+// the blocks), laid out page after page, each page's blocks of kBox tokens in a run. P.V's k-blocks of 16 tokens stay
+// within a page, and a k-block is where GMMA needs its canonical layout, so the page-major order costs the MMA
+// nothing. K cannot: S's N = 128 tokens would span pages at uneven strides.
+constexpr bool kVPageBox = kBoxes > 1 && kHeadDim > kDimBlock;
+constexpr int kDimBlocks = kHeadDim / kDimBlock;
+using VtPage = decltype(tile_to_shape(AtomMN{}, Shape<D, Int<kBox>>{}, Step<_2, _1>{}));
+// The same page as the box's (dims of a block, tokens, blocks): V's view for its TMA map, D split in two modes
+using VtPageBox = decltype(blocked_product(tile_to_shape(AtomMN{}, Shape<DimBlock, Int<kBox>>{}),
+                                           make_layout(make_shape(_1{}, _1{}, Int<kDimBlocks>{}))));
+using SmemLayoutVt = std::conditional_t<
+    kVPageBox, decltype(blocked_product(VtPage{}, make_layout(make_shape(_1{}, Int<kBoxes>{}, Int<kStages>{})))),
+    decltype(tile_to_shape(AtomMN{}, Shape<D, Int<kKv>, Int<kStages>>{}, Step<_2, _1, _3>{}))>;
 static_assert(kPage == 0 || ((kPage & (kPage - 1)) == 0 && (kGather || kPage >= 16)),
               "page size: a power of two, 16 or more (any where gathered)");
 static_assert(kPage == 0 || kGather || (kPage < kKv ? kKv % (kPage > 0 ? kPage : 1) : kPage % kKv) == 0,
@@ -125,7 +137,8 @@ constexpr bool chunk_offsets_match() {
   return layout_bytes(SmemLayoutK{}, 0, 0, 1) == 2 * kKv * kHeadDim &&
          layout_bytes(SmemLayoutVt{}, 0, 0, 1) == 2 * kKv * kHeadDim;
 }
-using SmemLayoutVtBox = decltype(tile_to_shape(AtomMN{}, Shape<DimBlock, Int<kBox>>{}));
+using SmemLayoutVtBox =
+    std::conditional_t<kVPageBox, VtPageBox, decltype(tile_to_shape(AtomMN{}, Shape<DimBlock, Int<kBox>>{}))>;
 using AtomQK = decltype(GMMA::ss_op_selector<Elem, Elem, float, Shape<_64, Int<kKv>, D>>());
 using AtomPV = decltype(GMMA::rs_op_selector<Elem, Elem, float, Shape<_64, D, Int<kKv>>, GMMA::Major::K,
                                              GMMA::Major::MN>());
@@ -312,7 +325,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
         // taking chunks i, i + 128, ... of the tile's rows (consecutive threads, consecutive chunks of a row: rows
         // coalesced); a chunk lands at its (token, dims) in the stage's swizzled layout, where its 8 dims are
         // contiguous in K's and V^T's alike. Tokens past the request's KV, or of a bad entry, read as zeros.
-        static_assert(chunk_offsets_match(), "gather: chunk_offset disagrees with the stages' layouts");
+        static_assert(!kGather || chunk_offsets_match(), "gather: chunk_offset disagrees with the stages' layouts");
         // Each row's offset in the cache (elements; -1: zeros) is looked up once a KV tile, by thread `row` (kKv <=
         // 128), into ss.row_off, and K and V share it. The next tile's page ids are loaded before this tile's copies
         // and published after them (fetch_row, then publish_row), so no copy waits for a lookup. By the tile's
@@ -393,6 +406,8 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
         }();
         auto mVt = [&] {
           if constexpr (kPage == 0) return tma_v.get_tma_tensor(make_shape(D{}, a.total_kv, kv_heads));
+          else if constexpr (kVPageBox)  // (dim in block, slot, block, KV head, page)
+            return tma_v.get_tma_tensor(make_shape(DimBlock{}, Int<kPage>{}, Int<kDimBlocks>{}, kv_heads, a.num_pages));
           else return tma_v.get_tma_tensor(make_shape(D{}, Int<kPage>{}, kv_heads, a.num_pages));
         }();
         // paged: box j of KV tile n is the request's page (n x 128 + j x kBox) / kPage (its last page past the end),
@@ -420,6 +435,14 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
             auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(smem(_, _, stage)),
                                           group_modes<0, 2>(g));
             copy(tma.with(*bar), tg, ts);
+          } else if constexpr (decltype(is_v)::value && kVPageBox) {  // one box a page
+            load_boxes(n, [&](int jj, int page, int) {
+              // page jj of the stage (a whole number of swizzle periods from the stage's start), as the box's view
+              Tensor sb = make_tensor(make_smem_ptr(&smem(0, make_coord(0, jj), stage)), VtPageBox{});
+              auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 3>(sb),
+                                            group_modes<0, 3>(gmem(_, _, _, kv_head, page)));
+              copy(tma.with(*bar), tg, ts);
+            });
           } else {
             load_boxes(n, [&](int jj, int page, int slot0) {
               CUTE_UNROLL
@@ -559,12 +582,16 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
       const int valid = w.kv_len - n * kKv;
       if (valid >= kKv) return;
       // a token's dims of a dim block are one row of kDimBlock x 2 bytes, row (block x kKv + token) of the stage
-      // (tokens first; the swizzle permutes 16-byte chunks within a row): zeroed 16 bytes at a time
-      constexpr int kRowChunks = kDimBlock / 8;
+      // (tokens first; the swizzle permutes 16-byte chunks within a row), or with a box a page, row (page x blocks +
+      // block) x kBox + token in page: zeroed 16 bytes at a time
+      constexpr int kRowChunks = kDimBlock / 8, kBlocks = kHeadDim / kDimBlock;
       uint4* stage_v = reinterpret_cast<uint4*>(ss.v.data() + stage * kHeadDim * kKv);
       CUTE_UNROLL
-      for (int i = ctid; i < kHeadDim / 8 * kKv; i += kConsumers)
-        if ((i / kRowChunks) % kKv >= valid) stage_v[i] = make_uint4(0, 0, 0, 0);
+      for (int i = ctid; i < kHeadDim / 8 * kKv; i += kConsumers) {
+        const int row = i / kRowChunks;
+        const int token = kVPageBox ? row / (kBlocks * kBox) * kBox + row % kBox : row % kKv;
+        if (token >= valid) stage_v[i] = make_uint4(0, 0, 0, 0);
+      }
       cutlass::arch::fence_view_async_shared();  // the generic stores, before the async proxy's MMA reads
       cutlass::arch::NamedBarrier::sync(kConsumers, kTailBarrier);
     }
@@ -812,11 +839,19 @@ FI_EXPORT int fi_cute_attn_bsr(const void* q, void* o, float* lse, const void* k
   } else {
     Tensor gK = make_tensor(make_gmem_ptr(static_cast<const Elem*>(k)), make_shape(Int<kPage>{}, D{}, Hkv, nb),
                             make_stride(kv_stride_token, _1{}, kv_stride_head, kv_stride_block));
-    Tensor gVt = make_tensor(make_gmem_ptr(static_cast<const Elem*>(v)), make_shape(D{}, Int<kPage>{}, Hkv, nb),
-                             make_stride(_1{}, kv_stride_token, kv_stride_head, kv_stride_block));
     auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, SmemLayoutKBox{});
-    auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gVt, SmemLayoutVtBox{});
-    return launch(tma_q, tma_k, tma_v, a, l2_section_bytes, stream);
+    if constexpr (kVPageBox) {  // one box a page: (dim in block, slot, block, KV head, page)
+      Tensor gVt = make_tensor(make_gmem_ptr(static_cast<const Elem*>(v)),
+                               make_shape(DimBlock{}, Int<kPage>{}, Int<kDimBlocks>{}, Hkv, nb),
+                               make_stride(_1{}, kv_stride_token, DimBlock{}, kv_stride_head, kv_stride_block));
+      auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gVt, SmemLayoutVtBox{});
+      return launch(tma_q, tma_k, tma_v, a, l2_section_bytes, stream);
+    } else {
+      Tensor gVt = make_tensor(make_gmem_ptr(static_cast<const Elem*>(v)), make_shape(D{}, Int<kPage>{}, Hkv, nb),
+                               make_stride(_1{}, kv_stride_token, kv_stride_head, kv_stride_block));
+      auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gVt, SmemLayoutVtBox{});
+      return launch(tma_q, tma_k, tma_v, a, l2_section_bytes, stream);
+    }
   }
 }
 #endif
