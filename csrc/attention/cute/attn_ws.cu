@@ -91,7 +91,7 @@ constexpr int kBox = kPage == 0 || kPage >= kKv || kGather ? kKv : kPage, kBoxes
 // the blocks), laid out page after page, each page's blocks of kBox tokens in a run. P.V's k-blocks of 16 tokens stay
 // within a page, and a k-block is where GMMA needs its canonical layout, so the page-major order costs the MMA
 // nothing. K cannot: S's N = 128 tokens would span pages at uneven strides.
-constexpr bool kVPageBox = kBoxes > 1 && kHeadDim > kDimBlock;
+constexpr bool kVPageBox = {{VBOX}} && kBoxes > 1 && kHeadDim > kDimBlock;
 constexpr int kDimBlocks = kHeadDim / kDimBlock;
 using VtPage = decltype(tile_to_shape(AtomMN{}, Shape<D, Int<kBox>>{}, Step<_2, _1>{}));
 // The same page as the box's (dims of a block, tokens, blocks): V's view for its TMA map, D split in two modes
