@@ -83,8 +83,8 @@ using SmemLayoutK = decltype(tile_to_shape(AtomK{}, Shape<Int<kKv>, D, Int<kStag
 // V as P.V's B operand: (N = head dim, K = token), head dims contiguous; TMA fills it from V's transposed view. Atoms
 // tiled along the tokens first, so each 64-dim block holds all 128 tokens in a row: one TMA box a block (tiled along
 // the dims first, a box spans 8 tokens: 32 TMA copies a tile at head size 128)
-// Paged K / V: TMA boxes of kBox tokens x 64 dims, one a page and 64-dim block (several a KV tile below 128 tokens a
-// page). A box is a contiguous run of the stage's atoms in both layouts (K: rows first; V: tokens first), laid out
+// Paged K (and V without kVPageBox): TMA boxes of kBox tokens x 64 dims, one a page and 64-dim block (several a KV
+// tile below 128 tokens a page). A box is a contiguous run of the stage's atoms in both layouts (K: rows first; V: tokens first), laid out
 // as the layouts below.
 constexpr int kBox = kPage == 0 || kPage >= kKv || kGather ? kKv : kPage, kBoxes = kKv / kBox;
 // Pages below a KV tile: V takes one box a page, all its dim blocks (a 3-D box: dims of a block, the page's tokens,
@@ -584,12 +584,12 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
       // a token's dims of a dim block are one row of kDimBlock x 2 bytes, row (block x kKv + token) of the stage
       // (tokens first; the swizzle permutes 16-byte chunks within a row), or with a box a page, row (page x blocks +
       // block) x kBox + token in page: zeroed 16 bytes at a time
-      constexpr int kRowChunks = kDimBlock / 8, kBlocks = kHeadDim / kDimBlock;
+      constexpr int kRowChunks = kDimBlock / 8;
       uint4* stage_v = reinterpret_cast<uint4*>(ss.v.data() + stage * kHeadDim * kKv);
       CUTE_UNROLL
       for (int i = ctid; i < kHeadDim / 8 * kKv; i += kConsumers) {
         const int row = i / kRowChunks;
-        const int token = kVPageBox ? row / (kBlocks * kBox) * kBox + row % kBox : row % kKv;
+        const int token = kVPageBox ? row / (kDimBlocks * kBox) * kBox + row % kBox : row % kKv;
         if (token >= valid) stage_v[i] = make_uint4(0, 0, 0, 0);
       }
       cutlass::arch::fence_view_async_shared();  // the generic stores, before the async proxy's MMA reads
