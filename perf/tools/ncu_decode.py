@@ -4,7 +4,7 @@ perf.composable cell (B requests sharing an L-token prefix's pages, S unique tok
     ncu --profile-from-start off --set full -o ours python3 -m perf.tools.ncu_decode ours 128x1024x256 [--unshared]
         [--heads 128/8/128]
 
-argv: impl (ours, flashinfer), BxLxS, --unshared for the same lengths on distinct pages (the control: every
+argv: impl (ours, flashinfer; groups: ours with the prefix groups, on the prefill kernel as the planner picks), BxLxS, --unshared for the same lengths on distinct pages (the control: every
 request its own prefix pages), --heads Q/KV/D for other heads than Llama-3.1-8B's (perf.composable's). Used to find
 why FlashInfer's decode gains more from shared pages than ours (docs/composable.md, finding 1), and on distinct
 pages where DRAM bounds both (docs/decode.md)."""
@@ -14,7 +14,7 @@ from perf import composable
 from perf.common import profile_once
 from perf.composable import Cell, flashinfer_decode, ours
 
-IMPLS = ("ours", "flashinfer")
+IMPLS = ("ours", "flashinfer", "groups")
 
 
 def main(argv=None) -> int:
@@ -27,8 +27,8 @@ def main(argv=None) -> int:
         composable.set_heads(*(int(x) for x in argv[argv.index("--heads") + 1].split("/")))
     B, L, S = (int(x) for x in argv[1].split("x"))
     cell = Cell(B, L, S, 1 if "--unshared" in argv[2:] else 0)
-    if impl == "ours":
-        fn, _, info = ours(cell, "decode", False)
+    if impl in ("ours", "groups"):
+        fn, _, info = ours(cell, "decode", False) if impl == "ours" else ours(cell, "prefill", True)
         print(info, flush=True)
     else:
         fn, _ = flashinfer_decode(cell)

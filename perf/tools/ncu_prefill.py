@@ -2,7 +2,8 @@
 
     ncu --profile-from-start off --set full -o ours python3 -m perf.tools.ncu_prefill ours 1x16384 32 [TUNING_JSON]
 
-argv: impl (ours, fa2, fa3, cute: the CuTe probe's CTA with overlap and ping-pong), BxS, KV heads
+argv: impl (ours, fa2, fa3, cute: the CuTe probe's CTA with overlap and ping-pong; cute_pagedN: its overlapped
+CTA on pages of N tokens in random order, N = 0 ragged), BxS, KV heads
 (32 query heads), optionally our kernel shape as JSON."""
 import json
 import sys
@@ -10,12 +11,12 @@ import sys
 from perf.common import profile_once
 from perf.prefill import Case, FlashInferRagged, ours_fn
 
-IMPLS = ("ours", "fa2", "fa3", "cute")
+IMPLS = ("ours", "fa2", "fa3", "cute", "cute_paged")
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) < 3 or argv[0] not in IMPLS:
+    if len(argv) < 3 or argv[0].rstrip("0123456789") not in IMPLS:
         print(f"usage: python3 -m perf.tools.ncu_prefill {{{','.join(IMPLS)}}} BxS KV_HEADS [TUNING_JSON]",
               file=sys.stderr)
         return 2
@@ -28,6 +29,10 @@ def main(argv=None) -> int:
     elif impl == "cute":
         from perf.tools.cute_probe import probe_fn
         fn, out = probe_fn(case, True, True)
+    elif impl.startswith("cute_paged"):  # cute_paged0: the same CTA (overlap, no ping-pong) on ragged K / V
+        from perf.tools.cute_probe import paged_fn, probe_fn
+        page = int(impl[len("cute_paged"):])
+        fn, out = paged_fn(case, page) if page else probe_fn(case, True, False)
     else:
         fn, out = FlashInferRagged(impl).fn(case)
     profile_once(fn)
