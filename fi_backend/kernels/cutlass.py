@@ -59,7 +59,7 @@ def _probe_spec(name: str, head_dim: int, **params: int) -> ModuleSpec:
 
 def attn_ws_spec(head_dim: int, causal: bool, stages: int = 2, overlap: bool = True, pingpong: bool = True,
                  page_size: int = 0, dtype: str = "bf16", softcap: bool = False, warpgroups: int = 2,
-                 gather: bool = False, vbox: bool = True) -> ModuleSpec:
+                 gather: bool = False, vbox: bool = True, split: bool = True) -> ModuleSpec:
     """The CuTe probe: FlashAttention-3's CTA (a TMA producer warp, K and V pipelines, two consumer warpgroups of a
     128-token tile of one query head; csrc/attention/cute/attn_ws.cu), head size 64, 96, 128 or 256, causal or not; its
     intra-warpgroup overlap and its ping-pong each on or off (ping-pong needs the overlap); K / V ragged
@@ -68,7 +68,8 @@ def attn_ws_spec(head_dim: int, causal: bool, stages: int = 2, overlap: bool = T
     (Gemma-2's); warpgroups: consumer warpgroups of 64 query rows, 2 (128-row tiles) or 3 (192 rows: head size 64,
     where S, P and O fit the 160 registers a consumer thread then gets; or 96, with 96-token KV tiles); gather (paged):
     K / V rows copied by the producer warpgroup's threads (cp.async), not TMA boxes, pages of any power of two (1
-    included); vbox (pages below a KV tile, TMA): V in one box a page (False: a box a page and dim block, as K)."""
+    included); vbox (pages below a KV tile, TMA): V in one box a page (False: a box a page and dim block, as K);
+    split (the same pages): the producer's four warps issue a tile's boxes, every fourth page each (False: one thread)."""
     if stages not in (2, 3):
         raise ValueError(f"stages must be 2 or 3 (got {stages})")
     if pingpong and not overlap:
@@ -89,7 +90,7 @@ def attn_ws_spec(head_dim: int, causal: bool, stages: int = 2, overlap: bool = T
     return _probe_spec("attn_ws", head_dim, stages=stages, causal=int(bool(causal)), overlap=int(bool(overlap)),
                        pingpong=int(bool(pingpong)), page=int(page_size), bf16=int(dtype == "bf16"),
                        softcap=int(bool(softcap)), warpgroups=int(warpgroups), gather=int(bool(gather)),
-                       vbox=int(bool(vbox)))
+                       vbox=int(bool(vbox)), split=int(bool(split)))
 
 
 PAGED_PROBE_PAGES = (16, 64, 256)  # below, in and above a 128-token KV tile

@@ -52,14 +52,14 @@ def probe_fn(case: P.Case, overlap: bool, pingpong: bool, l2_section_bytes: int 
 
 
 def paged_fn(case: P.Case, page_size: int, l2_section_bytes: int = L2_SECTION, warpgroups: int = 2,
-             gather: bool = False, vbox: bool = True):
+             gather: bool = False, vbox: bool = True, split: bool = True):
     """The overlapped CTA reading K / V from a pool of page_size pages in random order (perf.prefill.Paged), as TMA
     boxes or (gather) rows copied by the producer's threads."""
     from fi_backend import kernels
     from fi_backend.kernels import cutlass
     paged = P.Paged(case, page_size)
     module = kernels.load(cutlass.attn_ws_spec(case.d, True, overlap=True, pingpong=False, page_size=page_size,
-                                               warpgroups=warpgroups, gather=gather, vbox=vbox))
+                                               warpgroups=warpgroups, gather=gather, vbox=vbox, split=split))
     run = module.function("fi_cute_attn_bsr", [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 19 +
                           [ctypes.c_float] * 2 + [ctypes.c_void_p])
     out = torch.empty_like(case.q)
@@ -100,6 +100,8 @@ def main(argv=None) -> int:
                                                             "(3: head size 64 only)")
     ap.add_argument("--paged-vbox", default="1", help="V in one TMA box a page (1) or a box a page and dim block (0), "
                                                       "comma-separated: both timed side by side")
+    ap.add_argument("--paged-split", default="1", help="a tile's boxes issued by the producer's four warps (1) or one "
+                                                       "thread (0), comma-separated: both timed side by side")
     ap.add_argument("--no-flashinfer", action="store_true",
                     help="no FlashInfer FA3 anchor (its first build at a head size is minutes): ratios to ours")
     a = ap.parse_args(argv)
@@ -120,9 +122,10 @@ def main(argv=None) -> int:
                 fns[name], outs[name] = probe_fn(case, *MODES[name])
             for page in (int(x) for x in a.paged.split(",") if x):
                 for wgs in (int(x) for x in a.paged_warpgroups.split(",")):
-                    for vbox in (int(x) for x in a.paged_vbox.split(",")):
-                        name = f"cute_overlap_paged{page}" + ("" if wgs == 2 else f"_wg{wgs}") + ("" if vbox else "_vb0")
-                        fns[name], outs[name] = paged_fn(case, page, warpgroups=wgs, vbox=bool(vbox))
+                    for vbox, split in ((int(v), int(x)) for v in a.paged_vbox.split(",") for x in a.paged_split.split(",")):
+                        name = (f"cute_overlap_paged{page}" + ("" if wgs == 2 else f"_wg{wgs}") + ("" if vbox else "_vb0")
+                                + ("" if split else "_sp0"))
+                        fns[name], outs[name] = paged_fn(case, page, warpgroups=wgs, vbox=bool(vbox), split=bool(split))
                 # the same pages through BatchAttention: the prefill family's CuTe member (the launch engines run)
                 name = f"member_paged{page}"
                 fns[name], outs[name], info = P.ours_fn(case, paged=P.Paged(case, page))

@@ -92,6 +92,11 @@ constexpr int kBox = kPage == 0 || kPage >= kKv || kGather ? kKv : kPage, kBoxes
 // within a page, and a k-block is where GMMA needs its canonical layout, so the page-major order costs the MMA
 // nothing. K cannot: S's N = 128 tokens would span pages at uneven strides.
 constexpr bool kVPageBox = {{VBOX}} && kBoxes > 1 && kHeadDim > kDimBlock;
+// Pages below a KV tile (TMA): the producer warpgroup's four warps each issue the boxes of every fourth page (one
+// elected lane a warp, each page id looked up by its own warp), where one thread issuing a tile's 16-24 K boxes,
+// each behind its page id and coordinates, left the consumers waiting on K (ncu: docs/prefill.md)
+constexpr bool kSplitIssue = {{SPLIT}} && kBoxes > 1 && !kGather;
+constexpr int kIssuers = kSplitIssue ? 4 : 1;
 constexpr int kDimBlocks = kHeadDim / kDimBlock;
 using VtPage = decltype(tile_to_shape(AtomMN{}, Shape<D, Int<kBox>>{}, Step<_2, _1>{}));
 // The same page as the box's (dims of a block, tokens, blocks): V's view for its TMA map, D split in two modes
@@ -270,8 +275,9 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
     // The tile loop is thread 0's (the tile counter, Q's TMA load, the end), or with gather every producer thread's:
     // thread 0 draws each tile and hands it to the others through ss.draw (named barrier kDrawBarrier)
-    const bool leader = kGather ? tid == 0 : (warp_in_group == 0 && cute::elect_one_sync());
-    if (!kGather && !leader) return;
+    const bool issuer = kGather || cute::elect_one_sync();  // a warp's TMA issuer (split issue: every warp's)
+    const bool leader = kGather ? tid == 0 : (warp_in_group == 0 && issuer);
+    if (!kGather && !kSplitIssue && !leader) return;
     Tensor mQ = tma_q.get_tma_tensor(make_shape(a.total_q, D{}, heads));
     PipelineState st = cutlass::make_producer_start_state<Pipeline>();
     Tile w;
@@ -281,7 +287,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
     };
     int t = leader ? next_valid(blockIdx.x) : 0;
     for (int j = 0;; ++j) {
-      if constexpr (kGather) {
+      if constexpr (kGather || kSplitIssue) {
         if (leader) ss.draw[j & 1] = t;
         cutlass::arch::NamedBarrier::sync(128, kDrawBarrier);
         t = ss.draw[j & 1];
@@ -416,8 +422,9 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
           const int last = (w.kv_len - 1) / max(kPage, 1);
           CUTE_UNROLL
           for (int jj = 0; jj < kBoxes; ++jj)
-            issue(jj, page_of((int64_t)w.kv_begin + min((n * kKv + jj * kBox) / max(kPage, 1), last)),
-                  (n * kKv + jj * kBox) % max(kPage, 1));
+            if (jj % kIssuers == (kSplitIssue ? warp_in_group : 0))  // split issue: this warp's pages
+              issue(jj, page_of((int64_t)w.kv_begin + min((n * kKv + jj * kBox) / max(kPage, 1), last)),
+                    (n * kKv + jj * kBox) % max(kPage, 1));
         };
         // KV tile n into stage `stage`, K or (is_v) V^T: one TMA copy (ragged), or a box a page and 64-dim block
         // (paged; boxes past the request's last page read that page again: their keys are masked, V zeroed by the
@@ -458,11 +465,16 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
           }
         };
         for (int n = w.ntiles - 1; n >= w.n_lo; --n) {  // the consumers' order: the diagonal first
-          pipe_k.producer_acquire(st);
-          load_kv(cute::false_type{}, tma_k, mK, sK, n, st.index(), pipe_k.producer_get_barrier(st));
-          if (n == w.ntiles - 1) load_q();
-          pipe_v.producer_acquire(st);
-          load_kv(cute::true_type{}, tma_v, mVt, sVt, n, st.index(), pipe_v.producer_get_barrier(st));
+          // split issue: each warp's issuer waits for the stage and issues its pages; thread 0 (the pipeline's
+          // leader) also posts the stage's bytes, which may come after another warp's boxes have landed (the
+          // phase waits for its arrival)
+          if (issuer) {
+            pipe_k.producer_acquire(st);
+            load_kv(cute::false_type{}, tma_k, mK, sK, n, st.index(), pipe_k.producer_get_barrier(st));
+            if (n == w.ntiles - 1) load_q();
+            pipe_v.producer_acquire(st);
+            load_kv(cute::true_type{}, tma_v, mVt, sVt, n, st.index(), pipe_v.producer_get_barrier(st));
+          }
           ++st;
         }
       }
