@@ -1,6 +1,7 @@
 """One profiled launch (after 3 warm-ups) of ours / FlashInfer FA3 / FA2 on perf.prefill's Case, for ncu:
 
     ncu --profile-from-start off --set full -o ours python3 -m perf.tools.ncu_prefill ours 1x16384 32 [TUNING_JSON]
+        [--head-dim D]
 
 argv: impl (ours, fa2, fa3, cute: the CuTe probe's CTA with overlap and ping-pong; cute_pagedN: its overlapped
 CTA on pages of N tokens in random order, N = 0 ragged), BxS, KV heads
@@ -16,13 +17,17 @@ IMPLS = ("ours", "fa2", "fa3", "cute", "cute_paged")
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    head_dim = None
+    if "--head-dim" in argv:  # 128 unless given (perf.prefill's D)
+        k = argv.index("--head-dim")
+        head_dim, argv = int(argv[k + 1]), argv[:k] + argv[k + 2:]
     if len(argv) < 3 or argv[0].rstrip("0123456789") not in IMPLS:
         print(f"usage: python3 -m perf.tools.ncu_prefill {{{','.join(IMPLS)}}} BxS KV_HEADS [TUNING_JSON]",
               file=sys.stderr)
         return 2
     impl, bs, hkv = argv[0], argv[1], int(argv[2])
     b, s = (int(x) for x in bs.split("x"))
-    case = Case(b, s, 32, hkv)
+    case = Case(b, s, 32, hkv) if head_dim is None else Case(b, s, 32, hkv, head_dim=head_dim)
     if impl == "ours":
         fn, out, info = ours_fn(case, tuning=json.loads(argv[3]) if len(argv) > 3 else None)
         print(info, flush=True)
