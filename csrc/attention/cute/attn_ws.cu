@@ -84,8 +84,8 @@ using SmemLayoutK = decltype(tile_to_shape(AtomK{}, Shape<Int<kKv>, D, Int<kStag
 // tiled along the tokens first, so each 64-dim block holds all 128 tokens in a row: one TMA box a block (tiled along
 // the dims first, a box spans 8 tokens: 32 TMA copies a tile at head size 128)
 // Paged K (and V without kVPageBox): TMA boxes of kBox tokens x 64 dims, one a page and 64-dim block (several a KV
-// tile below 128 tokens a page). A box is a contiguous run of the stage's atoms in both layouts (K: rows first; V: tokens first), laid out
-// as the layouts below.
+// tile below 128 tokens a page). A box is a contiguous run of the stage's atoms in both layouts (K: rows first; V:
+// tokens first), laid out as the layouts below.
 constexpr int kBox = kPage == 0 || kPage >= kKv || kGather ? kKv : kPage, kBoxes = kKv / kBox;
 // Pages below a KV tile: V takes one box a page, all its dim blocks (a 3-D box: dims of a block, the page's tokens,
 // the blocks), laid out page after page, each page's blocks of kBox tokens in a run. P.V's k-blocks of 16 tokens stay
@@ -167,7 +167,7 @@ struct SharedStorage {
   typename Pipeline::SharedStorage pipe_k, pipe_v;
   alignas(8) uint64_t q_full, q_empty;
   int tile;     // the work tile whose Q q_full announces (work: none left)
-  int draw[2];  // gather: the work tile the producer's thread 0 drew for all 128 (by the draw's parity)
+  int draw[2];  // gather, split issue: the work tile the producer's thread 0 drew for all 128 (by the draw's parity)
   int64_t row_off[kGather ? 2 : 1][kGather ? kKv : 1];  // gather: a KV tile's rows' offsets in the cache
 };
 constexpr int kSmemBytes = sizeof(SharedStorage);
@@ -273,8 +273,9 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
 
   if (warp_group == 0) {  // producer
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegs>();
-    // The tile loop is thread 0's (the tile counter, Q's TMA load, the end), or with gather every producer thread's:
-    // thread 0 draws each tile and hands it to the others through ss.draw (named barrier kDrawBarrier)
+    // The tile loop is thread 0's (the tile counter, Q's TMA load, the end), or with gather or split issue every
+    // producer thread's: thread 0 draws each tile and hands it to the others through ss.draw (named barrier
+    // kDrawBarrier)
     const bool issuer = kGather || cute::elect_one_sync();  // a warp's TMA issuer (split issue: every warp's)
     const bool leader = kGather ? tid == 0 : (warp_in_group == 0 && issuer);
     if (!kGather && !kSplitIssue && !leader) return;
