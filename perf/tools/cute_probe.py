@@ -122,10 +122,12 @@ def main(argv=None) -> int:
                 fns[name], outs[name] = probe_fn(case, *MODES[name])
             for page in (int(x) for x in a.paged.split(",") if x):
                 for wgs in (int(x) for x in a.paged_warpgroups.split(",")):
-                    for vbox, split in ((int(v), int(x)) for v in a.paged_vbox.split(",") for x in a.paged_split.split(",")):
-                        name = (f"cute_overlap_paged{page}" + ("" if wgs == 2 else f"_wg{wgs}") + ("" if vbox else "_vb0")
-                                + ("" if split else "_sp0"))
-                        fns[name], outs[name] = paged_fn(case, page, warpgroups=wgs, vbox=bool(vbox), split=bool(split))
+                    for vbox in (int(x) for x in a.paged_vbox.split(",")):
+                        for split in (int(x) for x in a.paged_split.split(",")):
+                            name = (f"cute_overlap_paged{page}" + ("" if wgs == 2 else f"_wg{wgs}")
+                                    + ("" if vbox else "_vb0") + ("" if split else "_sp0"))
+                            fns[name], outs[name] = paged_fn(case, page, warpgroups=wgs, vbox=bool(vbox),
+                                                             split=bool(split))
                 # the same pages through BatchAttention: the prefill family's CuTe member (the launch engines run)
                 name = f"member_paged{page}"
                 fns[name], outs[name], info = P.ours_fn(case, paged=P.Paged(case, page))

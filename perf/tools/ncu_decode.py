@@ -4,8 +4,9 @@ perf.composable cell (B requests sharing an L-token prefix's pages, S unique tok
     ncu --profile-from-start off --set full -o ours python3 -m perf.tools.ncu_decode ours 128x1024x256 [--unshared]
         [--heads 128/8/128]
 
-argv: impl (ours, flashinfer; groups: ours with the prefix groups, on the prefill kernel as the planner picks), BxLxS, --unshared for the same lengths on distinct pages (the control: every
-request its own prefix pages), --heads Q/KV/D for other heads than Llama-3.1-8B's (perf.composable's). Used to find
+argv: impl (ours, flashinfer; groups: ours with the prefix groups, on the prefill kernel as the planner picks),
+BxLxS, --unshared for the same lengths on distinct pages (the control: every request its own prefix pages), --heads
+Q/KV/D for other heads than Llama-3.1-8B's (perf.composable's). Used to find
 why FlashInfer's decode gains more from shared pages than ours (docs/composable.md, finding 1), and on distinct
 pages where DRAM bounds both (docs/decode.md)."""
 import sys

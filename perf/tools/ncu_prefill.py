@@ -12,7 +12,7 @@ import sys
 from perf.common import profile_once
 from perf.prefill import Case, FlashInferRagged, ours_fn
 
-IMPLS = ("ours", "fa2", "fa3", "cute", "cute_paged")
+IMPLS = ("ours", "fa2", "fa3", "cute", "cute_pagedN")
 
 
 def main(argv=None) -> int:
@@ -21,7 +21,8 @@ def main(argv=None) -> int:
     if "--head-dim" in argv:  # 128 unless given (perf.prefill's D)
         k = argv.index("--head-dim")
         head_dim, argv = int(argv[k + 1]), argv[:k] + argv[k + 2:]
-    if len(argv) < 3 or argv[0].rstrip("0123456789") not in IMPLS:
+    paged = argv[0].startswith("cute_paged") and argv[0][len("cute_paged"):].isdigit() if argv else False
+    if len(argv) < 3 or not (argv[0] in IMPLS[:-1] or paged):
         print(f"usage: python3 -m perf.tools.ncu_prefill {{{','.join(IMPLS)}}} BxS KV_HEADS [TUNING_JSON]",
               file=sys.stderr)
         return 2
