@@ -454,7 +454,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
           } else {
             load_boxes(n, [&](int jj, int page, int slot0) {
               CUTE_UNROLL
-              for (int c = 0; c < kHeadDim / kDimBlock; ++c) {
+              for (int c = 0; c < kDimBlocks; ++c) {
                 Tensor g = local_tile(gmem(_, _, kv_head, page), order(Int<kBox>{}, DimBlock{}),
                                       order(slot0 / kBox, c));
                 Tensor sb = local_tile(smem(_, _, stage), order(Int<kBox>{}, DimBlock{}), order(jj, c));
