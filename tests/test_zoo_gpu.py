@@ -74,13 +74,22 @@ def _plan_kw(variant, Hq):
 
 
 def _specs(variant, D, q, kv, group):
+    """The decode module and the prefill family's; with FI_TEST_CUTE=1 the CuTe member's at each page size too."""
     from fi_backend.wrappers import decode_spec, prefill_family_size, prefill_spec
-    return [decode_spec(variant, D, q, kv, group)] + [prefill_spec(variant, D, q, kv, group, member=m)
-                                                      for m in range(prefill_family_size(D, kv))]
+    out = [decode_spec(variant, D, q, kv, group)] + [prefill_spec(variant, D, q, kv, group, member=m)
+                                                     for m in range(prefill_family_size(D, kv))]
+    if os.environ.get("FI_TEST_CUTE") == "1":
+        from fi_backend.cute_member import specs_for
+        out += [s for page in PAGES for s in specs_for(variant, D, q, kv, page)]
+    return out
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _prebuild():
+    build_modules()
+
+
+def build_modules():
     """Every module of this file, built in parallel before the first case (already-cached ones are found)."""
     from fi_backend import kernels
     specs = []
