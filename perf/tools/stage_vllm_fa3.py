@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import glob
 import io
-import lzma
 import os
 import sys
 import tarfile
