@@ -111,7 +111,8 @@ class Workspace:
              min_kv_chunk: int = DEFAULT_MIN_KV_CHUNK, kv_chunk_align: int = 1,
              cost_q: float = DEFAULT_COST_Q, cost_kv: float = DEFAULT_COST_KV,
              group_requests: bool = False, kv_window: int = 0, deterministic_pieces: int = 0,
-             partition: Optional[bool] = None, groups=None, num_ctas: Optional[int] = None) -> PlanInfo:
+             partition: Optional[bool] = None, groups=None, num_ctas: Optional[int] = None,
+             cost_item: float = 0.0) -> PlanInfo:
         """Plan a step (see fi_backend.scheduler.plan_into) and copy it into the plan section.
 
         qo_indptr: int32 [B + 1], kv_lens: int32 [B] (numpy arrays or CPU tensors). num_units: the
@@ -131,7 +132,8 @@ class Workspace:
         info = plan_into(self._views, qo, kv, tile_q=tile_q, num_ctas=num_ctas, num_units=num_units,
                          causal=causal, min_kv_chunk=min_kv_chunk, kv_chunk_align=kv_chunk_align, cost_q=cost_q,
                          cost_kv=cost_kv, group_requests=group_requests, kv_window=kv_window,
-                         deterministic_pieces=deterministic_pieces, partition=partition, groups=groups)
+                         deterministic_pieces=deterministic_pieces, partition=partition, groups=groups,
+                         cost_item=cost_item)
         self._copy(self.layout.used_ints(info.num_items))
         return info
 

@@ -30,8 +30,8 @@ double LoadOf(uint64_t bits) {
 
 // The cost of an item. One out-of-line definition, so the chunk search and the plan it picks add
 // bit-identical doubles whatever the compiler does with multiply-adds at each call site.
-__attribute__((noinline)) double ItemCost(double cost_q, double cost_kv, int64_t rows, int64_t kv) {
-  return cost_q * (double)rows + cost_kv * (double)kv;
+__attribute__((noinline)) double ItemCost(const PlanInputs& in, int64_t rows, int64_t kv) {
+  return in.cost_item + in.cost_q * (double)rows + in.cost_kv * (double)kv;
 }
 
 // Chunk sizes of a pair of `len` tokens cut into n aligned chunks, as even as alignment allows: the
@@ -368,10 +368,10 @@ double Planner::EvaluateSplit(const PlanInputs& in, const Split& split, double b
     const int64_t n = CeilDiv(p.kv_len, split.chunk), rows = p.q_end - p.q_begin;
     skip_[rank_[j]] = 1;
     const ChunkShape shape(p.kv_len, n, align);
-    const uint64_t big = ~CostBits(ItemCost(in.cost_q, in.cost_kv, rows, (shape.per + 1) * align));
-    const uint64_t small = ~CostBits(ItemCost(in.cost_q, in.cost_kv, rows, shape.per * align));
+    const uint64_t big = ~CostBits(ItemCost(in, rows, (shape.per + 1) * align));
+    const uint64_t small = ~CostBits(ItemCost(in, rows, shape.per * align));
     for (int64_t c = 0; c < n - 1; ++c) *chunk_key++ = c < shape.rem ? big : small;
-    *chunk_key++ = ~CostBits(ItemCost(in.cost_q, in.cost_kv, rows, shape.Size(n - 1, n, align)));
+    *chunk_key++ = ~CostBits(ItemCost(in, rows, shape.Size(n - 1, n, align)));
   }
   // Sorted by comparisons when short, by radix (its 256-entry histograms pay off) when long.
   const uint64_t* chunk = chunk_keys_.data();
@@ -519,7 +519,8 @@ Planner::Split Planner::ChooseSplit(const PlanInputs& in, const PlanSection& sec
       const bool strict = split.num_items >= best.num_items;
       // Cheap bound first: the makespan is >= units * the candidate's total cost / num_ctas (a margin keeps
       // rounding from ever discarding a candidate that could win).
-      const double total = total_cost + in.cost_q * (double)split.extra_rows;
+      const double total = total_cost + in.cost_q * (double)split.extra_rows +
+                           in.cost_item * (double)(split.split_items - split.num_split_pairs);
       if (total * inv_m > best_makespan * (1.0 + 1e-9)) continue;
       const double makespan = EvaluateSplit(in, split, best_makespan, strict);
       if (makespan == HUGE_VAL) continue;
@@ -534,7 +535,7 @@ Planner::Split Planner::ChooseSplit(const PlanInputs& in, const PlanSection& sec
 // pair that does not fit whole is cut at the last boundary within the cap (a multiple of kv_chunk_align,
 // each piece at least min_kv_chunk rounded up to it, the remainder too unless it is the pair's last KV
 // tile) and goes on in the next CTA; when no such cut exists the CTA is closed and the pair tried on the
-// next. Each cut costs its piece's fixed cost (cost_q * rows) once more, counted where it falls. A CTA
+// next. Each cut costs its piece's fixed cost (cost_item + cost_q * rows) once more, counted where it falls. A CTA
 // closes with one cut at most, so the split items are at most 2 (num_ctas - 1): within SplitBudget. Infeasible (+inf) when the pairs need more
 // CTAs, or an empty CTA takes not even the piece that must come next.
 Planner::Split Planner::FillWalk(const PlanInputs& in, double cap, bool record, double* makespan) {
@@ -559,7 +560,7 @@ Planner::Split Planner::FillWalk(const PlanInputs& in, double cap, bool record, 
         // boundary within them. It leaves >= lo tokens behind it, or exactly the pair's last KV tile (a
         // partial tile is one tile's work anyway; without this, 1001 tokens in 128-token tiles could not be
         // cut past 768). Divisions only here: at most one cut or close per CTA.
-        const double room = (cap - load - in.cost_q * (double)rows) / in.cost_kv;
+        const double room = (cap - load - in.cost_item - in.cost_q * (double)rows) / in.cost_kv;
         end = -1;
         if (room >= 0.0) {
           const int64_t last_tile = (len - 1) / align * align;
@@ -572,7 +573,7 @@ Planner::Split Planner::FillWalk(const PlanInputs& in, double cap, bool record, 
           ++cta, load = 0.0, empty = true;
           continue;
         }
-        cost = ItemCost(in.cost_q, in.cost_kv, rows, end - begin);
+        cost = ItemCost(in, rows, end - begin);
       }
       if (record) {
         items_.push_back(Item{FiWorkItem{p.request, p.q_begin, p.q_end, (int32_t)begin, (int32_t)end, -1, 1, 0}, cost});
@@ -583,7 +584,7 @@ Planner::Split Planner::FillWalk(const PlanInputs& in, double cap, bool record, 
       s.chunk = std::max(s.chunk, end - begin);
       max_load = std::max(max_load, load);
       ++cta, load = 0.0, empty = true, begin = end;
-      rest = ItemCost(in.cost_q, in.cost_kv, rows, len - begin);
+      rest = ItemCost(in, rows, len - begin);
     }
     if (pieces > 1) {
       s.chunk = std::max(s.chunk, len - begin);
@@ -650,7 +651,7 @@ Planner::Split Planner::DeterministicItems(const PlanInputs& in) {
     for (int64_t c = 0; c < n; ++c) {
       const int64_t kv_begin = c * chunk, kv_end = std::min<int64_t>(p.kv_len, kv_begin + chunk);
       items_.push_back(Item{FiWorkItem{p.request, p.q_begin, p.q_end, (int32_t)kv_begin, (int32_t)kv_end, -1, 1, 0},
-                            ItemCost(in.cost_q, in.cost_kv, rows, kv_end - kv_begin)});
+                            ItemCost(in, rows, kv_end - kv_begin)});
     }
     s.chunk = std::max(s.chunk, chunk);
     s.num_split_pairs += 1;
@@ -794,9 +795,10 @@ PlanStatus Planner::Plan(const PlanInputs& in_arg, const PlanSection& section, P
     return Fail(S::kInvalidArgument, "min_kv_chunk must be >= 1 token, got %lld", (long long)in.min_kv_chunk);
   if (in.kv_chunk_align < 1)
     return Fail(S::kInvalidArgument, "kv_chunk_align must be >= 1 token, got %lld", (long long)in.kv_chunk_align);
-  if (!(std::isfinite(in.cost_q) && in.cost_q >= 0.0) || !(std::isfinite(in.cost_kv) && in.cost_kv >= 0.0))
-    return Fail(S::kInvalidArgument, "cost_q and cost_kv must be finite and >= 0, got cost_q=%g cost_kv=%g", in.cost_q,
-                in.cost_kv);
+  if (!(std::isfinite(in.cost_q) && in.cost_q >= 0.0) || !(std::isfinite(in.cost_kv) && in.cost_kv >= 0.0) ||
+      !(std::isfinite(in.cost_item) && in.cost_item >= 0.0))
+    return Fail(S::kInvalidArgument, "cost_q, cost_kv and cost_item must be finite and >= 0, got cost_q=%g cost_kv=%g "
+                "cost_item=%g", in.cost_q, in.cost_kv, in.cost_item);
   if (in.force_kv_chunk > 0 && (in.force_kv_chunk % in.kv_chunk_align != 0 || in.force_kv_chunk < in.min_kv_chunk))
     return Fail(S::kInvalidArgument,
                 "force_kv_chunk must be -1 (search), 0 (no split) or a multiple of kv_chunk_align=%lld that is >= "
@@ -936,7 +938,7 @@ PlanStatus Planner::Plan(const PlanInputs& in_arg, const PlanSection& section, P
             int64_t kv_begin = 0;
             for (int64_t c = 0; c < n; ++c) {
               const int64_t kv_end = kv_begin + shape.Size(c, n, in.kv_chunk_align);
-              const double cost = ItemCost(in.cost_q, in.cost_kv, t1 - t0, kv_end - kv_begin);
+              const double cost = ItemCost(in, t1 - t0, kv_end - kv_begin);
               pairs_.push_back(Pair{(int32_t)(i | FI_ITEM_SHARED), t0, t1, (int32_t)kv_end, cost, (int32_t)kv_begin,
                                     block, (int32_t)c});
               total_cost += cost;
@@ -952,7 +954,7 @@ PlanStatus Planner::Plan(const PlanInputs& in_arg, const PlanSection& section, P
         const int64_t len = in.causal ? kv_len - q_len + tile_end : kv_len;
         const int64_t rows = tile_end - tile_begin;
         const int64_t span = in.kv_window > 0 ? std::min(len, in.kv_window - 1 + rows) : len;  // KV it reads
-        const double cost = ItemCost(in.cost_q, in.cost_kv, rows, span - prefix);
+        const double cost = ItemCost(in, rows, span - prefix);
         pairs_.push_back(Pair{(int32_t)i, (int32_t)(q0 + tile_begin), (int32_t)(q0 + tile_end), (int32_t)len, cost,
                               prefix, block, block - 1});
         total_cost += cost;
@@ -971,7 +973,7 @@ PlanStatus Planner::Plan(const PlanInputs& in_arg, const PlanSection& section, P
       if (group_chunks_[g] == 0) continue;
       const int64_t first = in.groups[3 * g], end = in.groups[3 * g + 1], len = in.groups[3 * g + 2];
       const int64_t rows = (int64_t)in.qo_indptr[end] - in.qo_indptr[first];
-      const double tile_cost = ItemCost(in.cost_q, in.cost_kv, std::min(rows, in.tile_q), len);
+      const double tile_cost = ItemCost(in, std::min(rows, in.tile_q), len);
       int64_t n = fair > 0.0 ? (int64_t)std::ceil(tile_cost / fair) : 1;
       n = std::max<int64_t>(1, std::min<int64_t>(n, kMaxSharedChunks));
       const int64_t chunk = std::max(lo, RoundUp(CeilDiv(len, n), align));
@@ -1133,7 +1135,7 @@ PlanStatus Planner::Plan(const PlanInputs& in_arg, const PlanSection& section, P
       for (int64_t c = 0; c < n; ++c) {
         const int64_t kv_end = kv_begin + shape.Size(c, n, align);
         *item++ = Item{FiWorkItem{p.request, p.q_begin, p.q_end, (int32_t)kv_begin, (int32_t)kv_end, -1, 1, 0},
-                       ItemCost(in.cost_q, in.cost_kv, rows, kv_end - kv_begin)};
+                       ItemCost(in, rows, kv_end - kv_begin)};
         kv_begin = kv_end;
       }
     }
