@@ -230,21 +230,22 @@ def plan_cost_q(kernel: str, kv_tile: int, rows_per_tile: int) -> float:
     return cost
 
 
-# A prefill item's fixed cost in steps with shared-prefix groups, in KV tiles, whatever its rows: the latency of
-# its start (query and first KV tile) and of its end (partial state, fence, ticket, merge). Such steps run many
-# one-row items (a member's own KV); counted by rows alone, 29 of them went to one CTA (16 x 8k + 16: 206 us
-# against 40 us at + 256). Fitted on the 16 x 8k cells (docs/composable.md, "An item's fixed cost").
-PREFILL_GROUP_ITEM_TILES = 4.0
+# The least a prefill item costs the planner in steps with shared-prefix groups, in KV tiles: a small item's time is
+# the latency of its start (query, first KV tile) and end (partial state, fence, ticket, merge), not its work. Such
+# steps run one-row items of a member's own few tokens; costed by their work, 29 went to one CTA (16 x 8k + 16:
+# 204 us, 39 us with the floor). A floor, not an added cost: items of 4 tiles and more kept their plans, which an
+# added cost made 6-19% slower (docs/composable.md, "The least an item costs").
+PREFILL_GROUP_ITEM_MIN_TILES = 4.0
 
 
-def prefill_group_item_cost(kv_tile: int) -> float:
-    """The planner's fixed cost of an item (KV tokens) in a prefill step with shared-prefix groups:
-    FI_BACKEND_PLAN_GROUP_ITEM_COST, else PREFILL_GROUP_ITEM_TILES KV tiles."""
-    cost = env.number(env.PLAN_GROUP_ITEM_COST)
+def prefill_group_item_min(kv_tile: int) -> float:
+    """The least an item costs the planner (KV tokens) in a prefill step with shared-prefix groups:
+    FI_BACKEND_PLAN_GROUP_ITEM_MIN, else PREFILL_GROUP_ITEM_MIN_TILES KV tiles."""
+    cost = env.number(env.PLAN_GROUP_ITEM_MIN)
     if cost is None:
-        return PREFILL_GROUP_ITEM_TILES * kv_tile
+        return PREFILL_GROUP_ITEM_MIN_TILES * kv_tile
     if not cost >= 0:
-        raise ValueError(f"{env.PLAN_GROUP_ITEM_COST} must be a number >= 0, got {cost}")
+        raise ValueError(f"{env.PLAN_GROUP_ITEM_MIN} must be a number >= 0, got {cost}")
     return float(cost)
 
 
@@ -665,7 +666,7 @@ class BatchAttention:
                                      causal=bool(causal), kv_chunk_align=self.kv_tile, cost_q=self._cost_q,
                                      group_requests=group, kv_window=kv_window, partition=self._partition,
                                      groups=groups, num_ctas=self.grid[0],
-                                     cost_item=(prefill_group_item_cost(self.kv_tile)
+                                     cost_item_min=(prefill_group_item_min(self.kv_tile)
                                                 if groups is not None and self.kernel != "decode" else 0.0),
                                      **(self._det_plan_args or {"min_kv_chunk": min_chunk}))
             if self._cute is not None:  # not for steps a graph replays, shared-prefix groups or positions of their own

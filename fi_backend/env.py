@@ -25,9 +25,9 @@ FI_BACKEND_PLAN_SHARED_GAIN a float >= 0: the shared-prefix verdict's factor ins
 FI_BACKEND_PLAN_DECODE_COST_Q a float > 0: the decode planner's cost of a query row, in KV tokens, instead of the
                             kernel's KV tile (how eagerly plans split KV; read when a wrapper is made, for
                             experiments: perf/tools/decode_shapes.py's "cost_q")
-FI_BACKEND_PLAN_GROUP_ITEM_COST a float >= 0: a prefill plan's fixed cost of an item, in KV tokens, in steps with
-                            shared-prefix groups, instead of PREFILL_GROUP_ITEM_TILES KV tiles (read at each plan,
-                            for experiments: perf composable --group-item-costs)
+FI_BACKEND_PLAN_GROUP_ITEM_MIN a float >= 0: the least an item costs a prefill plan, in KV tokens, in steps with
+                            shared-prefix groups, instead of PREFILL_GROUP_ITEM_MIN_TILES KV tiles (read at each plan,
+                            for experiments: perf composable --group-item-mins)
 FI_BACKEND_DETERMINISTIC    "1": wrappers made without a deterministic= argument plan deterministically (a
                             request's KV splits and merge order depend on that request alone: batch-invariant
                             outputs; read when a wrapper is made; docs/deterministic.md)
@@ -56,7 +56,7 @@ PLAN_WINDOW = "FI_BACKEND_PLAN_WINDOW"
 PLAN_PARTITION = "FI_BACKEND_PLAN_PARTITION"
 PLAN_SHARED_GAIN = "FI_BACKEND_PLAN_SHARED_GAIN"
 PLAN_DECODE_COST_Q = "FI_BACKEND_PLAN_DECODE_COST_Q"
-PLAN_GROUP_ITEM_COST = "FI_BACKEND_PLAN_GROUP_ITEM_COST"
+PLAN_GROUP_ITEM_MIN = "FI_BACKEND_PLAN_GROUP_ITEM_MIN"
 DETERMINISTIC = "FI_BACKEND_DETERMINISTIC"
 VLLM_BATCH_INVARIANT = "VLLM_BATCH_INVARIANT"  # vLLM's own switch (the adapter and `fi-backend build --model` read it)
 SHARED_PREFIX = "FI_BACKEND_SHARED_PREFIX"

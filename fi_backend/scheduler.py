@@ -9,7 +9,7 @@ The planner cuts each request's rows into query tiles of tile_q rows; a (request
 positions [0, kv_len) (causal, bottom-right aligned: [0, kv_len - q_len + tile_end)). Items (whole pairs
 or KV chunks of split pairs) run once for each of num_units query-head groups (a KV head, or a chunk of
 its query heads: the item's `unit`); these replicas are assigned heaviest first to the least loaded of
-all num_ctas CTAs (LPT; cost = cost_item + cost_q * rows + cost_kv * KV tokens), so one grid of all the GPU's CTAs
+all num_ctas CTAs (LPT; cost = max(cost_item_min, cost_q * rows + cost_kv * KV tokens)), so one grid of all the GPU's CTAs
 serves every head. Which pairs are split is chosen by search: a candidate (L, s) splits the s longest
 pairs that are longer than L into ceil(len / L) chunks aligned to kv_chunk_align, never more than
 MAX_SPLIT_ITEMS_PER_CTA * ceil(num_ctas / num_units) chunks in all (the workspace's partial-state bound;
@@ -237,7 +237,7 @@ def plan_into(views: PlanViews, qo_indptr, kv_lens, *, tile_q: int, num_ctas: in
               force_kv_chunk: Optional[int] = None, force_split_pairs: Optional[int] = None,
               group_requests: bool = False, kv_window: int = 0, partition: Optional[bool] = None,
               deterministic_pieces: int = 0, groups=None, shared_gain: Optional[float] = None,
-              cost_item: float = 0.0) -> PlanInfo:
+              cost_item_min: float = 0.0) -> PlanInfo:
     """Plan one step into `views` in place.
 
     qo_indptr: int32 [B + 1] (numpy array or CPU tensor), query rows of each request, qo_indptr[0] = 0.
@@ -277,7 +277,7 @@ def plan_into(views: PlanViews, qo_indptr, kv_lens, *, tile_q: int, num_ctas: in
     (PlanInfo.shared_groups counts the kept ones). Not with deterministic_pieces or kv_window; group_requests
     and the partition are off for a plan with groups. shared_gain: the verdict's factor (None:
     FI_BACKEND_PLAN_SHARED_GAIN, else SHARED_GAIN; 0 keeps every group that saves KV, for experiments).
-    cost_item: every item's fixed cost whatever its rows, in KV tokens (0: none; a split adds it per extra item).
+    cost_item_min: the least an item costs, in KV tokens (0: no floor), whatever its rows and KV.
     """
     if partition is None:
         partition = env.flag(env.PLAN_PARTITION, True)
@@ -291,7 +291,7 @@ def plan_into(views: PlanViews, qo_indptr, kv_lens, *, tile_q: int, num_ctas: in
                         -1 if force_kv_chunk is None else force_kv_chunk,
                         -1 if force_split_pairs is None else force_split_pairs, bool(group_requests),
                         int(kv_window), bool(partition), int(deterministic_pieces),
-                        None if groups is None else _groups_array(groups), float(shared_gain), float(cost_item))
+                        None if groups is None else _groups_array(groups), float(shared_gain), float(cost_item_min))
     return PlanInfo._make(out)
 
 

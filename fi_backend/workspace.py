@@ -112,7 +112,7 @@ class Workspace:
              cost_q: float = DEFAULT_COST_Q, cost_kv: float = DEFAULT_COST_KV,
              group_requests: bool = False, kv_window: int = 0, deterministic_pieces: int = 0,
              partition: Optional[bool] = None, groups=None, num_ctas: Optional[int] = None,
-             cost_item: float = 0.0) -> PlanInfo:
+             cost_item_min: float = 0.0) -> PlanInfo:
         """Plan a step (see fi_backend.scheduler.plan_into) and copy it into the plan section.
 
         qo_indptr: int32 [B + 1], kv_lens: int32 [B] (numpy arrays or CPU tensors). num_units: the
@@ -133,7 +133,7 @@ class Workspace:
                          causal=causal, min_kv_chunk=min_kv_chunk, kv_chunk_align=kv_chunk_align, cost_q=cost_q,
                          cost_kv=cost_kv, group_requests=group_requests, kv_window=kv_window,
                          deterministic_pieces=deterministic_pieces, partition=partition, groups=groups,
-                         cost_item=cost_item)
+                         cost_item_min=cost_item_min)
         self._copy(self.layout.used_ints(info.num_items))
         return info
 

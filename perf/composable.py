@@ -17,8 +17,8 @@ before timing. Writes perf/results/composable.json (device, date, commit).
                                                   # groups' partial rows, so their prefix chunks, grow with it
                               [--prefill-tunings '[{"warps": 8, "mfrags": 2}]']   # the groups on forced prefill
                                                   # tile shapes too (tuning of fi_backend.specs.prefill_spec)
-                              [--group-item-costs 0,128,512]   # the groups on the prefill kernel planned with
-                                                  # these fixed item costs too (FI_BACKEND_PLAN_GROUP_ITEM_COST)
+                              [--group-item-mins 0,128,512]   # the groups on the prefill kernel planned with
+                                                  # these least item costs too (FI_BACKEND_PLAN_GROUP_ITEM_MIN)
 """
 from __future__ import annotations
 
@@ -85,9 +85,9 @@ def set_page(page: int) -> None:
     PAGE = page
 
 
-def ours(cell: Cell, kernel: str, groups: bool, tuning=None, item_cost=None):
-    """(fn, out, plan info) of our wrapper on the cell; item_cost: the plan's fixed item cost for group steps
-    (FI_BACKEND_PLAN_GROUP_ITEM_COST while it plans; None: the wrapper's own)."""
+def ours(cell: Cell, kernel: str, groups: bool, tuning=None, item_min=None):
+    """(fn, out, plan info) of our wrapper on the cell; item_min: the least an item costs the plan of a group step
+    (FI_BACKEND_PLAN_GROUP_ITEM_MIN while it plans; None: the wrapper's own)."""
     from fi_backend import formats
     from fi_backend.wrappers import BatchAttention
     n = max(cell.B, WORKSPACE_REQUESTS)
@@ -95,16 +95,16 @@ def ours(cell: Cell, kernel: str, groups: bool, tuning=None, item_cost=None):
                                       shared_prefix=True, tuning=tuning)
     attn = BatchAttention(ws, HQ, HKV, D, q_dtype=DTYPE, page_size=PAGE, kernel=kernel, tuning=tuning)
     bsr = formats.from_block_table(cell.table, cell.kv_lens.cuda(), cell.qo.cuda(), PAGE, num_kv_blocks=cell.num_pages)
-    saved = os.environ.get("FI_BACKEND_PLAN_GROUP_ITEM_COST")
-    if item_cost is not None:
-        os.environ["FI_BACKEND_PLAN_GROUP_ITEM_COST"] = repr(float(item_cost))
+    saved = os.environ.get("FI_BACKEND_PLAN_GROUP_ITEM_MIN")
+    if item_min is not None:
+        os.environ["FI_BACKEND_PLAN_GROUP_ITEM_MIN"] = repr(float(item_min))
     try:
         attn.plan(cell.qo, cell.kv_lens, bsr, causal=True, prefix_groups=cell.groups if groups else None)
     finally:
-        if item_cost is not None:
-            os.environ.pop("FI_BACKEND_PLAN_GROUP_ITEM_COST", None)
+        if item_min is not None:
+            os.environ.pop("FI_BACKEND_PLAN_GROUP_ITEM_MIN", None)
             if saved is not None:
-                os.environ["FI_BACKEND_PLAN_GROUP_ITEM_COST"] = saved
+                os.environ["FI_BACKEND_PLAN_GROUP_ITEM_MIN"] = saved
     if groups and attn.plan_info.shared_groups != len(cell.groups):   # the planner found groups not worth it here
         log(f"  {cell.B}x{cell.L}+{cell.S} {kernel}: {len(cell.groups) - attn.plan_info.shared_groups} of "
             f"{len(cell.groups)} groups planned single-format ({attn.plan_info})")
@@ -150,13 +150,13 @@ def flashinfer_decode(cell: Cell):
 
 
 def run_cell(B: int, L: int, S: int, rounds: int, rep: int, N: int = 0, unshared: bool = False,
-             tunings=(), item_costs=()) -> dict:
+             tunings=(), item_mins=()) -> dict:
     cell = Cell(B, L, S, N)
     single, single_out, _ = ours(cell, "decode", False)
     dec, dec_out, dec_info = ours(cell, "decode", True)
     pre, pre_out, pre_info = ours(cell, "prefill", True)
     forced = {f"ours_prefill_groups_t{i}": ours(cell, "prefill", True, t) for i, t in enumerate(tunings)}
-    forced.update({f"ours_prefill_groups_c{c:g}": ours(cell, "prefill", True, item_cost=c) for c in item_costs})
+    forced.update({f"ours_prefill_groups_c{c:g}": ours(cell, "prefill", True, item_min=c) for c in item_mins})
     fi, fi_state = flashinfer_cascade(cell)
     fid, fid_out = flashinfer_decode(cell)
     for f in (single, dec, pre, fi, fid, *(v[0] for v in forced.values())):   # one call each on the same pool
@@ -213,8 +213,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-tunings", type=json.loads, default=[],
                     help="a JSON list of prefill kernel shapes (fi_backend.specs.prefill_spec tunings) to time the "
                          "groups on besides the family's pick: ours_prefill_groups_t0, _t1, ...")
-    ap.add_argument("--group-item-costs", default="",
-                    help="comma-separated fixed item costs (KV tokens) to plan the groups on the prefill kernel with "
+    ap.add_argument("--group-item-mins", default="",
+                    help="comma-separated least item costs (KV tokens) to plan the groups on the prefill kernel with "
                          "besides the wrapper's own: ours_prefill_groups_c<cost>")
     ap.add_argument("--workspace-requests", type=int, default=0,
                     help="our workspaces' max_requests (default: each cell's batch), as an engine sizes them by its "
@@ -231,12 +231,12 @@ def main(argv=None) -> int:
     global WORKSPACE_REQUESTS
     WORKSPACE_REQUESTS = a.workspace_requests
     import flashinfer
-    item_costs = [float(x) for x in a.group_item_costs.split(",") if x.strip()]
+    item_mins = [float(x) for x in a.group_item_mins.split(",") if x.strip()]
     results = [run_cell(*c[:3], a.rounds, a.rep, *c[3:], unshared=a.unshared, tunings=a.prefill_tunings,
-                        item_costs=item_costs) for c in cells]
+                        item_mins=item_mins) for c in cells]
     write_result(a.name, {**stamp(), "flashinfer": flashinfer.__version__,
                                 "heads": {"qo": HQ, "kv": HKV, "head_dim": D, "page": PAGE, "dtype": "bf16"},
                                 "shared_gain": a.shared_gain, "prefill_tunings": a.prefill_tunings,
-                                "workspace_requests": a.workspace_requests, "group_item_costs": item_costs,
+                                "workspace_requests": a.workspace_requests, "group_item_mins": item_mins,
                                 "cells": results})
     return 0

@@ -152,41 +152,41 @@ def test_shared_gain_forces_the_verdict(monkeypatch):
         S.plan_into(views, qo, kv, shared_gain=-1.0, **plan)
 
 
-def test_item_cost_spreads_one_row_items():
+def test_item_cost_floor_spreads_one_row_items():
     """16 requests sharing 8192 tokens with 16 own each (parallel sampling's first steps): counted by rows alone,
     the 128 one-row own items fill four CTAs at 29 each (206 us on the H100 against 40 us at 256 own tokens). A
-    fixed cost an item (PlanInputs::cost_item) spreads them; the replayed plan still computes attention."""
-    from fi_backend.attention import plan_cost_q, prefill_group_item_cost
+    floor on an item's cost (PlanInputs::cost_item_min) spreads them; the replayed plan still computes attention."""
+    from fi_backend.attention import plan_cost_q, prefill_group_item_min
     B, L, S_own, units, ctas, tile_q = 16, 8192, 16, 8, 132, 32
     qo = np.arange(B + 1, dtype=np.int32)
     kv = np.full(B, L + S_own, np.int32)
     plan = dict(tile_q=tile_q, num_ctas=ctas, num_units=units, causal=True, kv_chunk_align=64,
                 cost_q=plan_cost_q("prefill", 64, tile_q), groups=np.array([[0, B, L]], np.int32))
 
-    def most_items(cost_item):
+    def most_items(cost_item_min):
         views = _views(B, ctas, units, tile_q, 2 * 256)
-        S.plan_into(views, qo, kv, cost_item=cost_item, **plan)
+        S.plan_into(views, qo, kv, cost_item_min=cost_item_min, **plan)
         return int(np.diff(S.decode_plan(views).cta_indptr).max())
     assert most_items(0.0) >= 16
-    assert most_items(prefill_group_item_cost(64)) <= 3
+    assert most_items(prefill_group_item_min(64)) <= 3
     views = _views(4, 8, 1, 4, 64)
     q4, kv4 = np.arange(5, dtype=np.int32), np.array([600, 610, 620, 630], np.int32)
     S.plan_into(views, q4, kv4, tile_q=4, num_ctas=8, causal=True, groups=np.array([[0, 4, 512]], np.int32),
-                cost_item=256.0)
+                cost_item_min=256.0)
     out, expect = _replay(S.decode_plan(views), [1] * 4, list(kv4), [(0, 4, 512)], True, 1)
     np.testing.assert_allclose(out, expect, rtol=1e-9, atol=1e-12)
-    with pytest.raises(ValueError, match="cost_item must be finite and >= 0"):
-        S.plan_into(views, q4, kv4, tile_q=4, num_ctas=8, cost_item=-1.0)
+    with pytest.raises(ValueError, match="cost_item_min must be finite and >= 0"):
+        S.plan_into(views, q4, kv4, tile_q=4, num_ctas=8, cost_item_min=-1.0)
 
 
-def test_group_item_cost_env(monkeypatch):
-    from fi_backend.attention import PREFILL_GROUP_ITEM_TILES, prefill_group_item_cost
-    assert prefill_group_item_cost(64) == PREFILL_GROUP_ITEM_TILES * 64
-    monkeypatch.setenv("FI_BACKEND_PLAN_GROUP_ITEM_COST", "100")
-    assert prefill_group_item_cost(64) == 100.0
-    monkeypatch.setenv("FI_BACKEND_PLAN_GROUP_ITEM_COST", "-3")
-    with pytest.raises(ValueError, match="FI_BACKEND_PLAN_GROUP_ITEM_COST must be a number >= 0"):
-        prefill_group_item_cost(64)
+def test_group_item_min_env(monkeypatch):
+    from fi_backend.attention import PREFILL_GROUP_ITEM_MIN_TILES, prefill_group_item_min
+    assert prefill_group_item_min(64) == PREFILL_GROUP_ITEM_MIN_TILES * 64
+    monkeypatch.setenv("FI_BACKEND_PLAN_GROUP_ITEM_MIN", "100")
+    assert prefill_group_item_min(64) == 100.0
+    monkeypatch.setenv("FI_BACKEND_PLAN_GROUP_ITEM_MIN", "-3")
+    with pytest.raises(ValueError, match="FI_BACKEND_PLAN_GROUP_ITEM_MIN must be a number >= 0"):
+        prefill_group_item_min(64)
 
 
 def test_planner_refuses_bad_groups():

@@ -31,7 +31,7 @@ double LoadOf(uint64_t bits) {
 // The cost of an item. One out-of-line definition, so the chunk search and the plan it picks add
 // bit-identical doubles whatever the compiler does with multiply-adds at each call site.
 __attribute__((noinline)) double ItemCost(const PlanInputs& in, int64_t rows, int64_t kv) {
-  return in.cost_item + in.cost_q * (double)rows + in.cost_kv * (double)kv;
+  return std::max(in.cost_item_min, in.cost_q * (double)rows + in.cost_kv * (double)kv);
 }
 
 // Chunk sizes of a pair of `len` tokens cut into n aligned chunks, as even as alignment allows: the
@@ -519,8 +519,7 @@ Planner::Split Planner::ChooseSplit(const PlanInputs& in, const PlanSection& sec
       const bool strict = split.num_items >= best.num_items;
       // Cheap bound first: the makespan is >= units * the candidate's total cost / num_ctas (a margin keeps
       // rounding from ever discarding a candidate that could win).
-      const double total = total_cost + in.cost_q * (double)split.extra_rows +
-                           in.cost_item * (double)(split.split_items - split.num_split_pairs);
+      const double total = total_cost + in.cost_q * (double)split.extra_rows;
       if (total * inv_m > best_makespan * (1.0 + 1e-9)) continue;
       const double makespan = EvaluateSplit(in, split, best_makespan, strict);
       if (makespan == HUGE_VAL) continue;
@@ -535,7 +534,7 @@ Planner::Split Planner::ChooseSplit(const PlanInputs& in, const PlanSection& sec
 // pair that does not fit whole is cut at the last boundary within the cap (a multiple of kv_chunk_align,
 // each piece at least min_kv_chunk rounded up to it, the remainder too unless it is the pair's last KV
 // tile) and goes on in the next CTA; when no such cut exists the CTA is closed and the pair tried on the
-// next. Each cut costs its piece's fixed cost (cost_item + cost_q * rows) once more, counted where it falls. A CTA
+// next. Each cut costs its piece's fixed cost (cost_q * rows) once more, counted where it falls. A CTA
 // closes with one cut at most, so the split items are at most 2 (num_ctas - 1): within SplitBudget. Infeasible (+inf) when the pairs need more
 // CTAs, or an empty CTA takes not even the piece that must come next.
 Planner::Split Planner::FillWalk(const PlanInputs& in, double cap, bool record, double* makespan) {
@@ -560,7 +559,7 @@ Planner::Split Planner::FillWalk(const PlanInputs& in, double cap, bool record, 
         // boundary within them. It leaves >= lo tokens behind it, or exactly the pair's last KV tile (a
         // partial tile is one tile's work anyway; without this, 1001 tokens in 128-token tiles could not be
         // cut past 768). Divisions only here: at most one cut or close per CTA.
-        const double room = (cap - load - in.cost_item - in.cost_q * (double)rows) / in.cost_kv;
+        const double room = (cap - load - in.cost_q * (double)rows) / in.cost_kv;
         end = -1;
         if (room >= 0.0) {
           const int64_t last_tile = (len - 1) / align * align;
@@ -796,9 +795,9 @@ PlanStatus Planner::Plan(const PlanInputs& in_arg, const PlanSection& section, P
   if (in.kv_chunk_align < 1)
     return Fail(S::kInvalidArgument, "kv_chunk_align must be >= 1 token, got %lld", (long long)in.kv_chunk_align);
   if (!(std::isfinite(in.cost_q) && in.cost_q >= 0.0) || !(std::isfinite(in.cost_kv) && in.cost_kv >= 0.0) ||
-      !(std::isfinite(in.cost_item) && in.cost_item >= 0.0))
-    return Fail(S::kInvalidArgument, "cost_q, cost_kv and cost_item must be finite and >= 0, got cost_q=%g cost_kv=%g "
-                "cost_item=%g", in.cost_q, in.cost_kv, in.cost_item);
+      !(std::isfinite(in.cost_item_min) && in.cost_item_min >= 0.0))
+    return Fail(S::kInvalidArgument, "cost_q, cost_kv and cost_item_min must be finite and >= 0, got cost_q=%g "
+                "cost_kv=%g cost_item_min=%g", in.cost_q, in.cost_kv, in.cost_item_min);
   if (in.force_kv_chunk > 0 && (in.force_kv_chunk % in.kv_chunk_align != 0 || in.force_kv_chunk < in.min_kv_chunk))
     return Fail(S::kInvalidArgument,
                 "force_kv_chunk must be -1 (search), 0 (no split) or a multiple of kv_chunk_align=%lld that is >= "

@@ -6,7 +6,7 @@
 // or with causal masking (bottom-right aligned) len = kv_len - q_len + tile_end. Long pairs may be split
 // into KV chunks; every item (whole pair or chunk) is run for each of num_units query-head groups, and
 // these (item, unit) replicas are assigned longest-processing-time first (LPT) to the least loaded of
-// all num_ctas CTAs, cost = cost_item + cost_q * rows + cost_kv * KV tokens. When num_ctas divides by num_units, unit
+// all num_ctas CTAs, cost = max(cost_item_min, cost_q * rows + cost_kv * KV tokens). When num_ctas divides by num_units, unit
 // u gets its own block of num_ctas / num_units CTAs instead and every unit the same LPT plan over its
 // block ("unit blocks"). Each CTA then runs its items in creation order (request, query tile, chunk),
 // which keeps a request's KV in L2 between its tiles (planner.cc, the write). The result is written in
@@ -63,9 +63,9 @@ struct PlanInputs {
   bool causal = false;
   int64_t min_kv_chunk = 1;    // smallest KV chunk (tokens) a split may produce, >= 1
   int64_t kv_chunk_align = 1;  // chunk boundaries are multiples of this (page size or KV tile), >= 1
-  double cost_q = 1.0;         // cost of an item = cost_item + cost_q * rows + cost_kv * KV tokens
+  double cost_q = 1.0;         // cost of an item = max(cost_item_min, cost_q * rows + cost_kv * KV tokens)
   double cost_kv = 1.0;
-  double cost_item = 0.0;      // an item's fixed cost whatever its rows (latency of its start and its merge)
+  double cost_item_min = 0.0;  // the least an item costs: small items' time is their latency, not their work
   // A fixed candidate instead of the search (tests, tuning): force_kv_chunk = 0 splits nothing; L > 0
   // (a multiple of kv_chunk_align, >= min_kv_chunk) is the candidate (L, force_split_pairs), where
   // force_split_pairs < 0 means as many pairs as the split-item budget allows. -1: search.

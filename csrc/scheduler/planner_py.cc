@@ -65,12 +65,12 @@ PyObject* Plan(PyObject*, PyObject* args) {
       kv_chunk_align;
   Py_ssize_t force_kv_chunk = -1, force_split_pairs = -1, kv_window = 0, deterministic_pieces = 0;
   int causal, group_requests = 0, allow_partition = 1;
-  double cost_q, cost_kv, shared_gain = fi::kSharedGain, cost_item = 0.0;
+  double cost_q, cost_kv, shared_gain = fi::kSharedGain, cost_item_min = 0.0;
   PyObject* groups_obj = Py_None;
   if (!PyArg_ParseTuple(args, "OnnnnOOnnnpnndd|nnpnpnOdd:plan", &section_obj, &layout_ctas, &max_items, &max_rows,
                         &max_partial_rows, &qo_obj, &kv_obj, &tile_q, &num_ctas, &num_units, &causal, &min_kv_chunk,
                         &kv_chunk_align, &cost_q, &cost_kv, &force_kv_chunk, &force_split_pairs, &group_requests,
-                        &kv_window, &allow_partition, &deterministic_pieces, &groups_obj, &shared_gain, &cost_item))
+                        &kv_window, &allow_partition, &deterministic_pieces, &groups_obj, &shared_gain, &cost_item_min))
     return nullptr;
   if (!(shared_gain >= 0.0)) {
     PyErr_Format(PyExc_ValueError, "shared_gain must be >= 0, got %g", shared_gain);
@@ -113,7 +113,7 @@ PyObject* Plan(PyObject*, PyObject* args) {
   in.kv_chunk_align = kv_chunk_align;
   in.cost_q = cost_q;
   in.cost_kv = cost_kv;
-  in.cost_item = cost_item;
+  in.cost_item_min = cost_item_min;
   in.force_kv_chunk = force_kv_chunk;
   in.force_split_pairs = force_split_pairs;
   in.group_requests = group_requests != 0;
@@ -171,7 +171,7 @@ PyMethodDef kMethods[] = {
      "plan(section, layout_num_ctas, max_items, max_rows, max_partial_rows, qo_indptr, kv_lens, tile_q, num_ctas, "
      "num_units, causal, min_kv_chunk, kv_chunk_align, cost_q, cost_kv[, force_kv_chunk=-1, force_split_pairs=-1, "
      "group_requests=False, kv_window=0, allow_partition=True, deterministic_pieces=0, groups=None, "
-     "shared_gain=SHARED_GAIN, cost_item=0]) -> (num_items, "
+     "shared_gain=SHARED_GAIN, cost_item_min=0]) -> (num_items, "
      "num_rows, num_partial_rows, kv_chunk, num_split_rows, makespan, num_split_pairs, kind, shared_groups)\n\nWrites the plan into `section` (int32, csrc/plan.h "
      "layout) in place. force_kv_chunk -1 searches for the chunk; 0 splits nothing; L > 0 uses the candidate (L, "
      "force_split_pairs) (see csrc/scheduler/planner.h). kind: 'lpt' or 'partition'."},

@@ -18,9 +18,9 @@ import numpy as np
 
 
 def plan_cell(B: int, L: int, S: int, *, tile_q: int, kv_tile: int, ctas: int, units: int, heads: int,
-              kv_heads: int, head_dim: int, cost_item: float = None):
+              kv_heads: int, head_dim: int, cost_item_min: float = None):
     from fi_backend import scheduler
-    from fi_backend.attention import SHARED_ROWS_PER_REQUEST, plan_cost_q, prefill_group_item_cost
+    from fi_backend.attention import SHARED_ROWS_PER_REQUEST, plan_cost_q, prefill_group_item_min
     from fi_backend.workspace import Workspace
     n = max(B, 256)  # as perf.composable sizes its workspaces
     ws = Workspace("cpu", max_requests=n, max_tokens=n, num_ctas=ctas, max_tile_q=tile_q, num_qo_heads=heads,
@@ -30,7 +30,8 @@ def plan_cell(B: int, L: int, S: int, *, tile_q: int, kv_tile: int, ctas: int, u
     kv = np.full(B, L + S, dtype=np.int32)
     info = ws.plan(qo, kv, tile_q=tile_q, num_units=units, causal=True, kv_chunk_align=kv_tile,
                    cost_q=plan_cost_q("prefill", kv_tile, tile_q), groups=np.array([[0, B, L]], dtype=np.int32),
-                   num_ctas=ctas, cost_item=prefill_group_item_cost(kv_tile) if cost_item is None else cost_item)
+                   num_ctas=ctas,
+                   cost_item_min=prefill_group_item_min(kv_tile) if cost_item_min is None else cost_item_min)
     return info, scheduler.decode_plan(ws._views)
 
 
@@ -43,14 +44,14 @@ def main(argv=None) -> int:
     ap.add_argument("--ctas", type=int, default=132)
     ap.add_argument("--heads", default="32/8/128", help="query heads / KV heads / head size")
     ap.add_argument("--units", type=int, default=0, help="query-head groups (0: the KV heads)")
-    ap.add_argument("--cost-item", type=float, default=None,
-                    help="an item's fixed cost in KV tokens (default: the wrapper's for group steps)")
+    ap.add_argument("--item-min", type=float, default=None,
+                    help="the least an item costs, KV tokens (default: the wrapper's for group steps)")
     a = ap.parse_args(argv)
     hq, hkv, d = (int(x) for x in a.heads.split("/"))
     for cell in a.cells:
         B, L, S = (int(x) for x in cell.split("x"))
         info, p = plan_cell(B, L, S, tile_q=a.tile_q, kv_tile=a.kv_tile, ctas=a.ctas, units=a.units or hkv,
-                            heads=hq, kv_heads=hkv, head_dim=d, cost_item=a.cost_item)
+                            heads=hq, kv_heads=hkv, head_dim=d, cost_item_min=a.item_min)
         items, tiles = np.diff(p.cta_indptr), np.zeros(p.num_ctas)
         kinds = collections.Counter()
         for c in range(p.num_ctas):
