@@ -233,9 +233,9 @@ def plan_cost_q(kernel: str, kv_tile: int, rows_per_tile: int) -> float:
 # The least a prefill item costs the planner in steps with shared-prefix groups, in KV tiles: a small item's time is
 # the latency of its start (query, first KV tile) and end (partial state, fence, ticket, merge), not its work. Such
 # steps run one-row items of a member's own few tokens; costed by their work, 29 went to one CTA (16 x 8k + 16:
-# 204 us, 39 us with the floor). A floor, not an added cost: items of 4 tiles and more kept their plans, which an
-# added cost made 6-19% slower (docs/composable.md, "The least an item costs").
-PREFILL_GROUP_ITEM_MIN_TILES = 4.0
+# 207 us, 39 us with the floor). A floor, not an added cost (which made items of 4 tiles 6-19% slower); 2 tiles
+# matched or beat 0, 4 and 8 in all ten measured cells (docs/composable.md, "The least an item costs").
+PREFILL_GROUP_ITEM_MIN_TILES = 2.0
 
 
 def prefill_group_item_min(kv_tile: int) -> float:
