@@ -13,6 +13,7 @@ before timing. Writes perf/results/composable.json (device, date, commit).
     python -m perf composable [--rounds 5] [--rep 50] [--cells 64x32768x256,16x8192x256,128x1024x256] [--page 16]
                               [--shared-gain 0]   # the planner's verdict forced: every group kept
                               [--unshared]        # both single-format decodes on distinct pages too (control)
+                              [--ordered-pages]   # pages in pool order, not shuffled (contiguous KV runs)
                               [--workspace-requests 256]   # workspaces sized as an engine's (max_num_seqs): the
                                                   # groups' partial rows, so their prefix chunks, grow with it
                               [--prefill-tunings '[{"warps": 8, "mfrags": 2}]']   # the groups on forced prefill
@@ -35,6 +36,7 @@ WORKSPACE_REQUESTS = 0   # our workspaces' max_requests (0: the cell's batch); e
 DTYPE = torch.bfloat16
 CELLS = ((64, 32768, 256), (16, 8192, 256), (128, 1024, 256))
 SETS = 2
+ORDERED = False   # --ordered-pages: every page run in pool order (the prefill kernel's TMA boxes take such tiles)
 
 
 class Cell:
@@ -49,7 +51,7 @@ class Cell:
         self.B, self.L, self.S, self.N = B, L, S, N
         G, P, U = B // N, L // PAGE, -(-S // PAGE)
         self.num_pages = G * P + B * U
-        perm = torch.randperm(self.num_pages, generator=g).to(torch.int32)
+        perm = (torch.arange(self.num_pages) if ORDERED else torch.randperm(self.num_pages, generator=g)).to(torch.int32)
         prefix, own = perm[:G * P].view(G, P), perm[G * P:].view(B, U)
         self.table = torch.cat((prefix.repeat_interleave(N, dim=0), own), dim=1).contiguous().cuda()
         self.kv_lens = torch.full((B,), L + S, dtype=torch.int32)
@@ -216,6 +218,8 @@ def main(argv=None) -> int:
     ap.add_argument("--group-item-mins", default="",
                     help="comma-separated least item costs (KV tokens) to plan the groups on the prefill kernel with "
                          "besides the wrapper's own: ours_prefill_groups_c<cost>")
+    ap.add_argument("--ordered-pages", action="store_true",
+                    help="pages in pool order (prefix, then each request's own) instead of a random permutation")
     ap.add_argument("--workspace-requests", type=int, default=0,
                     help="our workspaces' max_requests (default: each cell's batch), as an engine sizes them by its "
                          "request limit; groups get SHARED_ROWS_PER_REQUEST partial rows a request of it")
@@ -228,6 +232,8 @@ def main(argv=None) -> int:
     if any(len(c) not in (3, 4) for c in cells):
         ap.error(f"--cells: each cell is BxLxS or BxLxSxN; got {a.cells}")
     set_page(a.page)
+    global ORDERED
+    ORDERED = a.ordered_pages
     global WORKSPACE_REQUESTS
     WORKSPACE_REQUESTS = a.workspace_requests
     import flashinfer
@@ -238,5 +244,6 @@ def main(argv=None) -> int:
                                 "heads": {"qo": HQ, "kv": HKV, "head_dim": D, "page": PAGE, "dtype": "bf16"},
                                 "shared_gain": a.shared_gain, "prefill_tunings": a.prefill_tunings,
                                 "workspace_requests": a.workspace_requests, "group_item_mins": item_mins,
+                                "ordered_pages": ORDERED,
                                 "cells": results})
     return 0
