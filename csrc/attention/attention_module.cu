@@ -204,6 +204,24 @@ FI_EXPORT int fi_attention_layout(int64_t* out, int n) {
   return i;
 }
 
+#ifdef FI_TIMELINE
+// perf/tools/timeline.py: the last launch's stamps (csrc/attention/timeline.cuh), and clearing them before one.
+FI_EXPORT int fi_timeline_read(void* dst, int64_t bytes) {
+  FI_REQUIRE(dst != nullptr && bytes >= 0 && bytes <= (int64_t)sizeof(fi::timeline::events));
+  return (int)cudaMemcpyFromSymbol(dst, fi::timeline::events, (size_t)bytes);
+}
+FI_EXPORT int fi_timeline_clear() {
+  void* at = nullptr;
+  const int rc = (int)cudaGetSymbolAddress(&at, fi::timeline::events);
+  return rc ? rc : (int)cudaMemset(at, 0, sizeof(fi::timeline::events));
+}
+FI_EXPORT int64_t fi_timeline_shape(int64_t* out) {  // CTAs, events a writer
+  out[0] = FI_TIMELINE_CTAS;
+  out[1] = FI_TIMELINE_EVENTS;
+  return 2;
+}
+#endif
+
 FI_EXPORT int fi_attention_occupancy(int* blocks_per_sm) {
   FI_REQUIRE(blocks_per_sm != nullptr);
   const int rc = configure();

@@ -1124,6 +1124,8 @@ struct Kernel {
     float bias_slope = 0.f;  // kBias: this lane's rows' ALiBi slope, log2 units
     constexpr int kUnitRows = Cfg::kUnitRows;
     const int unit = warp / kUnitWarps;  // a warp, or a warpgroup with wgmma: they skip steps together
+    FI_TIMELINE_COUNTER(tl_n);  // perf/tools/timeline.py: a tile landed (8 a sub-item's first, else 1), 2 / 3 its
+                                // finish, 4 the queue's end
 
     for (int j = 0;; ++j) {
       uint8_t* stage = smem + (j % kStages) * Cfg::kStageBytes;
@@ -1140,6 +1142,7 @@ struct Kernel {
 
       const TileRecord* rec = Cfg::record(smem, j % kStages);
       const int flags = rec->flags;
+      if (threadIdx.x == 0) FI_STAMP(0, tl_n, (flags & kEnd) ? 4 : (flags & kFirst) ? 8 : 1);
       if (flags & kEnd) break;
       const Work& w = rec->w;
       const int kv_head = kv_head_of(p, w.unit);  // for the hooks' contexts (unused ones cost nothing)
@@ -1226,7 +1229,9 @@ struct Kernel {
         if (!(flags & kLast)) release(empty + 8 * (j % kStages));
       }
       if (flags & kLast) {
+        if (threadIdx.x == 0) FI_STAMP(0, tl_n, 2);
         finish(p, vp, w, m_run, d_run, o, merge_flags);
+        if (threadIdx.x == 0) FI_STAMP(0, tl_n, 3);
         if constexpr (Cfg::kProducer) {
           release(qempty + 8 * rec->qslot);
           release(empty + 8 * (j % kStages));

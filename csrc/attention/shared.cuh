@@ -38,6 +38,7 @@
 
 #include "../plan.h"
 #include "ptx.cuh"
+#include "timeline.cuh"
 #include "variant.cuh"
 
 namespace fi {
@@ -602,9 +603,11 @@ struct Loader {
     // barrier below passes it on to the other three, which would otherwise spin in try-wait loops beside the
     // consumers' softmax (member 0 keeps all waiting: no faster so, and its 24-register producer spills more).
     const bool waiter = !Cfg::kOverlap || tid() < 32;
+    FI_TIMELINE_COUNTER(tl_n);  // perf/tools/timeline.py: 5 a tile's wait for its stage, 6 issued, 7 done
 #pragma unroll 1
     for (int j = 0;; ++j) {
       const int s = j % kStages;
+      if (tid() == 0) FI_STAMP(1, tl_n, 5);
       if (waiter) ptx::mbar_wait(empty + 8 * s, ((j / kStages) & 1) ^ 1);
       const bool new_q = kQCopy && !cur.done && cur.tile == 0;
       auto wait_q = [&]() {
@@ -644,6 +647,7 @@ struct Loader {
       if (!kBoxesFirst && box && tid() == 0) boxes();
       ptx::cp_async_mbar_arrive(full + 8 * s);
       if (tid() == 0) ptx::mbar_arrive(full + 8 * s);  // the record (ordinary stores): released here
+      if (tid() == 0) FI_STAMP(1, tl_n, cur.done ? 7 : 6);
       if (cur.done) return;
       advance(p, vp, cur);
       prefetch_pages(p, cur, page, slot);

@@ -204,8 +204,10 @@ def headers_digest(source: str, source_dir: Path, csrc: Path) -> str:
 
 
 def module_flags(spec: ModuleSpec, archs: ArchList) -> Tuple[str, ...]:
-    """The nvcc flags of a module that enter its identity (include paths excluded: machine-specific)."""
-    return BASE_FLAGS + gencode_flags(archs) + spec.nvcc_flags
+    """The nvcc flags of a module that enter its identity (include paths excluded: machine-specific), with
+    $FI_BACKEND_NVCC_FLAGS last (experiments, e.g. perf/tools/timeline.py's -DFI_TIMELINE)."""
+    extra = tuple((env.get(env.NVCC_FLAGS) or "").split())
+    return BASE_FLAGS + gencode_flags(archs) + spec.nvcc_flags + extra
 
 
 @dataclass(frozen=True)

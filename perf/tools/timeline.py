@@ -1,0 +1,107 @@
+"""Where a prefill launch's time goes, CTA by CTA: one launch of a composable cell's group step (perf.composable) on
+a prefill module built with -DFI_TIMELINE (csrc/attention/timeline.cuh; FI_BACKEND_NVCC_FLAGS, so these modules are
+cached apart from the real ones), its stamps read back and summarised. The compute warps stamp each tile's arrival
+(the full barrier's wait ended), each sub-item's finish (partial state, fence, ticket, merge) and the queue's end;
+the producer stamps each tile's wait for a free stage and its issue.
+
+    python -m perf.tools.timeline 16x8192x256 [16x8192x16 ...] [--name timeline_groups]
+
+Per cell it prints the launch's span, per CTA the time to its queue's end, and over all CTAs where the compute warps
+were: waiting for tiles (from a tile's compute end to the next tile's arrival), computing, in finish. Writes
+perf/results/<name>.json with every CTA's events (ns from the launch's first stamp, clock-based durations)."""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import sys
+
+import numpy as np
+
+TAGS = {1: "tile", 8: "first_tile", 2: "finish_begin", 3: "finish_end", 4: "end", 5: "producer_wait", 6: "issued",
+        7: "producer_end"}
+
+
+def read_events(module):
+    shape = (ctypes.c_int64 * 2)()
+    module.function("fi_timeline_shape", [ctypes.c_void_p], ctypes.c_int64)(ctypes.addressof(shape))
+    ctas, per = int(shape[0]), int(shape[1])
+    buf = np.zeros(ctas * 2 * per * 2, dtype=np.uint64)
+    rc = module.function("fi_timeline_read", [ctypes.c_void_p, ctypes.c_int64])(buf.ctypes.data, buf.nbytes)
+    if rc:
+        raise RuntimeError(f"fi_timeline_read: CUDA error {rc}")
+    return buf.reshape(ctas, 2, per, 2)
+
+
+def summarise(ev, num_ctas):
+    """Per CTA: events as (ns, tag); the compute side's time split into waiting, computing and finishing."""
+    t0 = min(int(ev[c, w, 0, 0]) for c in range(num_ctas) for w in range(2) if ev[c, w, 0, 0])
+    ctas, span_end = [], 0
+    wait = comp = fin = 0.0
+    for c in range(num_ctas):
+        rec = {}
+        for w, name in ((0, "compute"), (1, "producer")):
+            rows = [(int(ns) - t0, int(meta) >> 56) for ns, meta in ev[c, w] if ns]
+            rec[name] = rows
+        comp_ev = rec["compute"]
+        if comp_ev:
+            span_end = max(span_end, comp_ev[-1][0])
+            prev_end = 0   # the time the compute warps were last free (launch start, a tile's compute or finish end)
+            for (t, tag), nxt in zip(comp_ev, comp_ev[1:] + [(None, None)]):
+                if tag in (1, 8, 4):
+                    wait += t - prev_end
+                    if nxt[0] is not None and tag != 4:
+                        comp += nxt[0] - t
+                    prev_end = nxt[0] if nxt[0] is not None else t
+                elif tag == 2:
+                    fin += (nxt[0] - t) if nxt[0] is not None else 0
+                    prev_end = nxt[0] if nxt[0] is not None else t
+            rec["end_ns"] = comp_ev[-1][0]
+            rec["items"] = sum(1 for _, tag in comp_ev if tag == 2)
+            rec["tiles"] = sum(1 for _, tag in comp_ev if tag in (1, 8))
+        ctas.append(rec)
+    total = wait + comp + fin
+    return {"span_ns": span_end, "compute_share": {"waiting": wait / total, "computing": comp / total,
+                                                   "finishing": fin / total} if total else None, "ctas": ctas}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m perf.tools.timeline", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("cells", nargs="+", help="BxLxS or BxLxSxN, as perf composable's")
+    ap.add_argument("--name", default="timeline")
+    a = ap.parse_args(argv)
+    flags = os.environ.get("FI_BACKEND_NVCC_FLAGS", "")
+    if "-DFI_TIMELINE" not in flags:
+        os.environ["FI_BACKEND_NVCC_FLAGS"] = (flags + " -DFI_TIMELINE=1").strip()
+    import torch
+    from perf import composable
+    from perf.common import log, stamp, write_result
+    out = []
+    for spec in a.cells:
+        B, L, S, *N = (int(x) for x in spec.split("x"))
+        cell = composable.Cell(B, L, S, *N)
+        fn, _, info = composable.ours(cell, "prefill", True)
+        module = fn.attn._launcher.module
+        fn()
+        torch.cuda.synchronize()
+        module.function("fi_timeline_clear", [])()
+        fn()
+        torch.cuda.synchronize()
+        s = summarise(read_events(module), fn.attn.grid[0])
+        ends = np.array([c.get("end_ns", 0) for c in s["ctas"]]) / 1e3
+        items = np.array([c.get("items", 0) for c in s["ctas"]])
+        log(f"{spec}: {s['span_ns'] / 1e3:.1f} us to the last queue's end; CTAs end at {ends.min():.1f} .. "
+            f"{np.median(ends):.1f} (median) .. {ends.max():.1f} us; compute warps "
+            + ", ".join(f"{k} {v:.0%}" for k, v in (s["compute_share"] or {}).items()))
+        for n in sorted(set(items.tolist())):
+            sel = items == n
+            log(f"  CTAs of {n} items: {int(sel.sum())}, ending at {np.median(ends[sel]):.1f} us (median), "
+                f"{ends[sel].max():.1f} (last)")
+        out.append({"cell": spec, "plan": info._asdict(), **s})
+    write_result(a.name, {**stamp(), "cells": out})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
