@@ -220,6 +220,11 @@ def test_identity_changes_with_each_input_and_only_then(toy_csrc, monkeypatch):
     changed["fi_backend version"] = key()
     monkeypatch.undo()
     assert key() == base
+    monkeypatch.setenv("FI_BACKEND_NVCC_FLAGS", "-DFI_TIMELINE=1")   # experiments' flags: cached apart, compiled with
+    changed["FI_BACKEND_NVCC_FLAGS"] = key()
+    assert module_identity(spec, archs, nvcc, csrc=toy_csrc).flags[-1] == "-DFI_TIMELINE=1"
+    monkeypatch.delenv("FI_BACKEND_NVCC_FLAGS")
+    assert key() == base
     for what, k in changed.items():
         assert k != base, f"identity did not change with {what}"
     assert len(set(changed.values())) == len(changed)

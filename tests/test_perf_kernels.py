@@ -350,3 +350,19 @@ def test_tree_ab_makes_a_base_tree_and_refuses_without_one(tmp_path, capsys):
     with pytest.raises(SystemExit):
         tree_ab.main(["--base", str(base), "--", "zoo"])
     assert "lacks pyproject.toml" in capsys.readouterr().err
+
+
+def test_timeline_summary_splits_the_compute_warps_time():
+    """perf.tools.timeline's split of the compute warps' time (waiting for tiles, computing, finishing) on a CTA
+    whose stamps are known: tiles land at 1.0 and 2.0 us after a producer stamp at 0.9, finish 2.5-3.5, end 3.6."""
+    import numpy as np
+    from perf.tools.timeline import summarise
+    ev = np.zeros((2, 2, 8, 2), dtype=np.uint64)
+    for w, stamps in ((0, [(1000, 8), (2000, 1), (2500, 2), (3500, 3), (3600, 4)]), (1, [(900, 5), (950, 6)])):
+        for i, (ns, tag) in enumerate(stamps):
+            ev[0, w, i] = (ns, (tag << 56) | 7)
+    s = summarise(ev, 1)
+    assert s["span_ns"] == 2700
+    assert s["ctas"][0]["items"] == 1 and s["ctas"][0]["tiles"] == 2
+    share = s["compute_share"]
+    assert abs(share["waiting"] - 200 / 2700) < 1e-9 and abs(share["finishing"] - 1000 / 2700) < 1e-9
