@@ -234,7 +234,8 @@ def plan_cost_q(kernel: str, kv_tile: int, rows_per_tile: int) -> float:
 # the latency of its start (query, first KV tile) and end (partial state, fence, ticket, merge), not its work. Such
 # steps run one-row items of a member's own few tokens; costed by their work, 29 went to one CTA (16 x 8k + 16:
 # 207 us, 39 us with the floor). A floor, not an added cost (which made items of 4 tiles 6-19% slower); 2 tiles
-# matched or beat 0, 4 and 8 in all ten measured cells (docs/composable.md, "The least an item costs").
+# came within 4% of the best of 0, 4 and 8 in each of ten measured cells (docs/composable.md, "The least an item
+# costs").
 PREFILL_GROUP_ITEM_MIN_TILES = 2.0
 
 
@@ -667,7 +668,7 @@ class BatchAttention:
                                      group_requests=group, kv_window=kv_window, partition=self._partition,
                                      groups=groups, num_ctas=self.grid[0],
                                      cost_item_min=(prefill_group_item_min(self.kv_tile)
-                                                if groups is not None and self.kernel != "decode" else 0.0),
+                                                    if groups is not None and self.kernel != "decode" else 0.0),
                                      **(self._det_plan_args or {"min_kv_chunk": min_chunk}))
             if self._cute is not None:  # not for steps a graph replays, shared-prefix groups or positions of their own
                 allowed = (self._frozen is None and groups is None and bsr.kv_pos_start is None

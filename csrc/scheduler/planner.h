@@ -6,10 +6,10 @@
 // or with causal masking (bottom-right aligned) len = kv_len - q_len + tile_end. Long pairs may be split
 // into KV chunks; every item (whole pair or chunk) is run for each of num_units query-head groups, and
 // these (item, unit) replicas are assigned longest-processing-time first (LPT) to the least loaded of
-// all num_ctas CTAs, cost = max(cost_item_min, cost_q * rows + cost_kv * KV tokens). When num_ctas divides by num_units, unit
-// u gets its own block of num_ctas / num_units CTAs instead and every unit the same LPT plan over its
-// block ("unit blocks"). Each CTA then runs its items in creation order (request, query tile, chunk),
-// which keeps a request's KV in L2 between its tiles (planner.cc, the write). The result is written in
+// all num_ctas CTAs, cost = max(cost_item_min, cost_q * rows + cost_kv * KV tokens). When num_ctas divides
+// by num_units, unit u gets its own block of num_ctas / num_units CTAs instead and every unit the same LPT
+// plan over its block ("unit blocks"). Each CTA then runs its items in creation order (request, query tile,
+// chunk), which keeps a request's KV in L2 between its tiles (planner.cc, the write). The result is written in
 // place into a plan section laid out as csrc/plan.h describes.
 //
 // Which pairs are split, and into what chunks, is a candidate (L, s): walking the pairs by KV length,
