@@ -232,10 +232,10 @@ def plan_cost_q(kernel: str, kv_tile: int, rows_per_tile: int) -> float:
 
 # The least a prefill item costs the planner in steps with shared-prefix groups, in KV tiles: a small item's time is
 # the latency of its start (query, first KV tile) and end (partial state, fence, ticket, merge), not its work. Such
-# steps run one-row items of a member's own few tokens; costed by their work, 29 went to one CTA (16 x 8k + 16:
-# 207 us, 39 us with the floor). A floor, not an added cost (which made items of 4 tiles 6-19% slower); 2 tiles
-# came within 4% of the best of 0, 4 and 8 in each of ten measured cells (docs/composable.md, "The least an item
-# costs").
+# steps run one-row items of a member's own few tokens; costed by their work, 29 went to one CTA of 16 x 8k + 16,
+# which then took five times as long as with the floor. A floor, not an added cost (which slowed plans of 4-tile
+# items); 2 tiles came within 4% of the best of 0, 4 and 8 in each of ten measured cells (docs/composable.md, "The
+# least an item costs").
 PREFILL_GROUP_ITEM_MIN_TILES = 2.0
 
 

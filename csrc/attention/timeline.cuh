@@ -5,9 +5,7 @@
 #pragma once
 
 #ifdef FI_TIMELINE
-#ifndef FI_TIMELINE_EVENTS
 #define FI_TIMELINE_EVENTS 512
-#endif
 #define FI_TIMELINE_CTAS 1024
 
 namespace fi {
