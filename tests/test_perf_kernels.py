@@ -353,16 +353,19 @@ def test_tree_ab_makes_a_base_tree_and_refuses_without_one(tmp_path, capsys):
 
 
 def test_timeline_summary_splits_the_compute_warps_time():
-    """perf.tools.timeline's split of the compute warps' time (waiting for tiles, computing, finishing) on a CTA
-    whose stamps are known: tiles land at 1.0 and 2.0 us after a producer stamp at 0.9, finish 2.5-3.5, end 3.6."""
+    """perf.tools.timeline's split of the compute warps' time on a CTA whose stamps are known, timed by its clock
+    (2 cycles a ns): waiting 0-100 and 1100-1200 ns, computing 100-1100
+    and 1200-1700, finishing 1700-2700, the queue's end at 2700 (a producer stamp first, at -100)."""
     import numpy as np
     from perf.tools.timeline import summarise
     ev = np.zeros((2, 2, 8, 2), dtype=np.uint64)
-    for w, stamps in ((0, [(1000, 8), (2000, 1), (2500, 2), (3500, 3), (3600, 4)]), (1, [(900, 5), (950, 6)])):
-        for i, (ns, tag) in enumerate(stamps):
-            ev[0, w, i] = (ns, (tag << 56) | 7)
+    compute = [(0, 9), (100, 8), (1100, 9), (1200, 1), (1700, 2), (2700, 3), (2700, 9), (2700, 4)]
+    for w, stamps in ((0, compute), (1, [(-100, 5), (-50, 6)])):
+        for i, (t, tag) in enumerate(stamps):
+            ev[0, w, i] = (1_000_000 + t, (tag << 56) | (5000 + 2 * (t + 100)))
     s = summarise(ev, 1)
-    assert s["span_ns"] == 2700
+    assert abs(s["span_ns"] - 2800) < 1e-6 and s["cycles_per_ns"] == 2.0
     assert s["ctas"][0]["items"] == 1 and s["ctas"][0]["tiles"] == 2
     share = s["compute_share"]
-    assert abs(share["waiting"] - 200 / 2700) < 1e-9 and abs(share["finishing"] - 1000 / 2700) < 1e-9
+    for key, ns in (("waiting", 200), ("computing", 1500), ("finishing", 1000)):
+        assert abs(share[key] - ns / 2700) < 1e-9, (key, share)

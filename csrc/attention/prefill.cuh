@@ -1124,12 +1124,13 @@ struct Kernel {
     float bias_slope = 0.f;  // kBias: this lane's rows' ALiBi slope, log2 units
     constexpr int kUnitRows = Cfg::kUnitRows;
     const int unit = warp / kUnitWarps;  // a warp, or a warpgroup with wgmma: they skip steps together
-    FI_TIMELINE_COUNTER(tl_n);  // perf/tools/timeline.py: a tile landed (8 a sub-item's first, else 1), 2 / 3 its
-                                // finish, 4 the queue's end
+    FI_TIMELINE_COUNTER(tl_n);  // perf/tools/timeline.py: 9 waiting for a tile, then 8 (a sub-item's first) or 1
+                                // landed, 2 / 3 a sub-item's finish, 4 the queue's end
 
     for (int j = 0;; ++j) {
       uint8_t* stage = smem + (j % kStages) * Cfg::kStageBytes;
       if constexpr (Cfg::kProducer) {
+        if (threadIdx.x == 0) FI_STAMP(0, tl_n, 9);
         ptx::mbar_wait(full + 8 * (j % kStages), (j / kStages) & 1);
         wgmma::fence_proxy_async();  // the landed tile (cp.async writes, generic proxy), for the tensor cores
       } else {

@@ -18,8 +18,8 @@ import sys
 
 import numpy as np
 
-TAGS = {1: "tile", 8: "first_tile", 2: "finish_begin", 3: "finish_end", 4: "end", 5: "producer_wait", 6: "issued",
-        7: "producer_end"}
+TAGS = {9: "waiting", 1: "tile", 8: "first_tile", 2: "finish_begin", 3: "finish_end", 4: "end", 5: "producer_wait",
+        6: "issued", 7: "producer_end"}
 
 
 def read_events(module):
@@ -34,35 +34,45 @@ def read_events(module):
 
 
 def summarise(ev, num_ctas):
-    """Per CTA: events as (ns, tag); the compute side's time split into waiting, computing and finishing."""
-    t0 = min(int(ev[c, w, 0, 0]) for c in range(num_ctas) for w in range(2) if ev[c, w, 0, 0])
-    ctas, span_end = [], 0
-    wait = comp = fin = 0.0
+    """Per CTA: its events as (ns from the launch's first stamp, tag) for both writers, timed by the SM's clock64 (the
+    CTA's first globaltimer stamp places it; cycles a ns from every CTA's span, as the globaltimer may tick coarsely),
+    and the compute warps' time split into waiting for tiles (9 to 1 / 8 / 4), computing (a tile's landing to the next
+    wait or finish) and finishing (2 to 3)."""
+    per_cta, rates = [], []
     for c in range(num_ctas):
-        rec = {}
-        for w, name in ((0, "compute"), (1, "producer")):
-            rows = [(int(ns) - t0, int(meta) >> 56) for ns, meta in ev[c, w] if ns]
-            rec[name] = rows
+        rows = sorted((int(meta) & ((1 << 56) - 1), int(ns), int(meta) >> 56, w)
+                      for w in range(2) for ns, meta in ev[c, w] if ns)
+        per_cta.append(rows)
+        if len(rows) > 1 and rows[-1][1] > rows[0][1]:
+            rates.append((rows[-1][0] - rows[0][0]) / (rows[-1][1] - rows[0][1]))
+    rate = float(np.median(rates)) if rates else 1.0   # clock64 cycles a ns
+    t0 = min(rows[0][1] for rows in per_cta if rows)
+    ctas, span_end = [], 0.0
+    wait = comp = fin = 0.0
+    for rows in per_cta:
+        rec = {"compute": [], "producer": []}
+        if rows:
+            clk0, ns0 = rows[0][0], rows[0][1]
+            for clk, _, tag, w in rows:
+                rec["producer" if w else "compute"].append((ns0 - t0 + (clk - clk0) / rate, tag))
         comp_ev = rec["compute"]
+        for (t, tag), (t_next, _) in zip(comp_ev, comp_ev[1:]):
+            if tag == 9:
+                wait += t_next - t
+            elif tag == 2:
+                fin += t_next - t
+            elif tag != 4:
+                comp += t_next - t
         if comp_ev:
             span_end = max(span_end, comp_ev[-1][0])
-            prev_end = 0   # the time the compute warps were last free (launch start, a tile's compute or finish end)
-            for (t, tag), nxt in zip(comp_ev, comp_ev[1:] + [(None, None)]):
-                if tag in (1, 8, 4):
-                    wait += t - prev_end
-                    if nxt[0] is not None and tag != 4:
-                        comp += nxt[0] - t
-                    prev_end = nxt[0] if nxt[0] is not None else t
-                elif tag == 2:
-                    fin += (nxt[0] - t) if nxt[0] is not None else 0
-                    prev_end = nxt[0] if nxt[0] is not None else t
             rec["end_ns"] = comp_ev[-1][0]
             rec["items"] = sum(1 for _, tag in comp_ev if tag == 2)
             rec["tiles"] = sum(1 for _, tag in comp_ev if tag in (1, 8))
         ctas.append(rec)
     total = wait + comp + fin
-    return {"span_ns": span_end, "compute_share": {"waiting": wait / total, "computing": comp / total,
-                                                   "finishing": fin / total} if total else None, "ctas": ctas}
+    return {"span_ns": span_end, "cycles_per_ns": rate,
+            "compute_share": {"waiting": wait / total, "computing": comp / total, "finishing": fin / total}
+            if total else None, "ctas": ctas}
 
 
 def main(argv=None) -> int:
