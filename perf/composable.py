@@ -36,7 +36,7 @@ WORKSPACE_REQUESTS = 0   # our workspaces' max_requests (0: the cell's batch); e
 DTYPE = torch.bfloat16
 CELLS = ((64, 32768, 256), (16, 8192, 256), (128, 1024, 256))
 SETS = 2
-ORDERED = False   # --ordered-pages: every page run in pool order (the prefill kernel's TMA boxes take such tiles)
+ORDERED = False   # --ordered-pages: pages in pool order (this pool interleaves K and V a page: still gathered)
 
 
 class Cell:
