@@ -449,6 +449,8 @@ class BatchAttention:
         self._group_requests = (self.kernel == "prefill" and not self.variant.mask_is_kv_range
                                 and env.flag(env.PLAN_GROUPED, True))
         self._partition = env.flag(env.PLAN_PARTITION, True)  # read once, not per plan (docs/planner.md)
+        # the least an item costs plans of prefill steps with shared-prefix groups (0: other plans)
+        self._group_item_min = prefill_group_item_min(self.kv_tile) if self.kernel != "decode" else 0.0
 
     def _decode_member(self, requests: int) -> int:
         """The decode family's member for a step of `requests` requests: 1 (deeper per-CTA pipelines) when the
@@ -667,8 +669,7 @@ class BatchAttention:
                                      causal=bool(causal), kv_chunk_align=self.kv_tile, cost_q=self._cost_q,
                                      group_requests=group, kv_window=kv_window, partition=self._partition,
                                      groups=groups, num_ctas=self.grid[0],
-                                     cost_item_min=(prefill_group_item_min(self.kv_tile)
-                                                    if groups is not None and self.kernel != "decode" else 0.0),
+                                     cost_item_min=self._group_item_min if groups is not None else 0.0,
                                      **(self._det_plan_args or {"min_kv_chunk": min_chunk}))
             if self._cute is not None:  # not for steps a graph replays, shared-prefix groups or positions of their own
                 allowed = (self._frozen is None and groups is None and bsr.kv_pos_start is None

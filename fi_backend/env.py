@@ -28,8 +28,8 @@ FI_BACKEND_PLAN_DECODE_COST_Q a float > 0: the decode planner's cost of a query 
                             kernel's KV tile (how eagerly plans split KV; read when a wrapper is made, for
                             experiments: perf/tools/decode_shapes.py's "cost_q")
 FI_BACKEND_PLAN_GROUP_ITEM_MIN a float >= 0: the least an item costs a prefill plan, in KV tokens, in steps with
-                            shared-prefix groups, instead of PREFILL_GROUP_ITEM_MIN_TILES KV tiles (read at each plan,
-                            for experiments: perf composable --group-item-mins)
+                            shared-prefix groups, instead of PREFILL_GROUP_ITEM_MIN_TILES KV tiles (read when a
+                            wrapper is made, for experiments: perf composable --group-item-mins)
 FI_BACKEND_DETERMINISTIC    "1": wrappers made without a deterministic= argument plan deterministically (a
                             request's KV splits and merge order depend on that request alone: batch-invariant
                             outputs; read when a wrapper is made; docs/deterministic.md)

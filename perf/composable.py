@@ -89,24 +89,24 @@ def set_page(page: int) -> None:
 
 def ours(cell: Cell, kernel: str, groups: bool, tuning=None, item_min=None):
     """(fn, out, plan info) of our wrapper on the cell; item_min: the least an item costs the plan of a group step
-    (FI_BACKEND_PLAN_GROUP_ITEM_MIN while it plans; None: the wrapper's own)."""
+    (FI_BACKEND_PLAN_GROUP_ITEM_MIN while the wrapper is made; None: the wrapper's own)."""
     from fi_backend import formats
     from fi_backend.wrappers import BatchAttention
     n = max(cell.B, WORKSPACE_REQUESTS)
     ws = BatchAttention.workspace_for("cuda", HQ, HKV, D, max_requests=n, max_tokens=n, kernel=kernel,
                                       shared_prefix=True, tuning=tuning)
-    attn = BatchAttention(ws, HQ, HKV, D, q_dtype=DTYPE, page_size=PAGE, kernel=kernel, tuning=tuning)
-    bsr = formats.from_block_table(cell.table, cell.kv_lens.cuda(), cell.qo.cuda(), PAGE, num_kv_blocks=cell.num_pages)
     saved = os.environ.get("FI_BACKEND_PLAN_GROUP_ITEM_MIN")
-    if item_min is not None:
+    if item_min is not None:   # read when the wrapper is made
         os.environ["FI_BACKEND_PLAN_GROUP_ITEM_MIN"] = repr(float(item_min))
     try:
-        attn.plan(cell.qo, cell.kv_lens, bsr, causal=True, prefix_groups=cell.groups if groups else None)
+        attn = BatchAttention(ws, HQ, HKV, D, q_dtype=DTYPE, page_size=PAGE, kernel=kernel, tuning=tuning)
     finally:
         if item_min is not None:
             os.environ.pop("FI_BACKEND_PLAN_GROUP_ITEM_MIN", None)
             if saved is not None:
                 os.environ["FI_BACKEND_PLAN_GROUP_ITEM_MIN"] = saved
+    bsr = formats.from_block_table(cell.table, cell.kv_lens.cuda(), cell.qo.cuda(), PAGE, num_kv_blocks=cell.num_pages)
+    attn.plan(cell.qo, cell.kv_lens, bsr, causal=True, prefix_groups=cell.groups if groups else None)
     if groups and attn.plan_info.shared_groups != len(cell.groups):   # the planner found groups not worth it here
         log(f"  {cell.B}x{cell.L}+{cell.S} {kernel}: {len(cell.groups) - attn.plan_info.shared_groups} of "
             f"{len(cell.groups)} groups planned single-format ({attn.plan_info})")
