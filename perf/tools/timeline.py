@@ -8,7 +8,9 @@ the producer stamps each tile's wait for a free stage and its issue.
 
 Per cell it prints the launch's span, per CTA the time to its queue's end, and over all CTAs where the compute warps
 were: waiting for tiles (from a tile's compute end to the next tile's arrival), computing, in finish. Writes
-perf/results/<name>.json with every CTA's events (ns from the launch's first stamp, clock-based durations)."""
+perf/results/<name>.json with every CTA's events as (ns from the launch's first stamp, tag). Tags: compute warps 9
+waiting for a tile, 8 a sub-item's first tile landed, 1 any other, 2 / 3 a finish's start / end, 4 the queue's end;
+producer 5 waiting for a stage, 6 a tile issued, 7 done (csrc/attention/prefill.cuh, shared.cuh)."""
 from __future__ import annotations
 
 import argparse
@@ -17,10 +19,6 @@ import os
 import sys
 
 import numpy as np
-
-TAGS = {9: "waiting", 1: "tile", 8: "first_tile", 2: "finish_begin", 3: "finish_end", 4: "end", 5: "producer_wait",
-        6: "issued", 7: "producer_end"}
-
 
 def read_events(module):
     shape = (ctypes.c_int64 * 2)()
