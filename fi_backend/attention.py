@@ -158,10 +158,11 @@ def _launcher(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, grou
 
 
 def _launcher_of(spec: kernels.ModuleSpec, variant: Variant) -> _Launcher:
-    entry = _launchers.get(spec.memo_key)
+    key = kernels.loader.memo_key(spec)
+    entry = _launchers.get(key)
     if entry is None:
         entry = _Launcher(spec, variant)
-        _launchers[spec.memo_key] = entry
+        _launchers[key] = entry
     return entry
 
 

@@ -158,6 +158,8 @@ PREFILL_WS_TUNINGS = {"w12": {"warps": 12, "mfrags": 1, "producer": 1},
 # producer copies ahead; each released through a barrier when its sub-item ends, so the stages are free
 # to be more (8 x 2: three 32 KB stages beside two 64 KB query buffers).
 PREFILL_PRODUCER_Q_BUFFERS = 2
+# Split sub-items whose arrivals wait (prefill::Config::kDefer, FI_PREFILL_DEFER): one fence for several
+PREFILL_DEFER = 8
 
 
 def _producer_blockers(variant: Optional[Variant], head_dim: int, kv_bytes: int, shape: dict,
@@ -335,7 +337,9 @@ def _prefill_smem_bytes(head_dim: int, kv_bytes: int, shape: dict, q_buffers: in
     row_offsets = 2 * shape["tile"] * 8  # the loader's published row offsets, two tiles
     # full / empty mbarriers per stage, qempty per query buffer; the producer's TMA votes (two tiles x 4 warps)
     barriers = 16 * shape["stages"] + 8 * q_buffers + 32 if shape.get("producer") else 0
-    flags = (tile_rows // 8 + 15) // 16 * 16  # a bit a row
+    # a bit a row of each split sub-item waiting for its arrival, and its record (one beside the bias MMA)
+    defer = 1 if shape.get("bias") else PREFILL_DEFER
+    flags = (defer * tile_rows // 8 + 15) // 16 * 16 + 16 * defer
     # the bias MMA's A blocks (128 bytes a warpgroup), zeros and columns (16 bytes a token of a step); the
     # row-sum MMA's ones
     bias = 128 * (shape["warps"] // 4) + 128 + 16 * shape["step"] if shape.get("bias") else 0

@@ -20,6 +20,8 @@ before timing. Writes perf/results/composable.json (device, date, commit).
                                                   # tile shapes too (tuning of fi_backend.specs.prefill_spec)
                               [--group-item-mins 0,128,512]   # the groups on the prefill kernel planned with
                                                   # these least item costs too (FI_BACKEND_PLAN_GROUP_ITEM_MIN)
+                              [--build base='-DFI_PREFILL_DEFER=1']   # ... and on modules built with these
+                                                  # extra nvcc flags (FI_BACKEND_NVCC_FLAGS), same process
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import os
 
 import torch
 
-from perf.common import diff_stats, log, stamp, time_rounds, write_result
+from perf.common import diff_stats, env_set, log, stamp, time_rounds, write_result
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 WORKSPACE_REQUESTS = 0   # our workspaces' max_requests (0: the cell's batch); engines size theirs by their limit
@@ -87,26 +89,21 @@ def set_page(page: int) -> None:
     PAGE = page
 
 
-def ours(cell: Cell, kernel: str, groups: bool, tuning=None, item_min=None):
+def ours(cell: Cell, kernel: str, groups: bool, tuning=None, item_min=None, nvcc_flags=None):
     """(fn, out, plan info) of our wrapper on the cell; item_min: the least an item costs the plan of a group step
-    (FI_BACKEND_PLAN_GROUP_ITEM_MIN while the wrapper is made; None: the wrapper's own)."""
+    (FI_BACKEND_PLAN_GROUP_ITEM_MIN while the wrapper is made; None: the wrapper's own); nvcc_flags: its modules
+    built with these extra flags (FI_BACKEND_NVCC_FLAGS while it is made and planned)."""
     from fi_backend import formats
     from fi_backend.wrappers import BatchAttention
     n = max(cell.B, WORKSPACE_REQUESTS)
-    ws = BatchAttention.workspace_for("cuda", HQ, HKV, D, max_requests=n, max_tokens=n, kernel=kernel,
-                                      shared_prefix=True, tuning=tuning)
-    saved = os.environ.get("FI_BACKEND_PLAN_GROUP_ITEM_MIN")
-    if item_min is not None:   # read when the wrapper is made
-        os.environ["FI_BACKEND_PLAN_GROUP_ITEM_MIN"] = repr(float(item_min))
-    try:
+    with env_set(FI_BACKEND_PLAN_GROUP_ITEM_MIN=None if item_min is None else repr(float(item_min)),
+              FI_BACKEND_NVCC_FLAGS=nvcc_flags):
+        ws = BatchAttention.workspace_for("cuda", HQ, HKV, D, max_requests=n, max_tokens=n, kernel=kernel,
+                                          shared_prefix=True, tuning=tuning)
         attn = BatchAttention(ws, HQ, HKV, D, q_dtype=DTYPE, page_size=PAGE, kernel=kernel, tuning=tuning)
-    finally:
-        if item_min is not None:
-            os.environ.pop("FI_BACKEND_PLAN_GROUP_ITEM_MIN", None)
-            if saved is not None:
-                os.environ["FI_BACKEND_PLAN_GROUP_ITEM_MIN"] = saved
-    bsr = formats.from_block_table(cell.table, cell.kv_lens.cuda(), cell.qo.cuda(), PAGE, num_kv_blocks=cell.num_pages)
-    attn.plan(cell.qo, cell.kv_lens, bsr, causal=True, prefix_groups=cell.groups if groups else None)
+        bsr = formats.from_block_table(cell.table, cell.kv_lens.cuda(), cell.qo.cuda(), PAGE,
+                                       num_kv_blocks=cell.num_pages)
+        attn.plan(cell.qo, cell.kv_lens, bsr, causal=True, prefix_groups=cell.groups if groups else None)
     if groups and attn.plan_info.shared_groups != len(cell.groups):   # the planner found groups not worth it here
         log(f"  {cell.B}x{cell.L}+{cell.S} {kernel}: {len(cell.groups) - attn.plan_info.shared_groups} of "
             f"{len(cell.groups)} groups planned single-format ({attn.plan_info})")
@@ -153,13 +150,14 @@ def flashinfer_decode(cell: Cell):
 
 
 def run_cell(B: int, L: int, S: int, rounds: int, rep: int, N: int = 0, unshared: bool = False,
-             tunings=(), item_mins=()) -> dict:
+             tunings=(), item_mins=(), builds=()) -> dict:
     cell = Cell(B, L, S, N)
     single, single_out, _ = ours(cell, "decode", False)
     dec, dec_out, dec_info = ours(cell, "decode", True)
     pre, pre_out, pre_info = ours(cell, "prefill", True)
     forced = {f"ours_prefill_groups_t{i}": ours(cell, "prefill", True, t) for i, t in enumerate(tunings)}
     forced.update({f"ours_prefill_groups_c{c:g}": ours(cell, "prefill", True, item_min=c) for c in item_mins})
+    forced.update({f"ours_prefill_groups_{name}": ours(cell, "prefill", True, nvcc_flags=flags) for name, flags in builds})
     fi, fi_state = flashinfer_cascade(cell)
     fid, fid_out = flashinfer_decode(cell)
     for f in (single, dec, pre, fi, fid, *(v[0] for v in forced.values())):   # one call each on the same pool
@@ -219,6 +217,9 @@ def main(argv=None) -> int:
     ap.add_argument("--group-item-mins", default="",
                     help="comma-separated least item costs (KV tokens) to plan the groups on the prefill kernel with "
                          "besides the wrapper's own: ours_prefill_groups_c<cost>")
+    ap.add_argument("--build", action="append", default=[], metavar="NAME=FLAGS",
+                    help="the groups on the prefill kernel built with these extra nvcc flags too (an A/B of a kernel "
+                         "change behind a macro, same process): ours_prefill_groups_<NAME>; repeatable")
     ap.add_argument("--ordered-pages", action="store_true",
                     help="pages in pool order (prefix, then each request's own) instead of a random permutation")
     ap.add_argument("--workspace-requests", type=int, default=0,
@@ -239,12 +240,16 @@ def main(argv=None) -> int:
     WORKSPACE_REQUESTS = a.workspace_requests
     import flashinfer
     item_mins = [float(x) for x in a.group_item_mins.split(",") if x.strip()]
+    builds = [tuple(b.split("=", 1)) for b in a.build]
+    if any(len(b) != 2 or not b[0].isidentifier() for b in builds):
+        ap.error(f"--build: NAME=FLAGS with NAME an identifier; got {a.build}")
     results = [run_cell(*c[:3], a.rounds, a.rep, *c[3:], unshared=a.unshared, tunings=a.prefill_tunings,
-                        item_mins=item_mins) for c in cells]
+                        item_mins=item_mins, builds=builds) for c in cells]
     write_result(a.name, {**stamp(), "flashinfer": flashinfer.__version__,
                                 "heads": {"qo": HQ, "kv": HKV, "head_dim": D, "page": PAGE, "dtype": "bf16"},
                                 "shared_gain": a.shared_gain, "prefill_tunings": a.prefill_tunings,
                                 "workspace_requests": a.workspace_requests, "group_item_mins": item_mins,
+                                "builds": dict(builds),
                                 "ordered_pages": ORDERED,
                                 "cells": results})
     return 0

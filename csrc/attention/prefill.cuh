@@ -67,6 +67,13 @@
 #include "shared.cuh"
 #include "wgmma.cuh"
 
+#ifndef FI_PREFILL_MERGE_BATCH
+#define FI_PREFILL_MERGE_BATCH 4
+#endif
+#ifndef FI_PREFILL_DEFER
+#define FI_PREFILL_DEFER 8
+#endif
+
 namespace fi {
 namespace prefill {
 
@@ -170,7 +177,13 @@ struct Config {
   static constexpr int kQRowBytes = kHeadDimPad * 2;  // the query tile, [kTileRows][D], swizzled
   static constexpr int kQChunksPerRow = kQRowBytes / 16;
   static constexpr int kQBytes = kTileRows * kQRowBytes;
-  static constexpr int kFlagBytes = (kTileRows / 8 + 15) / 16 * 16;  // rows whose split merge this CTA owns (bits)
+  // Split sub-items whose arrivals wait (Kernel::arrive): one fence and one round of row counters for up to
+  // kDefer of them, not one each (a one-row item's fence and counter took about 2 us of the compute warps' time).
+  // Not beside the bias MMA's operands: at 8 x 2 they leave 16 bytes of shared memory.
+  static constexpr int kDefer = kBiasMma ? 1 : FI_PREFILL_DEFER;
+  static constexpr int kDeferBytes = kDefer * 16;  // a waiting sub-item: row0, nrows, unit
+  // A bit a row of each waiting sub-item (slot k * kTileRows + r): the rows whose merge this CTA owns.
+  static constexpr int kFlagBytes = (kDefer * kTileRows / 8 + 15) / 16 * 16 + kDeferBytes;
   static constexpr int kQAt = kStages * kStageBytes;
   // wgmma reads Q from shared memory, so the loader can copy the next sub-item's query tile with its first
   // KV tile (kQBuffers > 1; shared.cuh): its global-memory latency then overlaps the current sub-item
@@ -195,6 +208,7 @@ struct Config {
   static constexpr int kBiasKAt = kBiasZeroAt + 128;
   static constexpr int kOnesAt = kBiasMma ? kBiasKAt + kStep * 16 : kBiasAt;
   static constexpr int kFlagsAt = kOnesAt + (kRowSumMma || kBiasMma ? 256 : 0);
+  static constexpr int kDeferAt = kFlagsAt + kFlagBytes - kDeferBytes;
   static constexpr int kRecordsAt = kFlagsAt + kFlagBytes;
   static constexpr int kRowOffsetsAt = kRecordsAt + kStages * (int)sizeof(TileRecord);
   // After the loader's row offsets (shared.cuh) and, warp-specialised, its TMA votes (two tiles x 4 warps).
@@ -211,6 +225,7 @@ struct Config {
   static_assert(!kBiasMma || (kWgmma && 8 % kHeadsPerChunk == 0 && kBiasBar + kWarps / 4 <= 16),
                 "the ALiBi bias by MMA: warpgroup MMAs, heads per chunk dividing 8, at most 12 compute warps");
   static_assert(kStages >= 2, "the pipeline needs at least two stages");
+  static_assert(kTileRows % 32 == 0 && kDefer >= 1, "merge flags: whole words a waiting sub-item");
   static_assert(kQBuffers == 1 || (kWgmma && (kQBuffers == kStages || (kProducer && kQBuffers >= 2))),
                 "query buffers: 1, one per stage (wgmma), or 2 or more released through barriers (producer)");
   static_assert(kHeadsPerChunk >= 1 && kHeadsPerChunk <= kTileRows, "heads per chunk must fit in a tile");
@@ -890,7 +905,7 @@ struct Kernel {
                   "overlapped consumers: one fragment, softmax, row sums by FADD, no bias MMA, no LogitsMask");
     static_assert(L::kQCopy, "overlapped consumers: the producer copies the query tiles");
     const int warp = threadIdx.x >> 5, unit = warp >> 2;
-    uint32_t* merge_flags = reinterpret_cast<uint32_t*>(smem + Cfg::kFlagsAt);
+    int n_def = 0;  // split sub-items waiting for their arrival (arrive)
     const uint32_t qs0 = uniform(ptx::smem_u32(smem + Cfg::kQAt));
     constexpr bool kOneQ = Cfg::kQBuffers == 1;  // the query buffer is always slot 0: no record read, no shuffle
     float m_run[1][2], d_run[1][4], o[1][kDTiles][4];
@@ -914,7 +929,10 @@ struct Kernel {
       ptx::mbar_wait(full + 8 * sj, parity);
       const TileRecord* rec = Cfg::record(smem, sj);
       const int flags = rec->flags;
-      if (flags & kEnd) break;
+      if (flags & kEnd) {
+        if (n_def) arrive(p, vp, smem, n_def);
+        break;
+      }
       if (flags & kCopied) wgmma::fence_proxy_async();  // cp.async writes (generic proxy), for the tensor cores
       const Work& w = rec->w;
       if (flags & kFirst) {
@@ -1012,7 +1030,7 @@ struct Kernel {
       }
       if (!active) release_if(qbar, q_release);
       if (last) {  // the record is read by finish: release after it
-        finish(p, vp, w, m_run, d_run, o, merge_flags);
+        finish(p, vp, w, m_run, d_run, o, smem, n_def);
         release(empty + 8 * sj);
       } else if (!pending || held != sj) {
         release(empty + 8 * sj);
@@ -1112,7 +1130,7 @@ struct Kernel {
 
     uint8_t* qbuf = smem + Cfg::kQAt;
     uint8_t* cbuf = qbuf + Cfg::kQBuffers * Cfg::kQBytes;
-    uint32_t* merge_flags = reinterpret_cast<uint32_t*>(smem + Cfg::kFlagsAt);
+    int n_def = 0;  // split sub-items waiting for their arrival (arrive)
     const uint32_t qs0 = ptx::smem_u32(qbuf);
     const uint32_t os = uniform(ptx::smem_u32(smem + Cfg::kOnesAt));
 
@@ -1144,7 +1162,14 @@ struct Kernel {
       const TileRecord* rec = Cfg::record(smem, j % kStages);
       const int flags = rec->flags;
       if (threadIdx.x == 0) FI_STAMP(0, tl_n, (flags & kEnd) ? 4 : (flags & kFirst) ? 8 : 1);
-      if (flags & kEnd) break;
+      if (flags & kEnd) {
+        if (n_def) {
+          if (threadIdx.x == 0) FI_STAMP(0, tl_n, 2);
+          arrive(p, vp, smem, n_def);
+          if (threadIdx.x == 0) FI_STAMP(0, tl_n, 3);
+        }
+        break;
+      }
       const Work& w = rec->w;
       const int kv_head = kv_head_of(p, w.unit);  // for the hooks' contexts (unused ones cost nothing)
       // The unit's real rows: packed rows [first_pr, first_pr + kUnitRows) clipped to the sub-item.
@@ -1231,7 +1256,7 @@ struct Kernel {
       }
       if (flags & kLast) {
         if (threadIdx.x == 0) FI_STAMP(0, tl_n, 2);
-        finish(p, vp, w, m_run, d_run, o, merge_flags);
+        finish(p, vp, w, m_run, d_run, o, smem, n_def);
         if (threadIdx.x == 0) FI_STAMP(0, tl_n, 3);
         if constexpr (Cfg::kProducer) {
           release(qempty + 8 * rec->qslot);
@@ -1241,11 +1266,11 @@ struct Kernel {
     }
   }
 
-  // End of a sub-item: normalise this warp's rows and write them out, or write partial states and merge
-  // the rows whose last chunk this CTA completed.
+  // End of a sub-item: normalise this warp's rows and write them out, or write partial states and wait for
+  // the arrival (arrive), which merges the rows whose last chunk this CTA completed.
   static __device__ __forceinline__ void finish(const Params& p, const VariantParams& vp, const Work& w,
                                                 float (&m_run)[kMF][2], float (&d_run)[kMF][4],
-                                                float (&o)[kMF][kDTiles][4], uint32_t* merge_flags) {
+                                                float (&o)[kMF][kDTiles][4], uint8_t* smem, int& n_def) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int row0 = w.row0, nrows = w.nrows, item_q_begin = w.item_q_begin;
     const int partial_base = w.partial_base, partial_stride = w.partial_stride, unit = w.unit;
@@ -1292,33 +1317,57 @@ struct Kernel {
         }
       }
     if (!split) return;
+    if (threadIdx.x == 0) reinterpret_cast<int4*>(smem + Cfg::kDeferAt)[n_def] = make_int4(row0, nrows, unit, 0);
+    if (++n_def == Cfg::kDefer) arrive(p, vp, smem, n_def);
+  }
 
-    // Arrival (threadfence reduction pattern): the CTA that writes a row's last chunk merges the row.
+  // The waiting split sub-items' arrivals (threadfence reduction pattern): their partial states fenced once,
+  // then every row's counter at once (the atomics' round trips overlap); the CTA whose arrival is a row's last
+  // merges it. Run by every compute thread with the same n_def, which it resets.
+  static __device__ __noinline__ void arrive(const Params& p, const VariantParams& vp, uint8_t* smem, int& n_def) {
+    constexpr int kRowsMax = Cfg::kTileRows;
+    constexpr int kSlotRounds = (Cfg::kDefer * kRowsMax + kThreads - 1) / kThreads;
+    const int4* def = reinterpret_cast<const int4*>(smem + Cfg::kDeferAt);
+    uint32_t* flags = reinterpret_cast<uint32_t*>(smem + Cfg::kFlagsAt);
     __threadfence();
-    sync_compute();
+    sync_compute();  // every warp's partial states fenced; the records written
     const int32_t* mi = p.plan + p.merge_indptr_offset;
-    for (int r0 = 0; r0 < nrows; r0 += kThreads) {  // a bit a row, a word a warp (whole warps: ballot)
-      const int r = r0 + threadIdx.x;
-      bool last = false;
-      if (r < nrows) {
-        const int q_row = row0 + r;
-        const int chunks = __ldg(mi + q_row + 1) - __ldg(mi + q_row);
-        int32_t* counter = E::merge_counter(p, q_row, unit);
-        last = atomicAdd(counter, 1) == chunks - 1;
-        if (last) *counter = 0;  // nobody else touches it in this launch: leave it zeroed for the next
+    bool last[kSlotRounds];
+#pragma unroll
+    for (int i = 0; i < kSlotRounds; ++i) {  // slot k * kRowsMax + r: record k's row r
+      const int slot = i * kThreads + threadIdx.x, k = slot / kRowsMax, r = slot % kRowsMax;
+      last[i] = false;
+      if (k < n_def) {
+        const int4 d = def[k];
+        if (r < d.y) {
+          const int q_row = d.x + r;
+          const int chunks = __ldg(mi + q_row + 1) - __ldg(mi + q_row);
+          int32_t* counter = E::merge_counter(p, q_row, d.z);
+          last[i] = atomicAdd(counter, 1) == chunks - 1;
+          if (last[i]) *counter = 0;  // nobody else touches it in this launch: leave it zeroed for the next
+        }
       }
-      const uint32_t bits = __ballot_sync(0xffffffffu, last);
-      if ((threadIdx.x & 31) == 0 && r < nrows) merge_flags[r >> 5] = bits;
+    }
+#pragma unroll
+    for (int i = 0; i < kSlotRounds; ++i) {  // a bit a slot, a word a warp (whole warps: ballot)
+      const int slot = i * kThreads + threadIdx.x;
+      const uint32_t bits = __ballot_sync(0xffffffffu, last[i]);
+      if ((threadIdx.x & 31) == 0 && slot < n_def * kRowsMax) flags[slot >> 5] = bits;
     }
     sync_compute();
-    bool any = false;
-    for (int k = 0; k < (nrows + 31) / 32; ++k) any |= merge_flags[k] != 0;
-    if (any) {
-      __threadfence();
-      E::template merge_rows<2, false, 1>(p, vp, unit, row0, nrows,
-                                [merge_flags](int r) { return (merge_flags[r >> 5] >> (r & 31)) & 1u; });
+    for (int k = 0; k < n_def; ++k) {
+      const int4 d = def[k];
+      const uint32_t* kf = flags + k * (kRowsMax / 32);
+      bool any = false;
+      for (int wd = 0; wd < (d.y + 31) / 32; ++wd) any |= kf[wd] != 0;
+      if (any) {
+        __threadfence();
+        E::template merge_rows<FI_PREFILL_MERGE_BATCH, false, 1>(
+            p, vp, d.z, d.x, d.y, [kf](int r) { return (kf[r >> 5] >> (r & 31)) & 1u; });
+      }
     }
-    sync_compute();  // merge_flags are reused by the next split sub-item
+    sync_compute();  // the records and flags are reused
+    n_def = 0;
   }
 };
 

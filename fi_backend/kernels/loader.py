@@ -6,6 +6,7 @@ import threading
 from pathlib import Path
 from typing import Dict, Iterable, Optional, Sequence, Tuple, Union
 
+from .. import env
 from .builder import ArchList, build, resolve_arch_list
 from .spec import ModuleSpec
 
@@ -67,6 +68,12 @@ class Module:
 
 
 _modules: Dict[tuple, Module] = {}
+
+
+def memo_key(spec: ModuleSpec) -> tuple:
+    """A loaded module's key in a process: the spec and $FI_BACKEND_NVCC_FLAGS, which enter the module's identity
+    (builder.module_flags), so an experiment can load the same spec built two ways side by side."""
+    return spec.memo_key, env.get(env.NVCC_FLAGS) or ""
 _modules_lock = threading.Lock()
 
 
@@ -74,7 +81,7 @@ def load(spec: ModuleSpec, *, archs: Union[None, str, Iterable[str]] = None,
          quiet: Optional[bool] = None) -> Module:
     """Build `spec` if needed (see build()) and load it; memoised per process."""
     resolved: ArchList = resolve_arch_list(archs)
-    key = (spec.memo_key, resolved)
+    key = (memo_key(spec), resolved)
     module = _modules.get(key)
     if module is not None:
         return module

@@ -1,8 +1,10 @@
 """Prefill kernel shapes A/B: the query-tile family's per-step pick against every member forced, and any kernel
-shapes (tunings) against the pick, ours only, same inputs, same process, alternating rounds.
+shapes (tunings) against the pick, ours only, same inputs, same process, alternating rounds. `--build NAME=FLAGS`
+adds the pick built with extra nvcc flags (FI_BACKEND_NVCC_FLAGS: a kernel change behind a macro, A/B in one process).
 
     python -m perf.tools.prefill_ab                                  # the family table, FAMILY_SHAPES
     python -m perf.tools.prefill_ab --shapes 16x1024,4x4096 --tunings '[{"warps": 8, "mfrags": 1, "tile": 64}]'
+    python -m perf.tools.prefill_ab --shapes 16x1024,1x2048 --tunings '[]' --build base='-DFI_PREFILL_DEFER=1'
 
 Causal, bf16, 32 query / 8 KV heads, head_dim 128, this step's K/V ragged (perf.prefill.ours_fn). A forced shape
 is a `tuning` of fi_backend.wrappers.prefill_spec; each output is checked against the pick's. A pick more than
@@ -19,7 +21,7 @@ import sys
 import torch
 
 from perf import prefill as P
-from perf.common import diff_stats, log, stamp, time_rounds, write_result
+from perf.common import diff_stats, env_set, log, stamp, time_rounds, write_result
 
 FAMILY_SHAPES = ((1, 256), (1, 512), (16, 128), (64, 64), (8, 300), (1, 1291), (1, 2048), (4, 1291), (2, 4096))
 HKV = 8
@@ -30,7 +32,7 @@ def parse_shapes(text: str) -> list:
     return parse(text)
 
 
-def run(shapes, tunings, rounds: int, rep: int) -> list:
+def run(shapes, tunings, rounds: int, rep: int, builds=()) -> list:
     rows = []
     for b, s in shapes:
         case = P.Case(b, s, P.HQ, HKV, seed=s + b)
@@ -38,6 +40,10 @@ def run(shapes, tunings, rounds: int, rep: int) -> list:
         fns, outs, rows_per_tile = {"pick": fn}, {}, {"pick": info["rows_per_tile"]}
         for name, shape in tunings.items():
             fns[name], outs[name], minfo = P.ours_fn(case, tuning=shape)
+            rows_per_tile[name] = minfo["rows_per_tile"]
+        for name, flags in builds:
+            with env_set(FI_BACKEND_NVCC_FLAGS=flags):
+                fns[name], outs[name], minfo = P.ours_fn(case)
             rows_per_tile[name] = minfo["rows_per_tile"]
         times = time_rounds(fns, rounds, rep)
         r = {**case.shape(), "rows_per_tile": rows_per_tile, "us_per_round": times,
@@ -65,6 +71,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=int, default=50)
     ap.add_argument("--name", default="prefill_ab")
+    ap.add_argument("--build", action="append", default=[], metavar="NAME=FLAGS",
+                    help="the pick built with these extra nvcc flags too; repeatable")
     a = ap.parse_args(argv)
     from fi_backend import wrappers
     shapes = parse_shapes(a.shapes) if a.shapes else list(FAMILY_SHAPES)
@@ -72,9 +80,12 @@ def main(argv=None) -> int:
         tunings = {json.dumps(t): t for t in a.tunings}
     else:
         tunings = {f"member{m}": t for m, t in enumerate(wrappers.prefill_family_shapes(P.D, "bf16"))}
-    rows = run(shapes, tunings, a.rounds, a.rep)
+    builds = [tuple(b.split("=", 1)) for b in a.build]
+    if any(len(b) != 2 or not b[0] for b in builds):
+        ap.error(f"--build: NAME=FLAGS; got {a.build}")
+    rows = run(shapes, tunings, a.rounds, a.rep, builds)
     write_result(a.name, {**stamp(), "num_qo_heads": P.HQ, "num_kv_heads": HKV, "head_dim": P.D, "tunings": tunings,
-                          "tiles_per_cta": wrappers.FAMILY_TILES_PER_CTA, "wave_slack": wrappers.FAMILY_WAVE_SLACK,
+                          "builds": dict(builds), "tiles_per_cta": wrappers.FAMILY_TILES_PER_CTA, "wave_slack": wrappers.FAMILY_WAVE_SLACK,
                           "rows": rows})
     return 1 if P.failures() else 0
 

@@ -9,7 +9,8 @@ the producer stamps each tile's wait for a free stage and its issue.
 Per cell it prints the launch's span, per CTA the time to its queue's end, and over all CTAs where the compute warps
 were: waiting for tiles (from a tile's compute end to the next tile's arrival), computing, in finish. Writes
 perf/results/<name>.json with every CTA's events as (ns from the launch's first stamp, tag). Tags: compute warps 9
-waiting for a tile, 8 a sub-item's first tile landed, 1 any other, 2 / 3 a finish's start / end, 4 the queue's end;
+waiting for a tile, 8 a sub-item's first tile landed, 1 any other, 2 / 3 a finish's start / end (after 4 too: the
+split sub-items' deferred arrivals), 4 the queue's end;
 producer 5 waiting for a stage, 6 a tile issued, 7 done (csrc/attention/prefill.cuh, shared.cuh)."""
 from __future__ import annotations
 
@@ -64,7 +65,8 @@ def summarise(ev, num_ctas):
         if comp_ev:
             span_end = max(span_end, comp_ev[-1][0])
             rec["end_ns"] = comp_ev[-1][0]
-            rec["items"] = sum(1 for _, tag in comp_ev if tag == 2)
+            end = next((i for i, (_, tag) in enumerate(comp_ev) if tag == 4), len(comp_ev))
+            rec["items"] = sum(1 for _, tag in comp_ev[:end] if tag == 2)   # not the deferred arrivals after 4
             rec["tiles"] = sum(1 for _, tag in comp_ev if tag in (1, 8))
         ctas.append(rec)
     total = wait + comp + fin
