@@ -68,7 +68,7 @@
 #include "wgmma.cuh"
 
 #ifndef FI_PREFILL_MERGE_BATCH
-#define FI_PREFILL_MERGE_BATCH 4
+#define FI_PREFILL_MERGE_BATCH 8
 #endif
 #ifndef FI_PREFILL_DEFER
 #define FI_PREFILL_DEFER 8
@@ -1355,16 +1355,29 @@ struct Kernel {
       if ((threadIdx.x & 31) == 0 && slot < n_def * kRowsMax) flags[slot >> 5] = bits;
     }
     sync_compute();
-    for (int k = 0; k < n_def; ++k) {
+    // The merged rows' units (a query head's 8 dims of a row) of every record in one pass: a thread's units are
+    // independent, so their states' round trips are its only wait (record by record, a CTA with many one-row
+    // records waited for each in turn at its queue's end).
+    constexpr int kVecs = kHeadDim / 8, kUnitsPerRow = kHPC * kVecs;
+    int total = 0;
+    for (int k = 0; k < n_def; ++k) total += def[k].y * kUnitsPerRow;
+    bool fenced = false;
+    for (int i = threadIdx.x; i < total; i += kThreads) {
+      int k = 0, u = i;
+      while (u >= def[k].y * kUnitsPerRow) u -= def[k++].y * kUnitsPerRow;
       const int4 d = def[k];
-      const uint32_t* kf = flags + k * (kRowsMax / 32);
-      bool any = false;
-      for (int wd = 0; wd < (d.y + 31) / 32; ++wd) any |= kf[wd] != 0;
-      if (any) {
+      const int r = u / kUnitsPerRow, slot = k * kRowsMax + r;
+      if (!((flags[slot >> 5] >> (slot & 31)) & 1u)) continue;
+      if (!fenced) {  // the other CTAs' partial states, written before their arrivals
         __threadfence();
-        E::template merge_rows<FI_PREFILL_MERGE_BATCH, false, 1>(
-            p, vp, d.z, d.x, d.y, [kf](int r) { return (kf[r >> 5] >> (r & 31)) & 1u; });
+        fenced = true;
       }
+      const int q_row = d.x + r, qo_head = d.z * kHPC + (u / kVecs) % kHPC, d0 = (u % kVecs) * 8;
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      float mx = -INFINITY, den = 0.f;
+      E::template merge_states<FI_PREFILL_MERGE_BATCH>(p, qo_head, d0, __ldcg(mi + q_row), FI_PREFILL_MERGE_BATCH,
+                                                       __ldcg(mi + q_row + 1), acc, mx, den);
+      E::merge_store(p, vp, q_row, qo_head, d0, acc, mx, den);
     }
     sync_compute();  // the records and flags are reused
     n_def = 0;
