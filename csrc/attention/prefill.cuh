@@ -68,7 +68,7 @@
 #include "wgmma.cuh"
 
 #ifndef FI_PREFILL_MERGE_BATCH
-#define FI_PREFILL_MERGE_BATCH 8
+#define FI_PREFILL_MERGE_BATCH 4
 #endif
 #ifndef FI_PREFILL_DEFER
 #define FI_PREFILL_DEFER 8
@@ -1375,8 +1375,8 @@ struct Kernel {
       const int q_row = d.x + r, qo_head = d.z * kHPC + (u / kVecs) % kHPC, d0 = (u % kVecs) * 8;
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       float mx = -INFINITY, den = 0.f;
-      E::template merge_states<FI_PREFILL_MERGE_BATCH>(p, qo_head, d0, __ldcg(mi + q_row), FI_PREFILL_MERGE_BATCH,
-                                                       __ldcg(mi + q_row + 1), acc, mx, den);
+      E::template merge_states<FI_PREFILL_MERGE_BATCH, true>(p, qo_head, d0, __ldcg(mi + q_row), FI_PREFILL_MERGE_BATCH,
+                                                             __ldcg(mi + q_row + 1), acc, mx, den);
       E::merge_store(p, vp, q_row, qo_head, d0, acc, mx, den);
     }
     sync_compute();  // the records and flags are reused

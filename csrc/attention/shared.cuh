@@ -808,8 +808,10 @@ struct Epilogue {
   // kDet: the kernel may run deterministic plans (p.deterministic): their split rows merge by det_add. Without
   // it (normal decode modules; prefill, whose deterministic plans split nothing) the code below is the merge.
   // The states jfirst, jfirst + jstep, ... (< j1) of one (row, head, 8 dims) unit, kBatch at a time, merged online
-  // into (mx, den, acc) (empty: -inf, 0, 0).
-  template <int kBatch>
+  // into (mx, den, acc) (empty: -inf, 0, 0). Past the end a batch reloads the last state (weight 0 below), or with
+  // kSkipPast loads nothing there: where a CTA merges thousands of units of a few states each, the reloads' L2
+  // requests, not their latency, were the merge's time.
+  template <int kBatch, bool kSkipPast = false>
   static __device__ __forceinline__ void merge_states(const Params& p, int qo_head, int d0, int jfirst, int jstep,
                                                       int j1, float (&acc)[8], float& mx, float& den) {
     for (int jb = jfirst; jb < j1; jb += jstep) {
@@ -817,7 +819,12 @@ struct Epilogue {
       float4 u[kBatch], v[kBatch];
 #pragma unroll
       for (int k = 0; k < kBatch; ++k) {
-        const int j = min(jb + k, j1 - 1);  // past the end: reload the last state (weight 0 below)
+        if (kSkipPast && jb + k >= j1) {
+          l[k] = 0.f;
+          u[k] = v[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+          continue;
+        }
+        const int j = min(jb + k, j1 - 1);
         const int64_t at = (int64_t)j * p.num_qo_heads + qo_head;
         l[k] = Variant::kUseSoftmax ? __ldcg(p.partial_lse + at) : 0.f;
         const float4* src = reinterpret_cast<const float4*>(p.partial_o + at * kHeadDim + d0);
