@@ -230,6 +230,20 @@ def test_identity_changes_with_each_input_and_only_then(toy_csrc, monkeypatch):
     assert len(set(changed.values())) == len(changed)
 
 
+def test_loaded_modules_are_memoised_per_nvcc_flags(monkeypatch):
+    """A process loads a spec once per FI_BACKEND_NVCC_FLAGS (part of the module's identity), so an A/B can hold the
+    same spec built two ways (perf composable --build)."""
+    from fi_backend.kernels import loader
+    spec = ModuleSpec("toy", "toy.cu", params={"N": "1"})
+    monkeypatch.delenv("FI_BACKEND_NVCC_FLAGS", raising=False)
+    plain = loader.memo_key(spec)
+    monkeypatch.setenv("FI_BACKEND_NVCC_FLAGS", "-DFI_PREFILL_DEFER=1")
+    flagged = loader.memo_key(spec)
+    assert flagged != plain and flagged[0] == plain[0]
+    monkeypatch.setenv("FI_BACKEND_NVCC_FLAGS", "")
+    assert loader.memo_key(spec) == plain
+
+
 def test_module_name_is_family_tag_hash(toy_csrc):
     ident = module_identity(ModuleSpec("toy", "toy.cu", params={"DTYPE": "__nv_bfloat16", "N": "128"}),
                             ("90a",), "v", csrc=toy_csrc)

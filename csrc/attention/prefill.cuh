@@ -67,6 +67,9 @@
 #include "shared.cuh"
 #include "wgmma.cuh"
 
+// Split rows' merges: states loaded per round trip (Kernel::arrive; 8 and more spilled at 8 x 2 and head size 256),
+// and split sub-items whose arrivals wait (Config::kDefer; 1: each arrives as it ends). Macros so that an A/B builds
+// the old behaviour beside the new (FI_BACKEND_NVCC_FLAGS, `perf composable --build`, `perf.tools.prefill_ab --build`).
 #ifndef FI_PREFILL_MERGE_BATCH
 #define FI_PREFILL_MERGE_BATCH 4
 #endif
@@ -178,7 +181,7 @@ struct Config {
   static constexpr int kQChunksPerRow = kQRowBytes / 16;
   static constexpr int kQBytes = kTileRows * kQRowBytes;
   // Split sub-items whose arrivals wait (Kernel::arrive): one fence and one round of row counters for up to
-  // kDefer of them, not one each (a one-row item's fence and counter took about 2 us of the compute warps' time).
+  // kDefer of them, not one each (a one-row item's fence and counter cost the compute warps about 2 us).
   // Not beside the bias MMA's operands: at 8 x 2 they leave 16 bytes of shared memory.
   static constexpr int kDefer = kBiasMma ? 1 : FI_PREFILL_DEFER;
   static constexpr int kDeferBytes = kDefer * 16;  // a waiting sub-item: row0, nrows, unit
@@ -1323,7 +1326,8 @@ struct Kernel {
 
   // The waiting split sub-items' arrivals (threadfence reduction pattern): their partial states fenced once,
   // then every row's counter at once (the atomics' round trips overlap); the CTA whose arrival is a row's last
-  // merges it. Run by every compute thread with the same n_def, which it resets.
+  // merges it. Run by every compute thread with the same n_def, which it resets. Not inlined: at its two call sites
+  // the merge's registers made ptxas spill more (8 x 2 at 4 states a round trip: 248 bytes, against 44 as a call).
   static __device__ __noinline__ void arrive(const Params& p, const VariantParams& vp, uint8_t* smem, int& n_def) {
     constexpr int kRowsMax = Cfg::kTileRows;
     constexpr int kSlotRounds = (Cfg::kDefer * kRowsMax + kThreads - 1) / kThreads;

@@ -1,17 +1,18 @@
 """Where a prefill launch's time goes, CTA by CTA: one launch of a composable cell's group step (perf.composable) on
 a prefill module built with -DFI_TIMELINE (csrc/attention/timeline.cuh; FI_BACKEND_NVCC_FLAGS, so these modules are
 cached apart from the real ones), its stamps read back and summarised. The compute warps stamp each tile's arrival
-(the full barrier's wait ended), each sub-item's finish (partial state, fence, ticket, merge) and the queue's end;
-the producer stamps each tile's wait for a free stage and its issue.
+(the full barrier's wait ended), each sub-item's finish (its output or partial state; every 8th split one, and the
+queue's end, the deferred arrivals: fence, tickets, merges) and the queue's end; the producer stamps each tile's
+wait for a free stage and its issue.
 
     python -m perf.tools.timeline 16x8192x256 [16x8192x16 ...] [--name timeline_groups]
 
 Per cell it prints the launch's span, per CTA the time to its queue's end, and over all CTAs where the compute warps
 were: waiting for tiles (from a tile's compute end to the next tile's arrival), computing, in finish. Writes
-perf/results/<name>.json with every CTA's events as (ns from the launch's first stamp, tag). Tags: compute warps 9
-waiting for a tile, 8 a sub-item's first tile landed, 1 any other, 2 / 3 a finish's start / end (after 4 too: the
-split sub-items' deferred arrivals), 4 the queue's end;
-producer 5 waiting for a stage, 6 a tile issued, 7 done (csrc/attention/prefill.cuh, shared.cuh)."""
+perf/results/<name>.json with every CTA's events as (ns from the launch's first stamp, tag), a string a writer
+(`compact`; `events` reads one back). Tags: compute warps 9 waiting for a tile, 8 a sub-item's first tile landed,
+1 any other, 2 / 3 a finish's start / end (after 4 too: the deferred arrivals), 4 the queue's end; producer 5
+waiting for a stage, 6 a tile issued, 7 done (csrc/attention/prefill.cuh, shared.cuh)."""
 from __future__ import annotations
 
 import argparse
@@ -75,6 +76,19 @@ def summarise(ev, num_ctas):
             if total else None, "ctas": ctas}
 
 
+def compact(s: dict) -> dict:
+    """The summary with each CTA's events as one string of "ns:tag" pairs, ns rounded (one JSON line a writer, not
+    one a stamp: a cell's file is then about 0.2 MB, not 1)."""
+    ctas = [{**c, **{w: " ".join(f"{round(t)}:{tag}" for t, tag in c[w]) for w in ("compute", "producer")}}
+            for c in s["ctas"]]
+    return {**s, "ctas": ctas}
+
+
+def events(text: str) -> list:
+    """A compacted writer's events back as (ns, tag) pairs."""
+    return [tuple(int(x) for x in e.split(":")) for e in text.split()]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m perf.tools.timeline", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -108,7 +122,7 @@ def main(argv=None) -> int:
             sel = items == n
             log(f"  CTAs of {n} items: {int(sel.sum())}, ending at {np.median(ends[sel]):.1f} us (median), "
                 f"{ends[sel].max():.1f} (last)")
-        out.append({"cell": spec, "plan": info._asdict(), **s})
+        out.append({"cell": spec, "plan": info._asdict(), **compact(s)})
     write_result(a.name, {**stamp(), "cells": out})
     return 0
 
