@@ -4,7 +4,8 @@ FI_BACKEND_CACHE_DIR        directory of built kernel modules (default: ~/.cache
 FI_BACKEND_CUDA_ARCH_LIST   architectures to build for, e.g. "90a" or "9.0a;10.0a" (default: the current GPU)
 FI_BACKEND_NVCC             nvcc to use (default: $CUDA_HOME/bin/nvcc, then nvcc on PATH, then /usr/local/cuda)
 FI_BACKEND_NVCC_FLAGS       extra nvcc flags for every module built (space-separated; part of each module's identity,
-                            so such modules are cached apart; for experiments: perf/tools/timeline.py)
+                            so such modules are cached and loaded apart; for experiments: perf/tools/timeline.py,
+                            `perf composable --build`)
 FI_BACKEND_JIT              "0": never compile; load only modules already in the cache (any nvcc built them)
 FI_BACKEND_QUIET            "1": no "fi-backend: building ..." lines on stderr
 FI_BACKEND_KV_TMA           "0": the warp-specialised prefill kernel gathers every KV tile with cp.async; by

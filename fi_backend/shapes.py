@@ -158,7 +158,7 @@ PREFILL_WS_TUNINGS = {"w12": {"warps": 12, "mfrags": 1, "producer": 1},
 # producer copies ahead; each released through a barrier when its sub-item ends, so the stages are free
 # to be more (8 x 2: three 32 KB stages beside two 64 KB query buffers).
 PREFILL_PRODUCER_Q_BUFFERS = 2
-# Split sub-items whose arrivals wait (prefill::Config::kDefer, FI_PREFILL_DEFER): one fence for several
+# Split sub-items whose arrivals wait (prefill::Config::kDefer): one fence for several
 PREFILL_DEFER = 8
 
 

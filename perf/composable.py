@@ -20,7 +20,7 @@ before timing. Writes perf/results/composable.json (device, date, commit).
                                                   # tile shapes too (tuning of fi_backend.specs.prefill_spec)
                               [--group-item-mins 0,128,512]   # the groups on the prefill kernel planned with
                                                   # these least item costs too (FI_BACKEND_PLAN_GROUP_ITEM_MIN)
-                              [--build base='-DFI_PREFILL_DEFER=1']   # ... and on modules built with these
+                              [--build old='-DFI_MY_SWITCH=0']   # ... and on modules built with these
                                                   # extra nvcc flags (FI_BACKEND_NVCC_FLAGS), same process
 """
 from __future__ import annotations

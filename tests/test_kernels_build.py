@@ -237,7 +237,7 @@ def test_loaded_modules_are_memoised_per_nvcc_flags(monkeypatch):
     spec = ModuleSpec("toy", "toy.cu", params={"N": "1"})
     monkeypatch.delenv("FI_BACKEND_NVCC_FLAGS", raising=False)
     plain = loader.memo_key(spec)
-    monkeypatch.setenv("FI_BACKEND_NVCC_FLAGS", "-DFI_PREFILL_DEFER=1")
+    monkeypatch.setenv("FI_BACKEND_NVCC_FLAGS", "-DFI_MY_SWITCH=0")
     flagged = loader.memo_key(spec)
     assert flagged != plain and flagged[0] == plain[0]
     monkeypatch.setenv("FI_BACKEND_NVCC_FLAGS", "")

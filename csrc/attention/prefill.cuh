@@ -67,16 +67,6 @@
 #include "shared.cuh"
 #include "wgmma.cuh"
 
-// Split rows' merges: states loaded per round trip (Kernel::arrive; 8 and more spilled at 8 x 2 and head size 256),
-// and split sub-items whose arrivals wait (Config::kDefer; 1: each arrives as it ends). Macros so that an A/B builds
-// the old behaviour beside the new (FI_BACKEND_NVCC_FLAGS, `perf composable --build`, `perf.tools.prefill_ab --build`).
-#ifndef FI_PREFILL_MERGE_BATCH
-#define FI_PREFILL_MERGE_BATCH 4
-#endif
-#ifndef FI_PREFILL_DEFER
-#define FI_PREFILL_DEFER 8
-#endif
-
 namespace fi {
 namespace prefill {
 
@@ -181,9 +171,9 @@ struct Config {
   static constexpr int kQChunksPerRow = kQRowBytes / 16;
   static constexpr int kQBytes = kTileRows * kQRowBytes;
   // Split sub-items whose arrivals wait (Kernel::arrive): one fence and one round of row counters for up to
-  // kDefer of them, not one each (a one-row item's fence and counter cost the compute warps about 2 us).
+  // kDefer of them, not one each (each one's fence and counter round trip stalled every compute warp).
   // Not beside the bias MMA's operands: at 8 x 2 they leave 16 bytes of shared memory.
-  static constexpr int kDefer = kBiasMma ? 1 : FI_PREFILL_DEFER;
+  static constexpr int kDefer = kBiasMma ? 1 : 8;
   static constexpr int kDeferBytes = kDefer * 16;  // a waiting sub-item: row0, nrows, unit
   // A bit a row of each waiting sub-item (slot k * kTileRows + r): the rows whose merge this CTA owns.
   static constexpr int kFlagBytes = (kDefer * kTileRows / 8 + 15) / 16 * 16 + kDeferBytes;
@@ -1324,6 +1314,9 @@ struct Kernel {
     if (++n_def == Cfg::kDefer) arrive(p, vp, smem, n_def);
   }
 
+  // States a merge loads a round trip (8 spilled at 8 x 2 and head size 256).
+  static constexpr int kMergeBatch = 4;
+
   // The waiting split sub-items' arrivals (threadfence reduction pattern): their partial states fenced once,
   // then every row's counter at once (the atomics' round trips overlap); the CTA whose arrival is a row's last
   // merges it. Run by every compute thread with the same n_def, which it resets. Not inlined: at its two call sites
@@ -1379,8 +1372,8 @@ struct Kernel {
       const int q_row = d.x + r, qo_head = d.z * kHPC + (u / kVecs) % kHPC, d0 = (u % kVecs) * 8;
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       float mx = -INFINITY, den = 0.f;
-      E::template merge_states<FI_PREFILL_MERGE_BATCH, true>(p, qo_head, d0, __ldcg(mi + q_row), FI_PREFILL_MERGE_BATCH,
-                                                             __ldcg(mi + q_row + 1), acc, mx, den);
+      E::template merge_states<kMergeBatch, true>(p, qo_head, d0, __ldcg(mi + q_row), kMergeBatch,
+                                                  __ldcg(mi + q_row + 1), acc, mx, den);
       E::merge_store(p, vp, q_row, qo_head, d0, acc, mx, den);
     }
     sync_compute();  // the records and flags are reused

@@ -746,7 +746,8 @@ struct Epilogue {
   // it: states are read kBatch at a time with no branch between the loads, so a batch costs one
   // L2 round trip (a loop that skipped empty states issued one state's loads per round trip, and a
   // 16-chunk row took ~16 of them), and merged online (one pass: no separate pass for the max).
-  // kBatch costs 9 registers per state: decode affords 8; prefill, at its 128-register cap, 2 (4 spilled).
+  // kBatch costs 9 registers per state: decode affords 8. (Prefill merges in its own Kernel::arrive, through
+  // merge_states.)
   // Where the rows leave threads idle (a decode row of one unit: kHPC x kVecs units for 128 or 256 threads), up to
   // kMaxLanes neighbouring lanes share a unit, each merging every lanes-th batch of its states, and combine their
   // states by shuffles: a row of n states then takes n / (kBatch x lanes) round trips, not n / kBatch (single
@@ -806,7 +807,7 @@ struct Epilogue {
   }
 
   // kDet: the kernel may run deterministic plans (p.deterministic): their split rows merge by det_add. Without
-  // it (normal decode modules; prefill, whose deterministic plans split nothing) the code below is the merge.
+  // it (normal decode modules) the code below is the merge.
   // The states jfirst, jfirst + jstep, ... (< j1) of one (row, head, 8 dims) unit, kBatch at a time, merged online
   // into (mx, den, acc) (empty: -inf, 0, 0). Past the end a batch reloads the last state (weight 0 below), or with
   // kSkipPast loads nothing there: where a CTA merges thousands of units of a few states each, the reloads' L2

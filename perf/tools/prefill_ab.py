@@ -4,7 +4,7 @@ adds the pick built with extra nvcc flags (FI_BACKEND_NVCC_FLAGS: a kernel chang
 
     python -m perf.tools.prefill_ab                                  # the family table, FAMILY_SHAPES
     python -m perf.tools.prefill_ab --shapes 16x1024,4x4096 --tunings '[{"warps": 8, "mfrags": 1, "tile": 64}]'
-    python -m perf.tools.prefill_ab --shapes 16x1024,1x2048 --tunings '[]' --build base='-DFI_PREFILL_DEFER=1'
+    python -m perf.tools.prefill_ab --shapes 16x1024,1x2048 --tunings '[]' --build old='-DFI_MY_SWITCH=0'
 
 Causal, bf16, 32 query / 8 KV heads, head_dim 128, this step's K/V ragged (perf.prefill.ours_fn). A forced shape
 is a `tuning` of fi_backend.wrappers.prefill_spec; each output is checked against the pick's. A pick more than
