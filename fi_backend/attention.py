@@ -158,7 +158,7 @@ def _launcher(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, grou
 
 
 def _launcher_of(spec: kernels.ModuleSpec, variant: Variant) -> _Launcher:
-    key = kernels.loader.memo_key(spec)
+    key = (kernels.loader.memo_key(spec), kernels.resolve_arch_list())   # a spec's module differs by arch list
     entry = _launchers.get(key)
     if entry is None:
         entry = _Launcher(spec, variant)

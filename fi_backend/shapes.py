@@ -16,6 +16,23 @@ from .variants import Variant
 HEAD_DIMS = (64, 80, 96, 128, 256)
 SMEM_PER_SM = 228 * 1024   # Hopper; 227 KiB per CTA at most
 SMEM_PER_CTA = 227 * 1024
+# The most shared memory a CTA may opt into, by architecture (CUDA's per-block limit). sm_86, sm_89 (RTX 30xx / 40xx,
+# A10, L40S) and sm_120 have 99 KiB, sm_80 and sm_87 (A100, Orin) 163 KiB; others not listed get the least.
+SMEM_PER_CTA_BY_ARCH = {"80": 163 * 1024, "86": 99 * 1024, "87": 163 * 1024, "89": 99 * 1024, "90": 227 * 1024,
+                        "90a": 227 * 1024, "100": 227 * 1024, "100a": 227 * 1024, "120": 99 * 1024}
+SMEM_PER_CTA_LEAST = 99 * 1024
+
+
+def smem_per_cta(archs=None) -> int:
+    """The shared memory a CTA may use on every GPU that modules built for `archs` (default: the arch list in effect,
+    $FI_BACKEND_CUDA_ARCH_LIST or the device) can run on: the least of their limits. PTX ("80+ptx") may be JIT-compiled
+    for any later GPU, so it counts as the least there is. With no device and no arch list, Hopper's."""
+    try:
+        archs = kernels.resolve_arch_list(archs)
+    except RuntimeError:  # nothing is built here
+        return SMEM_PER_CTA
+    return min(SMEM_PER_CTA_LEAST if a.endswith("+ptx") else SMEM_PER_CTA_BY_ARCH.get(a, SMEM_PER_CTA_LEAST)
+               for a in archs)
 
 
 # ------------------------------------------------------------------------------------ decode
@@ -92,7 +109,22 @@ def _kernel_shape(head_dim: int, kv_bytes: int, group: int, key_transform: bool 
         warps, sub, stages = _SHAPES_ROWS16[key]
     else:
         warps, sub, stages = _SHAPES[key]
-    return {"rows": rows, "hpc": hpc, "warps": warps, "sub": sub, "stages": stages}
+    return _fit_decode(head_dim, kv_bytes, {"rows": rows, "hpc": hpc, "warps": warps, "sub": sub, "stages": stages})
+
+
+def _fit_decode(head_dim: int, kv_bytes: int, shape: dict) -> dict:
+    """The shape within the arch list's shared memory (smem_per_cta): fewer stages (down to 2), then fewer warps
+    (down to 2; a warp fewer is a tile of fewer tokens). On Hopper every table shape fits as it is; where none of
+    these fits, decode_spec says so."""
+    limit = smem_per_cta()
+    while _smem_bytes(head_dim, kv_bytes, shape) > limit:
+        if shape["stages"] > 2:
+            shape = {**shape, "stages": shape["stages"] - 1}
+        elif shape["warps"] > 2:
+            shape = {**shape, "warps": shape["warps"] // 2}
+        else:
+            break
+    return shape
 
 
 def _smem_bytes(head_dim: int, kv_bytes: int, shape: dict) -> int:
@@ -265,6 +297,8 @@ def _prefill_family(head_dim: int, kv_bytes: int, wgmma: Optional[bool] = None,
     family = []
     for s in table[(head_dim, kv_bytes)]:
         shape = {**dict(zip(keys, s)), "wgmma": int(wgmma), "producer": 0, "rowsum": int(wgmma)}
+        if not wgmma:
+            shape = _fit_prefill_sync(head_dim, kv_bytes, shape)
         family.append({**shape, "bias": int(_bias_mma_possible(variant, shape, hpc))})
     ws = _PREFILL_WS_MEMBER0.get(head_dim) if wgmma else None
     if ws:
@@ -289,6 +323,22 @@ def _prefill_family(head_dim: int, kv_bytes: int, wgmma: Optional[bool] = None,
                 family[0] = shape
                 break
     return family
+
+
+def _fit_prefill_sync(head_dim: int, kv_bytes: int, shape: dict) -> dict:
+    """An mma.sync shape within the arch list's shared memory (smem_per_cta; these modules take one query buffer):
+    fewer stages (down to 2), then KV tiles of half the tokens (down to 32, the step with them). Where none of these
+    fits, prefill_spec says so."""
+    limit = smem_per_cta()
+    while _prefill_smem_bytes(head_dim, kv_bytes, shape) > limit:
+        if shape["stages"] > 2:
+            shape = {**shape, "stages": shape["stages"] - 1}
+        elif shape["tile"] > 32:
+            tile = shape["tile"] // 2
+            shape = {**shape, "tile": tile, "step": min(shape["step"], tile)}
+        else:
+            break
+    return shape
 
 
 def _rows(shape: tuple) -> int:

@@ -9,8 +9,17 @@ from typing import Optional
 from . import kernels
 from .shapes import (SMEM_PER_CTA, _bias_mma_possible, _fa3_blockers, _fa3_q_buffers, _blocks_by_smem, _check_head_dim, _kernel_shape, _kv_bytes,
                      _prefill_q_buffers, _prefill_q_copy_possible, _prefill_shape, _prefill_smem_bytes,
-                     _producer_blockers, _smem_bytes, decode_family_size, prefill_family_size, prefill_uses_wgmma)
+                     _producer_blockers, _smem_bytes, decode_family_size, prefill_family_size, prefill_uses_wgmma,
+                     smem_per_cta)
 from .variants import Variant
+
+def _arch_text() -> str:
+    """The arch list in effect, for messages."""
+    try:
+        return "sm_" + ", sm_".join(kernels.resolve_arch_list())
+    except RuntimeError:
+        return "Hopper (no device and no arch list)"
+
 
 _C_TYPE = {"bf16": "__nv_bfloat16", "fp16": "__half", "fp8_e4m3": "__nv_fp8_e4m3", "fp8_e5m2": "__nv_fp8_e5m2"}
 DECODE_TUNING_KEYS = frozenset({"warps", "sub", "stages"})
@@ -35,10 +44,10 @@ def decode_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, gr
     if unknown:
         raise ValueError(f"unknown decode tuning keys {sorted(unknown)}; accepted: {sorted(DECODE_TUNING_KEYS)}")
     shape.update(tuning)
-    smem = _smem_bytes(head_dim, kv_bytes, shape)
-    if smem > SMEM_PER_CTA:
-        raise ValueError(f"decode kernel shape {shape} for head_dim {head_dim} needs {smem} bytes of shared memory; "
-                         f"a CTA may use at most {SMEM_PER_CTA}")
+    smem, limit = _smem_bytes(head_dim, kv_bytes, shape), smem_per_cta()
+    if smem > limit:
+        raise ValueError(f"decode kernel shape {shape} for head_dim {head_dim} ({kv_dtype} KV) needs {smem} bytes of "
+                         f"shared memory; a CTA may use at most {limit} on {_arch_text()}")
     config = ", ".join([str(head_dim), str(shape["rows"]), str(shape["hpc"]), _C_TYPE[q_dtype], _C_TYPE[kv_dtype],
                         str(shape["warps"]), str(shape["stages"]), str(shape["sub"])]
                        + (["true"] if deterministic else []))
@@ -102,10 +111,10 @@ def prefill_spec(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, g
         raise ValueError(f"tuning producer=1 (warp-specialised prefill) needs {', '.join(why)}; shape {shape}")
     shape["rowsum"] = int(shape["wgmma"] and not fa3)  # by MMA wherever there are warpgroup MMAs (fa3: FADD)
     shape["bias"] = int(_bias_mma_possible(variant, shape, shape["hpc"]) and not fa3)
-    smem = _prefill_smem_bytes(head_dim, kv_bytes, shape)
-    if smem > SMEM_PER_CTA:
-        raise ValueError(f"prefill kernel shape {shape} for head_dim {head_dim} needs {smem} bytes of shared "
-                         f"memory; a CTA may use at most {SMEM_PER_CTA}")
+    smem, limit = _prefill_smem_bytes(head_dim, kv_bytes, shape), smem_per_cta()
+    if smem > limit:
+        raise ValueError(f"prefill kernel shape {shape} for head_dim {head_dim} ({kv_dtype} KV) needs {smem} bytes of "
+                         f"shared memory; a CTA may use at most {limit} on {_arch_text()}")
     chosen = fa3_q if fa3 else _prefill_q_buffers(variant, head_dim, kv_bytes, shape)
     if fa3 and q_buffers not in (1, chosen):
         raise ValueError(f"tuning fa3={fa3} takes q_buffers 1 or {chosen}; got {q_buffers}")

@@ -1,4 +1,5 @@
-"""Every kernel module the model zoo needs builds with nvcc for sm_90a, on a machine without a GPU.
+"""Every kernel module the model zoo needs builds with nvcc for sm_90a, and for Ampere / Ada as `8.0+PTX`, on a
+machine without a GPU.
 
 The union of models.modules_of over every zoo model that models.check accepts and over the TP-sliced
 ranks of the large ones (models.tp_slices: a rank whose KV heads are replicated has its own group), decode
@@ -59,15 +60,29 @@ def _first_error_line(error: Exception) -> str:
 
 @needs_nvcc
 def test_every_zoo_module_builds_for_sm90a(sm90a):
+    _build_zoo(ARCHS, sm90a)
+
+
+@needs_nvcc
+def test_every_zoo_module_builds_for_ampere_and_ada(monkeypatch, zoo_cache):
+    """The mma.sync modules as `8.0+PTX` builds them (sm_80 code and compute_80 PTX), at shapes that fit the least
+    shared memory the PTX may meet (sm_86 / sm_89's 99 KiB: fi_backend.shapes.smem_per_cta)."""
+    monkeypatch.setenv(env.CACHE_DIR, str(zoo_cache))
+    monkeypatch.setenv(env.CUDA_ARCH_LIST, "80+ptx")
+    monkeypatch.delenv(env.JIT, raising=False)
+    _build_zoo(("80+ptx",), zoo_cache)
+
+
+def _build_zoo(archs, cache):
     needed, spec_errors = zoo_modules()
     accepted = [m.name for m in list(models.ZOO) + models.tp_slices() if models.check(m)[0]]
     assert accepted and needed, "the zoo needs no modules"
     specs = [spec for spec, _ in needed.values()]
     jobs = os.cpu_count() or 1
-    print(f"\nzoo: {len(accepted)} models and TP ranks accepted, {len(specs)} modules, {jobs} jobs, "
-          f"cache {sm90a}", flush=True)
+    print(f"\nzoo ({' '.join(archs)}): {len(accepted)} models and TP ranks accepted, {len(specs)} modules, {jobs} jobs, "
+          f"cache {cache}", flush=True)
     start = time.perf_counter()
-    results = kernels.build_many(specs, archs=ARCHS, jobs=jobs, quiet=True)
+    results = kernels.build_many(specs, archs=archs, jobs=jobs, quiet=True)
     elapsed = time.perf_counter() - start
     built = sum(1 for r in results if not isinstance(r, Exception) and r.built)
     failed = [(spec, needed[spec.memo_key][1], r) for spec, r in zip(specs, results) if isinstance(r, Exception)]
