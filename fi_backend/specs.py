@@ -13,6 +13,7 @@ from .shapes import (SMEM_PER_CTA, _bias_mma_possible, _fa3_blockers, _fa3_q_buf
                      smem_per_cta)
 from .variants import Variant
 
+
 def _arch_text() -> str:
     """The arch list in effect, for messages."""
     try:
