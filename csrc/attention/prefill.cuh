@@ -174,9 +174,9 @@ struct Config {
   // kDefer of them, not one each (each one's fence and counter round trip stalled every compute warp).
   // Not beside the bias MMA's operands: at 8 x 2 they leave 16 bytes of shared memory.
   static constexpr int kDefer = kBiasMma ? 1 : 8;
-  static constexpr int kDeferBytes = kDefer * 16;  // a waiting sub-item: row0, nrows, unit
   // A bit a row of each waiting sub-item (slot k * kTileRows + r): the rows whose merge this CTA owns.
-  static constexpr int kFlagBytes = (kDefer * kTileRows / 8 + 15) / 16 * 16 + kDeferBytes;
+  static constexpr int kFlagBytes = (kDefer * kTileRows / 8 + 15) / 16 * 16;
+  static constexpr int kDeferBytes = kDefer * 16;  // the waiting sub-items: row0, nrows, unit each
   static constexpr int kQAt = kStages * kStageBytes;
   // wgmma reads Q from shared memory, so the loader can copy the next sub-item's query tile with its first
   // KV tile (kQBuffers > 1; shared.cuh): its global-memory latency then overlaps the current sub-item
@@ -201,8 +201,8 @@ struct Config {
   static constexpr int kBiasKAt = kBiasZeroAt + 128;
   static constexpr int kOnesAt = kBiasMma ? kBiasKAt + kStep * 16 : kBiasAt;
   static constexpr int kFlagsAt = kOnesAt + (kRowSumMma || kBiasMma ? 256 : 0);
-  static constexpr int kDeferAt = kFlagsAt + kFlagBytes - kDeferBytes;
-  static constexpr int kRecordsAt = kFlagsAt + kFlagBytes;
+  static constexpr int kDeferAt = kFlagsAt + kFlagBytes;
+  static constexpr int kRecordsAt = kDeferAt + kDeferBytes;
   static constexpr int kRowOffsetsAt = kRecordsAt + kStages * (int)sizeof(TileRecord);
   // After the loader's row offsets (shared.cuh) and, warp-specialised, its TMA votes (two tiles x 4 warps).
   static constexpr int kBarriersAt = kRowOffsetsAt + 2 * kTile * 8 + (kProducer ? 32 : 0);
