@@ -7,7 +7,6 @@ GPU machine).
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import json
 import os
@@ -18,23 +17,6 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TIMED_BUDGET_S = 3.0   # timed calls of one figure, seconds at most (long calls get fewer repeats)
-
-
-@contextlib.contextmanager
-def env_set(**values):
-    """Environment variables set (None: left as they are) for the block's duration, e.g. FI_BACKEND_NVCC_FLAGS
-    while a wrapper is made and planned: its modules are then those flags' builds (an A/B in one process)."""
-    saved = {k: os.environ.get(k) for k in values}
-    for k, v in values.items():
-        if v is not None:
-            os.environ[k] = v
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None)
-            if v is not None:
-                os.environ[k] = v
 
 
 def log(msg) -> None:

@@ -31,7 +31,8 @@ import os
 
 import torch
 
-from perf.common import diff_stats, env_set, log, stamp, time_rounds, write_result
+from fi_backend import env
+from perf.common import diff_stats, log, stamp, time_rounds, write_result
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 WORKSPACE_REQUESTS = 0   # our workspaces' max_requests (0: the cell's batch); engines size theirs by their limit
@@ -96,8 +97,8 @@ def ours(cell: Cell, kernel: str, groups: bool, tuning=None, item_min=None, nvcc
     from fi_backend import formats
     from fi_backend.wrappers import BatchAttention
     n = max(cell.B, WORKSPACE_REQUESTS)
-    with env_set(FI_BACKEND_PLAN_GROUP_ITEM_MIN=None if item_min is None else repr(float(item_min)),
-              FI_BACKEND_NVCC_FLAGS=nvcc_flags):
+    with env.setting(env.PLAN_GROUP_ITEM_MIN, None if item_min is None else repr(float(item_min))), \
+            env.setting(env.NVCC_FLAGS, nvcc_flags):
         ws = BatchAttention.workspace_for("cuda", HQ, HKV, D, max_requests=n, max_tokens=n, kernel=kernel,
                                           shared_prefix=True, tuning=tuning)
         attn = BatchAttention(ws, HQ, HKV, D, q_dtype=DTYPE, page_size=PAGE, kernel=kernel, tuning=tuning)
