@@ -38,22 +38,26 @@ def smem_per_cta(archs=None) -> int:
 # ------------------------------------------------------------------------------------ decode
 
 # (warps per CTA, 16-token blocks per warp per tile, pipeline stages) by (head_dim, KV bytes per element):
-# 16-bit KV runs 4-warp CTAs of 64-token tiles in 2 stages (3 CTAs an SM at head size 64 and 128): short
-# requests (ShareGPT-like steps) fill their tiles, and long ones stream as fast. 16-row tiles (groups above 8)
-# keep 128-token tiles (at 128: one 8-warp CTA); fp8 keeps 128-token tiles (measured: docs/decode.md).
-# Variants with a KeyTransform (RoPE) do more work per tile and run two 4-warp CTAs per SM.
+# 16-bit KV runs small CTAs of short tiles, several an SM: short requests (ShareGPT-like steps) fill their tiles,
+# and long ones stream as fast. 4-warp CTAs of 64-token tiles in 2 stages at head size 64 and 128 (4 and 3 an SM);
+# at 256, 2-warp CTAs of 32-token tiles in 2 stages (3 an SM: 0.97-1.00 of FlashInfer where 4 x 1 x 2, one an SM,
+# ran 0.91-1.00). fp8 keeps 128-token tiles. Variants with a KeyTransform (RoPE) do more work per tile and run two
+# 4-warp CTAs per SM. Measured: docs/decode.md.
 _SHAPES = {
     (64, 2): (4, 1, 2), (64, 1): (4, 4, 3),
     (128, 2): (4, 1, 2), (128, 1): (4, 2, 3),
-    (256, 2): (4, 1, 2), (256, 1): (4, 1, 3),
+    (256, 2): (2, 1, 2), (256, 1): (4, 1, 3),
 }
-_SHAPES_ROWS16 = {(64, 2): (4, 2, 3), (128, 2): (8, 1, 3)}   # 4 x 1 x 2 lost at 128, not tried at 64
+# 16-row tiles (groups above 8) hold twice the accumulators: at 128, two 4-warp CTAs an SM of 64-token tiles in 3
+# stages (4 x 1 x 2 lost); at 64 not tried beyond 4 x 2 x 3 (no zoo model).
+_SHAPES_ROWS16 = {(64, 2): (4, 2, 3), (128, 2): (4, 1, 3)}
 _SHAPES_KEY_TRANSFORM = {(128, 2): (4, 1, 3)}
-# The decode family's second member (8-row tiles, no KeyTransform): one 8-warp CTA an SM of 128-token tiles in 3
-# stages, for steps with fewer (request, unit) pairs than the first member has CTAs. Every pair is then split,
-# and a CTA's bytes in flight, not its tiles' fill, set the time (28/4 heads, 1 x 8192: 1.05 of FlashInfer
-# against 0.81 on 64-token tiles). BatchAttention._decode_member picks per step.
-_SHAPES_FEW_PAIRS = {(128, 2): (8, 1, 3)}
+# The decode family's second member by (packed rows per tile, head_dim, KV bytes), no KeyTransform: one 8-warp CTA
+# an SM of 128-token tiles in 3 stages, for steps with fewer (request, unit) pairs than the first member has CTAs.
+# Every pair is then split, and a CTA's bytes in flight, not its tiles' fill, set the time (28/4 heads, 1 x 8192:
+# 1.05 of FlashInfer against 0.81 on 64-token tiles; 128/8, 7 x 1000: 1.08 against 1.04).
+# BatchAttention._decode_member picks per step.
+_SHAPES_FEW_PAIRS = {(8, 128, 2): (8, 1, 3), (16, 128, 2): (8, 1, 3)}
 
 
 def _kv_bytes(kv_dtype: str) -> int:
@@ -87,7 +91,7 @@ def _decode_rows_hpc(head_dim: int, group: int) -> tuple:
 def decode_family_size(head_dim: int, kv_bytes: int, group: int, key_transform: bool = False) -> int:
     """Decode modules a wrapper loads: 2 where _SHAPES_FEW_PAIRS has a member for the shape, else 1."""
     rows, _ = _decode_rows_hpc(head_dim, group)
-    return 2 if rows == 8 and not key_transform and (_row_dim(head_dim), kv_bytes) in _SHAPES_FEW_PAIRS else 1
+    return 2 if not key_transform and (rows, _row_dim(head_dim), kv_bytes) in _SHAPES_FEW_PAIRS else 1
 
 
 def _kernel_shape(head_dim: int, kv_bytes: int, group: int, key_transform: bool = False, member: int = 0) -> dict:
@@ -102,7 +106,7 @@ def _kernel_shape(head_dim: int, kv_bytes: int, group: int, key_transform: bool 
     rows, hpc = _decode_rows_hpc(head_dim, group)
     key = (_row_dim(head_dim), kv_bytes)
     if member == 1:
-        warps, sub, stages = _SHAPES_FEW_PAIRS[key]
+        warps, sub, stages = _SHAPES_FEW_PAIRS[(rows, *key)]
     elif key_transform and key in _SHAPES_KEY_TRANSFORM:
         warps, sub, stages = _SHAPES_KEY_TRANSFORM[key]
     elif rows == 16 and key in _SHAPES_ROWS16:

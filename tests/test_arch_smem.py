@@ -61,8 +61,9 @@ def test_every_zoo_model_fits(arch):
 def test_hopper_shapes_unchanged(monkeypatch):
     """On sm_90a every table shape fits as it is: the fit changes nothing there."""
     monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", "90a")
-    assert shapes._kernel_shape(128, 2, 16) == {"rows": 16, "hpc": 16, "warps": 8, "sub": 1, "stages": 3}
-    assert shapes._kernel_shape(256, 2, 2)["warps"] == 4
+    assert shapes._kernel_shape(128, 2, 16) == {"rows": 16, "hpc": 16, "warps": 4, "sub": 1, "stages": 3}
+    assert shapes._kernel_shape(128, 2, 16, member=1) == {"rows": 16, "hpc": 16, "warps": 8, "sub": 1, "stages": 3}
+    assert shapes._kernel_shape(256, 2, 2) == {"rows": 8, "hpc": 2, "warps": 2, "sub": 1, "stages": 2}
     monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", "90")   # the mma.sync family at Hopper's limit: the table's
     assert [(s["warps"], s["mfrags"], s["tile"], s["stages"]) for s in shapes._prefill_family(128, 2)] == \
         [(8, 2, 64, 2), (8, 1, 64, 3)]

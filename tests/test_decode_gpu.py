@@ -171,11 +171,13 @@ def test_cuda_graph_replay_after_replan(name):
     attn.release_graph()
 
 
-def test_cuda_graph_across_family_members():
+@pytest.mark.parametrize("Hq,Hkv", [(32, 8), (128, 8)])
+def test_cuda_graph_across_family_members(Hq, Hkv):
     """The decode family (shapes.decode_family_size): a graph captured on member 0 (64-token tiles) replays a
     plan of fewer requests made for member 1 (128-token tiles, fewer CTAs), and eager runs of both members agree
-    with the reference. Llama-3.1-8B's heads: member 1 below 49 requests on the H100's 392-CTA grid."""
-    Hq, Hkv, D, page = 32, 8, 128, 16
+    with the reference. Llama-3.1-8B's heads (8-row tiles: member 1 below 49 requests on the H100's 392-CTA grid)
+    and Llama-3.1-405B's (16-row tiles: below 33 on 264 CTAs)."""
+    D, page = 128, 16
     attn = make_wrapper(Hq, Hkv, D, page_size=page, max_tokens=64, max_requests=64)
     if len(attn.module_names) < 2:
         pytest.skip("this build has one decode member for these heads")
