@@ -70,6 +70,7 @@ def gpu_test_specs() -> List[ModuleSpec]:
         out += _family(V.BUILTIN_VARIANTS[name], 128, q, q, 4)
     out += _family(V.DEFAULT, 128, "bf16", "bf16", 1) + _family(V.DEFAULT, 64, "bf16", "bf16", 1)
     out += _family(V.DEFAULT, 128, "bf16", "bf16", 6, kernels=("decode",))  # test_merge_lanes's 12 / 2 heads
+    out += _family(V.DEFAULT, 128, "bf16", "bf16", 16, kernels=("decode",))  # the 16-row decode family's graphs
     for name in ("window", "soft_cap", "alibi"):
         out += _family(V.BUILTIN_VARIANTS[name], 128, "bf16", "bf16", 1, kernels=("prefill",))
     # prefill, forced shapes: the window family's members (bf16, fp8 KV), the warp-specialised member 0

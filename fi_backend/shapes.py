@@ -89,20 +89,26 @@ def _decode_rows_hpc(head_dim: int, group: int) -> tuple:
 
 
 def decode_family_size(head_dim: int, kv_bytes: int, group: int, key_transform: bool = False) -> int:
-    """Decode modules a wrapper loads: 2 where _SHAPES_FEW_PAIRS has a member for the shape, else 1."""
+    """Decode modules a wrapper loads: 2 where _SHAPES_FEW_PAIRS has a member for the shape and the two members
+    still differ once fitted to the arch list's shared memory (on 99 KiB GPUs both shrink to one shape), else 1."""
     rows, _ = _decode_rows_hpc(head_dim, group)
-    return 2 if not key_transform and (rows, _row_dim(head_dim), kv_bytes) in _SHAPES_FEW_PAIRS else 1
+    if key_transform or (rows, _row_dim(head_dim), kv_bytes) not in _SHAPES_FEW_PAIRS:
+        return 1
+    return 2 if _table_shape(head_dim, kv_bytes, group, False, 0) != _table_shape(head_dim, kv_bytes, group, False, 1) else 1
 
 
 def _kernel_shape(head_dim: int, kv_bytes: int, group: int, key_transform: bool = False, member: int = 0) -> dict:
     """Kernel shape for a head_dim, KV element size and GQA group: rows (packed rows per tile),
-    hpc (query heads per chunk), warps, sub (16-token blocks per warp per tile), stages.
-
-    Rows and heads per chunk from _decode_rows_hpc; warps / tile / stages from _SHAPES (16-row tiles, key
-    transforms and the family's member 1 from their own tables)."""
+    hpc (query heads per chunk), warps, sub (16-token blocks per warp per tile), stages."""
     size = decode_family_size(head_dim, kv_bytes, group, key_transform)
     if not 0 <= member < size:
         raise ValueError(f"decode member must be in [0, {size}) for head_dim {head_dim}, group {group} (got {member})")
+    return _table_shape(head_dim, kv_bytes, group, key_transform, member)
+
+
+def _table_shape(head_dim: int, kv_bytes: int, group: int, key_transform: bool, member: int) -> dict:
+    """Rows and heads per chunk from _decode_rows_hpc; warps / tile / stages from _SHAPES (16-row tiles, key
+    transforms and the family's member 1 from their own tables), fitted to the arch list's shared memory."""
     rows, hpc = _decode_rows_hpc(head_dim, group)
     key = (_row_dim(head_dim), kv_bytes)
     if member == 1:

@@ -78,6 +78,16 @@ def test_shapes_shrink_in_order(arch):
         [(8, 2, 32, 2, 32), (8, 1, 64, 2, 64)]
 
 
+@pytest.mark.parametrize("arch,size", [("90a", 2), ("80", 2), ("86", 1), ("80+ptx", 1)], indirect=["arch"])
+def test_decode_family_is_one_module_where_its_members_shrink_to_one_shape(arch, size):
+    """8- and 16-row tiles at head size 128: member 1 (8 x 1 x 3) fits as 8 x 1 x 2 in 163 KiB, and shrinks to member
+    0's 4 x 1 x 2 in 99 KiB, where a second module would be the same kernel."""
+    for group in (4, 16):
+        assert shapes.decode_family_size(128, 2, group) == size
+        shaped = [shapes._kernel_shape(128, 2, group, member=m) for m in range(size)]
+        assert len({tuple(sorted(s.items())) for s in shaped}) == size
+
+
 @pytest.mark.parametrize("arch", ["86"], indirect=True)
 def test_a_shape_that_cannot_fit_is_refused_by_name(arch):
     with pytest.raises(ValueError, match=r"needs \d+ bytes of shared memory; a CTA may use at most 101376 on sm_86"):
