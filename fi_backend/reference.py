@@ -218,11 +218,14 @@ def attention(
         qf = apply_rope(qf, q_pos, rope)
         kf = apply_rope(kf, kv_pos, rope)
     group = Hq // Hkv
-    kf = kf.repeat_interleave(group, dim=1)  # [Lkv, Hq, D]: query head h sees KV head h // group
-    vf = vf.repeat_interleave(group, dim=1)
+    Dv = vf.shape[-1]
+
+    def per_query_head(p):  # p [Hq, Lq, Lkv] . v: query head h reads KV head h // group, v never repeated
+        return torch.einsum("ngqk,knd->qngd", p.reshape(Hkv, group, Lq, Lkv), vf).reshape(Lq, Hq, Dv)
 
     scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
-    s = torch.einsum("qhd,khd->hqk", qf, kf) * scale  # [Hq, Lq, Lkv]
+    # [Hq, Lq, Lkv]: query head h = n * group + g reads KV head n (GQA / MQA), k never repeated per query head
+    s = torch.einsum("qngd,knd->ngqk", qf.reshape(Lq, Hkv, group, D), kf).reshape(Hq, Lq, Lkv) * scale
     if logits_soft_cap > 0:
         s = logits_soft_cap * torch.tanh(s / logits_soft_cap)
     rel = (kv_pos[None, :] - q_pos[:, None]).to(_f64)  # [Lq, Lkv]
@@ -246,15 +249,14 @@ def attention(
 
     if use_sigmoid:
         p = torch.where(allowed, torch.sigmoid(s + sigmoid_bias), torch.zeros((), dtype=_f64, device=device))
-        return torch.einsum("hqk,khd->qhd", p, vf), None
+        return per_query_head(p), None
 
     s = s.masked_fill(~allowed, -math.inf)
     lse = torch.logsumexp(s, dim=-1) if Lkv else torch.full((Hq, Lq), -math.inf, dtype=_f64, device=device)
     # Empty rows have lse = -inf; shift by 0 there so exp never sees -inf - (-inf).
     shift = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
     p = torch.where(allowed, torch.exp(s - shift[..., None]), torch.zeros((), dtype=_f64, device=device))
-    o = torch.einsum("hqk,khd->qhd", p, vf)
-    return o, lse.transpose(0, 1).contiguous()
+    return per_query_head(p), lse.transpose(0, 1).contiguous()
 
 
 def _reject(variant: dict, names: tuple[str, ...], fn: str, why: str) -> None:
