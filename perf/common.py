@@ -210,6 +210,23 @@ def copy_rate_gbps(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (r["median_us"] * 1e-6) / 1e9
 
 
+def add_build_argument(ap, what: str) -> None:
+    """The repeatable `--build NAME=FLAGS` of the in-process A/B tools (perf composable, perf.tools.prefill_ab): `what`
+    also built with these extra nvcc flags (FI_BACKEND_NVCC_FLAGS), e.g. a kernel change behind a macro on a branch."""
+    ap.add_argument("--build", action="append", default=[], metavar="NAME=FLAGS",
+                    help=f"{what} built with these extra nvcc flags too (FI_BACKEND_NVCC_FLAGS, same process); NAME an "
+                         "identifier; repeatable")
+
+
+def parse_builds(ap, values) -> list:
+    """`--build` values as (name, flags) pairs; a malformed one is an argparse error naming it."""
+    builds = [tuple(v.split("=", 1)) for v in values]
+    bad = [v for v, b in zip(values, builds) if len(b) != 2 or not b[0].isidentifier()]
+    if bad:
+        ap.error(f"--build: NAME=FLAGS with NAME an identifier; got {bad}")
+    return builds
+
+
 def write_result(name: str, payload: dict) -> Path:
     """Write perf/results/<name>.json (and a copy under $OUT when it is set, for the GPU machine)."""
     payload = {"benchmark": name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -32,7 +32,7 @@ import os
 import torch
 
 from fi_backend import env
-from perf.common import diff_stats, log, stamp, time_rounds, write_result
+from perf.common import add_build_argument, diff_stats, log, parse_builds, stamp, time_rounds, write_result
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 WORKSPACE_REQUESTS = 0   # our workspaces' max_requests (0: the cell's batch); engines size theirs by their limit
@@ -218,9 +218,7 @@ def main(argv=None) -> int:
     ap.add_argument("--group-item-mins", default="",
                     help="comma-separated least item costs (KV tokens) to plan the groups on the prefill kernel with "
                          "besides the wrapper's own: ours_prefill_groups_c<cost>")
-    ap.add_argument("--build", action="append", default=[], metavar="NAME=FLAGS",
-                    help="the groups on the prefill kernel built with these extra nvcc flags too (an A/B of a kernel "
-                         "change behind a macro, same process): ours_prefill_groups_<NAME>; repeatable")
+    add_build_argument(ap, "the groups on the prefill kernel (ours_prefill_groups_<NAME>)")
     ap.add_argument("--ordered-pages", action="store_true",
                     help="pages in pool order (prefix, then each request's own) instead of a random permutation")
     ap.add_argument("--workspace-requests", type=int, default=0,
@@ -241,9 +239,7 @@ def main(argv=None) -> int:
     WORKSPACE_REQUESTS = a.workspace_requests
     import flashinfer
     item_mins = [float(x) for x in a.group_item_mins.split(",") if x.strip()]
-    builds = [tuple(b.split("=", 1)) for b in a.build]
-    if any(len(b) != 2 or not b[0].isidentifier() for b in builds):
-        ap.error(f"--build: NAME=FLAGS with NAME an identifier; got {a.build}")
+    builds = parse_builds(ap, a.build)
     results = [run_cell(*c[:3], a.rounds, a.rep, *c[3:], unshared=a.unshared, tunings=a.prefill_tunings,
                         item_mins=item_mins, builds=builds) for c in cells]
     write_result(a.name, {**stamp(), "flashinfer": flashinfer.__version__,

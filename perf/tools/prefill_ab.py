@@ -22,7 +22,7 @@ import torch
 
 from perf import prefill as P
 from fi_backend import env
-from perf.common import diff_stats, log, stamp, time_rounds, write_result
+from perf.common import add_build_argument, diff_stats, log, parse_builds, stamp, time_rounds, write_result
 
 FAMILY_SHAPES = ((1, 256), (1, 512), (16, 128), (64, 64), (8, 300), (1, 1291), (1, 2048), (4, 1291), (2, 4096))
 HKV = 8
@@ -73,8 +73,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rep", type=int, default=50)
     ap.add_argument("--name", default="prefill_ab")
-    ap.add_argument("--build", action="append", default=[], metavar="NAME=FLAGS",
-                    help="the pick built with these extra nvcc flags too; repeatable")
+    add_build_argument(ap, "the pick")
     a = ap.parse_args(argv)
     from fi_backend import wrappers
     shapes = parse_shapes(a.shapes) if a.shapes else list(FAMILY_SHAPES)
@@ -82,9 +81,7 @@ def main(argv=None) -> int:
         tunings = {json.dumps(t): t for t in a.tunings}
     else:
         tunings = {f"member{m}": t for m, t in enumerate(wrappers.prefill_family_shapes(P.D, "bf16"))}
-    builds = [tuple(b.split("=", 1)) for b in a.build]
-    if any(len(b) != 2 or not b[0] for b in builds):
-        ap.error(f"--build: NAME=FLAGS; got {a.build}")
+    builds = parse_builds(ap, a.build)
     rows = run(shapes, tunings, a.rounds, a.rep, builds)
     write_result(a.name, {**stamp(), "num_qo_heads": P.HQ, "num_kv_heads": HKV, "head_dim": P.D, "tunings": tunings,
                           "builds": dict(builds), "tiles_per_cta": wrappers.FAMILY_TILES_PER_CTA, "wave_slack": wrappers.FAMILY_WAVE_SLACK,
