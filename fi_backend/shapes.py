@@ -123,17 +123,22 @@ def _table_shape(head_dim: int, kv_bytes: int, group: int, key_transform: bool, 
 
 
 def _fit_decode(head_dim: int, kv_bytes: int, shape: dict) -> dict:
-    """The shape within the arch list's shared memory (smem_per_cta): fewer stages (down to 2), then fewer warps
-    (down to 2; a warp fewer is a tile of fewer tokens). On Hopper every table shape fits as it is; where none of
-    these fits, decode_spec says so."""
+    """The shape within the arch list's shared memory (_fit): fewer stages, then fewer warps (down to 2; a warp fewer
+    is a tile of fewer tokens). On Hopper every table shape fits as it is; where none of these fits, decode_spec says
+    so."""
+    return _fit(shape, lambda s: _smem_bytes(head_dim, kv_bytes, s),
+                lambda s: {**s, "warps": s["warps"] // 2} if s["warps"] > 2 else None)
+
+
+def _fit(shape: dict, smem, smaller) -> dict:
+    """Shrink a kernel shape until smem(shape) is within smem_per_cta(): stages down to 2 first, then smaller(shape)
+    (None: no smaller shape; the spec then refuses it by name)."""
     limit = smem_per_cta()
-    while _smem_bytes(head_dim, kv_bytes, shape) > limit:
-        if shape["stages"] > 2:
-            shape = {**shape, "stages": shape["stages"] - 1}
-        elif shape["warps"] > 2:
-            shape = {**shape, "warps": shape["warps"] // 2}
-        else:
+    while smem(shape) > limit:
+        nxt = {**shape, "stages": shape["stages"] - 1} if shape["stages"] > 2 else smaller(shape)
+        if nxt is None:
             break
+        shape = nxt
     return shape
 
 
@@ -336,19 +341,12 @@ def _prefill_family(head_dim: int, kv_bytes: int, wgmma: Optional[bool] = None,
 
 
 def _fit_prefill_sync(head_dim: int, kv_bytes: int, shape: dict) -> dict:
-    """An mma.sync shape within the arch list's shared memory (smem_per_cta; these modules take one query buffer):
-    fewer stages (down to 2), then KV tiles of half the tokens (down to 32, the step with them). Where none of these
-    fits, prefill_spec says so."""
-    limit = smem_per_cta()
-    while _prefill_smem_bytes(head_dim, kv_bytes, shape) > limit:
-        if shape["stages"] > 2:
-            shape = {**shape, "stages": shape["stages"] - 1}
-        elif shape["tile"] > 32:
-            tile = shape["tile"] // 2
-            shape = {**shape, "tile": tile, "step": min(shape["step"], tile)}
-        else:
-            break
-    return shape
+    """An mma.sync shape within the arch list's shared memory (_fit; these modules take one query buffer): fewer
+    stages, then KV tiles of half the tokens (down to 32, the step with them). Where none of these fits, prefill_spec
+    says so."""
+    def smaller(s):
+        return {**s, "tile": s["tile"] // 2, "step": min(s["step"], s["tile"] // 2)} if s["tile"] > 32 else None
+    return _fit(shape, lambda s: _prefill_smem_bytes(head_dim, kv_bytes, s), smaller)
 
 
 def _rows(shape: tuple) -> int:
