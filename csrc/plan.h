@@ -48,6 +48,7 @@ enum FiPlanHeader {
   FI_PLAN_TILE_Q = 6,            // query rows per tile
   FI_PLAN_NUM_SPLIT_ROWS = 7,    // rows whose KV was split (rows the merge must visit)
   FI_PLAN_NUM_UNITS = 8,         // query-head groups each pair is run for (FiWorkItem::unit)
+  FI_PLAN_CHUNKS_AT_ONCE = 9,    // 1: shared-prefix chunks arrive as they end, before their CTA's own items
   FI_PLAN_HEADER_INTS = 16
 };
 

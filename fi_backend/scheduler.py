@@ -41,7 +41,8 @@ from fi_backend import _planner, env
 
 # Header ints (csrc/plan.h, enum FiPlanHeader).
 HEADER_INTS = 16
-NUM_ITEMS, NUM_ROWS, NUM_PARTIAL_ROWS, KV_CHUNK, NUM_REQUESTS, NUM_CTAS, TILE_Q, NUM_SPLIT_ROWS, NUM_UNITS = range(9)
+(NUM_ITEMS, NUM_ROWS, NUM_PARTIAL_ROWS, KV_CHUNK, NUM_REQUESTS, NUM_CTAS, TILE_Q, NUM_SPLIT_ROWS, NUM_UNITS,
+ CHUNKS_AT_ONCE) = range(10)
 # FiWorkItem's int32 fields, in order.
 ITEM_FIELDS = ("request", "q_begin", "q_end", "kv_begin", "kv_end", "partial_base", "partial_stride", "unit")
 ITEM_INTS = len(ITEM_FIELDS)
@@ -319,6 +320,7 @@ class DecodedPlan:
     tile_q: int
     num_split_rows: int
     num_units: int
+    chunks_at_once: bool      # shared-prefix chunks arrive as they end (csrc/plan.h, FI_PLAN_CHUNKS_AT_ONCE)
     cta_indptr: np.ndarray    # int32 [num_ctas + 1]
     items: np.ndarray         # ITEM_DTYPE [num_items], grouped by CTA in run order
     item_cta: np.ndarray      # int32 [num_items], the CTA running each item
@@ -327,7 +329,7 @@ class DecodedPlan:
 
 
 def decode_plan(views: PlanViews) -> DecodedPlan:
-    h = [int(v) for v in views.header[:9]]
+    h = [int(v) for v in views.header[:10]]
     n_items, n_rows, n_ctas, n_split = h[NUM_ITEMS], h[NUM_ROWS], h[NUM_CTAS], h[NUM_SPLIT_ROWS]
     cta_indptr = views.cta_indptr[:n_ctas + 1].copy()
     items = views.items[:n_items].copy().view(ITEM_DTYPE).reshape(n_items)
@@ -335,6 +337,6 @@ def decode_plan(views: PlanViews) -> DecodedPlan:
     return DecodedPlan(
         num_items=n_items, num_rows=n_rows, num_partial_rows=h[NUM_PARTIAL_ROWS], kv_chunk=h[KV_CHUNK],
         num_requests=h[NUM_REQUESTS], num_ctas=n_ctas, tile_q=h[TILE_Q], num_split_rows=n_split,
-        num_units=h[NUM_UNITS],
+        num_units=h[NUM_UNITS], chunks_at_once=bool(h[CHUNKS_AT_ONCE]),
         cta_indptr=cta_indptr, items=items, item_cta=item_cta,
         merge_indptr=views.merge_indptr[:n_rows + 1].copy(), split_rows=views.split_rows[:n_split].copy())

@@ -179,6 +179,36 @@ def test_item_cost_floor_spreads_one_row_items():
         S.plan_into(views, q4, kv4, tile_q=4, num_ctas=8, cost_item_min=-1.0)
 
 
+def test_chunks_leave_room_for_own_items():
+    """16 requests sharing 8192 tokens with 256 own each (Llama-3.1-8B's heads, 132 CTAs): cut for a CTA's fair
+    share, 88 chunks fill 88 CTAs and the 128 own items the other 44, so a chunk that ends last merges its whole
+    tile's rows alone at the step's end. The planner cuts more chunks, one a CTA with an own item after it (the
+    queue is in creation order), and flags the plan for the chunks to arrive as they end. 128 requests sharing
+    1024 tokens have own items enough after the chunks already: that plan is unchanged and not flagged."""
+    from perf.tools.plan_cell import plan_cell
+    kw = dict(tile_q=32, kv_tile=64, ctas=132, units=8, heads=32, kv_heads=8, head_dim=128)
+    info, p = plan_cell(16, 8192, 256, **kw)
+    assert info.shared_groups == 1 and p.chunks_at_once
+    shared = (p.items["request"] & S.ITEM_SHARED) != 0
+    chunk_ctas, own_ctas = set(p.item_cta[shared]), set(p.item_cta[~shared])
+    assert len(chunk_ctas) >= 120 and len(own_ctas & chunk_ctas) >= 100
+    for c in own_ctas & chunk_ctas:   # a CTA's chunk runs before its own items
+        kinds = shared[p.cta_indptr[c]:p.cta_indptr[c + 1]]
+        assert kinds[0] and not kinds[-1]
+    info, p = plan_cell(128, 1024, 256, **kw)
+    assert info.shared_groups == 1 and not p.chunks_at_once
+    assert int(((p.items["request"] & S.ITEM_SHARED) != 0).sum()) == 32   # one chunk a (tile, KV head)
+    # the replayed plan still computes attention
+    views = _views(16, 132, 8, 32, 16 * 256)
+    qo, kv = np.arange(17, dtype=np.int32), np.full(16, 8192 + 256, np.int32)
+    S.plan_into(views, qo, kv, tile_q=32, num_ctas=132, num_units=8, causal=True, kv_chunk_align=64,
+                groups=np.array([[0, 16, 8192]], np.int32))
+    d = S.decode_plan(views)
+    assert d.chunks_at_once
+    out, expect = _replay(d, [1] * 16, list(kv), [(0, 16, 8192)], True, 8)
+    np.testing.assert_allclose(out, expect, rtol=1e-9, atol=1e-12)
+
+
 def test_group_item_min_env(monkeypatch):
     from fi_backend.attention import PREFILL_GROUP_ITEM_MIN_TILES, prefill_group_item_min
     assert prefill_group_item_min(64) == PREFILL_GROUP_ITEM_MIN_TILES * 64

@@ -1311,7 +1311,11 @@ struct Kernel {
       }
     if (!split) return;
     if (threadIdx.x == 0) reinterpret_cast<int4*>(smem + Cfg::kDeferAt)[n_def] = make_int4(row0, nrows, unit, 0);
-    if (++n_def == Cfg::kDefer) arrive(p, vp, smem, n_def);
+    // A shared-prefix chunk (q_len 0: begin_work) of a plan that cut its chunks for own items to follow them
+    // arrives at once: those own items then arrive last and merge their request's rows, where the chunk
+    // would merge its whole tile's rows alone (an arrival costs the compute warps a few us: others wait).
+    if (++n_def == Cfg::kDefer || (w.q_len == 0 && __ldg(p.plan + FI_PLAN_CHUNKS_AT_ONCE)))
+      arrive(p, vp, smem, n_def);
   }
 
   // States a merge loads a round trip (8 spilled at 8 x 2 and head size 256).
@@ -1358,6 +1362,12 @@ struct Kernel {
     constexpr int kVecs = kHeadDim / 8, kUnitsPerRow = kHPC * kVecs;
     int total = 0;
     for (int k = 0; k < n_def; ++k) total += def[k].y * kUnitsPerRow;
+    if (total * 2 <= kThreads) {  // few units (a request's rows): lanes share each
+      merge_lanes(p, vp, def, flags, total);
+      sync_compute();
+      n_def = 0;
+      return;
+    }
     bool fenced = false;
     for (int i = threadIdx.x; i < total; i += kThreads) {
       int k = 0, u = i;
@@ -1378,6 +1388,36 @@ struct Kernel {
     }
     sync_compute();  // the records and flags are reused
     n_def = 0;
+  }
+
+  // arrive's merge where its units x 2 fit the compute threads: up to 8 neighbouring lanes share a unit, each
+  // merging every lanes-th batch of its states, combined by shuffles (a row of n states in n / (4 x lanes)
+  // round trips; a request's own item that arrives last merges its rows at the queue's end).
+  static __device__ __forceinline__ void merge_lanes(const Params& p, const VariantParams& vp, const int4* def,
+                                                     const uint32_t* flags, int total) {
+    constexpr int kRowsMax = Cfg::kTileRows, kVecs = kHeadDim / 8, kUnitsPerRow = kHPC * kVecs;
+    const int32_t* mi = p.plan + p.merge_indptr_offset;
+    int lanes_log2 = 1;
+    while (lanes_log2 < 3 && (total << (lanes_log2 + 1)) <= kThreads) ++lanes_log2;
+    const int lanes = 1 << lanes_log2, lane = threadIdx.x & (lanes - 1);
+    int u = threadIdx.x >> lanes_log2, k = 0;
+    bool live = u < total;
+    if (live)
+      while (u >= def[k].y * kUnitsPerRow) u -= def[k++].y * kUnitsPerRow;
+    const int4 d = live ? def[k] : make_int4(0, 0, 0, 0);
+    const int r = u / kUnitsPerRow, slot = k * kRowsMax + r;
+    live = live && ((flags[slot >> 5] >> (slot & 31)) & 1u);
+    const int q_row = d.x + r, qo_head = d.z * kHPC + (u / kVecs) % kHPC, d0 = (u % kVecs) * 8;
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    float mx = -INFINITY, den = 0.f;
+    if (live) {
+      __threadfence();  // the other CTAs' partial states, written before their arrivals
+      E::template merge_states<kMergeBatch, true>(p, qo_head, d0, __ldcg(mi + q_row) + lane * kMergeBatch,
+                                                  lanes * kMergeBatch, __ldcg(mi + q_row + 1), acc, mx, den);
+    }
+    __syncwarp();  // every lane reaches the shuffles with the full warp
+    E::combine_lanes(lanes, acc, mx, den);
+    if (live && lane == 0) E::merge_store(p, vp, q_row, qo_head, d0, acc, mx, den);
   }
 };
 

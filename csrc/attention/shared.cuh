@@ -874,6 +874,28 @@ struct Epilogue {
     store_out(p, vp, q_row, qo_head, d0, acc);
   }
 
+  // The online states of a unit's `lanes` neighbouring lanes (xor partners within it) combined in every one of
+  // them. Every lane of the warp calls it, converged (full-mask shuffles).
+  static __device__ __forceinline__ void combine_lanes(int lanes, float (&acc)[8], float& mx, float& den) {
+    for (int o = 1; o < lanes; o <<= 1) {
+      const float omx = __shfl_xor_sync(0xffffffffu, mx, o), oden = __shfl_xor_sync(0xffffffffu, den, o);
+      float oacc[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) oacc[e] = __shfl_xor_sync(0xffffffffu, acc[e], o);
+      if constexpr (Variant::kUseSoftmax) {
+        const float m = fmaxf(mx, omx);
+        const float a = m == -INFINITY ? 0.f : __expf(mx - m), b = m == -INFINITY ? 0.f : __expf(omx - m);
+        den = den * a + oden * b;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] = acc[e] * a + oacc[e] * b;
+        mx = m;
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] += oacc[e];
+      }
+    }
+  }
+
   template <int kBatch, bool kDet, int kMaxLanes, class Merged>
   static __device__ __forceinline__ void merge_rows(const Params& p, const VariantParams& vp, int unit, int row0,
                                                     int nrows, Merged merged) {
@@ -902,23 +924,7 @@ struct Epilogue {
           merge_states<kBatch>(p, qo_head, d0, j0 + lane * kBatch, lanes * kBatch, j1, acc, mx, den);
         }
         __syncwarp();  // lanes that ran fewer batches wait here, so the shuffles find the warp converged
-        for (int o = 1; o < lanes; o <<= 1) {  // a unit's lanes are neighbours: xor partners within it
-          const float omx = __shfl_xor_sync(0xffffffffu, mx, o), oden = __shfl_xor_sync(0xffffffffu, den, o);
-          float oacc[8];
-#pragma unroll
-          for (int e = 0; e < 8; ++e) oacc[e] = __shfl_xor_sync(0xffffffffu, acc[e], o);
-          if constexpr (Variant::kUseSoftmax) {
-            const float m = fmaxf(mx, omx);
-            const float a = m == -INFINITY ? 0.f : __expf(mx - m), b = m == -INFINITY ? 0.f : __expf(omx - m);
-            den = den * a + oden * b;
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[e] = acc[e] * a + oacc[e] * b;
-            mx = m;
-          } else {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[e] += oacc[e];
-          }
-        }
+        combine_lanes(lanes, acc, mx, den);
         if (live && lane == 0) merge_store(p, vp, q_row, qo_head, d0, acc, mx, den);
         return;
       }

@@ -880,6 +880,7 @@ PlanStatus Planner::Plan(const PlanInputs& in_arg, const PlanSection& section, P
   const int64_t m_lpt = units_in > 1 && in.num_ctas % units_in == 0 ? in.num_ctas / units_in : in.num_ctas;
   const int64_t lpt_units_in = units_in > 1 && in.num_ctas % units_in == 0 ? 1 : units_in;
   int64_t kept_groups = 0, group_partial_rows = 0;
+  bool chunks_at_once = false;  // the chunks were cut for own items to follow them (FI_PLAN_CHUNKS_AT_ONCE)
   if (in.num_groups > 0) {
     group_of_.assign(B, -1);
     group_chunks_.assign(in.num_groups, 0);
@@ -968,12 +969,30 @@ PlanStatus Planner::Plan(const PlanInputs& in_arg, const PlanSection& section, P
     const double fair = total_cost * (double)lpt_units_in / (double)m_lpt;
     int64_t room = section.max_partial_rows - kMaxSplitItemsPerCta * CeilDiv(in.num_ctas, in.num_units) * in.tile_q;
     const int64_t align = in.kv_chunk_align, lo = RoundUp(in.min_kv_chunk, align);
+    // ... and at least enough chunks that a chunk's CTA has room for an own item beside it: chunk work / chunk
+    // pairs <= fair - an own item (LPT hands the chunks out first, then fills up with own items). A CTA's queue
+    // is in creation order, so its own items run after its chunk and most often arrive last, each merging its
+    // request's rows; a chunk arriving last merges its whole tile's rows alone, the tail of a step whose few
+    // own items fill the CTAs without a chunk (16 requests x 8k, docs/composable.md).
+    double chunk_work = 0.0, own_work = 0.0;
+    int64_t shared_tiles = 0, own_pairs = 0;
+    for (const Pair& q : pairs_) {
+      if (q.block <= 0) continue;
+      if (q.request & FI_ITEM_SHARED) chunk_work += q.cost, ++shared_tiles;
+      else own_work += q.cost, ++own_pairs;
+    }
+    int64_t fill = 1;
+    if (shared_tiles > 0 && own_pairs > 0 && fair - own_work / (double)own_pairs > 0.0) {
+      fill = (int64_t)std::ceil(chunk_work / (fair - own_work / (double)own_pairs) / (double)shared_tiles);
+      fill = std::min(fill, std::max<int64_t>(1, m_lpt / shared_tiles));
+    }
     for (int64_t g = 0; g < in.num_groups; ++g) {
       if (group_chunks_[g] == 0) continue;
       const int64_t first = in.groups[3 * g], end = in.groups[3 * g + 1], len = in.groups[3 * g + 2];
       const int64_t rows = (int64_t)in.qo_indptr[end] - in.qo_indptr[first];
       const double tile_cost = ItemCost(in, std::min(rows, in.tile_q), len);
-      int64_t n = fair > 0.0 ? (int64_t)std::ceil(tile_cost / fair) : 1;
+      const int64_t n_fair = fair > 0.0 ? (int64_t)std::ceil(tile_cost / fair) : 1;
+      int64_t n = std::max(n_fair, fill);
       n = std::max<int64_t>(1, std::min<int64_t>(n, kMaxSharedChunks));
       const int64_t chunk = std::max(lo, RoundUp(CeilDiv(len, n), align));
       n = std::max<int64_t>(1, std::min(n, CeilDiv(len, chunk)));
@@ -984,6 +1003,7 @@ PlanStatus Planner::Plan(const PlanInputs& in_arg, const PlanSection& section, P
         continue;
       }
       group_chunks_[g] = (int32_t)n;
+      chunks_at_once = chunks_at_once || n > n_fair;
       room -= rows * (n + 1);
       group_partial_rows += rows * (n + 1);
       ++kept_groups;
@@ -1213,6 +1233,7 @@ PlanStatus Planner::Plan(const PlanInputs& in_arg, const PlanSection& section, P
   header[FI_PLAN_KV_CHUNK] = (int32_t)chunk;
   header[FI_PLAN_NUM_REQUESTS] = (int32_t)B;
   header[FI_PLAN_NUM_CTAS] = grid;
+  header[FI_PLAN_CHUNKS_AT_ONCE] = chunks_at_once && kept_groups > 0 ? 1 : 0;
   header[FI_PLAN_TILE_Q] = (int32_t)in.tile_q;
   header[FI_PLAN_NUM_SPLIT_ROWS] = (int32_t)num_split_rows;
   header[FI_PLAN_NUM_UNITS] = units;
