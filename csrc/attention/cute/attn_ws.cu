@@ -195,6 +195,13 @@ struct Args {
   int64_t kv_stride_block, kv_stride_token, kv_stride_head;
 };
 
+// threadIdx.x read where it is used: volatile, so not hoisted (nor the addresses computed from it) out of a loop
+__device__ __forceinline__ int fresh_tid() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
+}
+
 template <class TmaQ, class TmaK, class TmaV>
 __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ const tma_q,
                                                         CUTE_GRID_CONSTANT TmaK const tma_k,
@@ -487,10 +494,13 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
   cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
   const int ctid = tid - 128, lane = tid & 31;
   const int row0 = (ctid / 128) * 64 + ((ctid / 32) % 4) * 16 + (lane >> 2);  // this thread's rows: row0, row0 + 8
+  // the warpgroup, warp-uniform (FlashAttention-3's): its MMAs' shared-memory descriptors then live in uniform
+  // registers, not 16 vector registers the KV loop holds and moves to uniform ones (R2UR) every step
+  const int wg = __shfl_sync(0xffffffffu, ctid / 128, 0);
   MmaQK mma_qk;
   MmaPV mma_pv;
-  ThrMMA thr_qk = mma_qk.get_thread_slice(ctid);
-  ThrMMA thr_pv = mma_pv.get_thread_slice(ctid);
+  ThrMMA thr_qk = mma_qk.get_thread_slice(wg * 128);  // descriptors and fragment shapes: the warpgroup's alone
+  ThrMMA thr_pv = mma_pv.get_thread_slice(wg * 128);
   Tensor tQ = thr_qk.partition_fragment_A(sQ);
   Tensor tK = thr_qk.partition_fragment_B(sK);    // (MMA, N, K, stage)
   Tensor tVt = thr_pv.partition_fragment_B(sVt);  // (MMA, N, K, stage)
@@ -503,7 +513,6 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
   const float sm_scale = a.sm_scale, scale2 = kSoftCap ? kLog2e : sm_scale * kLog2e;
   const float lse_scale = kSoftCap ? 1.f : sm_scale, cap_in = kSoftCap ? sm_scale / a.softcap : 0.f;
 
-  const int wg = ctid / 128;
   // ping-pong: the warpgroups issue their MMAs in turns, 0, 1, (2,) 0, ...; turn barrier i: warpgroup i waits, the
   // one before it arrives (256 threads)
   auto turn_begin = [&]() {  // wait for this warpgroup's turn to issue MMAs
@@ -658,8 +667,14 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
         warpgroup_fence_operand(tS);
         pipe_k.consumer_release(st);
         soft_cap();
-        if (needs_mask(w, n)) mask_tile(w, n);  // the second of a causal limit's two tiles, or a window's
-        softmax(alpha);
+        // the softmax in both arms: ptxas places the P.V's wait no earlier than the block it is in, so it waits
+        // after the softmax (with the softmax after the branch, at the branch's join, before the softmax)
+        if (needs_mask(w, n)) {  // the second of a causal limit's two tiles, or a window's
+          mask_tile(w, n);
+          softmax(alpha);
+        } else {
+          softmax(alpha);
+        }
         warpgroup_wait<0>();
         warpgroup_fence_operand(tO);
         pipe_v.consumer_release(prev);
@@ -706,18 +721,22 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
     const int64_t token0 = (int64_t)w.q_begin + w.qtile * kRows;
     const int rows = min(kRows, w.q_len - w.qtile * kRows);  // the request's rows in this tile
     const float inv[2] = {1.f / sum[0], 1.f / sum[1]};
+    // the epilogue's thread-dependent addresses from the thread index read afresh: computed from the one above,
+    // the compiler hoists them out of the work-tile loop and holds ~50 registers across the KV loop
+    const int etid = fresh_tid() - 128, elane = etid & 31;
+    const int erow0 = (etid / 128) * 64 + ((etid / 32) % 4) * 16 + (elane >> 2);
     Elem* o_tile = a.o + token0 * a.o_stride_row + w.head * a.o_stride_head;
     if constexpr (!kChunkedO) {
       Tensor sO = make_tensor(make_smem_ptr(ss.o.data()), SmemLayoutO{});
       cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + wg);  // the last tile's rows read out of sO
-      Tensor tOs = thr_pv.partition_C(sO);
+      Tensor tOs = mma_pv.get_thread_slice(etid).partition_C(sO);
       CUTE_UNROLL
       for (int i = 0; i < size(tO); ++i) tOs(i) = Elem(tO(i) * inv[(i >> 1) & 1]);
       cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + wg);
       constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks a row
       CUTE_UNROLL
       for (int i = 0; i < 64 * kChunks / 128; ++i) {
-        const int c = ctid % 128 + 128 * i, r = wg * 64 + c / kChunks, col = (c % kChunks) * 8;
+        const int c = etid % 128 + 128 * i, r = wg * 64 + c / kChunks, col = (c % kChunks) * 8;
         if (r < rows)
           *reinterpret_cast<uint4*>(o_tile + r * a.o_stride_row + col) = *reinterpret_cast<const uint4*>(&sO(r, col));
       }
@@ -730,25 +749,25 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
         cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + wg);  // the last chunk's rows read out
         CUTE_UNROLL
         for (int i = 32 * c; i < 32 * c + 32; i += 2) {
-          const int r = row0 + 8 * ((i >> 1) & 1), col = ((i >> 2) & 7) * 8 + (lane & 3) * 2;
+          const int r = erow0 + 8 * ((i >> 1) & 1), col = ((i >> 2) & 7) * 8 + (elane & 3) * 2;
           *reinterpret_cast<uint32_t*>(so + r * kOPitch + col) =
               ptx::pack2<kBf16>(tO(i) * inv[(i >> 1) & 1], tO(i + 1) * inv[(i >> 1) & 1]);
         }
         cutlass::arch::NamedBarrier::sync(128, kEpilogueBarrier + wg);
         CUTE_UNROLL
         for (int k = 0; k < 64 * 8 / 128; ++k) {  // 64 rows x 8 16-byte chunks
-          const int q = ctid % 128 + 128 * k, r = wg * 64 + q / 8, col = (q % 8) * 8;
+          const int q = etid % 128 + 128 * k, r = wg * 64 + q / 8, col = (q % 8) * 8;
           if (r < rows)
             *reinterpret_cast<uint4*>(o_tile + r * a.o_stride_row + 64 * c + col) =
                 *reinterpret_cast<const uint4*>(so + r * kOPitch + col);
         }
       }
     }
-    if (a.lse != nullptr && (lane & 3) == 0) {
+    if (a.lse != nullptr && (elane & 3) == 0) {
       CUTE_UNROLL
       for (int h = 0; h < 2; ++h)
-        if (row0 + 8 * h < rows)
-          a.lse[(token0 + row0 + 8 * h) * a.lse_stride_row + w.head] = mx[h] * lse_scale + logf(sum[h]);
+        if (erow0 + 8 * h < rows)
+          a.lse[(token0 + erow0 + 8 * h) * a.lse_stride_row + w.head] = mx[h] * lse_scale + logf(sum[h]);
     }
   }
 }
