@@ -667,14 +667,8 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
         warpgroup_fence_operand(tS);
         pipe_k.consumer_release(st);
         soft_cap();
-        // the softmax in both arms: ptxas places the P.V's wait no earlier than the block it is in, so it waits
-        // after the softmax (with the softmax after the branch, at the branch's join, before the softmax)
-        if (needs_mask(w, n)) {  // the second of a causal limit's two tiles, or a window's
-          mask_tile(w, n);
-          softmax(alpha);
-        } else {
-          softmax(alpha);
-        }
+        if (needs_mask(w, n)) mask_tile(w, n);  // the second of a causal limit's two tiles, or a window's
+        softmax(alpha);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tO);
         pipe_v.consumer_release(prev);
