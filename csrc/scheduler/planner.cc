@@ -984,7 +984,7 @@ PlanStatus Planner::Plan(const PlanInputs& in_arg, const PlanSection& section, P
     int64_t fill = 1;
     if (shared_tiles > 0 && own_pairs > 0 && fair - own_work / (double)own_pairs > 0.0) {
       fill = (int64_t)std::ceil(chunk_work / (fair - own_work / (double)own_pairs) / (double)shared_tiles);
-      fill = std::min(fill, std::max<int64_t>(1, m_lpt / shared_tiles));
+      fill = std::min(fill, std::max<int64_t>(1, in.num_ctas / (shared_tiles * units_in)));  // a chunk a CTA at most
     }
     for (int64_t g = 0; g < in.num_groups; ++g) {
       if (group_chunks_[g] == 0) continue;
