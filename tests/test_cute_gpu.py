@@ -34,8 +34,9 @@ def _built(request):
     wanted = set()
     for item in request.session.items:
         if item.module is request.module and getattr(item, "originalname", None) in of:
+            params = {k: v for k, v in item.callspec.params.items() if k != "case"}
             try:
-                wanted.add(of[item.originalname](**{k: v for k, v in item.callspec.params.items() if k != "case"}).memo_key)
+                wanted.add(of[item.originalname](**params).memo_key)
             except ValueError:  # a combination the CTA does not build: the test skips it
                 pass
     specs = [s for s in cutlass.probe_specs() if s.memo_key in wanted]  # nor those the tests skip
