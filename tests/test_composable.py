@@ -7,7 +7,7 @@ import torch
 
 from fi_backend import scheduler as S
 from fi_backend.attention import shared_prefix_supported
-from fi_backend.formats import (BSR, check_prefix_groups, from_block_table, prefix_groups_from_links,
+from fi_backend.formats import (check_prefix_groups, from_block_table, prefix_groups_from_links,
                                prefix_groups_from_table)
 from fi_backend import variants as V
 
