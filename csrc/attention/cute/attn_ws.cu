@@ -202,6 +202,12 @@ __device__ __forceinline__ int fresh_tid() {
   return t;
 }
 
+// The first of a consumer thread's two accumulator rows (the other 8 below) in the 128-row tile, by its index among
+// the consumer threads and its lane (GMMA's C layout)
+__device__ __forceinline__ int acc_row0(int ctid, int lane) {
+  return (ctid / 128) * 64 + ((ctid / 32) % 4) * 16 + (lane >> 2);
+}
+
 template <class TmaQ, class TmaK, class TmaV>
 __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ const tma_q,
                                                         CUTE_GRID_CONSTANT TmaK const tma_k,
@@ -493,7 +499,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
   // consumers
   cutlass::arch::warpgroup_reg_alloc<kConsumerRegs>();
   const int ctid = tid - 128, lane = tid & 31;
-  const int row0 = (ctid / 128) * 64 + ((ctid / 32) % 4) * 16 + (lane >> 2);  // this thread's rows: row0, row0 + 8
+  const int row0 = acc_row0(ctid, lane);  // this thread's rows: row0, row0 + 8
   // the warpgroup, warp-uniform (FlashAttention-3's): its MMAs' shared-memory descriptors then live in uniform
   // registers, not 16 vector registers the KV loop holds and moves to uniform ones (R2UR) every step
   const int wg = __shfl_sync(0xffffffffu, ctid / 128, 0);
@@ -718,7 +724,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
     // the epilogue's thread-dependent addresses from the thread index read afresh: computed from the one above,
     // the compiler hoists them out of the work-tile loop and holds ~50 registers across the KV loop
     const int etid = fresh_tid() - 128, elane = etid & 31;
-    const int erow0 = (etid / 128) * 64 + ((etid / 32) % 4) * 16 + (elane >> 2);
+    const int erow0 = acc_row0(etid, elane);
     Elem* o_tile = a.o + token0 * a.o_stride_row + w.head * a.o_stride_head;
     if constexpr (!kChunkedO) {
       Tensor sO = make_tensor(make_smem_ptr(ss.o.data()), SmemLayoutO{});
