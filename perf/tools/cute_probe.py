@@ -104,6 +104,9 @@ def main(argv=None) -> int:
                                                        "thread (0), comma-separated: both timed side by side")
     ap.add_argument("--no-flashinfer", action="store_true",
                     help="no FlashInfer FA3 anchor (its first build at a head size is minutes): ratios to ours")
+    ap.add_argument("--vllm-fa3", action="store_true",
+                    help="vLLM's FlashAttention-3 too, ragged (vllm_fa3) and on each --paged pool (vllm_fa3_paged<P>); "
+                         "the anchor when there is no FlashInfer")
     a = ap.parse_args(argv)
     modes = [m for m in a.modes.split(",") if m]
     if any(m not in MODES for m in modes):
@@ -111,7 +114,12 @@ def main(argv=None) -> int:
     from fi_backend.shapes import PREFILL_FA3_TUNINGS
     from perf.zoo import parse_shapes
     fi_fa3 = None if a.no_flashinfer else P.FlashInferRagged("fa3")
-    anchor = "ours" if fi_fa3 is None else "flashinfer_fa3"
+    vfunc = None
+    if a.vllm_fa3:
+        vfunc, why = P.vllm_fa3()
+        if vfunc is None:
+            ap.error(f"--vllm-fa3: {why}")
+    anchor = "flashinfer_fa3" if fi_fa3 is not None else "vllm_fa3" if vfunc is not None else "ours"
     rows = []
     for heads in a.heads.split(","):
         hq, hkv = (int(x) for x in heads.split("/"))
@@ -130,7 +138,10 @@ def main(argv=None) -> int:
                                                              split=bool(split))
                 # the same pages through BatchAttention: the prefill family's CuTe member (the launch engines run)
                 name = f"member_paged{page}"
-                fns[name], outs[name], info = P.ours_fn(case, paged=P.Paged(case, page))
+                pool = P.Paged(case, page)
+                fns[name], outs[name], info = P.ours_fn(case, paged=pool)
+                if vfunc is not None:
+                    fns[f"vllm_fa3_paged{page}"], outs[f"vllm_fa3_paged{page}"] = P.vllm_paged_fn(vfunc, case, pool)
                 if not info["cute_step"]:
                     raise RuntimeError(f"the CuTe member did not take the step: {info['cute_unsupported']}")
             for page in (int(x) for x in a.gather.split(",") if x):
@@ -139,6 +150,8 @@ def main(argv=None) -> int:
                     fns[name], outs[name] = paged_fn(case, page, warpgroups=wgs, gather=True)
             if fi_fa3 is not None:
                 fns["flashinfer_fa3"], outs["flashinfer_fa3"] = fi_fa3.fn(case)
+            if vfunc is not None:
+                fns["vllm_fa3"], outs["vllm_fa3"] = P.vllm_fn(vfunc, case)
             fns["ours"], outs["ours"], _ = P.ours_fn(case)
             if case.d in PREFILL_FA3_TUNINGS:
                 fns["ours_fa3"], outs["ours_fa3"], _ = P.ours_fn(case, tuning=PREFILL_FA3_TUNINGS[case.d])
@@ -156,7 +169,8 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
     write_result(a.name, {**stamp(), "causal": True, "head_dim": a.head_dim, "rows": rows,
                           "anchor": "FlashInfer 0.6.14 BatchPrefillWithRaggedKVCacheWrapper(backend='fa3')"
-                          if fi_fa3 is not None else "ours: BatchAttention(kernel='prefill') on ragged K / V",
+                          if fi_fa3 is not None else "vLLM's FlashAttention-3 (flash_attn_varlen_func, ragged)"
+                          if vfunc is not None else "ours: BatchAttention(kernel='prefill') on ragged K / V",
                           "ratios": f"{anchor}_time_over: {anchor}'s time / that kernel's (> 1: it is faster)"})
     return 1 if P.failures() else 0
 
