@@ -260,6 +260,10 @@ class BatchAttention:
     q_dtype        torch.bfloat16 or torch.float16 (the output has the same dtype)
     kv_dtype       q_dtype, or torch.float8_e4m3fn / torch.float8_e5m2 (per-tensor k_scale/v_scale in run)
     page_size      KV block width Bc, 1..256 (1 for token-level tables such as SGLang's)
+    ragged         K / V are ragged tensors [total, num_kv_heads, D], run() given (k.unsqueeze(1), v.unsqueeze(1)),
+                   and every BSR is formats.from_ragged's (contiguous; page_size 1): prefill wrappers then load
+                   the CuTe member's ragged modules, which read a KV tile's rows as one TMA box (an engine's
+                   step of new prompts, over the step's own K / V rather than its cache pages)
     kv_layout      "NHD" ([blocks, page, heads, D]) or "HND" ([blocks, heads, page, D]) for 4-D caches
     variant        a fi_backend.variants.Variant (default: plain softmax attention)
     kernel         "decode": split-KV kernel for steps where queries are a row or a few per request (it
@@ -280,7 +284,7 @@ class BatchAttention:
     def __init__(self, workspace: Workspace, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
                  q_dtype: torch.dtype = torch.bfloat16, kv_dtype: Optional[torch.dtype] = None, page_size: int = 16,
                  kv_layout: str = "NHD", variant: Variant = DEFAULT, kernel: str = "decode",
-                 tuning: Optional[dict] = None, deterministic: Optional[bool] = None):
+                 tuning: Optional[dict] = None, deterministic: Optional[bool] = None, ragged: bool = False):
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS} (got {kernel!r})")
         if not isinstance(workspace, Workspace):
@@ -304,6 +308,8 @@ class BatchAttention:
             raise ValueError(f"page_size must be an int in [1, {MAX_PAGE_SIZE}] (got {page_size!r})")
         if kv_layout not in ("NHD", "HND"):
             raise ValueError(f"kv_layout must be 'NHD' or 'HND' (got {kv_layout!r})")
+        if ragged and page_size != 1:
+            raise ValueError(f"ragged=True reads K / V rows: page_size must be 1 (got {page_size})")
         if not isinstance(variant, Variant):
             raise TypeError(f"variant must be a fi_backend.variants.Variant (got {type(variant).__name__})")
         if (workspace.num_qo_heads, workspace.num_kv_heads, workspace.head_dim) != (num_qo_heads, num_kv_heads, head_dim):
@@ -318,6 +324,7 @@ class BatchAttention:
         self.group = num_qo_heads // num_kv_heads
         self.q_dtype, self.kv_dtype = q_dtype, kv_dtype
         self.page_size, self.kv_layout, self.variant = page_size, kv_layout, variant
+        self.ragged = bool(ragged)
         self._fp8 = kv_dtype not in Q_DTYPES
 
         self.kernel = kernel
@@ -335,13 +342,13 @@ class BatchAttention:
             raise RuntimeError(f"prefill tile family of head_dim {head_dim}: members differ in CTAs per SM")
         # The CuTe member (fi_backend.cute_member): FlashAttention-3's CTA for the prefill steps it takes (plan()).
         self.cute_unsupported = ("decode kernel" if kernel != "prefill" else cute_member.unsupported(
-            variant, head_dim, q_dtype, kv_dtype, page_size, self.device, deterministic=self.deterministic,
-            tuning=tuning))
+            variant, head_dim, q_dtype, kv_dtype, 0 if self.ragged else page_size, self.device,
+            deterministic=self.deterministic, tuning=tuning))
         self._cute = None
         if self.cute_unsupported is None:
             try:
-                self._cute = cute_member.CuteMember(head_dim, q_dtype, page_size, num_qo_heads, num_kv_heads,
-                                                    self.device, variant)
+                self._cute = cute_member.CuteMember(head_dim, q_dtype, 0 if self.ragged else page_size,
+                                                    num_qo_heads, num_kv_heads, self.device, variant)
             except kernels.BuildError as e:  # e.g. other CUTLASS headers (FI_BACKEND_CUTLASS_DIR): the family runs
                 lines = str(e).splitlines() or [type(e).__name__]
                 first = next((l for l in lines if "error" in l.lower()), lines[0])
@@ -493,7 +500,8 @@ class BatchAttention:
     @staticmethod
     def module_specs(num_qo_heads: int, num_kv_heads: int, head_dim: int, *, q_dtype: torch.dtype = torch.bfloat16,
                      kv_dtype: Optional[torch.dtype] = None, page_size: int = 16, variant: Variant = DEFAULT,
-                     kernel: str = "decode", deterministic: Optional[bool] = None, device=None) -> list:
+                     kernel: str = "decode", deterministic: Optional[bool] = None, device=None,
+                     ragged: bool = False) -> list:
         """The kernel modules (kernels.ModuleSpec) a wrapper of these arguments loads: its tile family and, for
         prefill, the CuTe member's where it would load it on `device`. Builds nothing: an engine's start builds
         them all in parallel (prepare) before making its wrappers, which then load them."""
@@ -501,18 +509,23 @@ class BatchAttention:
         det = _deterministic(deterministic)
         specs = attention_specs(variant, head_dim, q, kv, num_qo_heads // num_kv_heads, None, kernel, det)
         if kernel == "prefill":
-            specs += cute_member.specs_for(variant, head_dim, q, kv, page_size, deterministic=det,
+            specs += cute_member.specs_for(variant, head_dim, q, kv, 0 if ragged else page_size, deterministic=det,
                                            device=None if device is None else torch.device(device))
         return specs
 
     @staticmethod
     def prepare(num_qo_heads: int, num_kv_heads: int, head_dim: int, *, kinds: Sequence[str] = KERNELS,
-                **shape) -> list:
+                also_ragged: bool = False, **shape) -> list:
         """Build in parallel (kernels.prepare) the modules of a wrapper of each kernel in `kinds` with these
-        arguments (module_specs' keywords): an engine's start, before it makes its wrappers. Raises nothing for a
-        failed build (the wrapper that loads the module does)."""
-        return kernels.prepare(spec for kernel in kinds for spec in BatchAttention.module_specs(
-            num_qo_heads, num_kv_heads, head_dim, kernel=kernel, **shape))
+        arguments (module_specs' keywords), and with also_ragged those of a ragged prefill wrapper (page_size 1,
+        ragged=True) too: an engine's start, before it makes its wrappers. Raises nothing for a failed build (the
+        wrapper that loads the module does)."""
+        specs = [spec for kernel in kinds for spec in BatchAttention.module_specs(
+            num_qo_heads, num_kv_heads, head_dim, kernel=kernel, **shape)]
+        if also_ragged:
+            specs += BatchAttention.module_specs(num_qo_heads, num_kv_heads, head_dim, kernel="prefill",
+                                                 **{**shape, "page_size": 1, "ragged": True})
+        return kernels.prepare(specs)
 
     @staticmethod
     def recommended_num_ctas(device, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
@@ -597,6 +610,9 @@ class BatchAttention:
             raise TypeError(f"bsr must be a fi_backend.formats.BSR (got {type(bsr).__name__})")
         if bsr.block_width != self.page_size:
             raise ValueError(f"bsr.block_width ({bsr.block_width}) must equal the wrapper's page_size ({self.page_size})")
+        if self.ragged and not bsr.contiguous:
+            raise ValueError("a ragged wrapper (ragged=True) takes BSRs over ragged K / V rows (bsr.contiguous, as "
+                             "formats.from_ragged makes them); for a token table make the wrapper with ragged=False")
         if bsr.qo_rows is not None:
             raise ValueError("bsr.qo_rows is not supported by the attention kernels yet: row blocks must be the "
                              "contiguous query rows qo_indptr[i]:qo_indptr[i+1]")

@@ -2,14 +2,15 @@
 atoms (csrc/attention/cute/attn_ws.cu, entry fi_cute_attn_bsr). A producer warpgroup, two consumer warpgroups of 64
 query rows with the intra-warpgroup overlap, 128 x 128 tiles of one query head (steps of long prompts at head size 64:
 three consumer warpgroups, 192 x 128), a persistent grid taking tiles from a counter in L2-sized sections. It reads
-the step's BSR directly (pages as TMA boxes, or below GATHER_BELOW tokens rows gathered by the producer's threads)
-and needs no plan items.
+the step's BSR directly (pages as TMA boxes, or below GATHER_BELOW tokens rows gathered by the producer's threads; for
+a ragged wrapper, BatchAttention(ragged=True), K / V rows as one TMA box a KV tile) and needs no plan items. Here
+page_size 0 names ragged K / V.
 
 BatchAttention(kernel="prefill") loads it where it applies (`unsupported` says why not: Hopper, the default, sliding
-window, soft-cap or soft-cap + window variant, head size 64, 96, 128 or 256, 16-bit KV, pages of 16..256 tokens (1..256
-where gathered), a power of two, the CUTLASS headers) and plan() gives it the steps it runs well (`takes_step`); every
-other step, and every step captured in a CUDA graph, runs the tile family as before. FI_BACKEND_PREFILL_CUTE=0 turns
-it off.
+window, soft-cap or soft-cap + window variant, head size 64, 96, 128 or 256, 16-bit KV, ragged K / V or pages of
+16..256 tokens (1..256 where gathered), a power of two, the CUTLASS headers) and plan() gives it the steps it runs
+well (`takes_step`); every other step, and every step captured in a CUDA graph, runs the tile family as before.
+FI_BACKEND_PREFILL_CUTE=0 turns it off.
 """
 from __future__ import annotations
 
@@ -91,9 +92,11 @@ def unsupported(variant: Variant, head_dim: int, q_dtype: torch.dtype, kv_dtype:
         return f"head_dim {head_dim} (the member runs {HEAD_DIMS})"
     if q_dtype not in (torch.bfloat16, torch.float16) or kv_dtype != q_dtype:
         return f"KV dtype {kv_dtype} (the member reads 16-bit KV of the query's dtype)"
-    if page_size < 1 or page_size > 256 or page_size & (page_size - 1) or (page_size < 16 and not gathers(page_size)):
+    if page_size != 0 and (page_size < 1 or page_size > 256 or page_size & (page_size - 1)
+                           or (page_size < 16 and not gathers(page_size))):
         least = 1 if gathers(1) else 16
-        return f"page_size {page_size} (the member takes pages of {least}..256 tokens, a power of two)"
+        return (f"page_size {page_size} (the member takes ragged K / V, a BatchAttention made with ragged=True, or "
+                f"pages of {least}..256 tokens, a power of two)")
     if device is not None and (device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0)):
         return "not an sm_90 GPU"
     from .shapes import prefill_uses_wgmma
@@ -113,7 +116,8 @@ def specs(head_dim: int, q_dtype: torch.dtype, page_size: int, variant: Variant 
     from .kernels import cutlass
     dtype = "bf16" if q_dtype == torch.bfloat16 else "fp16"
     return [cutlass.attn_ws_spec(head_dim, causal, overlap=True, pingpong=False, page_size=page_size, dtype=dtype,
-                                 softcap=_softcap(variant), warpgroups=wgs, gather=gathers(page_size))
+                                 softcap=_softcap(variant), warpgroups=wgs,
+                                 gather=page_size > 0 and gathers(page_size))
             for wgs in ((2, 3) if head_dim in WIDE_HEAD_DIMS else (2,)) for causal in (False, True)]
 
 

@@ -152,6 +152,9 @@ class BSR:
     num_kv_blocks: Optional[int] = None     # blocks in the cache, for range checks (None: unchecked)
     qo_rows: Optional[torch.Tensor] = None  # int32 [qo_indptr[-1]], query row of each row-space slot
     kv_pos_start: Optional[torch.Tensor] = None  # int32 [R], logical position of each row block's first KV token
+    # True: block j is row j of ragged K / V tensors (kv_indices the identity, Bc = 1; from_ragged's), so a reader may
+    # load row block i's KV as rows kv_block_start[i] .. + kv_lens[i] without reading kv_indices
+    contiguous: bool = False
 
     @property
     def num_row_blocks(self) -> int:
@@ -267,6 +270,18 @@ class BSR:
                 raise ValueError(
                     f"BSR.kv_indices: row block {int(row[bad])} names KV block {int(ids[bad])} (its block "
                     f"{int(j[bad])}), outside [0, num_kv_blocks={self.num_kv_blocks})"
+                )
+        if self.contiguous:
+            if self.block_width != 1:
+                raise ValueError(f"BSR.contiguous needs block_width 1 (rows of ragged K / V), got {self.block_width}")
+            row, j = _segments(nblk)
+            e = start[row] + j
+            bad = _first_true(self.kv_indices[e] != e)
+            if bad is not None:
+                raise ValueError(
+                    f"BSR.contiguous: kv_indices[{int(e[bad])}]={int(self.kv_indices[e[bad]])} (row block "
+                    f"{int(row[bad])}) must be {int(e[bad])}: a contiguous BSR's kv_indices are the identity "
+                    f"(formats.from_ragged)"
                 )
         if prefix_groups is not None:
             check_prefix_groups(self, prefix_groups)
@@ -463,7 +478,8 @@ def from_ragged(
     """A ragged KV tensor [total, H, D] as BSR with Bc = 1: request i reads rows kv_indptr[i] : kv_indptr[i+1].
 
     Read the KV as a cache [total, 1, H, D] (k.unsqueeze(1)). kv_indices = arange(total) (int32),
-    kv_block_start = kv_indptr[:-1] (a view when kv_indptr is int32/int64), kv_lens = diff(kv_indptr).
+    kv_block_start = kv_indptr[:-1] (a view when kv_indptr is int32/int64), kv_lens = diff(kv_indptr),
+    contiguous=True (a ragged BatchAttention's CuTe member reads the rows directly).
     qo_indptr None: decode (one query row per request). num_kv_tokens: rows of the KV tensor (default
     kv_indptr[-1], which syncs the device).
     """
@@ -490,6 +506,7 @@ def from_ragged(
         kv_lens=(kv_indptr[1:] - kv_indptr[:-1]).to(_I32),
         block_width=1,
         num_kv_blocks=total,
+        contiguous=True,
     )
     if check:
         bsr.validate()

@@ -258,11 +258,12 @@ def variants_of(model: Model) -> list:
 
 
 def modules_of(model: Model, kv_dtypes: Sequence[str] = ("bf16", "fp8_e4m3"), q_dtype: str = "bf16",
-               deterministic: bool = False, page_sizes: Sequence[int] = (16,)) -> list:
+               deterministic: bool = False, page_sizes: Sequence[int] = (16,), ragged: bool = True) -> list:
     """Every decode and prefill kernel module (kernels.ModuleSpec) the model needs, for each variant of
     variants_of(model) and KV dtype ("auto": the query's), deduplicated; [] if check(model) refuses it.
     The prefill family's CuTe member's modules (fi_backend.cute_member, Hopper, where CUTLASS's headers are
-    installed) for each of page_sizes (the engine's KV block size: vLLM's default 16).
+    installed) for each of page_sizes (the engine's KV block size: vLLM's default 16), and with ragged its ragged
+    modules too (the vLLM adapter's steps of new prompts, over their own K / V).
     deterministic: also the decode modules deterministic wrappers load (the adapters with FI_BACKEND_DETERMINISTIC,
     VLLM_BATCH_INVARIANT or SGLang's --enable-deterministic-inference; docs/deterministic.md).
     The prefill family depends on the architectures in effect ($FI_BACKEND_CUDA_ARCH_LIST): set it to
@@ -291,7 +292,7 @@ def modules_of(model: Model, kv_dtypes: Sequence[str] = ("bf16", "fp8_e4m3"), q_
                 add(decode_spec(variant, d, q_dtype, kv, group, deterministic=True))
             for m in range(prefill_family_size(d, kv)):
                 add(prefill_spec(variant, d, q_dtype, kv, group, member=m))
-            for page in page_sizes:
+            for page in (*page_sizes, 0) if ragged else page_sizes:  # (0: ragged K / V)
                 for spec in cute_member.specs_for(variant, d, q_dtype, kv, page):
                     add(spec)
     return specs

@@ -246,7 +246,7 @@ def prebuild_specs(wanted, jobs=None, cute_pages=()) -> dict:
     """Build (or find cached) our kernel modules in parallel (kernels.build_many), so that timed runs do not build
     them one at a time. wanted: (kernel "decode" | "prefill", variant, head_dim, kv dtype, group) tuples, bf16
     queries; a prefill entry means every member of its tile family, and the CuTe member's modules for each page size
-    of cute_pages."""
+    of cute_pages (0: a ragged wrapper's)."""
     import time
 
     from fi_backend import cute_member, kernels
@@ -263,7 +263,7 @@ def prebuild_specs(wanted, jobs=None, cute_pages=()) -> dict:
         else:
             for m in range(prefill_family_size(d, kv)):
                 add(prefill_spec(variant, d, "bf16", kv, group, member=m))
-            for page in cute_pages:  # the CuTe member's, where prefill wrappers of that page size load it
+            for page in cute_pages:  # the CuTe member's, where prefill wrappers of that page size (0: ragged) load it
                 for spec in cute_member.specs_for(variant, d, "bf16", kv, page):
                     add(spec)
     if not specs:

@@ -210,7 +210,8 @@ class AppendCase(StepCase):
 # ------------------------------------------------------------------------------------------ implementations
 
 def ours_fn(case, *, paged=None, variant=None, params=None, tuning=None, num_ctas=None, causal=True):
-    """(fn, out, info): our prefill kernel (kernel="prefill") on a Case (ragged KV unless `paged`, a Paged) or an
+    """(fn, out, info): our prefill kernel (kernel="prefill") on a Case (ragged KV, a ragged=True wrapper whose CuTe
+    member reads K / V rows, unless `paged`, a Paged) or an
     AppendCase (paged = case.pool); tuning: one kernel shape instead of the tile family; num_ctas: CTAs of the grid
     (default: the recommended count)."""
     from fi_backend import formats, variants
@@ -224,14 +225,14 @@ def ours_fn(case, *, paged=None, variant=None, params=None, tuning=None, num_cta
                                             kernel="prefill", tuning=tuning)
     ws = Workspace("cuda", max_requests=case.batch, max_tokens=case.rows, num_ctas=num_ctas, max_tile_q=tile_q,
                    num_qo_heads=case.hq, num_kv_heads=case.hkv, head_dim=case.d)
-    if paged is None:  # this step's K/V as a cache [total, 1, Hkv, D] with one token per block
+    if paged is None:  # this step's K/V as a cache [total, 1, Hkv, D] with one token per block (a ragged wrapper)
         page_size = 1
         bsr = formats.from_ragged(case.indptr_dev, case.indptr_dev, num_kv_tokens=case.rows)
         kv = (case.k.unsqueeze(1), case.v.unsqueeze(1))
     else:
         page_size, bsr, kv = paged.page_size, paged.bsr, (paged.k, paged.v)
     attn = BatchAttention(ws, case.hq, case.hkv, case.d, q_dtype=DTYPE, kv_dtype=DTYPE, page_size=page_size,
-                          kv_layout="NHD", variant=variant, kernel="prefill", tuning=tuning)
+                          kv_layout="NHD", variant=variant, kernel="prefill", tuning=tuning, ragged=paged is None)
     t0 = time.perf_counter()
     attn.plan(case.indptr, case.lens, bsr, causal=causal, **(params or {}))
     plan_ms = (time.perf_counter() - t0) * 1e3

@@ -706,7 +706,7 @@ def prefill_section(a, with_fi, fi_reason) -> dict:
             "errors": errors,
             "flops": "4 * h * d * causal pairs (perf.prefill.attention_flops / unmasked_pairs), h = query heads",
             "kv": (f"ours: pages of {a.prefill_page} tokens in random order (perf.prefill.Paged)" if a.prefill_page
-                   else "ours: ragged (page-1 identity BSR, perf.prefill.ours_fn)")
+                   else "ours: ragged (a ragged=True wrapper on formats.from_ragged's BSR, perf.prefill.ours_fn)")
                   + "; anchors: FlashInfer ragged wrappers, vLLM flash_attn_varlen_func(fa_version=3), ragged; with "
                     "pages, vLLM FA3 also on ours' pages through its block table (vllm_fa3_paged)",
             "ratio": "anchor us / ours us, median of the rounds' ratios (> 1: ours faster)",
@@ -718,13 +718,13 @@ def prefill_section(a, with_fi, fi_reason) -> dict:
 # ------------------------------------------------------------------------------------------------ prebuild
 
 def prebuild(decode_cfgs, prefill_cfgs, jobs=None, prefill_page=0) -> dict:
-    """Our decode and prefill modules for the configs (the CuTe member's too for prefill_page), built (or found
-    cached) in parallel first."""
+    """Our decode and prefill modules for the configs (the CuTe member's too: its ragged ones for prefill_page 0,
+    else those for pages of prefill_page), built (or found cached) in parallel first."""
     from fi_backend import variants
     from perf.common import prebuild_specs
     return prebuild_specs([("decode", variants.DEFAULT, c["head_dim"], "bf16", c["group"]) for c in decode_cfgs]
                           + [("prefill", variants.DEFAULT, c["head_dim"], "bf16", c["group"]) for c in prefill_cfgs],
-                          jobs, cute_pages=(prefill_page,) if prefill_page else ())
+                          jobs, cute_pages=(prefill_page,))
 
 
 # ------------------------------------------------------------------------------------------------ report

@@ -24,7 +24,7 @@ def _lazy():
 
 
 def make_wrapper(Hq, Hkv, D, *, q_dtype=torch.bfloat16, kv_dtype=None, page_size=16, kv_layout="NHD",
-                 variant=V.DEFAULT, max_tokens=1024, max_requests=256, kernel="decode", tuning=None):
+                 variant=V.DEFAULT, max_tokens=1024, max_requests=256, kernel="decode", tuning=None, ragged=False):
     BatchAttention, Workspace = _lazy()
     num_ctas = BatchAttention.recommended_num_ctas(DEV, Hq, Hkv, D, q_dtype=q_dtype, kv_dtype=kv_dtype, variant=variant,
                                                    kernel=kernel, tuning=tuning)
@@ -33,7 +33,7 @@ def make_wrapper(Hq, Hkv, D, *, q_dtype=torch.bfloat16, kv_dtype=None, page_size
     ws = Workspace(DEV, max_requests=max_requests, max_tokens=max_tokens, num_ctas=num_ctas, max_tile_q=tile_q,
                    num_qo_heads=Hq, num_kv_heads=Hkv, head_dim=D)
     return BatchAttention(ws, Hq, Hkv, D, q_dtype=q_dtype, kv_dtype=kv_dtype, page_size=page_size,
-                          kv_layout=kv_layout, variant=variant, kernel=kernel, tuning=tuning)
+                          kv_layout=kv_layout, variant=variant, kernel=kernel, tuning=tuning, ragged=ragged)
 
 
 def random_kv(num_blocks, page, Hkv, D, dtype, *, layout="NHD", packed=False):

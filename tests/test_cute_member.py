@@ -27,12 +27,14 @@ def test_unsupported_names_the_reason(monkeypatch):
     assert "head_dim 80" in _why(head_dim=80)
     assert "head_dim 192" in _why(head_dim=192)
     assert "KV dtype" in _why(kv_dtype=torch.float8_e4m3fn)
-    for page in (0, 24, 512):
+    for page in (-1, 24, 512):
         assert f"page_size {page}" in _why(page_size=page)
+    assert "page_size" not in _why(page_size=0)  # 0: ragged K / V (a BatchAttention made with ragged=True)
     # pages of fewer than 16 tokens: refused, unless gathered (below GATHER_BELOW: off by default, slower than the
     # TMA boxes and the tile family, docs/prefill.md)
     for page in (1, 8):
-        assert f"page_size {page} (the member takes pages of 16..256" in _why(page_size=page)
+        assert f"page_size {page} (the member takes ragged K / V, a BatchAttention made with ragged=True, or pages " \
+            "of 16..256" in _why(page_size=page)
     monkeypatch.setattr(C, "GATHER_BELOW", 16)
     assert C.gathers(1) and C.gathers(8) and not C.gathers(16) and "page_size" not in _why(page_size=1)
     assert "sm_90" in _why()  # this machine's device is the CPU
@@ -92,20 +94,24 @@ def test_takes_step():
 
 def test_modules_of_names_the_members_modules(monkeypatch):
     """models.modules_of (fi-backend build --model, CI's zoo build) adds the member's two modules (four at head size
-    64) for a plain model of head size 64 / 128 and 16-bit KV, per page size, where modules are built for sm_90a alone and CUTLASS's
-    headers are installed; none for a model with hooks, other architectures or the switch off."""
+    64) for a plain model of head size 64 / 128 and 16-bit KV, per page size and for ragged K / V (the vLLM adapter's
+    steps of new prompts), where modules are built for sm_90a alone and CUTLASS's headers are installed; none for a
+    model with hooks, other architectures or the switch off."""
     import pytest
     pytest.importorskip("cutlass_library")
     from fi_backend import models
     monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", "90a")
     cute = lambda m, **kw: [s.tag for s in models.modules_of(models.find(m), **kw) if s.family == "cute_attn_ws"]
     assert cute("Llama-3.1-8B") == ["d128_bf1_ca0_ga0_ov1_pa16_pi0_so0_sp1_st2_vb1_wa2",
-                                    "d128_bf1_ca1_ga0_ov1_pa16_pi0_so0_sp1_st2_vb1_wa2"]
+                                    "d128_bf1_ca1_ga0_ov1_pa16_pi0_so0_sp1_st2_vb1_wa2",
+                                    "d128_bf1_ca0_ga0_ov1_pa0_pi0_so0_sp1_st2_vb1_wa2",
+                                    "d128_bf1_ca1_ga0_ov1_pa0_pi0_so0_sp1_st2_vb1_wa2"]
+    assert cute("Llama-3.1-8B", ragged=False) == cute("Llama-3.1-8B")[:2]
     # head size 64: two warpgroups and three (steps of long prompts), per page size
-    assert len(cute("Qwen2.5-0.5B", page_sizes=(16, 32))) == 8 and cute("Llama-3.2-1B")[0].startswith("d64_")
-    assert [t[-3:] for t in cute("Llama-3.2-1B")] == ["wa2", "wa2", "wa3", "wa3"]
-    assert len(cute("Gemma-2-9B")) == 2 and all(t.startswith("d256_") for t in cute("Gemma-2-9B"))
-    assert len(cute("Gemma-2-27B")) == 2 and all("_so1_" in t for t in cute("Gemma-2-27B"))  # soft-cap (+ window)
+    assert len(cute("Qwen2.5-0.5B", page_sizes=(16, 32))) == 12 and cute("Llama-3.2-1B")[0].startswith("d64_")
+    assert [t[-3:] for t in cute("Llama-3.2-1B", ragged=False)] == ["wa2", "wa2", "wa3", "wa3"]
+    assert len(cute("Gemma-2-9B")) == 4 and all(t.startswith("d256_") for t in cute("Gemma-2-9B"))
+    assert len(cute("Gemma-2-27B")) == 4 and all("_so1_" in t for t in cute("Gemma-2-27B"))  # soft-cap (+ window)
     assert cute("Mistral-7B") == cute("Llama-3.1-8B")  # a window: the same modules
     monkeypatch.setenv("FI_BACKEND_PREFILL_CUTE", "0")
     assert cute("Llama-3.1-8B") == []

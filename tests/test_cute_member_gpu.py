@@ -17,26 +17,42 @@ CUTE_MEMBER = True  # conftest: the member stays on in this file
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _built():
-    """Every module the tests load (the member's and the tile family's) built in parallel first: one at a time, as
-    wrappers are made, the member's take about 40 s each."""
+def _built(request):
+    """The modules the collected tests load (the member's and the tile family's), built in parallel first: one at a
+    time, as wrappers are made, the member's take about 40 s each. All of them for the whole file, a few for a -k
+    selection."""
     if importlib.util.find_spec("cutlass_library") is None or not torch.cuda.is_available():
         return
     from fi_backend import cute_member, kernels
     from fi_backend.specs import attention_specs
     names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+    bf16 = torch.bfloat16
+    # test name -> its (variant, query heads, KV heads, head size, page (0: ragged), dtype, gathered) from its params
+    of = {
+        "test_member_matches_reference": lambda p: [(V.DEFAULT, p["Hq"], p["Hkv"], p["D"], p["page"], p["dtype"], 0)],
+        "test_member_wide_steps": lambda p: [(V.DEFAULT, 4, 1, 64, 16, bf16, 0)],
+        "test_member_gathers": lambda p: [(V.DEFAULT, p["Hq"], p["Hkv"], p["D"], p["page"], bf16, 1)],
+        "test_member_variants": lambda p: [(_VARIANTS[p["name"]][0], p["Hq"], p["Hkv"], p["D"], 16, bf16, 0)],
+        "test_member_ragged": lambda p: [(V.DEFAULT, p["Hq"], p["Hkv"], p["D"], 0, p["dtype"], 0)],
+        "test_member_ragged_variants": lambda p: [(_VARIANTS[p["name"]][0], p["Hq"], p["Hkv"], p["D"], 0, bf16, 0)],
+        "test_ragged_wrapper_refuses_other_bsrs": lambda p: [(V.DEFAULT, 32, 8, 128, 0, bf16, 0)],
+        "test_ragged_bad_bsr_is_flagged": lambda p: [(V.DEFAULT, 32, 8, 128, 0, bf16, 0)],
+        "test_bad_bsr_is_flagged_and_never_read_past": lambda p: [(V.DEFAULT, 32, 8, 128, 16, bf16, int(p["gather"]))],
+    }
+    default = [(V.DEFAULT, 32, 8, 128, 16, bf16, 0)]  # the other tests' wrappers
+    wanted = []
+    for item in request.session.items:
+        if item.module is request.module:
+            params = getattr(getattr(item, "callspec", None), "params", {})
+            wanted += of.get(getattr(item, "originalname", item.name), lambda p: default)(params)
     specs = {}
-    wanted = [(V.DEFAULT, *shape[:5]) for shape in _SHAPES + [(32, 8, 128, 16, torch.bfloat16),
-                                                              (4, 1, 64, 16, torch.bfloat16)]]
-    wanted += [(_VARIANTS[name][0], Hq, Hkv, D, 16, torch.bfloat16) for name, Hq, Hkv, D in _VARIANT_SHAPES]
-    gather = [(V.DEFAULT, *shape, torch.bfloat16) for shape in _GATHER_SHAPES]
-    for gather_below, todo in ((cute_member.GATHER_BELOW, wanted), (_GATHER_BELOW, gather)):
-        saved, cute_member.GATHER_BELOW = cute_member.GATHER_BELOW, gather_below
+    for variant, Hq, Hkv, D, page, dtype, gathered in wanted:  # (specs, by memo_key, come once)
+        below = _GATHER_BELOW if gathered else cute_member.GATHER_BELOW
+        saved, cute_member.GATHER_BELOW = cute_member.GATHER_BELOW, below
         try:
-            for variant, Hq, Hkv, D, page, dtype in todo:
-                for s in cute_member.specs(D, dtype, page, variant) + attention_specs(
-                        variant, D, names[dtype], names[dtype], Hq // Hkv, None, "prefill", False):
-                    specs[s.memo_key] = s
+            for s in cute_member.specs(D, dtype, page, variant) + attention_specs(
+                    variant, D, names[dtype], names[dtype], Hq // Hkv, None, "prefill", False):
+                specs[s.memo_key] = s
         finally:
             cute_member.GATHER_BELOW = saved
     failed = [(s.tag, r) for s, r in zip(specs.values(), kernels.build_many(list(specs.values())))
@@ -44,14 +60,14 @@ def _built():
     assert not failed, f"modules failed to build: {failed}"
 
 
-def _wrapper(Hq, Hkv, D, *, page, dtype=torch.bfloat16, layout="NHD", max_tokens=8192, variant=None):
+def _wrapper(Hq, Hkv, D, *, page, dtype=torch.bfloat16, layout="NHD", max_tokens=8192, variant=None, ragged=False):
     if importlib.util.find_spec("cutlass_library") is None:
         pytest.skip("the nvidia-cutlass wheel is not installed")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm_90a only")
     from attention_cases import make_wrapper
     return make_wrapper(Hq, Hkv, D, q_dtype=dtype, page_size=page, kv_layout=layout, kernel="prefill",
-                        max_tokens=max_tokens, variant=variant or V.DEFAULT)
+                        max_tokens=max_tokens, variant=variant or V.DEFAULT, ragged=ragged)
 
 
 # (query heads, KV heads, head size, page, dtype, layout, packed, causal): Llama-3.1-8B, Qwen2.5-7B (group 7),
@@ -144,6 +160,98 @@ def test_member_variants(name, Hq, Hkv, D, causal):
     assert attn.cute_unsupported is None, attn.cute_unsupported
     _check_step(attn, _Q_LENS, _KV_LENS, causal=causal, params=params, what=f"{name} {Hq}/{Hkv} D={D} causal={causal}")
     assert attn.cute_step
+
+
+# (query heads, KV heads, head size, dtype, causal) of ragged wrappers: the same models' shapes
+_RAGGED_SHAPES = [(32, 8, 128, torch.bfloat16, True), (28, 4, 128, torch.bfloat16, True),
+                  (24, 8, 64, torch.bfloat16, True), (32, 32, 96, torch.float16, True),
+                  (8, 4, 256, torch.bfloat16, True), (12, 2, 128, torch.float16, False),
+                  (40, 8, 128, torch.bfloat16, False)]
+_RAGGED_VARIANT_SHAPES = [("window", 32, 8, 128), ("soft_cap_window", 16, 8, 256), ("soft_cap", 32, 16, 128)]
+
+
+def _fused_qkv(rows, Hq, Hkv, D, dtype, pad=300):
+    """q, k, v [rows, heads, D] as views of one [rows + pad, Hq + 2 Hkv, D] buffer (vLLM's split QKV projection:
+    a K row every (Hq + 2 Hkv) x D elements), the pad rows past them NaN: nothing reads past the tensors' rows."""
+    buf = torch.full((rows + pad, Hq + 2 * Hkv, D), float("nan"), device=DEV, dtype=dtype)
+    buf[:rows] = (1.5 * torch.randn(rows, Hq + 2 * Hkv, D, device=DEV)).to(dtype)
+    return buf[:rows, :Hq], buf[:rows, Hq:Hq + Hkv], buf[:rows, Hq + Hkv:]
+
+
+def _check_ragged(attn, q_lens, kv_lens, *, dtype=torch.bfloat16, causal=True, params=None, what=""):
+    """One step over ragged K / V (formats.from_ragged; queries of their own rows) into NaN-poisoned outputs, against
+    the float64 reference, O and the LSE."""
+    from attention_cases import check, reference
+    from fi_backend import formats
+    params = params or {}
+    kv_indptr = torch.tensor([0, *kv_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    qo_cpu = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    bsr = formats.from_ragged(kv_indptr.to(DEV), qo_cpu.to(DEV))
+    rows, total = int(qo_cpu[-1]), int(kv_indptr[-1])
+    _, k, v = _fused_qkv(total, attn.num_qo_heads, attn.num_kv_heads, attn.head_dim, dtype)
+    q, _, _ = _fused_qkv(rows, attn.num_qo_heads, attn.num_kv_heads, attn.head_dim, dtype)
+    attn.plan(qo_cpu, torch.tensor(kv_lens, dtype=torch.int32), bsr, causal=causal, **params)
+    out = torch.full((rows, attn.num_qo_heads, attn.head_dim), float("nan"), device=DEV, dtype=dtype)
+    lse = torch.full((rows, attn.num_qo_heads), float("nan"), device=DEV)
+    attn.run(q, (k.unsqueeze(1), v.unsqueeze(1)), out=out, lse=lse)
+    torch.cuda.synchronize()
+    attn.check_errors()
+    o_ref, lse_ref = reference(q, k.unsqueeze(1), v.unsqueeze(1), bsr, causal=causal, **params)
+    check(out, lse, o_ref, lse_ref, TOL[dtype], what)
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,dtype,causal", _RAGGED_SHAPES)
+def test_member_ragged(Hq, Hkv, D, dtype, causal):
+    """A ragged wrapper (ragged=True): K / V strided views of a fused QKV buffer, one TMA box a KV tile. New prompts
+    (keys = the request's own rows, vLLM's fresh steps) and appends over longer ragged KV, against the reference."""
+    attn = _wrapper(Hq, Hkv, D, page=1, dtype=dtype, ragged=True)
+    assert attn.cute_unsupported is None, attn.cute_unsupported
+    assert all("_pa0_" in name for name in attn._cute.module_names), attn._cute.module_names
+    for q_lens, kv_lens in ((_Q_LENS, _Q_LENS), (_Q_LENS, _KV_LENS)):
+        _check_ragged(attn, q_lens, kv_lens, dtype=dtype, causal=causal,
+                      what=f"ragged {Hq}/{Hkv} D={D} causal={causal} kv={kv_lens[:2]}")
+        assert attn.cute_step, "the step should have run on the CuTe member"
+
+
+@pytest.mark.parametrize("name,Hq,Hkv,D", _RAGGED_VARIANT_SHAPES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_member_ragged_variants(name, Hq, Hkv, D, causal):
+    variant, params = _VARIANTS[name]
+    attn = _wrapper(Hq, Hkv, D, page=1, variant=variant, ragged=True)
+    assert attn.cute_unsupported is None, attn.cute_unsupported
+    _check_ragged(attn, _Q_LENS, _KV_LENS, causal=causal, params=params,
+                  what=f"ragged {name} {Hq}/{Hkv} D={D} causal={causal}")
+    assert attn.cute_step
+
+
+def test_ragged_wrapper_refuses_other_bsrs():
+    """ragged=True takes page_size 1 and contiguous BSRs only, said at construction and at plan()."""
+    from attention_cases import make_bsr
+    with pytest.raises(ValueError, match="page_size must be 1"):
+        _wrapper(32, 8, 128, page=16, ragged=True)
+    attn = _wrapper(32, 8, 128, page=1, ragged=True)
+    bsr, qo_cpu, kv_cpu, _ = make_bsr(_KV_LENS, _Q_LENS, 1)
+    with pytest.raises(ValueError, match="contiguous"):
+        attn.plan(qo_cpu, kv_cpu, bsr, causal=True)
+
+
+def test_ragged_bad_bsr_is_flagged():
+    """A contiguous BSR whose last request runs past K / V's rows: the member flags it (check_errors) and reads zeros
+    there (TMA's bounds; the NaN rows past the tensors are never read), so the output stays finite."""
+    from fi_backend import formats
+    attn = _wrapper(32, 8, 128, page=1, ragged=True)
+    lens = torch.tensor([0, *_Q_LENS], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    bsr = formats.from_ragged(lens.to(DEV), lens.to(DEV))
+    rows = int(lens[-1])
+    q, k, v = _fused_qkv(rows, 32, 8, 128, torch.bfloat16)
+    bsr.kv_block_start[-1] = rows - 5  # its 77 keys from 5 rows before the end
+    attn.plan(lens, lens[1:] - lens[:-1], bsr, causal=True)
+    assert attn.cute_step
+    out = attn.run(q, (k.unsqueeze(1), v.unsqueeze(1)))
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="past the end of kv_indices"):
+        attn.check_errors()
+    assert torch.isfinite(out).all()
 
 
 def test_mixed_step_stays_on_the_family():

@@ -6,6 +6,8 @@ and FI_TEST_SEED=<seed> replays it.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import os
 
 import pytest
@@ -216,6 +218,14 @@ def test_ragged_and_from_ragged(gen):
     torch.testing.assert_close(lse, lse_ref, rtol=1e-12, atol=1e-12)
     with pytest.raises(ValueError, match="kv_indptr"):
         from_ragged(torch.tensor([0, 5, 3]))
+    # contiguous: readers may take rows kv_block_start .. directly, so validate() checks kv_indices is the identity
+    assert bsr.contiguous and not from_token_table(
+        torch.arange(64, dtype=I32).view(2, 32), torch.tensor([0, 1]), torch.tensor([3, 5])).contiguous
+    if kv.total > 1:  # every entry names another row
+        with pytest.raises(ValueError, match="contiguous"):
+            dataclasses.replace(bsr, kv_indices=(bsr.kv_indices + 1) % kv.total).validate()
+    with pytest.raises(ValueError, match="block_width 1"):
+        dataclasses.replace(bsr, block_width=2, kv_indices=torch.arange(2 * kv.total, dtype=I32)).validate()
 
 
 # ---------------------------------------------------------------------------------------- validation

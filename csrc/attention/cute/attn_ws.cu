@@ -16,11 +16,12 @@
 // the consumer warpgroups issue their MMAs in turns on named barriers, so one's softmax runs under the others'
 // MMAs.
 // Template parameters: HEAD_DIM 64, 96, 128 or 256, STAGES (2), WARPGROUPS (consumers: 2 or 3), CAUSAL, OVERLAP,
-// PINGPONG, SOFTCAP (0 / 1), BF16 (1: bf16, 0: fp16), PAGE (0: ragged K / V, entry fi_cute_attn_ws; else pages of
-// PAGE tokens read through a BSR, entry fi_cute_attn_bsr, which also takes a sliding window: window_left >= 0, KV
-// tiles below every row's window skipped), GATHER (paged: 0, K / V by TMA boxes, one a page and 64-dim block, pages
-// of 16 tokens or more; 1, K / V rows gathered by the producer warpgroup's 128 threads with cp.async, 16 bytes a
-// copy, pages of any power of two: FlashAttention-3's paged path, for pages too small for TMA boxes to pay).
+// PINGPONG, SOFTCAP (0 / 1), BF16 (1: bf16, 0: fp16), PAGE (0: ragged K / V, entries fi_cute_attn_ws (contiguous
+// tensors) and fi_cute_attn_bsr (a ragged BSR); else pages of PAGE tokens read through a BSR, entry fi_cute_attn_bsr;
+// the BSR entry also takes a sliding window: window_left >= 0, KV tiles below every row's window skipped), GATHER
+// (paged: 0, K / V by TMA boxes, one a page and 64-dim block, pages of 16 tokens or more; 1, K / V rows gathered by
+// the producer warpgroup's 128 threads with cp.async, 16 bytes a copy, pages of any power of two: FlashAttention-3's
+// paged path, for pages too small for TMA boxes to pay).
 // Requests: b's query rows qo_indptr[b] .. qo_indptr[b + 1] (int32, device), any lengths with 1 <= q_len <= kv_len,
 // causal bottom-right aligned (query i sees keys <= kv_len - q_len + i); max_q_len bounds the query tiles. lse
 // float32 natural log, logits scaled by sm_scale. counter: one int32 of device memory the call zeroes on its stream
@@ -179,14 +180,17 @@ struct Args {
   float* lse;  // [rows, heads] at lse + row x lse_stride_row + head (natural log), or null
   int64_t lse_stride_row;
   const int* qo_indptr;       // request b's query rows qo_indptr[b] .. qo_indptr[b + 1]
-  const int* kv_indptr;       // ragged: its keys kv_indptr[b] .. kv_indptr[b + 1]
-  const int* kv_lens;         // paged (a BSR): its KV length,
-  const void* kv_block_start;  // its first page's entry in kv_indices (int64 where kv_block_start_int64, else int32)
-  const int* kv_indices;      // the pages
+  const int* kv_lens;         // its KV length (ragged, null: kv_block_start[b + 1] - kv_block_start[b], int32)
+  const void* kv_block_start;  // paged: its first page's entry in kv_indices; ragged: its first KV row (int64 where
+                               // kv_block_start_int64, else int32)
+  const int* kv_indices;      // paged: the pages
   int* counter;               // the tile counter (zeroed before the launch)
-  int* error_flags;           // paged: bit 1 a page id outside [0, num_pages), bit 2 an entry past kv_indices (or null)
+  int* error_flags;           // bit 1 a page id outside [0, num_pages), bit 2 an entry past kv_indices or (ragged) a
+                              // request's rows past K / V's (or null)
   int64_t num_kv_indices;     // paged: kv_indices' entries
-  int kv_block_start_int64, batch, max_q_len, heads, kv_heads, total_q, total_kv, num_pages, section;
+  int kv_block_start_int64, batch, max_q_len, heads, kv_heads, total_q, total_kv;
+  int num_pages;  // paged: pages in the cache; ragged: rows of K / V
+  int section;
   int window_left;  // >= 0: a query at position p sees keys from p - window_left on (a sliding window); -1: all
   float sm_scale;
   float softcap;  // kSoftCap: the cap (> 0)
@@ -239,12 +243,15 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
     w.q_begin = __ldg(qo_indptr + w.b);
     w.q_len = __ldg(qo_indptr + w.b + 1) - w.q_begin;
     if (w.qtile * kRows >= w.q_len) return false;
+    w.kv_begin = a.kv_block_start_int64 ? (int)__ldg(static_cast<const int64_t*>(a.kv_block_start) + w.b)
+                                        : __ldg(static_cast<const int*>(a.kv_block_start) + w.b);
     if constexpr (kPage == 0) {
-      w.kv_begin = __ldg(a.kv_indptr + w.b);
-      w.kv_len = __ldg(a.kv_indptr + w.b + 1) - w.kv_begin;
+      w.kv_len = a.kv_lens != nullptr ? __ldg(a.kv_lens + w.b)
+                                      : __ldg(static_cast<const int*>(a.kv_block_start) + w.b + 1) - w.kv_begin;
+      // rows outside K / V: TMA reads them as zeros; flagged as a bad BSR
+      if ((w.kv_begin < 0 || w.kv_len > a.num_pages - w.kv_begin) && a.error_flags != nullptr)
+        atomicOr(a.error_flags, 2);
     } else {
-      w.kv_begin = a.kv_block_start_int64 ? (int)__ldg(static_cast<const int64_t*>(a.kv_block_start) + w.b)
-                                          : __ldg(static_cast<const int*>(a.kv_block_start) + w.b);
       w.kv_len = __ldg(a.kv_lens + w.b);
     }
     // keys the tile's last row sees (causal), or all of them
@@ -421,11 +428,11 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
       } else {
         // ragged: (token, dim, KV head); paged: (slot, dim, KV head, page)
         auto mK = [&] {
-          if constexpr (kPage == 0) return tma_k.get_tma_tensor(make_shape(a.total_kv, D{}, kv_heads));
+          if constexpr (kPage == 0) return tma_k.get_tma_tensor(make_shape(a.num_pages, D{}, kv_heads));
           else return tma_k.get_tma_tensor(make_shape(Int<kPage>{}, D{}, kv_heads, a.num_pages));
         }();
         auto mVt = [&] {
-          if constexpr (kPage == 0) return tma_v.get_tma_tensor(make_shape(D{}, a.total_kv, kv_heads));
+          if constexpr (kPage == 0) return tma_v.get_tma_tensor(make_shape(D{}, a.num_pages, kv_heads));
           else if constexpr (kVPageBox)  // (dim in block, slot, block, KV head, page)
             return tma_v.get_tma_tensor(make_shape(DimBlock{}, Int<kPage>{}, Int<kDimBlocks>{}, kv_heads, a.num_pages));
           else return tma_v.get_tma_tensor(make_shape(D{}, Int<kPage>{}, kv_heads, a.num_pages));
@@ -825,18 +832,20 @@ FI_EXPORT int fi_cute_attn_ws(const void* q, const void* k, const void* v, void*
   auto tma_q = make_tma_copy(SM90_TMA_LOAD{}, gQ, SmemLayoutQ{});
   auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, take<0, 2>(SmemLayoutK{}));
   auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gVt, take<0, 2>(SmemLayoutVt{}));
-  Args a{static_cast<Elem*>(o), (int64_t)H * kHeadDim, kHeadDim, lse, H, qo_indptr, kv_indptr, nullptr, nullptr,
-         nullptr, counter, nullptr, 0, 0, (int)batch, (int)max_q_len, H, Hkv, tq, tkv, 0, 0, -1, sm_scale, 0.f,
+  Args a{static_cast<Elem*>(o), (int64_t)H * kHeadDim, kHeadDim, lse, H, qo_indptr, nullptr, kv_indptr, nullptr,
+         counter, nullptr, 0, 0, (int)batch, (int)max_q_len, H, Hkv, tq, tkv, tkv, 0, -1, sm_scale, 0.f,
          nullptr, nullptr, 0, 0, 0};
   return launch(tma_q, tma_k, tma_v, a, l2_section_bytes, stream);
 }
-#else
+#endif
 // The BSR (fi_backend.formats.BSR) over a paged cache: K / V pages at k / v + page x kv_stride_block + slot x
 // kv_stride_token + kv_head x kv_stride_head (elements; vLLM's [blocks, 2, block_size, kv_heads, D] and the HND
 // layouts alike), request b's KV length kv_lens[b] and pages kv_indices[kv_block_start[b] ..] (num_kv_indices
 // entries; error_flags, may be null, gets fi_backend's bits for a bad BSR). q / o / lse by their strides (16-byte
-// multiples; lse may be null). Refused with kCaptureRefused into a capturing stream: the launch
-// holds the step's sizes, which a graph replaying other steps would keep.
+// multiples; lse may be null). PAGE 0: a ragged BSR (fi_backend.formats.from_ragged, kv_indices unread): request b's
+// keys are rows kv_block_start[b] .. + kv_lens[b] of K / V, row r of KV head h at r x kv_stride_block + h x
+// kv_stride_head, num_kv_blocks rows. Refused with kCaptureRefused into a capturing stream: the launch holds the
+// step's sizes, which a graph replaying other steps would keep.
 constexpr int kCaptureRefused = -2;
 FI_EXPORT int fi_cute_attn_bsr(const void* q, void* o, float* lse, const void* k, const void* v, const int* qo_indptr,
                                const int* kv_lens, const int* kv_indices, const void* kv_block_start, int* counter,
@@ -853,14 +862,14 @@ FI_EXPORT int fi_cute_attn_bsr(const void* q, void* o, float* lse, const void* k
   if (e != cudaSuccess) return (int)e;
   if (capture != cudaStreamCaptureStatusNone) return kCaptureRefused;
   if (batch <= 0 || max_q_len <= 0) return 0;
-  if (kv_heads <= 0 || heads % kv_heads || total_q <= 0 || num_kv_blocks <= 0 || window_left < -1 ||
-      window_left >= (1ll << 31) || (kSoftCap && !(softcap > 0.f)))
+  if (kv_heads <= 0 || heads % kv_heads || total_q <= 0 || num_kv_blocks <= 0 || num_kv_blocks >= (1ll << 31) ||
+      window_left < -1 || window_left >= (1ll << 31) || (kSoftCap && !(softcap > 0.f)))
     return (int)cudaErrorInvalidValue;
   const int H = (int)heads, Hkv = (int)kv_heads, tq = (int)total_q, nb = (int)num_kv_blocks;
   Tensor gQ = make_tensor(make_gmem_ptr(static_cast<const Elem*>(q)), make_shape(tq, D{}, H),
                           make_stride(q_stride_row, _1{}, q_stride_head));
   auto tma_q = make_tma_copy(SM90_TMA_LOAD{}, gQ, SmemLayoutQ{});
-  Args a{static_cast<Elem*>(o), o_stride_row, o_stride_head, lse, lse_stride_row, qo_indptr, nullptr, kv_lens,
+  Args a{static_cast<Elem*>(o), o_stride_row, o_stride_head, lse, lse_stride_row, qo_indptr, kv_lens,
          kv_block_start, kv_indices, counter, error_flags, num_kv_indices, (int)kv_block_start_int64, (int)batch,
          (int)max_q_len, H, Hkv, tq, (int)total_kv, nb, 0, (int)window_left, sm_scale, softcap,
          static_cast<const Elem*>(k), static_cast<const Elem*>(v), kv_stride_block, kv_stride_token, kv_stride_head};
@@ -868,6 +877,14 @@ FI_EXPORT int fi_cute_attn_bsr(const void* q, void* o, float* lse, const void* k
     if (((kv_stride_block | kv_stride_token | kv_stride_head) & 7) != 0 || ((uintptr_t)k | (uintptr_t)v) & 15)
       return (int)cudaErrorInvalidValue;  // 16-byte rows: aligned copies
     return launch(tma_q, tma_q, tma_q, a, l2_section_bytes, stream);  // no K / V maps: the kernel never reads them
+  } else if constexpr (kPage == 0) {  // K / V rows: (row, dim, KV head)
+    Tensor gK = make_tensor(make_gmem_ptr(static_cast<const Elem*>(k)), make_shape(nb, D{}, Hkv),
+                            make_stride(kv_stride_block, _1{}, kv_stride_head));
+    Tensor gVt = make_tensor(make_gmem_ptr(static_cast<const Elem*>(v)), make_shape(D{}, nb, Hkv),
+                             make_stride(_1{}, kv_stride_block, kv_stride_head));
+    auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, take<0, 2>(SmemLayoutK{}));
+    auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gVt, take<0, 2>(SmemLayoutVt{}));
+    return launch(tma_q, tma_k, tma_v, a, l2_section_bytes, stream);
   } else {
     Tensor gK = make_tensor(make_gmem_ptr(static_cast<const Elem*>(k)), make_shape(Int<kPage>{}, D{}, Hkv, nb),
                             make_stride(kv_stride_token, _1{}, kv_stride_head, kv_stride_block));
@@ -886,4 +903,3 @@ FI_EXPORT int fi_cute_attn_bsr(const void* q, void* o, float* lse, const void* k
     }
   }
 }
-#endif
