@@ -619,6 +619,65 @@ def test_split_mixed_sends_the_prefill_part_to_the_cute_member(monkeypatch):
         assert dec.runs == (1 if nd else 0) and pre.runs == 1
 
 
+class FreshRefWrapper(CuteRefWrapper):
+    """The ragged prefill wrapper (BatchAttention(ragged=True)): contiguous BSRs over forward's K / V rows, run()
+    given (k.unsqueeze(1), v.unsqueeze(1))."""
+
+    def plan(self, qo_indptr, kv_lens, bsr, **kw):
+        assert bsr.contiguous and bsr.block_width == 1
+        assert torch.equal(bsr.kv_lens, bsr.qo_indptr[1:] - bsr.qo_indptr[:-1]), "new prompts: keys = queries"
+        super().plan(qo_indptr, kv_lens, bsr, **kw)
+
+    def run(self, q, kv_cache, *, out, k_scale=1.0, v_scale=1.0):
+        k, v = kv_cache
+        assert k.dim() == 4 and k.shape[1] == 1 and k.shape[0] == q.shape[0] and not self.plans[-1]["idle"]
+        p = self.plans[-1]
+        o, _ = reference.attention_bsr(q, k, v, p["bsr"], causal=p["causal"], sm_scale=p["sm_scale"], **p["vp"])
+        out.copy_(o.to(out.dtype))
+        self.runs += 1
+        return out
+
+
+def test_fresh_steps_read_their_own_key_and_value(monkeypatch):
+    """With a fresh wrapper, a step of new prompts only (no cached token) runs on it over forward's key / value
+    (a contiguous BSR of the step's rows); a mixed step whose decodes come first and whose rest is new prompts runs
+    the decodes on the decode wrapper and the rest on it (rows rebased); a step with a prefix hit, or one the
+    member would not take, stays on the paged prefill wrapper. Outputs are attention over each request's tokens."""
+    monkeypatch.setattr(fi_backend.ops, "append_paged_kv_cache", ref_append, raising=False)
+    hq, hkv, d = 4, 2, 64
+    eng = Engine(hq, hkv, d, torch.Generator().manual_seed(9))
+    layer_impl = adapter._Impl(hq, d, 0.3, hkv, kv_cache_dtype="auto")
+    cases = [  # (requests, which wrapper runs the prefill rows, decode rows split off)
+        ([([5, 20, 21, 22], 0, 13), ([8, 30], 0, 5)], "fresh", 0),
+        ([([3, 17], 7, 1), ([5, 2, 9, 11], 14, 1), ([5, 20, 21, 22], 0, 9), ([8, 30], 0, 5)], "fresh", 2),
+        ([([5, 20, 21, 22], 6, 9), ([8, 30], 0, 5)], "prefill", 0),       # a prefix hit: the cache's pages
+        ([([8, 30], 0, 5), ([3, 17], 0, 1)], "prefill", 0),               # the member would not take it
+    ]
+    for reqs, where, nd in cases:
+        dec, pre, fresh = RefWrapper("decode"), CuteRefWrapper("prefill"), FreshRefWrapper("fresh")
+        planner = adapter._StepPlanner(dec, pre, page_size=Engine.P, sm_scale=0.3, variant_params={}, split_mixed=True,
+                                       fresh=fresh)
+        cm, q, k, v = eng.step(reqs)
+        before = adapter.plan_counts()["fresh"]
+        md = planner.plan(cm)
+        assert md.fresh == (where == "fresh") and md.num_decode_rows == nd
+        assert md.wrapper is (fresh if where == "fresh" else pre)
+        assert adapter.plan_counts()["fresh"] - before == int(where == "fresh")
+        if where == "fresh":
+            rows = sum(r[2] for r in reqs[nd:])
+            assert fresh.plans[-1]["bsr"].qo_indptr.tolist() == fresh.plans[-1]["qo"].tolist()
+            assert int(fresh.plans[-1]["qo"][-1]) == rows and fresh.plans[-1]["bsr"].num_kv_blocks == rows
+        _forward_and_check(layer_impl, eng, reqs, cm, md, q, k, v)
+        assert (fresh.runs, pre.runs) == ((1, 0) if where == "fresh" else (0, 1)) and dec.runs == int(nd > 0)
+    # a fresh wrapper is never planned for a capture, nor in batch-invariant mode
+    for kw in (dict(split_mixed=True), dict(deterministic=True)):
+        dec, pre, fresh = RefWrapper("decode"), CuteRefWrapper("prefill"), FreshRefWrapper("fresh")
+        planner = adapter._StepPlanner(dec, pre, page_size=Engine.P, sm_scale=0.3, variant_params={}, fresh=fresh, **kw)
+        cm, q, k, v = eng.step(cases[0][0])
+        md = planner.plan(cm, capture=bool(kw.get("split_mixed")))
+        assert not md.fresh and not fresh.plans
+
+
 def test_batch_invariant_warns_when_decodes_are_not_first(monkeypatch, caplog):
     """A mixed step whose one-token requests are not all first: the leading ones go to the decode wrapper, the
     rest stay with the prefill wrapper, and a warning says so (once)."""

@@ -45,7 +45,11 @@ depends on its own query length only, never on its companions.
 
 Prefill on Hopper (fi_backend/cute_member.py): the prefill wrapper runs FlashAttention-3's CTA for the steps it takes.
 A mixed step that it would take without its decodes, and not with them, runs in the same two launches (split_mixed):
-the decodes on the decode kernel, the rest on the member.
+the decodes on the decode kernel, the rest on the member. Steps of new prompts only (no cached token; after a mixed
+step's leading decodes too) run on a third wrapper, fresh: a ragged prefill wrapper (BatchAttention(ragged=True))
+whose member reads forward's own key / value rows, one TMA box a KV tile, where the cache's pages of 16 cost it
+8-15% (docs/prefill.md, "New prompts on their own K / V"). FI_BACKEND_PREFILL_FRESH=0 turns it off; layers that share
+another layer's KV cache (no key / value in forward) and batch invariance keep every step on the cache.
 
 No GPU-to-CPU synchronisation per step: the plan is made from query_start_loc_cpu and
 seq_lens_cpu_upper_bound (an upper bound is enough: the kernels read the true lengths from seq_lens on
@@ -63,6 +67,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from fi_backend import cute_member as _cute_member
 from fi_backend import env as _env
 from fi_backend import ops as _ops
 from fi_backend import variants as _variants
@@ -90,7 +95,7 @@ _VLLM_CLASSES = ("FiAttentionBackend", "FiAttentionMetadataBuilder", "FiAttentio
 _log = logging.getLogger("vllm.fi_backend")
 _logged_active = False
 _warned_unordered = False
-_PLAN_COUNTS = {"decode": 0, "prefill": 0, "grouped_decode": 0, "grouped_extend": 0, "cute": 0}
+_PLAN_COUNTS = {"decode": 0, "prefill": 0, "grouped_decode": 0, "grouped_extend": 0, "cute": 0, "fresh": 0}
 _wrappers = weakref.WeakSet()   # every BatchAttention this process made, for check_errors()
 _define_lock = threading.Lock()  # the vLLM classes are made once: vLLM compares them by identity
 # Host block tables for shared-prefix groups, published by the opt-in worker (adapters/vllm_worker.py): its V2
@@ -272,6 +277,9 @@ class FiAttentionMetadata:
     # decode wrapper; `wrapper` (prefill) covers rows [num_decode_rows, num_rows).
     decode_wrapper: Any = None
     num_decode_rows: int = 0
+    # `wrapper` is the ragged one (fresh): it reads the step's own K / V (forward's key / value rows from
+    # num_decode_rows on), not the cache
+    fresh: bool = False
     # A CUDA-graph capture of a decode step with graph_prefill: the other wrapper, planned idle (no items); forward
     # launches it after `wrapper` into the same output, so the graph holds both launches (None: run `wrapper` only).
     partner: Any = None
@@ -288,8 +296,13 @@ class _StepPlanner:
 
     def __init__(self, decode, prefill, *, page_size: int, sm_scale: float, variant_params: dict,
                  debug: bool = False, deterministic: bool = False, shared_prefix: bool = False, graph_prefill=None,
-                 split_mixed: bool = False):
+                 split_mixed: bool = False, fresh=None):
         self.decode, self.prefill = decode, prefill
+        # A ragged prefill wrapper (BatchAttention(ragged=True)) for steps whose prefill requests have no cached
+        # tokens: its CuTe member reads forward's key / value rows (a KV tile one TMA box) where the cache's pages of
+        # 16 cost it 8-15% (docs/prefill.md, "Fresh prompts on their own K / V"). None: every step reads the cache.
+        self.fresh = fresh
+        self._ident = None   # fresh: kv_indices, the identity over the step's rows (the family's reads; made once)
         # Mixed steps in two launches where the prefill part then goes to the prefill wrapper's CuTe member
         # (BatchAttention.cute_takes) and the whole step would not: the decode rows on the decode kernel (GQA
         # packed), not a 128-row tile each a query head. Needs the decodes first (reorder_batch_threshold = 1).
@@ -360,9 +373,12 @@ class _StepPlanner:
             nd = int(torch.cumprod(one, 0).sum())  # the leading decodes (vLLM orders them first)
             if self.deterministic and int(one.sum()) != nd:
                 _warn_unordered()
-            if nd and (self.deterministic or (not self.prefill.cute_takes(q_lens, kv_cpu)
-                                              and self.prefill.cute_takes(q_lens[nd:], kv_cpu[nd:n]))):
-                return self._plan_mixed(cm, qo_cpu, kv_cpu, nd)
+            fresh = not capture and self._fresh_takes(q_lens[nd:], kv_cpu[nd:n])
+            if nd and (self.deterministic or fresh or (not self.prefill.cute_takes(q_lens, kv_cpu)
+                                                       and self.prefill.cute_takes(q_lens[nd:], kv_cpu[nd:n]))):
+                return self._plan_mixed(cm, qo_cpu, kv_cpu, nd, fresh)
+            if fresh:
+                return self._plan_fresh(cm, qo_cpu, kv_cpu)
         bsr = BSR(qo_indptr=cm.query_start_loc, kv_indices=self._kv_indices, kv_block_start=self._kv_block_start[:n],
                   kv_lens=cm.seq_lens, block_width=self.page_size)
         groups = None if capture else self._prefix_groups(cm, qo_cpu, kv_cpu, common_prefix_len)
@@ -385,10 +401,42 @@ class _StepPlanner:
                                    seq_lens=cm.seq_lens, block_table=table, slot_mapping=cm.slot_mapping,
                                    partner=partner)
 
-    def _plan_mixed(self, cm, qo_cpu, kv_cpu, nd: int) -> FiAttentionMetadata:
+    def _fresh_takes(self, q_lens: torch.Tensor, kv_cpu: torch.Tensor) -> bool:
+        """Whether requests of these host lengths run on the fresh wrapper: none has cached tokens (its host KV
+        length, an upper bound, equals its query length) and the ragged member takes the step."""
+        if self.fresh is None or self.deterministic or q_lens.numel() == 0:
+            return False
+        return bool(torch.equal(kv_cpu.to(q_lens.dtype), q_lens)) and self.fresh.cute_takes(q_lens, kv_cpu)
+
+    def _fresh_bsr(self, qo_indptr: torch.Tensor, kv_lens: torch.Tensor, rows: int) -> BSR:
+        """A ragged BSR over forward's K / V rows: request i's keys are its own query rows."""
+        if self._ident is None or self._ident.numel() < rows:  # grows to the longest step seen
+            self._ident = torch.arange(max(rows, 2 * (0 if self._ident is None else self._ident.numel())),
+                                       dtype=torch.int32, device=qo_indptr.device)
+        return BSR(qo_indptr=qo_indptr, kv_indices=self._ident, kv_block_start=qo_indptr[:-1], kv_lens=kv_lens,
+                   block_width=1, num_kv_blocks=rows, contiguous=True)
+
+    def _plan_fresh(self, cm, qo_cpu, kv_cpu) -> FiAttentionMetadata:
+        """A step of new prompts only, on the fresh wrapper over forward's key / value."""
+        n = cm.num_reqs
+        rows = int(qo_cpu[n])
+        bsr = self._fresh_bsr(cm.query_start_loc[: n + 1], cm.seq_lens[:n], rows)
+        self.fresh.plan(qo_cpu[: n + 1], kv_cpu, bsr, causal=True, sm_scale=self.sm_scale, debug=self.debug,
+                        **self.variant_params)
+        _PLAN_COUNTS["prefill"] += 1
+        _PLAN_COUNTS["fresh"] += 1
+        if self.fresh.cute_step:
+            _PLAN_COUNTS["cute"] += 1
+        return FiAttentionMetadata(wrapper=self.fresh, num_rows=rows, num_actual_tokens=cm.num_actual_tokens,
+                                   max_query_len=cm.max_query_len, query_start_loc=cm.query_start_loc,
+                                   seq_lens=cm.seq_lens, block_table=cm.block_table_tensor,
+                                   slot_mapping=cm.slot_mapping, fresh=True)
+
+    def _plan_mixed(self, cm, qo_cpu, kv_cpu, nd: int, fresh: bool = False) -> FiAttentionMetadata:
         """A mixed step's nd leading decodes on the decode wrapper, the rest on the prefill wrapper: for batch
         invariance (each request's kernel then follows its own query length, not its companions'), or so that the
-        rest runs on the prefill wrapper's CuTe member (split_mixed)."""
+        rest runs on the prefill wrapper's CuTe member (split_mixed); fresh: the rest (new prompts only) on the
+        fresh wrapper, over forward's key / value rows from nd on."""
         n = cm.num_reqs
         dec = BSR(qo_indptr=cm.query_start_loc[: nd + 1], kv_indices=self._kv_indices,
                   kv_block_start=self._kv_block_start[:nd], kv_lens=cm.seq_lens[:nd], block_width=self.page_size)
@@ -398,18 +446,24 @@ class _StepPlanner:
             self._qo_rest = torch.empty(n + 1, dtype=torch.int32, device=cm.query_start_loc.device)
         qo_rest = self._qo_rest[: n - nd + 1]
         torch.sub(cm.query_start_loc[nd: n + 1], nd, out=qo_rest)  # one row per decode before them
-        rest = BSR(qo_indptr=qo_rest, kv_indices=self._kv_indices, kv_block_start=self._kv_block_start[nd:n],
-                   kv_lens=cm.seq_lens[nd:n], block_width=self.page_size)
-        self.prefill.plan(qo_cpu[nd:] - nd, kv_cpu[nd:n], rest, causal=True, sm_scale=self.sm_scale,
-                          debug=self.debug, **self.variant_params)
+        wrapper = self.fresh if fresh else self.prefill
+        if fresh:
+            rest = self._fresh_bsr(qo_rest, cm.seq_lens[nd:n], int(qo_cpu[n]) - nd)
+            _PLAN_COUNTS["fresh"] += 1
+        else:
+            rest = BSR(qo_indptr=qo_rest, kv_indices=self._kv_indices, kv_block_start=self._kv_block_start[nd:n],
+                       kv_lens=cm.seq_lens[nd:n], block_width=self.page_size)
+        wrapper.plan(qo_cpu[nd:] - nd, kv_cpu[nd:n], rest, causal=True, sm_scale=self.sm_scale, debug=self.debug,
+                     **self.variant_params)
         _PLAN_COUNTS["decode"] += 1
         _PLAN_COUNTS["prefill"] += 1
-        if self.prefill.cute_step:
+        if wrapper.cute_step:
             _PLAN_COUNTS["cute"] += 1
-        return FiAttentionMetadata(wrapper=self.prefill, num_rows=int(qo_cpu[n]), num_actual_tokens=cm.num_actual_tokens,
+        return FiAttentionMetadata(wrapper=wrapper, num_rows=int(qo_cpu[n]), num_actual_tokens=cm.num_actual_tokens,
                                    max_query_len=cm.max_query_len, query_start_loc=cm.query_start_loc,
                                    seq_lens=cm.seq_lens, block_table=cm.block_table_tensor,
-                                   slot_mapping=cm.slot_mapping, decode_wrapper=self.decode, num_decode_rows=nd)
+                                   slot_mapping=cm.slot_mapping, decode_wrapper=self.decode, num_decode_rows=nd,
+                                   fresh=fresh)
 
     def _bind_block_table(self, table: torch.Tensor) -> None:
         """Flat kv_indices over the table's buffer from its first row on, and its row starts (once)."""
@@ -445,7 +499,7 @@ def batch_invariant() -> bool:
 
 def _make_wrapper(kernel: str, *, device, num_qo_heads: int, num_kv_heads: int, head_dim: int, q_dtype, kv_dtype,
                   page_size: int, variant, max_requests: int, max_rows: int, deterministic: bool = False,
-                  shared_prefix: bool = False, prefix_groups_only: bool = False):
+                  shared_prefix: bool = False, prefix_groups_only: bool = False, ragged: bool = False):
     """A BatchAttention of one kernel with its own workspace, sized once for the engine's limits
     (prefix_groups_only: graph_prefill, BatchAttention.for_prefix_groups)."""
     from fi_backend.wrappers import BatchAttention
@@ -453,8 +507,8 @@ def _make_wrapper(kernel: str, *, device, num_qo_heads: int, num_kv_heads: int, 
                                       max_tokens=max_rows, q_dtype=q_dtype, kv_dtype=kv_dtype, variant=variant,
                                       kernel=kernel, deterministic=deterministic, shared_prefix=shared_prefix)
     wrapper = BatchAttention(ws, num_qo_heads, num_kv_heads, head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype,
-                             page_size=page_size, kv_layout="NHD", variant=variant, kernel=kernel,
-                             deterministic=deterministic)
+                             page_size=1 if ragged else page_size, kv_layout="NHD", variant=variant, kernel=kernel,
+                             deterministic=deterministic, ragged=ragged)
     wrapper.graphs_keep_request_count = True   # FULL decode graphs replay at their captured num_reqs
     if prefix_groups_only:
         wrapper.for_prefix_groups()
@@ -690,12 +744,20 @@ class _MetadataBuilder:
         try:
             # every module the wrappers load, built in parallel first (the CuTe member's take about 40 s each)
             from fi_backend.wrappers import BatchAttention
+            # New prompts on their own K / V (_StepPlanner.fresh): where the ragged CuTe member applies (as the paged
+            # wrapper's does, on this GPU) and every layer has its own K / V (layers sharing another's cache get no
+            # key / value in forward)
+            fresh_on = (_env.flag(_env.PREFILL_FRESH, True) and not deterministic
+                        and not any(getattr(l.impl, "kv_sharing_target_layer_name", None) for l in layers.values())
+                        and _cute_member.unsupported(s.variant, s.head_dim, q_dtype, common["kv_dtype"], 0) is None)
             BatchAttention.prepare(s.num_qo_heads, s.num_kv_heads, s.head_dim, q_dtype=q_dtype,
                                    kv_dtype=common["kv_dtype"], page_size=kv_cache_spec.block_size, variant=s.variant,
-                                   deterministic=deterministic, device=device)
+                                   deterministic=deterministic, device=device, also_ragged=fresh_on)
             decode = _make_wrapper("decode", max_rows=sched.max_num_seqs, **common)
-            prefill = _make_wrapper("prefill", max_rows=max(sched.max_num_batched_tokens, sched.max_num_seqs),
-                                    **common)
+            max_rows = max(sched.max_num_batched_tokens, sched.max_num_seqs)
+            prefill = _make_wrapper("prefill", max_rows=max_rows, **common)
+            fresh = (_make_wrapper("prefill", max_rows=max_rows, ragged=True, **common)
+                     if fresh_on and prefill.cute_unsupported is None else None)
             graph_prefill = (_make_wrapper("prefill", max_rows=sched.max_num_seqs, prefix_groups_only=True, **common)
                              if grouped_decode else None)
         except Exception as e:  # a build failure or a refused shape: say which model shape, at start-up
@@ -715,7 +777,9 @@ class _MetadataBuilder:
         else:
             _log.info("fi-backend: prefill on the tile family only (no CuTe member: %s) on %s",
                       prefill.cute_unsupported, where)
-        for name in decode.module_names + prefill.module_names:
+        if fresh is not None:
+            _log.info("fi-backend: steps of new prompts read their own K / V (the ragged CuTe member) on %s", where)
+        for name in decode.module_names + prefill.module_names + (fresh.module_names if fresh is not None else []):
             _log.info("fi-backend: kernel module %s ready (%s) on %s", name, what, where)
         params = dict(s.plan_params)
         if "alibi_slopes" in params:  # a device tensor made once: captured graphs read it by address
@@ -723,7 +787,7 @@ class _MetadataBuilder:
         self._step = _StepPlanner(decode, prefill, page_size=kv_cache_spec.block_size, sm_scale=s.sm_scale,
                                   variant_params=params, debug=os.environ.get("FI_BACKEND_VLLM_DEBUG") == "1",
                                   deterministic=deterministic, shared_prefix=shared_prefix,
-                                  graph_prefill=graph_prefill, split_mixed=split_mixed)
+                                  graph_prefill=graph_prefill, split_mixed=split_mixed, fresh=fresh)
         _log_active(s, kv_cache_spec.block_size, len(layers), where)
 
     @classmethod
@@ -818,12 +882,18 @@ class _Impl:
             out = output
         # k/v scales as floats: vLLM's per-tensor fp8 dequantisation (ignored for 16-bit caches).
         nd = getattr(attn_metadata, "num_decode_rows", 0)
+        fresh = getattr(attn_metadata, "fresh", False)
         if nd:  # batch invariance, mixed step: the decodes on the decode kernel, the rest on the prefill kernel
             kv = self._kv(kv_cache)
             attn_metadata.decode_wrapper.run(query[:nd], kv, out=out[:nd], k_scale=layer._k_scale_float,
                                              v_scale=layer._v_scale_float)
+            if fresh:
+                kv = (key[nd:n].unsqueeze(1), value[nd:n].unsqueeze(1))
             attn_metadata.wrapper.run(query[nd:n], kv, out=out[nd:n], k_scale=layer._k_scale_float,
                                       v_scale=layer._v_scale_float)
+            return output
+        if fresh:  # new prompts only: their own K / V rows (the cache was written before)
+            attn_metadata.wrapper.run(query, (key[:n].unsqueeze(1), value[:n].unsqueeze(1)), out=out)
             return output
         kv = self._kv(kv_cache)
         attn_metadata.wrapper.run(query, kv, out=out, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float)
