@@ -97,7 +97,8 @@ def unsupported(variant: Variant, head_dim: int, q_dtype: torch.dtype, kv_dtype:
         least = 1 if gathers(1) else 16
         return (f"page_size {page_size} (the member takes ragged K / V, a BatchAttention made with ragged=True, or "
                 f"pages of {least}..256 tokens, a power of two)")
-    if device is not None and (device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0)):
+    if device is not None and (device.type != "cuda" or not torch.cuda.is_available()
+                               or torch.cuda.get_device_capability(device) != (9, 0)):
         return "not an sm_90 GPU"
     from .shapes import prefill_uses_wgmma
     if not prefill_uses_wgmma():

@@ -41,9 +41,9 @@ FI_BACKEND_SHARED_PREFIX    "0": the vLLM adapter plans every step single-format
                             register() and backend; composable formats, docs/composable.md)
 FI_BACKEND_PREFILL_CUTE     "0": prefill wrappers do not load the CuTe member (FlashAttention-3's CTA,
                             fi_backend.cute_member) and run every step on the tile family; read when a wrapper is made
-FI_BACKEND_PREFILL_FRESH    "0": the vLLM adapter runs steps of new prompts over the KV cache's pages like every other
-                            step (by default it runs them on the ragged CuTe member over forward's own key / value
-                            rows); read when its metadata builder is made
+FI_BACKEND_PREFILL_FRESH    "0": the adapters run steps of new prompts over the KV cache like every other step (by
+                            default they run them on the ragged CuTe member over the layers' own key / value rows);
+                            read when vLLM's metadata builder or SGLang's backend is made
 """
 from __future__ import annotations
 

@@ -759,6 +759,91 @@ def test_steps_as_sglang_drives_them(page, kind, ref_wrappers, prepared):
     assert runner.token_to_kv_pool.writes == 9 * len(layers)
 
 
+class FreshRefWrapper(RefWrapper):
+    """The ragged prefill wrapper's contract (BatchAttention(ragged=True)): contiguous BSRs over the layer's k / v
+    rows; its CuTe member (a stand-in rule) takes steps with no one-row request."""
+
+    def cute_takes(self, q_lens, kv_lens, causal=True):
+        return bool(q_lens.numel()) and bool((q_lens >= 2).all())
+
+    def plan(self, qo_indptr, kv_lens, bsr, **kw):
+        assert bsr.contiguous and bsr.block_width == 1 and torch.equal(kv_lens, qo_indptr[1:] - qo_indptr[:-1])
+        self.kw = {**self.kw, "page_size": 1}
+        super().plan(qo_indptr, kv_lens, bsr, **kw)
+
+    def run(self, q, kv_cache, *, out, k_scale=1.0, v_scale=1.0):
+        k, v = kv_cache
+        assert k.dim() == 4 and k.shape[1] == 1 and k.shape[0] == q.shape[0], "the step's own rows"
+        return super().run(q, kv_cache, out=out)
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_fresh_extend_steps_read_their_own_k_and_v(page, monkeypatch):
+    """Where the ragged member applies, each layer group has a fresh wrapper: an extend step of new prompts only runs
+    on it over the layer's k / v; a step with a radix-cache hit, or with a one-token request (the member's rule),
+    runs on the pool as before; a layer passing no k / v in a fresh step (another layer's cache) gets its group's
+    paged plan, made then. Deterministic inference makes no fresh wrappers. Outputs are attention over each request's
+    tokens."""
+    made = []
+
+    def make(kernel, **kw):
+        w = (FreshRefWrapper if kw.get("ragged") else RefWrapper)(kernel, **kw)
+        made.append(w)
+        return w
+    monkeypatch.setattr(adapter, "_make_wrapper", make)
+    monkeypatch.setattr(adapter._cute_member, "unsupported", lambda *a, **kw: None)
+    gen = torch.Generator().manual_seed(11 + page)
+    layers = gemma2_layers()
+    runner = model_runner(layers, page=page, gen=gen)
+    backend = adapter._Backend(runner)
+    fresh = [g.fresh for g in backend._groups]
+    assert len(fresh) == 2 and all(isinstance(w, FreshRefWrapper) and w.kw["ragged"] for w in fresh)
+    eng = Engine(runner, gen)
+    eng.alloc(4, 10)
+    counts = adapter.plan_counts()
+    fb = eng.extend([(1, 7), (2, 5)])
+    backend.init_forward_metadata(fb)
+    md = backend.forward_metadata
+    assert md.fresh == (True, True) and md.wrappers == tuple(fresh)
+    run_layers(backend, eng, fb, layers, [1, 2], [7, 5])
+    assert [w.runs for w in fresh] == [1, 1] and all(g.prefill.runs == 0 for g in backend._groups)
+    assert fresh[0].plans[-1]["bsr"].kv_block_start.tolist() == [0, 7]
+    assert adapter.plan_counts()["fresh"] - counts["fresh"] == 2
+    for reqs, q_rows in (([(3, 6), (5, 4, (4, 8))], [6, 4]),   # row 5 hits row 4's first 8 tokens
+                         ([(0, 6), (2, 1)], [6, 1])):           # a one-token request: the member's rule says no
+        fb = eng.extend(reqs)
+        backend.init_forward_metadata(fb)
+        assert backend.forward_metadata.fresh == () and backend.forward_metadata.paged is None
+        assert backend.forward_metadata.wrappers == tuple(g.prefill for g in backend._groups)
+        run_layers(backend, eng, fb, layers, [r[0] for r in reqs], q_rows)
+    # a layer with no k / v of its own in a fresh step: its K / V already in the pool, the paged plan made on demand
+    runner.req_to_token_pool.req_to_token.zero_()
+    eng2 = Engine(runner, gen)   # the same pool, rows 1 and 3 new again
+    fb = eng2.extend([(1, 5), (3, 9)])
+    backend.init_forward_metadata(fb)
+    md = backend.forward_metadata
+    assert md.fresh == (True, True)
+    hq, hkv, d = 4, 2, 64
+    q, k, v = eng2.qkv(14, hq, hkv, d)
+    backend._write_kv(layers[1], fb, k, v)
+    before, plans = backend._groups[1].prefill.runs, len(backend._groups[1].prefill.plans)
+    out = backend.forward_extend(q, None, None, layers[1], fb).view(14, hq, d)
+    backend.forward_extend(q, None, None, layers[1], fb)   # another such layer of the group: planned once a step
+    assert backend._groups[1].prefill.runs == before + 2 and fresh[1].runs == 1
+    assert len(backend._groups[1].prefill.plans) == plans + 1
+    start = 0
+    for row, n in ((1, 5), (3, 9)):
+        hk, hv = eng2.history(1, row, n)
+        want = truth(q.view(14, hq, d)[start: start + n], hk, hv, torch.arange(n), scale=layers[1].scaling,
+                     cap=layers[1].logit_cap)
+        torch.testing.assert_close(out[start: start + n].double(), want, rtol=1e-5, atol=1e-5)
+        start += n
+    made.clear()
+    det = adapter._Backend(model_runner(llama_layers(), page=page, gen=gen,
+                                        server_args={"enable_deterministic_inference": True}))
+    assert all(g.fresh is None for g in det._groups) and not any(isinstance(w, FreshRefWrapper) for w in made)
+
+
 def test_graph_padding_decode_pointers_page1_extend_after_graphs(ref_wrappers):
     """After decode graphs are captured, extend steps still plan on the prefill wrapper (its own buffers)
     and decode steps keep the decode wrapper's addresses."""

@@ -41,10 +41,14 @@ the decode wrapper's captured run() replays correctly after each new plan (the w
 
 Steps and kernels. DECODE steps, and EXTEND / MIXED steps whose requests all have one new token, run the
 decode kernel; other EXTEND and MIXED steps (prefill, radix-cache prefix hits, chunked prefill, chunked
-prefill mixed with decodes) run the prefill kernel. IDLE steps plan nothing (SGLang's base forward
-answers them). Prefill under SGLang's default breakable prefill CUDA graph runs eagerly at the graph
-breaks SGLang places around attention, after init_forward_metadata: nothing of fi-backend is captured
-there. Decode graphs pad a batch to the captured size with requests of pool row 0 and length
+prefill mixed with decodes) run the prefill kernel. EXTEND steps of new prompts only (no cached token) run
+on a third wrapper per layer group where the CuTe member applies (Hopper, CUTLASS's headers, 16-bit KV): a ragged
+prefill wrapper (BatchAttention(ragged=True)) over the layers' own k / v rows, since the member does not read
+SGLang's pages of one (a layer passing no k / v then runs its group's prefill wrapper, planned on demand;
+FI_BACKEND_PREFILL_FRESH=0 turns it off; docs/prefill.md, "New prompts on their own K / V"). IDLE steps plan
+nothing (SGLang's base forward answers them). Prefill under SGLang's default breakable prefill CUDA graph runs
+eagerly at the graph breaks SGLang places around attention, after init_forward_metadata: nothing of fi-backend is
+captured there. Decode graphs pad a batch to the captured size with requests of pool row 0 and length
 get_cuda_graph_seq_len_fill_value() = 1 (a valid slot), whose outputs SGLang discards.
 
 Layer groups. Layers that share heads, head size, scale, sliding window and soft-cap share one plan per
@@ -95,6 +99,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from fi_backend import cute_member as _cute_member
 from fi_backend import env as _env
 from fi_backend import ops as _ops
 from fi_backend.adapters import plan_decode_step, rank_device
@@ -120,7 +125,7 @@ _SGLANG_CLASSES = ("FiAttnBackend",)
 # A child of SGLang's "sglang" logger namespace (SGLang configures the root logger's handler and level).
 _log = logging.getLogger("sglang.fi_backend")
 _logged_registered = False
-_PLAN_COUNTS = {"decode": 0, "prefill": 0, "graph_steps": 0, "grouped_decode": 0, "grouped_extend": 0}
+_PLAN_COUNTS = {"decode": 0, "prefill": 0, "graph_steps": 0, "grouped_decode": 0, "grouped_extend": 0, "fresh": 0}
 # Shared-prefix groups (docs/composable.md): the hook on ForwardBatch.init_new that finds them, and the requests a
 # step's groups hold partial states for (a larger step's groups beyond them plan single-format; the workspaces'
 # shared rows stay small for SGLang's request pools of thousands)
@@ -487,6 +492,9 @@ class _Group:
     # Shared-prefix groups on: the prefill kernel with its own workspace for decode steps whose groups the planner
     # keeps. Not the eager prefill wrapper: a capture freezes a wrapper's tile member and BSR.
     graph_prefill: Any = None
+    # A ragged prefill wrapper (BatchAttention(ragged=True)) for extend steps of new prompts only: its CuTe member
+    # reads the step's own K / V rows (the paged member does not run at SGLang's pages of one). None: off.
+    fresh: Any = None
 
 
 @dataclass
@@ -499,6 +507,11 @@ class StepMetadata:
     # Decode-graph steps with shared-prefix groups on: per layer group the other wrapper the graph launches into
     # the same output, planned idle (no items); () for eager steps, which run only `wrappers`.
     partners: tuple = ()
+    # Per layer group, whether its wrapper is the fresh one (it reads the layer's k / v, not the pool); () if none
+    fresh: tuple = ()
+    # A fresh step's paged plan, made on demand for a layer that passes no k / v (it reads another layer's cache):
+    # paged(group) plans that group's prefill wrapper over the pool and returns it
+    paged: Any = None
 
 
 def _cpu_int32(x, n: int, name: str) -> torch.Tensor:
@@ -534,6 +547,7 @@ class _StepPlanner:
         self.deterministic = deterministic
         self.shared_prefix = shared_prefix and not deterministic  # composable formats (docs/composable.md)
         self.max_requests = 0
+        self._ident = None   # fresh steps: kv_indices, the identity over the step's rows (grows to the longest)
         self.resize(max_requests)
 
     def resize(self, max_requests: int) -> None:
@@ -610,9 +624,20 @@ class _StepPlanner:
         bsr = BSR(qo_indptr=qo_dev, kv_indices=self._kv_indices, kv_block_start=self._kv_block_start[:bs],
                   kv_lens=self._kv_lens[:bs], block_width=self.page_size)
         groups = self._prefix_groups(fb, qo_cpu, kv_cpu) if self.shared_prefix else None
-        wrappers, partners = [], []
+        # new prompts only (no cached token): the groups' fresh wrappers, over the layers' own k / v
+        fresh_step = (not decode and not graph and not self.deterministic and groups is None
+                      and bool(torch.equal(kv_cpu, q_lens)))
+        wrappers, partners, fresh = [], [], []
         for g in self.groups:
             kw = dict(causal=True, sm_scale=g.settings.sm_scale, debug=self.debug, **g.params)
+            if fresh_step and g.fresh is not None and g.fresh.cute_takes(q_lens, kv_cpu):
+                g.fresh.plan(qo_cpu, kv_cpu, self._fresh_bsr(qo_dev, bs, int(qo_cpu[bs])), **kw)
+                _PLAN_COUNTS["prefill"] += 1
+                _PLAN_COUNTS["fresh"] += 1
+                wrappers.append(g.fresh)
+                fresh.append(True)
+                continue
+            fresh.append(False)
             if not decode:
                 g.prefill.plan(qo_cpu, kv_cpu, bsr, prefix_groups=groups, **kw)
                 _PLAN_COUNTS["prefill"] += 1
@@ -629,7 +654,29 @@ class _StepPlanner:
                 if other is not None:   # the graph launches both: the other one runs no items
                     partners.append(other)
             wrappers.append(w)
-        return StepMetadata(kernel=kernel, wrappers=tuple(wrappers), num_rows=int(qo_cpu[bs]), partners=tuple(partners))
+        paged = None
+        if any(fresh):
+            planned = set()   # the groups whose prefill wrapper this step has planned (once each)
+
+            def paged(i, qo_cpu=qo_cpu, kv_cpu=kv_cpu, bsr=bsr):
+                g = self.groups[i]
+                if i not in planned:
+                    planned.add(i)
+                    g.prefill.plan(qo_cpu, kv_cpu, bsr, causal=True, sm_scale=g.settings.sm_scale, debug=self.debug,
+                                   **g.params)
+                    _PLAN_COUNTS["prefill"] += 1
+                return g.prefill
+        return StepMetadata(kernel=kernel, wrappers=tuple(wrappers), num_rows=int(qo_cpu[bs]), partners=tuple(partners),
+                            fresh=tuple(fresh) if any(fresh) else (), paged=paged)
+
+    def _fresh_bsr(self, qo_dev: torch.Tensor, bs: int, rows: int) -> BSR:
+        """A ragged BSR over the step's K / V rows: request i's keys are its own query rows (its KV length, in
+        _kv_lens, equals its query length)."""
+        if self._ident is None or self._ident.numel() < rows:
+            self._ident = torch.arange(max(rows, 2 * (0 if self._ident is None else self._ident.numel())),
+                                       dtype=torch.int32, device=qo_dev.device)
+        return BSR(qo_indptr=qo_dev, kv_indices=self._ident, kv_block_start=qo_dev[:bs], kv_lens=self._kv_lens[:bs],
+                   block_width=1, num_kv_blocks=rows, contiguous=True)
 
     def _write_kv_rows(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, kv_cpu: torch.Tensor) -> None:
         """The step's KV lengths and rows into the persistent buffers (device ops, no synchronisation)."""
@@ -647,18 +694,19 @@ class _StepPlanner:
 
 def _make_wrapper(kernel: str, *, device, settings: LayerSettings, variant, q_dtype, kv_dtype, page_size: int,
                   kv_layout: str, max_requests: int, max_rows: int, deterministic: bool = False,
-                  shared_prefix: bool = False, prefix_groups_only: bool = False):
+                  shared_prefix: bool = False, prefix_groups_only: bool = False, ragged: bool = False):
     """A BatchAttention of one kernel with its own workspace, sized once for the engine's limits (shared_prefix:
     partial rows for the groups of up to SHARED_PREFIX_MAX_REQUESTS requests; prefix_groups_only: graph_prefill,
-    BatchAttention.for_prefix_groups)."""
+    BatchAttention.for_prefix_groups; ragged: a fresh wrapper, over K / V rows)."""
     from fi_backend.wrappers import BatchAttention
     hq, hkv, d = settings.num_qo_heads, settings.num_kv_heads, settings.head_dim
     ws = BatchAttention.workspace_for(device, hq, hkv, d, max_requests=max_requests, max_tokens=max_rows,
                                       q_dtype=q_dtype, kv_dtype=kv_dtype, variant=variant, kernel=kernel,
                                       deterministic=deterministic, shared_prefix=shared_prefix,
                                       shared_prefix_requests=SHARED_PREFIX_MAX_REQUESTS)
-    wrapper = BatchAttention(ws, hq, hkv, d, q_dtype=q_dtype, kv_dtype=kv_dtype, page_size=page_size,
-                             kv_layout=kv_layout, variant=variant, kernel=kernel, deterministic=deterministic)
+    wrapper = BatchAttention(ws, hq, hkv, d, q_dtype=q_dtype, kv_dtype=kv_dtype, page_size=1 if ragged else page_size,
+                             kv_layout="NHD" if ragged else kv_layout, variant=variant, kernel=kernel,
+                             deterministic=deterministic, ragged=ragged)
     wrapper.graphs_keep_request_count = True   # decode graphs replay with the padded batch they were captured at
     if prefix_groups_only:
         wrapper.for_prefix_groups()
@@ -759,21 +807,31 @@ class _Backend:
                           page_size=self.page_size, kv_layout=self.kv_layout, max_requests=max_requests,
                           deterministic=deterministic(mr.server_args))
             shared = self.shared_prefix
+            # steps of new prompts on the ragged CuTe member, over the layers' own k / v (docs/prefill.md)
+            fresh_on = (_env.flag(_env.PREFILL_FRESH, True) and not common["deterministic"]
+                        and _cute_member.unsupported(variant, s.head_dim, self.q_dtype, self.kv_dtype, 0,
+                                                     self.device) is None)
             try:
                 # every module the wrappers load, built in parallel first (the CuTe member's take about 40 s each)
                 from fi_backend.wrappers import BatchAttention
                 BatchAttention.prepare(s.num_qo_heads, s.num_kv_heads, s.head_dim, q_dtype=self.q_dtype,
                                        kv_dtype=self.kv_dtype, page_size=self.page_size, variant=variant,
-                                       deterministic=common["deterministic"], device=self.device)
+                                       deterministic=common["deterministic"], device=self.device,
+                                       also_ragged=fresh_on)
                 decode = _make_wrapper("decode", max_rows=max_requests, shared_prefix=shared, **common)
                 prefill = _make_wrapper("prefill", max_rows=rows, shared_prefix=shared, **common)
                 graph_prefill = _make_wrapper("prefill", max_rows=max_requests, shared_prefix=True,
                                               prefix_groups_only=True, **common) if shared else None
+                fresh = _make_wrapper("prefill", max_rows=rows, ragged=True, **common) if fresh_on else None
             except Exception as e:  # a build failure or a refused shape: say which, at start-up
                 raise RuntimeError(f"fi-backend cannot run this model's attention ({what}): {e}") from e
-            for name in decode.module_names + prefill.module_names:
+            names = decode.module_names + prefill.module_names + (fresh.module_names if fresh is not None else [])
+            for name in names:
                 _log.info("fi-backend: kernel module %s ready (%s) on %s", name, what, self.device)
-            groups.append(_Group(s, params, decode, prefill, graph_prefill))
+            if fresh is not None:
+                _log.info("fi-backend: extend steps of new prompts read their own K / V (the ragged CuTe member) "
+                          "(%s) on %s", what, self.device)
+            groups.append(_Group(s, params, decode, prefill, graph_prefill, fresh))
         return groups
 
     def _group_of(self, layer) -> int:
@@ -856,6 +914,9 @@ class _Backend:
                                "called, or the step is idle)")
         g = self._group_of(layer)
         wrapper = md.wrappers[g]
+        fresh = bool(md.fresh) and md.fresh[g]
+        if fresh and k is None:   # a layer reading another's cache in a step of new prompts: the pool, planned now
+            wrapper, fresh = md.paged(g), False
         if k is not None:
             if not save_kv_cache:
                 raise NotImplementedError("fi-backend reads K/V from the KV cache: a layer that passes K/V without "
@@ -883,7 +944,11 @@ class _Backend:
             o_run = o3
         ks = layer.k_scale_float if self._fp8 and getattr(layer, "k_scale_float", None) is not None else 1.0
         vs = layer.v_scale_float if self._fp8 and getattr(layer, "v_scale_float", None) is not None else 1.0
-        kv = self._kv(layer.layer_id)
+        if fresh:   # new prompts: their own K / V rows [tokens, KV heads, D] (16-bit: no scales)
+            hkv = layer.tp_k_head_num
+            kv = (k.view(-1, hkv, d)[:n].unsqueeze(1), v.view(-1, hkv, d)[:n].unsqueeze(1))
+        else:
+            kv = self._kv(layer.layer_id)
         wrapper.run(q3, kv, out=o_run, k_scale=ks, v_scale=vs)
         if md.partners:   # a decode graph launches both wrappers; the idle one writes nothing
             md.partners[g].run(q3, kv, out=o_run, k_scale=ks, v_scale=vs)
