@@ -367,8 +367,10 @@ def test_main_flow_with_fakes(tmp_path, monkeypatch, capsys):
 
 
 def test_prebuild_specs(monkeypatch):
-    """prebuild() asks kernels.build_many for each distinct decode module and prefill family member once."""
-    from fi_backend import kernels
+    """prebuild() asks kernels.build_many for each distinct decode module and prefill family member once, and the
+    CuTe member's ragged modules per head size where it loads them (ours ragged: BatchAttention(ragged=True))."""
+    from fi_backend import cute_member, kernels
+    from fi_backend import variants as V
     from fi_backend.wrappers import prefill_family_size
     monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", "90a")
     seen = []
@@ -384,7 +386,8 @@ def test_prebuild_specs(monkeypatch):
     res = zoo.prebuild(dcfg + dcfg, pcfg)
     decode_keys = {(c["head_dim"], c["group"]) for c in dcfg}
     prefill_n = sum(prefill_family_size(d, "bf16") for d, g in {(c["head_dim"], c["group"]) for c in pcfg})
-    assert res["modules"] == len(seen) == len(decode_keys) + prefill_n and not res["errors"]
+    cute_n = sum(len(cute_member.specs_for(V.DEFAULT, d, "bf16", "bf16", 0)) for d in {c["head_dim"] for c in pcfg})
+    assert res["modules"] == len(seen) == len(decode_keys) + prefill_n + cute_n and not res["errors"]
     assert len({s.memo_key for s in seen}) == len(seen)
 
 
