@@ -48,7 +48,7 @@ A mixed step that it would take without its decodes, and not with them, runs in 
 the decodes on the decode kernel, the rest on the member. Steps of new prompts only (no cached token; after a mixed
 step's leading decodes too) run on a third wrapper, fresh: a ragged prefill wrapper (BatchAttention(ragged=True))
 whose member reads forward's own key / value rows, one TMA box a KV tile, where the cache's pages of 16 cost it
-8-15% (docs/prefill.md, "New prompts on their own K / V"). FI_BACKEND_PREFILL_FRESH=0 turns it off; layers that share
+3-13% (docs/prefill.md, "New prompts on their own K / V"). FI_BACKEND_PREFILL_FRESH=0 turns it off; layers that share
 another layer's KV cache (no key / value in forward) and batch invariance keep every step on the cache.
 
 No GPU-to-CPU synchronisation per step: the plan is made from query_start_loc_cpu and
@@ -300,9 +300,9 @@ class _StepPlanner:
         self.decode, self.prefill = decode, prefill
         # A ragged prefill wrapper (BatchAttention(ragged=True)) for steps whose prefill requests have no cached
         # tokens: its CuTe member reads forward's key / value rows (a KV tile one TMA box) where the cache's pages of
-        # 16 cost it 8-15% (docs/prefill.md, "Fresh prompts on their own K / V"). None: every step reads the cache.
+        # 16 cost it 3-13% (docs/prefill.md, "New prompts on their own K / V"). None: every step reads the cache.
         self.fresh = fresh
-        self._ident = None   # fresh: kv_indices, the identity over the step's rows (the family's reads; made once)
+        self._ident = None   # fresh: kv_indices, the identity over the step's rows (the family reads it)
         # Mixed steps in two launches where the prefill part then goes to the prefill wrapper's CuTe member
         # (BatchAttention.cute_takes) and the whole step would not: the decode rows on the decode kernel (GQA
         # packed), not a 128-row tile each a query head. Needs the decodes first (reorder_batch_threshold = 1).
