@@ -106,7 +106,7 @@ def test_cli_builds_one_model_into_the_zoo_cache(sm90a):
     assert proc.returncode == 0, proc.stderr
     lines = [l for l in proc.stderr.splitlines() if l.startswith("[")]
     assert len(lines) == len(specs)
-    assert sorted(l.split()[1].rsplit("_", 1)[0] for l in lines) == sorted(
+    assert sorted(l.split("]", 1)[1].split()[0].rsplit("_", 1)[0] for l in lines) == sorted(  # "[ 1/11] name ..."
         f"{s.family}_{s.readable_tag()}" for s in specs)
 
 
