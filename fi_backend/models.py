@@ -263,7 +263,7 @@ def modules_of(model: Model, kv_dtypes: Sequence[str] = ("bf16", "fp8_e4m3"), q_
     variants_of(model) and KV dtype ("auto": the query's), deduplicated; [] if check(model) refuses it.
     The prefill family's CuTe member's modules (fi_backend.cute_member, Hopper, where CUTLASS's headers are
     installed) for each of page_sizes (the engine's KV block size: vLLM's default 16), and with ragged its ragged
-    modules too (the vLLM adapter's steps of new prompts, over their own K / V).
+    modules too (both adapters' steps of new prompts, over their own K / V).
     deterministic: also the decode modules deterministic wrappers load (the adapters with FI_BACKEND_DETERMINISTIC,
     VLLM_BATCH_INVARIANT or SGLang's --enable-deterministic-inference; docs/deterministic.md).
     The prefill family depends on the architectures in effect ($FI_BACKEND_CUDA_ARCH_LIST): set it to

@@ -94,7 +94,7 @@ def test_takes_step():
 
 def test_modules_of_names_the_members_modules(monkeypatch):
     """models.modules_of (fi-backend build --model, CI's zoo build) adds the member's two modules (four at head size
-    64) for a plain model of head size 64 / 128 and 16-bit KV, per page size and for ragged K / V (the vLLM adapter's
+    64) for a plain model of head size 64 / 128 and 16-bit KV, per page size and for ragged K / V (the adapters'
     steps of new prompts), where modules are built for sm_90a alone and CUTLASS's headers are installed; none for a
     model with hooks, other architectures or the switch off."""
     import pytest
