@@ -340,15 +340,17 @@ class BatchAttention:
                              f"(BatchAttention.query_tile_rows gives it)")
         if kernel == "prefill" and len({f.blocks_per_sm() for f in self._family}) > 1:  # one grid serves them all
             raise RuntimeError(f"prefill tile family of head_dim {head_dim}: members differ in CTAs per SM")
-        # The CuTe member (fi_backend.cute_member): FlashAttention-3's CTA for the prefill steps it takes (plan()).
+        # The CuTe member (fi_backend.cute_member): FlashAttention-3's CTA for the prefill steps it takes (plan());
+        # its page size 0 names ragged K / V
+        member_page = 0 if self.ragged else page_size
         self.cute_unsupported = ("decode kernel" if kernel != "prefill" else cute_member.unsupported(
-            variant, head_dim, q_dtype, kv_dtype, 0 if self.ragged else page_size, self.device,
-            deterministic=self.deterministic, tuning=tuning))
+            variant, head_dim, q_dtype, kv_dtype, member_page, self.device, deterministic=self.deterministic,
+            tuning=tuning))
         self._cute = None
         if self.cute_unsupported is None:
             try:
-                self._cute = cute_member.CuteMember(head_dim, q_dtype, 0 if self.ragged else page_size,
-                                                    num_qo_heads, num_kv_heads, self.device, variant)
+                self._cute = cute_member.CuteMember(head_dim, q_dtype, member_page, num_qo_heads, num_kv_heads,
+                                                    self.device, variant)
             except kernels.BuildError as e:  # e.g. other CUTLASS headers (FI_BACKEND_CUTLASS_DIR): the family runs
                 lines = str(e).splitlines() or [type(e).__name__]
                 first = next((l for l in lines if "error" in l.lower()), lines[0])

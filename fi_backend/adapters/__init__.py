@@ -43,3 +43,21 @@ def plan_decode_step(decode, graph_prefill, qo_cpu, kv_cpu, bsr, groups, kw: dic
     other = graph_prefill if active is decode else decode
     other.plan(qo_cpu, kv_cpu, bsr, idle=True, **kw)
     return active, other
+
+
+class RaggedRows:
+    """A step's new prompts over their own K / V rows (the adapters' fresh wrappers): the contiguous BSR whose request
+    i reads rows qo_indptr[i] .. + kv_lens[i] (its keys are its queries), with kv_indices an identity made once and
+    grown to the longest step seen (the tile family reads it; the CuTe member does not)."""
+
+    def __init__(self):
+        self._ident = None
+
+    def bsr(self, qo_indptr, kv_lens, rows: int):
+        import torch
+        from fi_backend.formats import BSR
+        if self._ident is None or self._ident.numel() < rows:
+            self._ident = torch.arange(max(rows, 2 * (0 if self._ident is None else self._ident.numel())),
+                                       dtype=torch.int32, device=qo_indptr.device)
+        return BSR(qo_indptr=qo_indptr, kv_indices=self._ident, kv_block_start=qo_indptr[:-1], kv_lens=kv_lens,
+                   block_width=1, num_kv_blocks=rows, contiguous=True)

@@ -102,7 +102,7 @@ import torch
 from fi_backend import cute_member as _cute_member
 from fi_backend import env as _env
 from fi_backend import ops as _ops
-from fi_backend.adapters import plan_decode_step, rank_device
+from fi_backend.adapters import RaggedRows, plan_decode_step, rank_device
 from fi_backend.formats import BSR, prefix_groups_from_links
 from fi_backend.wrappers import HEAD_DIMS
 
@@ -547,7 +547,7 @@ class _StepPlanner:
         self.deterministic = deterministic
         self.shared_prefix = shared_prefix and not deterministic  # composable formats (docs/composable.md)
         self.max_requests = 0
-        self._ident = None   # fresh steps: kv_indices, the identity over the step's rows (grows to the longest)
+        self._fresh_rows = RaggedRows()
         self.resize(max_requests)
 
     def resize(self, max_requests: int) -> None:
@@ -631,7 +631,7 @@ class _StepPlanner:
         for g in self.groups:
             kw = dict(causal=True, sm_scale=g.settings.sm_scale, debug=self.debug, **g.params)
             if fresh_step and g.fresh is not None and g.fresh.cute_takes(q_lens, kv_cpu):
-                g.fresh.plan(qo_cpu, kv_cpu, self._fresh_bsr(qo_dev, bs, int(qo_cpu[bs])), **kw)
+                g.fresh.plan(qo_cpu, kv_cpu, self._fresh_rows.bsr(qo_dev, self._kv_lens[:bs], int(qo_cpu[bs])), **kw)
                 _PLAN_COUNTS["prefill"] += 1
                 _PLAN_COUNTS["fresh"] += 1
                 wrappers.append(g.fresh)
@@ -668,15 +668,6 @@ class _StepPlanner:
                 return g.prefill
         return StepMetadata(kernel=kernel, wrappers=tuple(wrappers), num_rows=int(qo_cpu[bs]), partners=tuple(partners),
                             fresh=tuple(fresh) if any(fresh) else (), paged=paged)
-
-    def _fresh_bsr(self, qo_dev: torch.Tensor, bs: int, rows: int) -> BSR:
-        """A ragged BSR over the step's K / V rows: request i's keys are its own query rows (its KV length, in
-        _kv_lens, equals its query length)."""
-        if self._ident is None or self._ident.numel() < rows:
-            self._ident = torch.arange(max(rows, 2 * (0 if self._ident is None else self._ident.numel())),
-                                       dtype=torch.int32, device=qo_dev.device)
-        return BSR(qo_indptr=qo_dev, kv_indices=self._ident, kv_block_start=qo_dev[:bs], kv_lens=self._kv_lens[:bs],
-                   block_width=1, num_kv_blocks=rows, contiguous=True)
 
     def _write_kv_rows(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, kv_cpu: torch.Tensor) -> None:
         """The step's KV lengths and rows into the persistent buffers (device ops, no synchronisation)."""

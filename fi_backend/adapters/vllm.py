@@ -71,7 +71,7 @@ from fi_backend import cute_member as _cute_member
 from fi_backend import env as _env
 from fi_backend import ops as _ops
 from fi_backend import variants as _variants
-from fi_backend.adapters import plan_decode_step, rank_device
+from fi_backend.adapters import RaggedRows, plan_decode_step, rank_device
 from fi_backend.formats import BSR, prefix_groups_from_table
 from fi_backend.wrappers import HEAD_DIMS
 
@@ -302,7 +302,7 @@ class _StepPlanner:
         # tokens: its CuTe member reads forward's key / value rows (a KV tile one TMA box) where the cache's pages of
         # 16 cost it 3-13% (docs/prefill.md, "New prompts on their own K / V"). None: every step reads the cache.
         self.fresh = fresh
-        self._ident = None   # fresh: kv_indices, the identity over the step's rows (the family reads it)
+        self._fresh_rows = RaggedRows()
         # Mixed steps in two launches where the prefill part then goes to the prefill wrapper's CuTe member
         # (BatchAttention.cute_takes) and the whole step would not: the decode rows on the decode kernel (GQA
         # packed), not a 128-row tile each a query head. Needs the decodes first (reorder_batch_threshold = 1).
@@ -408,19 +408,11 @@ class _StepPlanner:
             return False
         return bool(torch.equal(kv_cpu.to(q_lens.dtype), q_lens)) and self.fresh.cute_takes(q_lens, kv_cpu)
 
-    def _fresh_bsr(self, qo_indptr: torch.Tensor, kv_lens: torch.Tensor, rows: int) -> BSR:
-        """A ragged BSR over forward's K / V rows: request i's keys are its own query rows."""
-        if self._ident is None or self._ident.numel() < rows:  # grows to the longest step seen
-            self._ident = torch.arange(max(rows, 2 * (0 if self._ident is None else self._ident.numel())),
-                                       dtype=torch.int32, device=qo_indptr.device)
-        return BSR(qo_indptr=qo_indptr, kv_indices=self._ident, kv_block_start=qo_indptr[:-1], kv_lens=kv_lens,
-                   block_width=1, num_kv_blocks=rows, contiguous=True)
-
     def _plan_fresh(self, cm, qo_cpu, kv_cpu) -> FiAttentionMetadata:
         """A step of new prompts only, on the fresh wrapper over forward's key / value."""
         n = cm.num_reqs
         rows = int(qo_cpu[n])
-        bsr = self._fresh_bsr(cm.query_start_loc[: n + 1], cm.seq_lens[:n], rows)
+        bsr = self._fresh_rows.bsr(cm.query_start_loc[: n + 1], cm.seq_lens[:n], rows)
         self.fresh.plan(qo_cpu[: n + 1], kv_cpu, bsr, causal=True, sm_scale=self.sm_scale, debug=self.debug,
                         **self.variant_params)
         _PLAN_COUNTS["prefill"] += 1
@@ -448,7 +440,7 @@ class _StepPlanner:
         torch.sub(cm.query_start_loc[nd: n + 1], nd, out=qo_rest)  # one row per decode before them
         wrapper = self.fresh if fresh else self.prefill
         if fresh:
-            rest = self._fresh_bsr(qo_rest, cm.seq_lens[nd:n], int(qo_cpu[n]) - nd)
+            rest = self._fresh_rows.bsr(qo_rest, cm.seq_lens[nd:n], int(qo_cpu[n]) - nd)
             _PLAN_COUNTS["fresh"] += 1
         else:
             rest = BSR(qo_indptr=qo_rest, kv_indices=self._kv_indices, kv_block_start=self._kv_block_start[nd:n],
