@@ -180,6 +180,22 @@ def require_engine_and_gpu(engine: str) -> None:
         pytest.skip("needs a CUDA GPU")
 
 
+def cute_member_expected() -> bool:
+    """Whether fi-backend's prefill wrappers load the CuTe member here (an sm_90 GPU with the nvidia-cutlass headers,
+    FI_BACKEND_PREFILL_CUTE not 0), so its plan counts must show it."""
+    import importlib.util
+    import os
+    import torch
+    return (importlib.util.find_spec("cutlass_library") is not None and os.environ.get("FI_BACKEND_PREFILL_CUTE") != "0"
+            and torch.cuda.get_device_capability() == (9, 0))
+
+
+def fresh_expected() -> bool:
+    """Whether steps of new prompts run on their own K / V (the adapters' fresh wrapper, FI_BACKEND_PREFILL_FRESH)."""
+    import os
+    return cute_member_expected() and os.environ.get("FI_BACKEND_PREFILL_FRESH") != "0"
+
+
 def engine_records(results, prefix: str, reuse: bool, run):
     """The tests' engine getter: label -> record, run once per session by run(label), or read back from
     results/<prefix><label>.json where reuse is set and the file is there."""

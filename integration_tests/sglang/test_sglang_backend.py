@@ -116,7 +116,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # integration_test
 from compare import bound as _bound, generation_diffs as _generation_diffs  # noqa: E402
 from compare import logprob_diffs as _logprob_diffs, stats as _stats  # noqa: E402
 from compare import DET_GEN, DET_TOP, det_plan, det_report, det_workload, engine_records, optional  # noqa: E402
-from compare import check_shared_prefix, require_engine_and_gpu  # noqa: E402
+from compare import check_shared_prefix, fresh_expected, require_engine_and_gpu  # noqa: E402
 LAYERS = int(os.environ.get("FI_SGLANG_TEST_LAYERS", "4"))
 RESULTS = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "integration_tests" / "results"
 ENGINE_TIMEOUT_S = int(os.environ.get("FI_SGLANG_TEST_ENGINE_TIMEOUT", "570"))
@@ -655,6 +655,9 @@ def _against_flashinfer(engines, kind: str, name: str, suffix: str = "graphs", n
 def test_llama_logprobs_match_flashinfer(engines):
     _selected("llama")
     _against_flashinfer(engines, "llama", "llama_logprobs")
+    # the workload's first EXTEND step is new prompts only: the fresh wrapper over the layers' own key / value
+    counts = engines("llama_fi_backend_graphs")["stats"]["plan_counts"]
+    assert counts.get("fresh", 0) > 0 or not fresh_expected(), counts
 
 
 @pytest.mark.gpu

@@ -135,7 +135,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # integration_test
 from compare import bound as _bound, generation_diffs as _generation_diffs  # noqa: E402
 from compare import logprob_diffs as _logprob_diffs, stats as _stats  # noqa: E402
 from compare import DET_GEN, DET_TOP, det_plan, det_report, det_workload, engine_records, optional  # noqa: E402
-from compare import check_shared_prefix, require_engine_and_gpu  # noqa: E402
+from compare import check_shared_prefix, cute_member_expected, fresh_expected, require_engine_and_gpu  # noqa: E402
 LAYERS = int(os.environ.get("FI_VLLM_TEST_LAYERS", "4"))
 RESULTS = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "integration_tests" / "results"
 ENGINE_TIMEOUT_S = int(os.environ.get("FI_VLLM_TEST_ENGINE_TIMEOUT", "480"))
@@ -707,14 +707,6 @@ def _noise(engines, kind: str = "llama") -> dict:
     return {"logprobs": noise, "generation": _stats(gen) if gen else None}
 
 
-def _cute_member_expected() -> bool:
-    """Whether CUSTOM's prefill wrappers load the CuTe member here (an H100 with the nvidia-cutlass headers)."""
-    import importlib.util
-    import torch
-    return (importlib.util.find_spec("cutlass_library") is not None and os.environ.get("FI_BACKEND_PREFILL_CUTE") != "0"
-            and torch.cuda.get_device_capability() == (9, 0))
-
-
 @pytest.mark.gpu
 def test_prompt_logprobs_match_flash_attn(engines):
     _selected("llama")
@@ -733,10 +725,9 @@ def test_prompt_logprobs_match_flash_attn(engines):
                                "plan_counts": counts})
     assert min(custom["prefix_hit_cached_tokens"]) >= 16, "the prefix-cache prompts did not hit the cache"
     # the workload's second prompt step (283 + 229 rows: 5 query tiles x 32 heads) is one the CuTe member takes
-    assert counts.get("cute", 0) > 0 or not _cute_member_expected(), counts
+    assert counts.get("cute", 0) > 0 or not cute_member_expected(), counts
     # its first step is new prompts only (3 .. 1300 tokens): the fresh wrapper over the layers' own key / value
-    fresh_expected = _cute_member_expected() and os.environ.get("FI_BACKEND_PREFILL_FRESH") != "0"
-    assert counts.get("fresh", 0) > 0 or not fresh_expected, counts
+    assert counts.get("fresh", 0) > 0 or not fresh_expected(), counts
     assert spread > 0.5, "degenerate model: prompt logprobs too uniform to tell attention apart"
     assert got["max"] <= bound["max"] and got["mean"] <= bound["mean"], (got, bound)
     assert max(gen, default=0.0) <= bound["max"], (gen, bound)
