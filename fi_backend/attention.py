@@ -357,6 +357,8 @@ class BatchAttention:
                 self.cute_unsupported = f"its modules failed to build: {first.strip()[:300]}"
                 warnings.warn(f"fi-backend: the CuTe prefill member is off for this wrapper, {self.cute_unsupported}")
         self._cute_kv_ok = False  # the KV cache's pointers and strides suit its TMA maps (16-byte multiples)
+        self._v_strides = (0, 0, 0)  # V's (block, token, head) strides: K's, or (ragged) a view's of its own
+        self._tile_kv_ok = True  # the tile family reads V by K's strides: not where V's differ
         self.num_head_chunks = self.group // int(self._family[0].heads_per_chunk)
         # Units: the query-head groups a work item runs for (KV head unit // num_head_chunks). The plan
         # spreads (item, unit) pairs over the whole grid, so no SM idles for want of a head's queue.
@@ -784,9 +786,13 @@ class BatchAttention:
     # -------------------------------------------------------------------------------- run
 
     def _kv_views(self, kv_cache):
-        """(k_ptr, v_ptr, num_blocks, (stride_block, stride_token, stride_head)) of the accepted layouts."""
+        """(k_ptr, v_ptr, num_blocks, (stride_block, stride_token, stride_head), V's strides) of the accepted
+        layouts."""
         # remembered per cache object: an engine's layers call run() with their own caches in turn
-        kv = parse_cached(kv_cache, self.kv_layout, head_dim=self.head_dim, page_size=self.page_size)
+        # ragged: an engine's key and value of a step may be views of different tensors (vLLM's key after the
+        # rotary embedding, value in the fused QKV projection's output)
+        kv = parse_cached(kv_cache, self.kv_layout, head_dim=self.head_dim, page_size=self.page_size,
+                          v_strides_free=self.ragged)
         if kv.num_heads != self.num_kv_heads:
             raise ValueError(f"the KV cache has {kv.num_heads} KV heads, expected {self.num_kv_heads}")
         if kv.dtype != self.kv_dtype:
@@ -795,7 +801,7 @@ class BatchAttention:
             raise ValueError(f"the KV cache is on {kv.device}, the workspace on {self.device}")
         if kv.num_blocks >= 2 ** 31:
             raise ValueError(f"the KV cache has {kv.num_blocks} blocks; at most 2^31 - 1 are addressable")
-        return kv.k_ptr, kv.v_ptr, kv.num_blocks, kv.strides
+        return kv.k_ptr, kv.v_ptr, kv.num_blocks, kv.strides, kv.v_strides
 
     def run(self, q: torch.Tensor, kv_cache, *, out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
             return_lse: bool = False, k_scale: float = 1.0, v_scale: float = 1.0):
@@ -845,12 +851,19 @@ class BatchAttention:
             p.logits_scale = self._sm_scale * float(k_scale)
             p.v_scale = float(v_scale)
         if self._cute is not None and self._cute.planned and self._cute_kv_ok:
-            rc = self._cute.launch(p, _stream(self._dev_index))
+            rc = self._cute.launch(p, self._v_strides, _stream(self._dev_index))
             if rc == 0:
                 return (out, lse) if lse is not None else out
             if rc != cute_member.CAPTURE_REFUSED:
                 self._cute.check(rc)
             # capturing: the tile family's kernel, whose plan plan() made too, goes into the graph
+        if not self._tile_kv_ok:
+            k_strides = (p.kv_stride_block, p.kv_stride_token, p.kv_stride_head)
+            raise ValueError(f"k and v with different strides (k {k_strides}, v {self._v_strides}) run on the CuTe "
+                             "member only, which "
+                             + ("does not take this step" if self._cute is None or not self._cute.planned
+                                else "cannot read them by TMA (16-byte multiples)")
+                             + "; pass k and v with the same strides")
         rc = self._launch(self._params_ref, self._vparams_ref, self.grid[0], self.grid[1], _stream(self._dev_index))
         if rc:
             if rc == _CAPTURED:  # captured into a CUDA graph: pin what the graph reads (see plan())
@@ -884,12 +897,15 @@ class BatchAttention:
         return lse
 
     def _set_kv(self, kv_cache) -> None:
-        kp, vp, nb, strides = self._kv_views(kv_cache)
+        kp, vp, nb, strides, v_strides = self._kv_views(kv_cache)
         p = self._params
         p.k, p.v = kp, vp
         p.kv_stride_block, p.kv_stride_token, p.kv_stride_head = strides
         p.num_kv_blocks = nb
-        self._cute_kv_ok = (kp | vp) % 16 == 0 and all(st % 8 == 0 for st in strides)  # TMA: 16-byte multiples
+        self._v_strides = v_strides
+        self._tile_kv_ok = v_strides == strides
+        # TMA: 16-byte multiples
+        self._cute_kv_ok = (kp | vp) % 16 == 0 and all(st % 8 == 0 for st in strides + v_strides)
         self._kv_obj = kv_cache
         self._kv_is_tensor = isinstance(kv_cache, torch.Tensor)
         if not self._kv_is_tensor:

@@ -141,7 +141,7 @@ class CuteMember:
     def __init__(self, head_dim: int, q_dtype: torch.dtype, page_size: int, num_qo_heads: int, num_kv_heads: int,
                  device: torch.device, variant: Variant = V.DEFAULT):
         self.modules = [kernels.load(s) for s in specs(head_dim, q_dtype, page_size, variant)]
-        argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 19 + [ctypes.c_float] * 2 + [ctypes.c_void_p]
+        argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 22 + [ctypes.c_float] * 2 + [ctypes.c_void_p]
         self._fns = [m.function("fi_cute_attn_bsr", argtypes) for m in self.modules]
         self.softcap = _softcap(variant)
         self.heads, self.kv_heads, self.wide = num_qo_heads, num_kv_heads, head_dim in WIDE_HEAD_DIMS
@@ -190,15 +190,15 @@ class CuteMember:
     def planned(self) -> bool:
         return self._step is not None
 
-    def launch(self, p, stream: int) -> int:
+    def launch(self, p, v_strides: tuple, stream: int) -> int:
         """The planned step on the BatchAttention's Params `p` (its q / out / lse / KV / BSR fields, as run() set
-        them): 0, CAPTURE_REFUSED, or a CUDA error code."""
+        them; V by v_strides, (block, token, head)): 0, CAPTURE_REFUSED, or a CUDA error code."""
         module, batch, max_q, total_q, total_kv, window, cap = self._step
         return self._fns[module](
             p.q, p.out, p.lse, p.k, p.v, p.qo_indptr, p.kv_lens, p.kv_indices, p.kv_block_start,
             self.counter.data_ptr(), p.error_flags, p.num_kv_indices, p.q_stride_row, p.q_stride_head,
             p.out_stride_row, p.out_stride_head, p.lse_stride_row, p.kv_stride_block, p.kv_stride_token,
-            p.kv_stride_head, p.num_kv_blocks, p.kv_block_start_int64, batch, max_q, self.heads, self.kv_heads,
+            p.kv_stride_head, *v_strides, p.num_kv_blocks, p.kv_block_start_int64, batch, max_q, self.heads, self.kv_heads,
             total_q, total_kv, L2_SECTION_BYTES, window, p.logits_scale, cap, stream)
 
     def check(self, rc: int) -> None:

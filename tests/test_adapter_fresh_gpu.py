@@ -1,8 +1,8 @@
 """The vLLM adapter's steps of new prompts (_StepPlanner.fresh) with the real wrappers on the GPU, without vLLM: the
 adapter's own wrappers (decode, paged prefill, the ragged fresh one), its K / V write into a packed cache, and its
-forward over key / value that are strided views of a fused QKV projection, as vLLM hands them over. A step of new
-prompts and a mixed step (decodes first, then new prompts) against the float64 reference, outputs NaN-poisoned; the
-fresh wrapper's CuTe member runs them. Needs an sm_90a GPU and the nvidia-cutlass wheel."""
+forward over a key of its own and a value that is a strided view of a fused QKV projection, as vLLM hands them
+over. A step of new prompts and a mixed step (decodes first, then new prompts) against the float64 reference,
+outputs NaN-poisoned; the fresh wrapper's CuTe member runs them. Needs an sm_90a GPU and the nvidia-cutlass wheel."""
 from __future__ import annotations
 
 import importlib.util
@@ -44,15 +44,17 @@ def planner():
 
 def _step(cached, new, blocks_per_req=160, num_blocks=1024):
     """vLLM's step metadata for requests of `cached` tokens in the cache and `new` this step (random distinct
-    blocks), the packed cache [blocks, P, HKV, 2 D] holding the cached tokens, and the step's q / k / v as views of
-    one fused buffer. Returns (cm, cache, q, k, v, each request's full K / V for the reference)."""
+    blocks), the packed cache [blocks, P, HKV, 2 D] holding the cached tokens, and the step's q / v as views of one
+    fused buffer, k a tensor of its own (so K's strides are not V's). Returns (cm, cache, q, k, v, each request's
+    full K / V for the reference)."""
     n = len(new)
     perm = torch.randperm(num_blocks, device=DEV).to(torch.int32)
     table = perm[: n * blocks_per_req].view(n, blocks_per_req).contiguous()
     cache = torch.randn(num_blocks, P, HKV, 2 * D, device=DEV).to(torch.bfloat16)
     rows = sum(new)
     qkv = (1.5 * torch.randn(rows, HQ + 2 * HKV, D, device=DEV)).to(torch.bfloat16)
-    q, k, v = qkv[:, :HQ], qkv[:, HQ:HQ + HKV], qkv[:, HQ + HKV:]
+    # vLLM's key comes out of the rotary embedding as a tensor of its own; its query and value stay views of qkv
+    q, k, v = qkv[:, :HQ], qkv[:, HQ:HQ + HKV].contiguous(), qkv[:, HQ + HKV:]
     seq = [c + m for c, m in zip(cached, new)]
     qsl = torch.tensor([0, *new], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     slots, history = [], []

@@ -85,6 +85,24 @@ def test_parse_rejects(cache, layout, kwargs, error, match):
         parse_paged_kv_cache(cache, layout, **kwargs)
 
 
+def test_parse_v_strides_of_its_own():
+    """A step's own key / value (a ragged wrapper's): K a tensor of its own, V a view of a fused QKV buffer. Refused by
+    default (every paged kernel reads V by K's strides); v_strides_free records V's."""
+    qkv = torch.zeros(10, 32 + 2 * 8, 128, dtype=BF16)
+    k, v = qkv[:, 32:40].contiguous().unsqueeze(1), qkv[:, 40:].unsqueeze(1)
+    with pytest.raises(ValueError, match="same shape and strides"):
+        parse_paged_kv_cache((k, v), "NHD")
+    kv = parse_paged_kv_cache((k, v), "NHD", page_size=1, v_strides_free=True)
+    assert kv.strides == (8 * 128, 8 * 128, 128) and kv.v_strides == (48 * 128, 8 * 128, 128)
+    assert (kv.k_ptr, kv.v_ptr) == (k.data_ptr(), v.data_ptr())
+    same = parse_paged_kv_cache((qkv[:, 32:40].unsqueeze(1), v), "NHD", v_strides_free=True)
+    assert same.v_strides == same.strides
+    with pytest.raises(ValueError, match="v's head_dim must be contiguous"):
+        parse_paged_kv_cache((k, v.transpose(2, 3).contiguous().transpose(2, 3)), "NHD", v_strides_free=True)
+    with pytest.raises(ValueError, match="16-byte"):
+        parse_paged_kv_cache((k, torch.zeros(10, 1, 8, 132, dtype=BF16)[..., :128]), "NHD", v_strides_free=True)
+
+
 # ----------------------------------------------------------------------------- reference
 
 def test_reference_by_hand():

@@ -37,6 +37,8 @@ def _built(request):
         "test_member_ragged_variants": lambda p: [(_VARIANTS[p["name"]][0], p["Hq"], p["Hkv"], p["D"], 0, bf16, 0)],
         "test_ragged_wrapper_refuses_other_bsrs": lambda p: [(V.DEFAULT, 32, 8, 128, 0, bf16, 0)],
         "test_ragged_bad_bsr_is_flagged": lambda p: [(V.DEFAULT, 32, 8, 128, 0, bf16, 0)],
+        "test_member_ragged_key_of_its_own": lambda p: [(V.DEFAULT, p["Hq"], p["Hkv"], p["D"], 0, p["dtype"], 0)],
+        "test_ragged_different_strides_off_the_member": lambda p: [(V.DEFAULT, 32, 8, 128, 0, bf16, 0)],
         "test_bad_bsr_is_flagged_and_never_read_past": lambda p: [(V.DEFAULT, 32, 8, 128, 16, bf16, int(p["gather"]))],
     }
     default = [(V.DEFAULT, 32, 8, 128, 16, bf16, 0)]  # the other tests' wrappers
@@ -178,9 +180,10 @@ def _fused_qkv(rows, Hq, Hkv, D, dtype, pad=300):
     return buf[:rows, :Hq], buf[:rows, Hq:Hq + Hkv], buf[:rows, Hq + Hkv:]
 
 
-def _check_ragged(attn, q_lens, kv_lens, *, dtype=torch.bfloat16, causal=True, params=None, what=""):
+def _check_ragged(attn, q_lens, kv_lens, *, dtype=torch.bfloat16, causal=True, params=None, what="",
+                  own_key=False):
     """One step over ragged K / V (formats.from_ragged; queries of their own rows) into NaN-poisoned outputs, against
-    the float64 reference, O and the LSE."""
+    the float64 reference, O and the LSE. own_key: K a tensor of its own, V still a view of the fused buffer."""
     from attention_cases import check, reference
     from fi_backend import formats
     params = params or {}
@@ -189,6 +192,9 @@ def _check_ragged(attn, q_lens, kv_lens, *, dtype=torch.bfloat16, causal=True, p
     bsr = formats.from_ragged(kv_indptr.to(DEV), qo_cpu.to(DEV))
     rows, total = int(qo_cpu[-1]), int(kv_indptr[-1])
     _, k, v = _fused_qkv(total, attn.num_qo_heads, attn.num_kv_heads, attn.head_dim, dtype)
+    if own_key:
+        k = k.contiguous()
+        assert k.stride() != v.stride()
     q, _, _ = _fused_qkv(rows, attn.num_qo_heads, attn.num_kv_heads, attn.head_dim, dtype)
     attn.plan(qo_cpu, torch.tensor(kv_lens, dtype=torch.int32), bsr, causal=causal, **params)
     out = torch.full((rows, attn.num_qo_heads, attn.head_dim), float("nan"), device=DEV, dtype=dtype)
@@ -222,6 +228,36 @@ def test_member_ragged_variants(name, Hq, Hkv, D, causal):
     _check_ragged(attn, _Q_LENS, _KV_LENS, causal=causal, params=params,
                   what=f"ragged {name} {Hq}/{Hkv} D={D} causal={causal}")
     assert attn.cute_step
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,dtype,causal", [_RAGGED_SHAPES[i] for i in (0, 3, 4, 5)])
+def test_member_ragged_key_of_its_own(Hq, Hkv, D, dtype, causal):
+    """K and V of different strides, as vLLM hands them over: its key after the rotary embedding is a tensor of its
+    own, its value a view of the QKV projection's output. V is read by its own strides."""
+    attn = _wrapper(Hq, Hkv, D, page=1, dtype=dtype, ragged=True)
+    for q_lens, kv_lens in ((_Q_LENS, _Q_LENS), (_Q_LENS, _KV_LENS)):
+        _check_ragged(attn, q_lens, kv_lens, dtype=dtype, causal=causal, own_key=True,
+                      what=f"ragged, own key, {Hq}/{Hkv} D={D} causal={causal} kv={kv_lens[:2]}")
+        assert attn.cute_step
+
+
+def test_ragged_different_strides_off_the_member():
+    """A ragged step the member does not take (too few query tiles) runs on the tile family, which reads V by K's
+    strides: K and V of different strides are then an error that says so, and K / V of equal strides run."""
+    from attention_cases import check, reference
+    from fi_backend import formats
+    attn = _wrapper(32, 8, 128, page=1, ragged=True)
+    lens = torch.tensor([0, 3, 5], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    bsr = formats.from_ragged(lens.to(DEV), lens.to(DEV))
+    attn.plan(lens, lens[1:] - lens[:-1], bsr, causal=True)
+    assert not attn.cute_step
+    q, k, v = _fused_qkv(8, 32, 8, 128, torch.bfloat16)
+    with pytest.raises(ValueError, match="different strides"):
+        attn.run(q, (k.contiguous().unsqueeze(1), v.unsqueeze(1)))
+    out = torch.full_like(q, float("nan"))
+    attn.run(q, (k.unsqueeze(1), v.unsqueeze(1)), out=out)
+    o_ref, _ = reference(q, k.unsqueeze(1), v.unsqueeze(1), bsr, causal=True)
+    check(out, None, o_ref, None, TOL[torch.bfloat16], "ragged on the tile family")
 
 
 def test_ragged_wrapper_refuses_other_bsrs():

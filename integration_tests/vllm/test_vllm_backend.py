@@ -340,14 +340,20 @@ def _top(logprobs: dict) -> dict:
 
 def workload_logprobs(llm, token_hi: int = 120000, long_prompts=()) -> dict:
     """Prompt logprobs of mixed-length prompts (1300 tokens: chunked over 3 steps; long_prompts added after
-    them), first-token top-5 logprobs of prompts that hit the prefix cache, and greedy generations (mixed
-    prefill + decode steps, then pure decode steps). Token ids in [1000, token_hi)."""
+    them) and of one 480-token prompt alone, first-token top-5 logprobs of prompts that hit the prefix cache,
+    and greedy generations (mixed prefill + decode steps, then pure decode steps). Token ids in [1000,
+    token_hi)."""
     from vllm import SamplingParams, TokensPrompt
     rng = random.Random(1234)
     prompts = [_tokens(rng, n, token_hi) for n in (3, 17, 64, 200, 511, 1300)]
     every = prompts + [_tokens(random.Random(4321 + n), n, token_hi) for n in long_prompts]
     sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1, detokenize=False)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in every], sp, use_tqdm=False)
+    # One new 480-token prompt alone: a step of new prompts that the CuTe member takes (the first step above mixes
+    # short prompts, which it leaves to the tile family), so fi-backend runs it on the layers' own key / value
+    alone = _tokens(random.Random(77), 480, token_hi)
+    outs = list(outs) + llm.generate([TokensPrompt(prompt_token_ids=alone)], sp, use_tqdm=False)
+    every = every + [alone]
     prompt_lp = [[float(d[t].logprob) for t, d in zip(p[1:], o.prompt_logprobs[1:])] for p, o in zip(every, outs)]
 
     # Prompt-logprob requests never read the prefix cache; these requests fill it (or hit it) first,
@@ -726,7 +732,7 @@ def test_prompt_logprobs_match_flash_attn(engines):
     assert min(custom["prefix_hit_cached_tokens"]) >= 16, "the prefix-cache prompts did not hit the cache"
     # the workload's second prompt step (283 + 229 rows: 5 query tiles x 32 heads) is one the CuTe member takes
     assert counts.get("cute", 0) > 0 or not cute_member_expected(), counts
-    # its first step is new prompts only (3 .. 1300 tokens): the fresh wrapper over the layers' own key / value
+    # the 480-token prompt alone is a step of new prompts: the fresh wrapper over the layers' own key / value
     assert counts.get("fresh", 0) > 0 or not fresh_expected(), counts
     assert spread > 0.5, "degenerate model: prompt logprobs too uniform to tell attention apart"
     assert got["max"] <= bound["max"] and got["mean"] <= bound["mean"], (got, bound)

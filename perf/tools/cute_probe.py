@@ -60,7 +60,7 @@ def paged_fn(case: P.Case, page_size: int, l2_section_bytes: int = L2_SECTION, w
     paged = P.Paged(case, page_size)
     module = kernels.load(cutlass.attn_ws_spec(case.d, True, overlap=True, pingpong=False, page_size=page_size,
                                                warpgroups=warpgroups, gather=gather, vbox=vbox, split=split))
-    run = module.function("fi_cute_attn_bsr", [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 19 +
+    run = module.function("fi_cute_attn_bsr", [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 22 +
                           [ctypes.c_float] * 2 + [ctypes.c_void_p])
     out = torch.empty_like(case.q)
     lse = torch.empty(case.rows, case.hq, device=case.q.device, dtype=torch.float32)
@@ -74,7 +74,8 @@ def paged_fn(case: P.Case, page_size: int, l2_section_bytes: int = L2_SECTION, w
         rc = run(case.q.data_ptr(), out.data_ptr(), lse.data_ptr(), paged.k.data_ptr(), paged.v.data_ptr(),
                  bsr.qo_indptr.data_ptr(), bsr.kv_lens.data_ptr(), bsr.kv_indices.data_ptr(),
                  bsr.kv_block_start.data_ptr(), counter.data_ptr(), None, bsr.kv_indices.numel(), case.q.stride(0),
-                 case.q.stride(1), out.stride(0), out.stride(1), lse.stride(0), *paged.k.stride()[:3], paged.num_pages,
+                 case.q.stride(1), out.stride(0), out.stride(1), lse.stride(0), *paged.k.stride()[:3],
+                 *paged.v.stride()[:3], paged.num_pages,
                  int(bsr.kv_block_start.dtype == torch.int64), case.batch, case.seq_len, case.hq, case.hkv, case.rows,
                  case.rows, l2_section_bytes, -1, case.d ** -0.5, 0.0, stream)
         if rc:

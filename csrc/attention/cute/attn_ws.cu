@@ -844,15 +844,17 @@ FI_EXPORT int fi_cute_attn_ws(const void* q, const void* k, const void* v, void*
 // entries; error_flags, may be null, gets fi_backend's bits for a bad BSR). q / o / lse by their strides (16-byte
 // multiples; lse may be null). PAGE 0: a ragged BSR (fi_backend.formats.from_ragged, kv_indices unread): request b's
 // keys are rows kv_block_start[b] .. + kv_lens[b] of K / V, row r of KV head h at r x kv_stride_block + h x
-// kv_stride_head, num_kv_blocks rows. Refused with kCaptureRefused into a capturing stream: the launch holds the
-// step's sizes, which a graph replaying other steps would keep.
+// kv_stride_head, num_kv_blocks rows. V by v_stride_block / _token / _head (an engine's key and value may be views of
+// different tensors; gathers need V's equal to K's). Refused with kCaptureRefused into a capturing stream: the launch
+// holds the step's sizes, which a graph replaying other steps would keep.
 constexpr int kCaptureRefused = -2;
 FI_EXPORT int fi_cute_attn_bsr(const void* q, void* o, float* lse, const void* k, const void* v, const int* qo_indptr,
                                const int* kv_lens, const int* kv_indices, const void* kv_block_start, int* counter,
                                int* error_flags, int64_t num_kv_indices, int64_t q_stride_row,
                                int64_t q_stride_head, int64_t o_stride_row, int64_t o_stride_head,
                                int64_t lse_stride_row, int64_t kv_stride_block,
-                               int64_t kv_stride_token, int64_t kv_stride_head, int64_t num_kv_blocks,
+                               int64_t kv_stride_token, int64_t kv_stride_head, int64_t v_stride_block,
+                               int64_t v_stride_token, int64_t v_stride_head, int64_t num_kv_blocks,
                                int64_t kv_block_start_int64, int64_t batch, int64_t max_q_len, int64_t heads,
                                int64_t kv_heads, int64_t total_q, int64_t total_kv, int64_t l2_section_bytes,
                                int64_t window_left, float sm_scale, float softcap, void* stream) {
@@ -874,14 +876,15 @@ FI_EXPORT int fi_cute_attn_bsr(const void* q, void* o, float* lse, const void* k
          (int)max_q_len, H, Hkv, tq, (int)total_kv, nb, 0, (int)window_left, sm_scale, softcap,
          static_cast<const Elem*>(k), static_cast<const Elem*>(v), kv_stride_block, kv_stride_token, kv_stride_head};
   if constexpr (kGather) {
-    if (((kv_stride_block | kv_stride_token | kv_stride_head) & 7) != 0 || ((uintptr_t)k | (uintptr_t)v) & 15)
-      return (int)cudaErrorInvalidValue;  // 16-byte rows: aligned copies
+    if (((kv_stride_block | kv_stride_token | kv_stride_head) & 7) != 0 || ((uintptr_t)k | (uintptr_t)v) & 15 ||
+        v_stride_block != kv_stride_block || v_stride_token != kv_stride_token || v_stride_head != kv_stride_head)
+      return (int)cudaErrorInvalidValue;  // 16-byte rows: aligned copies; one row offset for K and V
     return launch(tma_q, tma_q, tma_q, a, l2_section_bytes, stream);  // no K / V maps: the kernel never reads them
   } else if constexpr (kPage == 0) {  // K / V rows: (row, dim, KV head)
     Tensor gK = make_tensor(make_gmem_ptr(static_cast<const Elem*>(k)), make_shape(nb, D{}, Hkv),
                             make_stride(kv_stride_block, _1{}, kv_stride_head));
     Tensor gVt = make_tensor(make_gmem_ptr(static_cast<const Elem*>(v)), make_shape(D{}, nb, Hkv),
-                             make_stride(_1{}, kv_stride_block, kv_stride_head));
+                             make_stride(_1{}, v_stride_block, v_stride_head));
     auto tma_k = make_tma_copy(SM90_TMA_LOAD{}, gK, take<0, 2>(SmemLayoutK{}));
     auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gVt, take<0, 2>(SmemLayoutVt{}));
     return launch(tma_q, tma_k, tma_v, a, l2_section_bytes, stream);
@@ -892,12 +895,12 @@ FI_EXPORT int fi_cute_attn_bsr(const void* q, void* o, float* lse, const void* k
     if constexpr (kVPageBox) {  // one box a page: (dim in block, slot, block, KV head, page)
       Tensor gVt = make_tensor(make_gmem_ptr(static_cast<const Elem*>(v)),
                                make_shape(DimBlock{}, Int<kPage>{}, Int<kDimBlocks>{}, Hkv, nb),
-                               make_stride(_1{}, kv_stride_token, DimBlock{}, kv_stride_head, kv_stride_block));
+                               make_stride(_1{}, v_stride_token, DimBlock{}, v_stride_head, v_stride_block));
       auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gVt, SmemLayoutVtBox{});
       return launch(tma_q, tma_k, tma_v, a, l2_section_bytes, stream);
     } else {
       Tensor gVt = make_tensor(make_gmem_ptr(static_cast<const Elem*>(v)), make_shape(D{}, Int<kPage>{}, Hkv, nb),
-                               make_stride(_1{}, kv_stride_token, kv_stride_head, kv_stride_block));
+                               make_stride(_1{}, v_stride_token, v_stride_head, v_stride_block));
       auto tma_v = make_tma_copy(SM90_TMA_LOAD{}, gVt, SmemLayoutVtBox{});
       return launch(tma_q, tma_k, tma_v, a, l2_section_bytes, stream);
     }
