@@ -7,6 +7,10 @@ MAX_FLOOR, MEAN_FLOOR = 0.02, 0.002
 def logprob_diffs(ref: dict, test: dict) -> list:
     """|difference| of every prompt logprob and of the first-token top-5 logprobs both runs report."""
     diffs = []
+    shapes = [[len(lp) for lp in run["prompt_logprobs"]] for run in (ref, test)]
+    if shapes[0] != shapes[1]:
+        raise ValueError(f"the two runs had different workloads (prompt lengths {shapes[0]} and {shapes[1]}): a record "
+                         "from an older workload (re-run that engine rather than reusing its record)")
     for a, b in zip(ref["prompt_logprobs"], test["prompt_logprobs"], strict=True):
         diffs += [abs(x - y) for x, y in zip(a, b, strict=True)]
     for a, b in zip(ref["prefix_hit_first_token"], test["prefix_hit_first_token"], strict=True):

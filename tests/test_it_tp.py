@@ -161,3 +161,13 @@ def test_sglang_dump_gathers_every_rank(monkeypatch):
     assert [r["tp_rank"] for r in rec["ranks"]] == [0, 1] and [r["gpu"] for r in rec["ranks"]] == [0, 1]
     assert all(r["heads"] == [[32, 4, 128]] for r in json.loads(json.dumps(rec["ranks"])))
     assert not Path(paths[0]).exists() and not Path(f"{paths[0]}.rank1").exists()   # the answers are read once
+
+
+def test_logprob_diffs_refuses_records_of_another_workload():
+    """A reused engine record from an older workload (other prompts) is an error that says so, not a silent zip."""
+    compare = _load("fi_it_compare", "integration_tests/compare.py")
+    run = {"prompt_logprobs": [[-1.0, -2.0], [-0.5]], "prefix_hit_first_token": [{"7": -0.1}]}
+    older = {**run, "prompt_logprobs": run["prompt_logprobs"][:1]}
+    assert compare.logprob_diffs(run, {**run, "prompt_logprobs": [[-1.0, -2.5], [-0.5]]}) == [0.0, 0.5, 0.0, 0.0]
+    with pytest.raises(ValueError, match="different workloads"):
+        compare.logprob_diffs(older, run)
