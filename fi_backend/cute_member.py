@@ -198,8 +198,8 @@ class CuteMember:
             p.q, p.out, p.lse, p.k, p.v, p.qo_indptr, p.kv_lens, p.kv_indices, p.kv_block_start,
             self.counter.data_ptr(), p.error_flags, p.num_kv_indices, p.q_stride_row, p.q_stride_head,
             p.out_stride_row, p.out_stride_head, p.lse_stride_row, p.kv_stride_block, p.kv_stride_token,
-            p.kv_stride_head, *v_strides, p.num_kv_blocks, p.kv_block_start_int64, batch, max_q, self.heads, self.kv_heads,
-            total_q, total_kv, L2_SECTION_BYTES, window, p.logits_scale, cap, stream)
+            p.kv_stride_head, *v_strides, p.num_kv_blocks, p.kv_block_start_int64, batch, max_q, self.heads,
+            self.kv_heads, total_q, total_kv, L2_SECTION_BYTES, window, p.logits_scale, cap, stream)
 
     def check(self, rc: int) -> None:
         self.modules[0].check(rc, "fi_cute_attn_bsr")

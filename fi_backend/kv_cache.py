@@ -85,8 +85,6 @@ def parse_paged_kv_cache(kv_cache, kv_layout: str = "NHD", *, head_dim: Optional
         if k.shape != v.shape or (k.stride() != v.stride() and not v_strides_free):
             raise ValueError(f"k and v caches must have the same shape and strides (got {tuple(k.shape)} "
                              f"{k.stride()} and {tuple(v.shape)} {v.stride()})")
-        if v.stride(-1) != 1:
-            raise ValueError(f"v's head_dim must be contiguous (stride 1; got strides {v.stride()})")
         if k.dtype != v.dtype or k.device != v.device:
             raise ValueError(f"k and v caches must have the same dtype and device (got {k.dtype} on {k.device} "
                              f"and {v.dtype} on {v.device})")
@@ -109,6 +107,8 @@ def parse_paged_kv_cache(kv_cache, kv_layout: str = "NHD", *, head_dim: Optional
         raise TypeError(f"kv_cache must be a tensor or a (k, v) pair (got {type(kv_cache).__name__})")
     if k.stride(-1) != 1:
         raise ValueError(f"the KV cache's head_dim must be contiguous (stride 1; got strides {k.stride()})")
+    if v.stride(-1) != 1:
+        raise ValueError(f"v's head_dim must be contiguous (stride 1; got strides {v.stride()})")
     esz = k.element_size()
     if any((s * esz) % 16 for s in strides + v_strides) or (k_ptr | v_ptr) % 16 or (D * esz) % 16:
         shown = strides if v_strides == strides else f"{strides} (k) and {v_strides} (v)"
