@@ -273,7 +273,7 @@ LLAMA = dict(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_s
     {}, {"kv_cache_dtype": "fp8"}, {"kv_cache_dtype": "fp8_e4m3"}, {"kv_cache_dtype": None},
     {"kv_cache_dtype": "bfloat16"}, {"dtype": torch.float16, "kv_cache_dtype": "float16"}, {"head_size": 64},
     {"head_size": 256}, {"head_size": 80}, {"head_size": 96}, {"block_size": 1}, {"block_size": 256}, {"block_size": 48}, {"block_size": None},
-    {"has_sliding_window": True}, {"device_capability": SimpleNamespace(major=8, minor=0)},
+    {"has_sliding_window": True}, {"attn_type": "encoder_only"}, {"device_capability": SimpleNamespace(major=8, minor=0)},
     {"device_capability": SimpleNamespace(major=8, minor=9)},
 ])
 def test_supported_configurations(change):
@@ -290,6 +290,7 @@ def test_supported_configurations(change):
     ({"attn_type": "encoder"}, "attention type encoder"),
     ({"attn_type": "encoder_decoder"}, "cross-attention"),
     ({"use_non_causal": True}, "non-causal"),
+    ({"attn_type": "encoder_only", "has_sliding_window": True}, "two-sided window"),
     ({"has_sink": True}, "sinks"),
     ({"use_sparse": True}, "sparse"),
     ({"use_mm_prefix": True}, "multimodal"),
@@ -336,8 +337,13 @@ def impl(num_heads=8, head_size=64, num_kv_heads=2, **kw):
 def test_impl_refuses_what_the_kernels_cannot_run():
     with pytest.raises(ValueError, match="head sizes"):
         impl(head_size=112)
-    with pytest.raises(NotImplementedError, match="decoder self-attention"):
-        impl(attn_type="encoder_only")
+    with pytest.raises(NotImplementedError, match="attention types decoder, encoder_only, got encoder_decoder"):
+        impl(attn_type="encoder_decoder")
+    assert impl(attn_type="encoder_only").attn_type == "encoder_only"
+    with pytest.raises(NotImplementedError, match="encoder-only attention with a sliding window or ALiBi"):
+        impl(attn_type="encoder_only", sliding_window=128)
+    with pytest.raises(NotImplementedError, match="encoder-only attention with a sliding window or ALiBi"):
+        impl(attn_type="encoder_only", alibi_slopes=[0.5] * 8)
     with pytest.raises(NotImplementedError, match="sinks"):
         impl(sinks=torch.zeros(8))
     with pytest.raises(NotImplementedError, match="use_alibi_sqrt"):
@@ -676,6 +682,120 @@ def test_fresh_steps_read_their_own_key_and_value(monkeypatch):
         cm, q, k, v = eng.step(cases[0][0])
         md = planner.plan(cm, capture=bool(kw.get("split_mixed")))
         assert not md.fresh and not fresh.plans
+
+
+# ------------------------------------------------------------------------------------ encoder-only layers
+
+class EncoderRefWrapper(FreshRefWrapper):
+    """The encoder-only group's ragged wrapper: its CuTe stand-in takes steps with no one-row request; where it does
+    not, the tile family runs, which needs K and V of equal strides."""
+
+    def run(self, q, kv_cache, *, out, k_scale=1.0, v_scale=1.0):
+        k, v = kv_cache
+        assert self.cute_step or k.stride() == v.stride(), "the tile family reads V by K's strides"
+        self.strides_equal = k.stride() == v.stride()
+        return super().run(q, kv_cache, out=out)
+
+
+def _encoder_step(lens, hq, hkv, d, gen, rotary_key):
+    """vLLM's metadata of an encoder-only step (causal False, each prompt whole: keys = its own rows, no KV cache,
+    a block table of zeros) and the step's q / k / v, views of one fused QKV buffer (k a tensor of its own with
+    rotary_key, as a rotary embedding makes it)."""
+    qsl = torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    rows = int(qsl[-1])
+    qkv = torch.randn(rows, hq + 2 * hkv, d, generator=gen)
+    q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
+    if rotary_key:
+        k = k.contiguous()
+    cm = SimpleNamespace(query_start_loc=qsl.clone(), query_start_loc_cpu=qsl,
+                         seq_lens=torch.tensor(lens, dtype=torch.int32),
+                         seq_lens_cpu_upper_bound=torch.tensor(lens, dtype=torch.int32), num_reqs=len(lens),
+                         num_actual_tokens=rows, max_query_len=max(lens), max_seq_len=max(lens),
+                         block_table_tensor=torch.zeros(len(lens), 1, dtype=torch.int32),
+                         slot_mapping=torch.zeros(rows, dtype=torch.int64), causal=False)
+    return cm, q, k, v
+
+
+@pytest.mark.parametrize("lens, on_member", [([5, 1, 9], False), ([5, 2, 9], True)])
+@pytest.mark.parametrize("rotary_key", [False, True])
+def test_encoder_only_steps_attend_both_ways(lens, on_member, rotary_key):
+    """Encoder-only layers: each step plans one non-causal ragged plan over the step's own rows and forward runs it
+    over key / value (no KV cache to write or read); where the tile family runs and key / value have different
+    strides, they go through one kept buffer first. Outputs: bidirectional attention over each prompt's tokens."""
+    hq, hkv, d = 4, 2, 64
+    gen = torch.Generator().manual_seed(21)
+    wrapper = EncoderRefWrapper("encoder")
+    planner = adapter._EncoderPlanner(wrapper, sm_scale=0.3, variant_params={})
+    cm, q, k, v = _encoder_step(lens, hq, hkv, d, gen, rotary_key)
+    before = adapter.plan_counts()["encoder_only"]
+    md = planner.plan(cm)
+    assert md.fresh and md.wrapper is wrapper and adapter.plan_counts()["encoder_only"] == before + 1
+    p = wrapper.plans[-1]
+    assert p["causal"] is False and p["bsr"].contiguous and p["kv"].tolist() == lens
+    assert wrapper.cute_step == on_member
+    layer_impl = adapter._Impl(hq, d, 0.3, hkv, attn_type="encoder_only")
+    layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0)
+    empty = torch.tensor([])   # vLLM's encoder-only layers have no KV cache
+    layer_impl.do_kv_cache_update(layer, k, v, empty, cm.slot_mapping)
+    out = torch.full((cm.num_actual_tokens, hq, d), math.nan)
+    layer_impl.forward(layer, q, k, v, empty, md, out)
+    assert wrapper.strides_equal == (not rotary_key or not on_member)
+    qsl = cm.query_start_loc_cpu.tolist()
+    for i, n in enumerate(lens):
+        rows = slice(qsl[i], qsl[i + 1])
+        want = truth(q[rows], k[rows], v[rows], torch.full((n,), n - 1), scale=0.3)   # every key visible
+        torch.testing.assert_close(out[rows].double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_encoder_only_plan_refuses_what_it_cannot_run():
+    """A causal step, a prompt split over steps (its earlier tokens are in no cache) and a CUDA-graph capture are
+    errors that name the problem."""
+    planner = adapter._EncoderPlanner(EncoderRefWrapper("encoder"), sm_scale=0.3, variant_params={})
+    gen = torch.Generator().manual_seed(3)
+    cm, _, _, _ = _encoder_step([4, 6], 4, 2, 64, gen, False)
+    with pytest.raises(ValueError, match="non-causal"):
+        planner.plan(SimpleNamespace(**{**vars(cm), "causal": True}))
+    split = SimpleNamespace(**{**vars(cm), "seq_lens_cpu_upper_bound": torch.tensor([4, 9], dtype=torch.int32)})
+    with pytest.raises(ValueError, match=r"whole in one step.*requests \[1\]"):
+        planner.plan(split)
+    with pytest.raises(NotImplementedError, match="CUDA graphs"):
+        planner.plan(cm, capture=True)
+
+
+def test_builder_of_an_encoder_only_group(stub_vllm, monkeypatch, caplog, prepared):
+    """An encoder-only group (vLLM's EncoderOnlyAttentionSpec, impls of attn_type encoder_only) gets one ragged
+    prefill wrapper (page 1, K / V in the model's dtype), its modules built first, the encoder planner, and no CUDA
+    graphs; a group mixing attention types is refused."""
+    impls = {f"layers.{i}.attn": adapter._Impl(12, 64, 0.125, 12, attn_type="encoder_only") for i in range(2)}
+    _stub_layer_lookup(monkeypatch, impls)
+    made = []
+    monkeypatch.setattr(adapter, "_make_wrapper", lambda kernel, **kw: made.append((kernel, kw)) or SimpleNamespace(
+        module_names=[f"{kernel}_module"], cute_unsupported=None))
+    cfg = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=512,
+                                                           enable_chunked_prefill=False),
+                          model_config=SimpleNamespace(dtype=torch.float16, max_model_len=512),
+                          parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    EncoderOnlyAttentionSpec = type("EncoderOnlyAttentionSpec", (), {})
+    spec = EncoderOnlyAttentionSpec()
+    spec.num_kv_heads, spec.head_size, spec.block_size = 12, 64, 16
+    caplog.set_level("INFO", logger="vllm.fi_backend")
+    builder = adapter.FiAttentionMetadataBuilder(spec, list(impls), cfg, "cuda:0")
+    ((kernel, kw),) = made
+    assert kernel == "prefill" and kw["ragged"] and kw["page_size"] == 1 and kw["max_rows"] == 512
+    assert kw["q_dtype"] == kw["kv_dtype"] == torch.float16
+    ((args, pkw),) = prepared
+    assert args == (12, 12, 64) and pkw["kinds"] == ("prefill",) and pkw["ragged"] and pkw["page_size"] == 1
+    assert isinstance(builder._step, adapter._EncoderPlanner) and not builder.use_cascade_attention(64)
+    assert adapter.FiAttentionMetadataBuilder.get_cudagraph_support(cfg, spec) == stub_vllm.CG.NEVER
+    decoder_spec = SimpleNamespace(num_kv_heads=12, head_size=64, block_size=16)
+    assert adapter.FiAttentionMetadataBuilder.get_cudagraph_support(cfg, decoder_spec) == stub_vllm.CG.UNIFORM_BATCH
+    assert "encoder-only attention (2 layers" in caplog.text
+    cfg.scheduler_config.enable_chunked_prefill, cfg.model_config.max_model_len = True, 2048
+    with pytest.raises(ValueError, match="whole prompts: chunked prefill with max_num_batched_tokens 512"):
+        adapter.FiAttentionMetadataBuilder(spec, list(impls), cfg, "cuda:0")
+    impls["layers.1.attn"] = adapter._Impl(12, 64, 0.125, 12)
+    with pytest.raises(ValueError, match="mixes attention types"):
+        adapter.FiAttentionMetadataBuilder(spec, list(impls), cfg, "cuda:0")
 
 
 def test_batch_invariant_warns_when_decodes_are_not_first(monkeypatch, caplog):

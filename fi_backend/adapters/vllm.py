@@ -51,6 +51,13 @@ whose member reads forward's own key / value rows, one TMA box a KV tile, where 
 3-13% (docs/prefill.md, "New prompts on their own K / V"). FI_BACKEND_PREFILL_FRESH=0 turns it off; layers that share
 another layer's KV cache (no key / value in forward) and batch invariance keep every step on the cache.
 
+Encoder-only layers (BERT-like embedding and scoring models; vLLM's EncoderOnlyAttentionSpec group, no KV cache):
+their builder makes one ragged prefill wrapper and plans each step non-causal over the step's own rows
+(_EncoderPlanner): forward reads key / value, the CuTe member where it applies, the tile family otherwise (key and
+value copied into one kept buffer first where their strides differ). Each prompt runs whole in one step (vLLM turns
+chunked prefill off for these models; fi-backend refuses it at start-up where it could split a prompt). No CUDA graphs
+(AttentionCGSupport.NEVER: the prompts' sizes change every step). Two-sided sliding windows and ALiBi are refused.
+
 No GPU-to-CPU synchronisation per step: the plan is made from query_start_loc_cpu and
 seq_lens_cpu_upper_bound (an upper bound is enough: the kernels read the true lengths from seq_lens on
 the device and clip to them; the schedule is at worst slightly pessimistic).
@@ -85,6 +92,7 @@ ENTRY_POINT_GROUP = "vllm.general_plugins"
 HEAD_SIZES = HEAD_DIMS                                 # the kernels' (fi_backend.wrappers)
 DTYPES = (torch.bfloat16, torch.float16)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3")  # "fp8" is e4m3 on CUDA
+ATTN_TYPES = ("decoder", "encoder_only")   # vLLM's AttentionType values fi-backend runs
 MAX_BLOCK_SIZE = 256                                   # the kernels' largest page (KV block width Bc)
 # Hopper (sm_90a: warpgroup MMAs, TMA) and Ampere / Ada (mma.sync: A100, A10, L40S, RTX 4090)
 COMPUTE_CAPABILITIES = ((8, 0), (8, 6), (8, 7), (8, 9), (9, 0))
@@ -95,7 +103,8 @@ _VLLM_CLASSES = ("FiAttentionBackend", "FiAttentionMetadataBuilder", "FiAttentio
 _log = logging.getLogger("vllm.fi_backend")
 _logged_active = False
 _warned_unordered = False
-_PLAN_COUNTS = {"decode": 0, "prefill": 0, "grouped_decode": 0, "grouped_extend": 0, "cute": 0, "fresh": 0}
+_PLAN_COUNTS = {"decode": 0, "prefill": 0, "grouped_decode": 0, "grouped_extend": 0, "cute": 0, "fresh": 0,
+                "encoder_only": 0}
 _wrappers = weakref.WeakSet()   # every BatchAttention this process made, for check_errors()
 _define_lock = threading.Lock()  # the vLLM classes are made once: vLLM compares them by identity
 # Host block tables for shared-prefix groups, published by the opt-in worker (adapters/vllm_worker.py): its V2
@@ -410,19 +419,8 @@ class _StepPlanner:
 
     def _plan_fresh(self, cm, qo_cpu, kv_cpu) -> FiAttentionMetadata:
         """A step of new prompts only, on the fresh wrapper over forward's key / value."""
-        n = cm.num_reqs
-        rows = int(qo_cpu[n])
-        bsr = self._fresh_rows.bsr(cm.query_start_loc[: n + 1], cm.seq_lens[:n], rows)
-        self.fresh.plan(qo_cpu[: n + 1], kv_cpu, bsr, causal=True, sm_scale=self.sm_scale, debug=self.debug,
-                        **self.variant_params)
-        _PLAN_COUNTS["prefill"] += 1
-        _PLAN_COUNTS["fresh"] += 1
-        if self.fresh.cute_step:
-            _PLAN_COUNTS["cute"] += 1
-        return FiAttentionMetadata(wrapper=self.fresh, num_rows=rows, num_actual_tokens=cm.num_actual_tokens,
-                                   max_query_len=cm.max_query_len, query_start_loc=cm.query_start_loc,
-                                   seq_lens=cm.seq_lens, block_table=cm.block_table_tensor,
-                                   slot_mapping=cm.slot_mapping, fresh=True)
+        return _plan_own_rows(self.fresh, self._fresh_rows, cm, qo_cpu, kv_cpu, causal=True, sm_scale=self.sm_scale,
+                              debug=self.debug, variant_params=self.variant_params, count="fresh")
 
     def _plan_mixed(self, cm, qo_cpu, kv_cpu, nd: int, fresh: bool = False) -> FiAttentionMetadata:
         """A mixed step's nd leading decodes on the decode wrapper, the rest on the prefill wrapper: for batch
@@ -540,6 +538,82 @@ def _group_settings(impls: dict) -> _GroupSettings:
     return next(iter(groups))
 
 
+def _plan_own_rows(wrapper, rows: RaggedRows, cm, qo_cpu, kv_cpu, *, causal: bool, sm_scale: float, debug: bool,
+                   variant_params: dict, count: str) -> FiAttentionMetadata:
+    """Plan a ragged wrapper over the step's own K / V rows (every request's keys are its queries; forward's key /
+    value), counted under `count`; the step's metadata (fresh: forward reads key / value, not the cache)."""
+    n = cm.num_reqs
+    num_rows = int(qo_cpu[n])
+    bsr = rows.bsr(cm.query_start_loc[: n + 1], cm.seq_lens[:n], num_rows)
+    wrapper.plan(qo_cpu[: n + 1], kv_cpu, bsr, causal=causal, sm_scale=sm_scale, debug=debug, **variant_params)
+    _PLAN_COUNTS["prefill"] += 1
+    _PLAN_COUNTS[count] += 1
+    if wrapper.cute_step:
+        _PLAN_COUNTS["cute"] += 1
+    return FiAttentionMetadata(wrapper=wrapper, num_rows=num_rows, num_actual_tokens=cm.num_actual_tokens,
+                               max_query_len=cm.max_query_len, query_start_loc=cm.query_start_loc,
+                               seq_lens=cm.seq_lens, block_table=cm.block_table_tensor, slot_mapping=cm.slot_mapping,
+                               fresh=True)
+
+
+_row_buffers: dict = {}   # (device, dtype, heads, head size) -> [2, rows, heads, head size], grown as steps need
+
+
+def _same_strides(k: torch.Tensor, v: torch.Tensor):
+    """k and v [rows, heads, D] copied into one kept buffer, so that they have equal strides: what the tile family
+    needs where a layer's key and value are views of different tensors (a rotary key and a fused QKV's value) and
+    the CuTe member (which reads each by its own strides) does not take the step."""
+    rows, heads, d = k.shape
+    key = (k.device, k.dtype, heads, d)
+    buf = _row_buffers.get(key)
+    if buf is None or buf.shape[1] < rows:
+        buf = _row_buffers[key] = torch.empty((2, (rows + 1023) // 1024 * 1024, heads, d), dtype=k.dtype,
+                                              device=k.device)
+    kb, vb = buf[0, :rows], buf[1, :rows]
+    kb.copy_(k)
+    vb.copy_(v)
+    return kb, vb
+
+
+def _is_encoder_only(kv_cache_spec, kinds: Optional[dict] = None) -> bool:
+    """Whether an attention group is encoder-only: vLLM gives such layers an EncoderOnlyAttentionSpec (no KV cache
+    behind it) and their impls attn_type "encoder_only"."""
+    return (type(kv_cache_spec).__name__ == "EncoderOnlyAttentionSpec"
+            or (kinds is not None and "encoder_only" in kinds.values()))
+
+
+class _EncoderPlanner:
+    """One plan per step for encoder-only layers: every request's keys are its own query rows (no KV cache; vLLM
+    runs each prompt whole in one step), non-causal, on one ragged prefill wrapper (BatchAttention(ragged=True))
+    over forward's key / value."""
+
+    shared_prefix = False   # use_cascade_attention: no
+    page_size = 1
+
+    def __init__(self, wrapper, *, sm_scale: float, variant_params: dict, debug: bool = False):
+        self.wrapper, self.sm_scale, self.variant_params, self.debug = wrapper, sm_scale, variant_params, debug
+        self._rows = RaggedRows()
+
+    def plan(self, cm, common_prefix_len: int = 0, capture: bool = False) -> FiAttentionMetadata:
+        if capture:
+            raise NotImplementedError("fi-backend does not capture encoder-only attention in CUDA graphs (its "
+                                      "builder says NEVER)")
+        if cm.causal is not False:
+            raise ValueError(f"encoder-only attention is non-causal; vLLM's metadata says causal={cm.causal!r}")
+        n = cm.num_reqs
+        qo_cpu = cm.query_start_loc_cpu[: n + 1]
+        q_lens = qo_cpu[1:] - qo_cpu[:-1]
+        kv_cpu = getattr(cm, "seq_lens_cpu_upper_bound", None)
+        if kv_cpu is not None and not torch.equal(kv_cpu[:n].to(q_lens.dtype), q_lens):
+            bad = torch.nonzero(kv_cpu[:n].to(q_lens.dtype) != q_lens).flatten().tolist()[:8]
+            raise ValueError(f"encoder-only attention needs each prompt whole in one step (no KV cache holds its "
+                             f"earlier tokens); requests {bad} have KV lengths {kv_cpu[bad].tolist()} against query "
+                             f"lengths {q_lens[bad].tolist()}")
+        return _plan_own_rows(self.wrapper, self._rows, cm, qo_cpu, q_lens.to(torch.int32), causal=False,
+                              sm_scale=self.sm_scale, debug=self.debug, variant_params=self.variant_params,
+                              count="encoder_only")
+
+
 def _kv_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     if kv_cache_dtype in ("fp8", "fp8_e4m3"):
         return _FP8_DTYPE
@@ -626,7 +700,8 @@ class _Backend:
 
     @classmethod
     def supports_attn_type(cls, attn_type: str) -> bool:
-        return attn_type == "decoder"
+        # encoder-only: BERT-like embedding and scoring models' bidirectional attention over each prompt's own K / V
+        return attn_type in ATTN_TYPES
 
     @classmethod
     def supports_compute_capability(cls, capability) -> bool:
@@ -662,9 +737,13 @@ class _Backend:
             reasons.append(f"block size {block_size} is not supported (fi-backend: 1..{MAX_BLOCK_SIZE})")
         if not cls.supports_attn_type(attn_type):
             reasons.append(f"attention type {getattr(attn_type, 'value', attn_type)} is not supported: fi-backend "
-                           "runs decoder self-attention only (no encoder, encoder-only or cross-attention)")
+                           "runs decoder self-attention and encoder-only attention (no encoder-decoder or "
+                           "cross-attention)")
         if use_non_causal:
             reasons.append("non-causal (bidirectional) decoder attention is not supported")
+        if str(getattr(attn_type, "value", attn_type)) == "encoder_only" and has_sliding_window:
+            reasons.append("encoder-only attention with a sliding window is not supported (a two-sided window; the "
+                           "kernels' windows are causal)")
         if has_sink:
             reasons.append("attention sinks are not supported")
         if use_sparse:
@@ -708,6 +787,12 @@ class _MetadataBuilder:
         device = rank_device(device)   # vLLM passes the rank's cuda:<local rank>; an index-less one: the current
         tp = int(getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1)
         where = f"{device}" + (f" (one of {tp} tensor-parallel ranks)" if tp > 1 else "")
+        kinds = {name: getattr(layer.impl, "attn_type", "decoder") for name, layer in layers.items()}
+        if len(set(kinds.values())) > 1:
+            raise ValueError(f"an attention group mixes attention types: {kinds}")
+        if _is_encoder_only(kv_cache_spec, kinds):
+            self._init_encoder_only(s, len(layers), vllm_config, device, where)
+            return
         common = dict(device=device, num_qo_heads=s.num_qo_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                       q_dtype=q_dtype, kv_dtype=_kv_torch_dtype(s.kv_cache_dtype, q_dtype),
                       page_size=kv_cache_spec.block_size, variant=s.variant, max_requests=sched.max_num_seqs)
@@ -782,9 +867,49 @@ class _MetadataBuilder:
                                   graph_prefill=graph_prefill, split_mixed=split_mixed, fresh=fresh)
         _log_active(s, kv_cache_spec.block_size, len(layers), where)
 
+    def _init_encoder_only(self, s: "_GroupSettings", num_layers: int, vllm_config, device, where: str) -> None:
+        """Encoder-only layers (no KV cache): one ragged prefill wrapper over each step's own key / value rows,
+        non-causal, the CuTe member where it applies (_EncoderPlanner)."""
+        from fi_backend.wrappers import BatchAttention
+        sched, q_dtype = vllm_config.scheduler_config, vllm_config.model_config.dtype
+        what = f"{s.num_qo_heads} query heads, {s.num_kv_heads} KV heads, head size {s.head_dim}, encoder-only"
+        max_len = getattr(vllm_config.model_config, "max_model_len", None)
+        if getattr(sched, "enable_chunked_prefill", False) and max_len and sched.max_num_batched_tokens < max_len:
+            # a prompt split over steps would attend to its own chunk only: no cache holds the earlier ones
+            raise ValueError(f"fi-backend runs encoder-only attention on whole prompts: chunked prefill with "
+                             f"max_num_batched_tokens {sched.max_num_batched_tokens} < max_model_len {max_len} would "
+                             "split them (turn chunked prefill off, vLLM's default for these models)")
+        deterministic = batch_invariant()
+        common = dict(device=device, num_qo_heads=s.num_qo_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
+                      q_dtype=q_dtype, kv_dtype=q_dtype, page_size=1, variant=s.variant,
+                      max_requests=sched.max_num_seqs, deterministic=deterministic)
+        try:
+            BatchAttention.prepare(s.num_qo_heads, s.num_kv_heads, s.head_dim, kinds=("prefill",), q_dtype=q_dtype,
+                                   kv_dtype=q_dtype, page_size=1, ragged=True, variant=s.variant,
+                                   deterministic=deterministic, device=device)
+            wrapper = _make_wrapper("prefill", max_rows=max(sched.max_num_batched_tokens, sched.max_num_seqs),
+                                    ragged=True, **common)
+        except Exception as e:  # a build failure or a refused shape: say which model shape, at start-up
+            raise RuntimeError(f"fi-backend cannot run this model's attention ({what}): {e}") from e
+        params = dict(s.plan_params)
+        if "alibi_slopes" in params:
+            params["alibi_slopes"] = torch.tensor(params["alibi_slopes"], dtype=torch.float32, device=device)
+        self._step = _EncoderPlanner(wrapper, sm_scale=s.sm_scale, variant_params=params,
+                                     debug=os.environ.get("FI_BACKEND_VLLM_DEBUG") == "1")
+        member = ("the CuTe member where it applies" if wrapper.cute_unsupported is None
+                  else f"the tile family (no CuTe member: {wrapper.cute_unsupported})")
+        _log.info("fi-backend: encoder-only attention (%d layers, %s) on each step's own K / V, non-causal, on %s, "
+                  "on %s", num_layers, what, member, where)
+        for name in wrapper.module_names:
+            _log.info("fi-backend: kernel module %s ready (%s) on %s", name, what, where)
+
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
         # UNIFORM_BATCH, not ALWAYS: mixed batches run piecewise with attention eager (see the module docstring).
+        # Encoder-only steps are prompts whose sizes a graph would keep: never captured
+        if _is_encoder_only(kv_cache_spec):
+            from vllm.v1.attention.backend import AttentionCGSupport
+            return AttentionCGSupport.NEVER
         return cls._cudagraph_support
 
     def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False) -> FiAttentionMetadata:
@@ -817,8 +942,13 @@ class _Impl:
                  sliding_window: Optional[int] = None, kv_cache_dtype: str = "auto",
                  logits_soft_cap: Optional[float] = None, attn_type: str = "decoder",
                  kv_sharing_target_layer_name: Optional[str] = None, sinks: Optional[torch.Tensor] = None, **other):
-        if attn_type != "decoder":
-            raise NotImplementedError(f"fi-backend runs decoder self-attention only, got attention type {attn_type}")
+        attn_type = str(getattr(attn_type, "value", attn_type))
+        if attn_type not in ATTN_TYPES:
+            raise NotImplementedError(f"fi-backend runs attention types {', '.join(ATTN_TYPES)}, got {attn_type}")
+        if attn_type == "encoder_only" and (sliding_window or alibi_slopes is not None):
+            # the kernels' windows and ALiBi are causal ones (keys to the left); an encoder's are two-sided
+            raise NotImplementedError("fi-backend does not run encoder-only attention with a sliding window or ALiBi "
+                                      "(two-sided there; the kernels' are causal)")
         if head_size not in HEAD_SIZES:
             raise ValueError(f"fi-backend supports head sizes {HEAD_SIZES}, got {head_size}")
         if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -884,8 +1014,11 @@ class _Impl:
             attn_metadata.wrapper.run(query[nd:n], kv, out=out[nd:n], k_scale=layer._k_scale_float,
                                       v_scale=layer._v_scale_float)
             return output
-        if fresh:  # new prompts only: their own K / V rows (the cache was written before)
-            attn_metadata.wrapper.run(query, (key[:n].unsqueeze(1), value[:n].unsqueeze(1)), out=out)
+        if fresh:  # new prompts only (or encoder-only layers): their own K / V rows, not the cache
+            k, v = key[:n], value[:n]
+            if k.stride() != v.stride() and not attn_metadata.wrapper.cute_step:
+                k, v = _same_strides(k, v)   # the tile family reads V by K's strides
+            attn_metadata.wrapper.run(query, (k.unsqueeze(1), v.unsqueeze(1)), out=out)
             return output
         kv = self._kv(kv_cache)
         attn_metadata.wrapper.run(query, kv, out=out, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float)
@@ -897,7 +1030,7 @@ class _Impl:
     def do_kv_cache_update(self, layer, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
         """Write this step's K/V [tokens, kv_heads, head_size] at slot_mapping (-1 = padding, skipped)."""
-        if kv_cache.numel() == 0:   # dummy runs before vLLM binds the caches
+        if kv_cache.numel() == 0 or self.attn_type == "encoder_only":   # dummy runs; encoder-only layers: no cache
             return
         # fp8: the scales as vLLM's device tensors, so a captured graph reads their current values.
         _ops.append_paged_kv_cache(key, value, self._kv(kv_cache), slot_mapping, kv_layout="NHD",

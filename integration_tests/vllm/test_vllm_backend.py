@@ -170,7 +170,9 @@ SHAPES = {
     "gemma2_9b": ("gemma2_9b.json", 128, 4.0),
 }
 REAL_VARIANTS = os.environ.get("FI_VLLM_TEST_REAL_VARIANTS", "0") == "1"
-KINDS = ("llama", "window") + tuple(SHAPES) + tuple(TP_KINDS) + ("deterministic", "shared")
+# Encoder-only kinds (test_encoder_only_embeddings_match_flash_attn): kind -> config file; pooling runner, embeddings
+ENCODER_KINDS = {"bert": "bert_base.json"}
+KINDS = ("llama", "window") + tuple(SHAPES) + tuple(TP_KINDS) + tuple(ENCODER_KINDS) + ("deterministic", "shared")
 # Issue 31's engine bar (kind deterministic; module docstring): label -> (backend, the engine process's environment).
 # Llama-3.1-8B's shapes, CUDA graphs on, prefix caching and chunked prefill on as in every engine here.
 DET_ENGINES = {
@@ -227,6 +229,8 @@ def model_config(kind: str) -> dict:
             config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(LAYERS)]
     elif kind in TP_KINDS:
         config = dict(TP_KINDS[kind][0])
+    elif kind in ENCODER_KINDS:
+        config = json.loads((CONFIGS / ENCODER_KINDS[kind]).read_text())
     else:
         config = _llama_config()
     config["num_hidden_layers"] = LAYERS
@@ -243,10 +247,16 @@ def _window(config: dict):
     return config.get("sliding_window")
 
 
+def _encoder_only(config: dict) -> bool:
+    return config.get("model_type") == "bert"
+
+
 def workload_options(config: dict) -> dict:
     """What the logprob workload adapts to a model: the token-id range (below its vocabulary) and, when its
     window is longer than the workload's prompts (FI_VLLM_TEST_REAL_VARIANTS=1), one prompt 300 tokens past
     it and the max_model_len that takes it."""
+    if _encoder_only(config):   # prompts up to the model's positions (BERT: 512), each whole in one step
+        return {"token_hi": config["vocab_size"], "long_prompts": [], "max_model_len": config["max_position_embeddings"]}
     window = _window(config)
     long = [window + 300] if window and window + 300 > 1300 else []
     max_len = ENGINE_ARGS["max_model_len"]
@@ -374,6 +384,20 @@ def workload_logprobs(llm, token_hi: int = 120000, long_prompts=()) -> dict:
             for o in outs]
     return {"prompt_logprobs": prompt_lp, "prefix_hit_first_token": first, "prefix_hit_cached_tokens": cached,
             "generations": gens}
+
+
+def workload_embed(llm, token_hi: int) -> dict:
+    """Embeddings (the pooling runner's; BERT: the first token's, normalised) of prompts of 1 to 511 tokens in one
+    call, then of three short ones alone: with fi-backend the first step is one the CuTe member takes (where it
+    runs) and the second one it leaves to the tile family (too few query tiles). Token ids in [1000, token_hi)."""
+    from vllm import TokensPrompt
+    rng = random.Random(2024)
+    batches = [[_tokens(rng, n, token_hi) for n in (1, 7, 64, 200, 511)], [_tokens(rng, n, token_hi) for n in (3, 9, 30)]]
+    vectors = []
+    for prompts in batches:
+        outs = llm.embed([TokensPrompt(prompt_token_ids=p) for p in prompts], use_tqdm=False)
+        vectors += [[float(x) for x in o.outputs.embedding] for o in outs]
+    return {"embeddings": vectors, "prompt_lens": [len(p) for b in batches for p in b]}
 
 
 def workload_long(llm, rounds: int = 3, token_hi: int = 120000) -> dict:
@@ -543,6 +567,8 @@ def run_engine(backend: str, graphs: bool, model: str, workloads: list, out: str
             from fi_backend.adapters.vllm import register
             register()
     kwargs = dict(ENGINE_ARGS, max_model_len=options["max_model_len"])
+    if _encoder_only(config):   # no KV cache: nothing to cache, each prompt whole in one step
+        kwargs.update(runner="pooling", enable_prefix_caching=False, enable_chunked_prefill=False)
     if tp > 1:
         kwargs["tensor_parallel_size"] = tp
     shared = "shared" in workloads
@@ -579,6 +605,8 @@ def run_engine(backend: str, graphs: bool, model: str, workloads: list, out: str
             record[name] = workload_det(llm, options["token_hi"])
         elif name == "shared":
             record[name] = workload_shared(llm, options["token_hi"])
+        elif name == "embed":
+            record[name] = workload_embed(llm, options["token_hi"])
         else:
             record[name] = workload_long(llm, token_hi=options["token_hi"])
         record[name + "_s"] = time.perf_counter() - t0
@@ -848,6 +876,42 @@ def test_model_shapes_match_flash_attn(engines, kind):
     assert spread > 0.5, "degenerate model: prompt logprobs too uniform to tell attention apart"
     assert got["max"] <= bound["max"] and got["mean"] <= bound["mean"], (got, bound)
     assert max(gen, default=0.0) <= bound["max"], (gen, bound)
+
+
+def _embedding_diffs(ref: dict, test: dict) -> list:
+    """|difference| of every embedding entry, over its vector's RMS in ref."""
+    diffs = []
+    for a, b in zip(ref["embeddings"], test["embeddings"], strict=True):
+        rms = math.sqrt(sum(x * x for x in a) / len(a))
+        diffs += [abs(x - y) / rms for x, y in zip(a, b, strict=True)]
+    return diffs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", sorted(ENCODER_KINDS))
+def test_encoder_only_embeddings_match_flash_attn(engines, kind):
+    """An encoder-only model (BERT-base's shapes: 12 heads of 64, bidirectional attention over each prompt, no KV
+    cache), eager, pooling runner: CUSTOM's embeddings within 2x this model's TRITON_ATTN vs FLASH_ATTN distance
+    (plus the floor) of FLASH_ATTN's, entries over their vector's RMS. fi-backend planned encoder-only steps only,
+    one of them on the CuTe member and one on the tile family where the member runs here."""
+    _selected(kind)
+    fa, triton, custom = (engines(b, kind=kind, workloads=("embed",)) for b in ("FLASH_ATTN", "TRITON_ATTN", "CUSTOM"))
+    noise = _stats(_embedding_diffs(fa["embed"], triton["embed"]))
+    bound = _bound(noise)
+    got = _stats(_embedding_diffs(fa["embed"], custom["embed"]))
+    vecs = fa["embed"]["embeddings"]
+    cosine = sum(x * y for x, y in zip(vecs[3], vecs[4])) / math.sqrt(sum(x * x for x in vecs[3]) *
+                                                                      sum(y * y for y in vecs[4]))
+    counts = custom["plan_counts"]
+    _write(f"encoder_only_{kind}", {"kind": kind, "config_file": ENCODER_KINDS[kind], "layers": LAYERS,
+                                    "prompt_lens": fa["embed"]["prompt_lens"], "noise_triton_vs_fa": noise,
+                                    "bound": bound, "custom_vs_fa": got, "fa_cosine_prompts_3_4": cosine,
+                                    "attention_layers": custom["attention"], "plan_counts": counts})
+    assert counts["encoder_only"] > 0 and counts["decode"] == 0, counts
+    if cute_member_expected():   # the first call's step on the member, the short prompts' on the tile family
+        assert 0 < counts["cute"] < counts["encoder_only"], counts
+    assert cosine < 0.99, "degenerate model: different prompts' embeddings nearly equal"
+    assert got["max"] <= bound["max"] and got["mean"] <= bound["mean"], (got, bound)
 
 
 @pytest.mark.gpu
