@@ -1,7 +1,7 @@
 """The SGLang adapter's EXTEND steps of new prompts (its layer group's fresh wrapper) with the real wrappers on the
 GPU, without SGLang: the backend made from tests/test_adapter_sglang.py's ModelRunner stand-in (a bf16 token pool of
 page 1 on the GPU), a step of new prompts, its K / V written into the pool by the backend, and forward over k / v as
-SGLang hands them over ([tokens, KV heads x D] views of a fused QKV projection, or a key of its own), against the
+SGLang hands them over ([tokens, KV heads, D] views of a fused QKV projection, or a key of its own), against the
 float64 reference, the output buffer NaN-poisoned. The fresh wrapper's CuTe member runs it. Needs an sm_90a GPU and
 the nvidia-cutlass wheel."""
 from __future__ import annotations
@@ -64,7 +64,9 @@ def test_fresh_extend_steps_on_the_gpu(backend, own_key):
     tokens = sum(LENS)
     for layer in layers:
         qkv = (1.5 * torch.randn(tokens, (HQ + 2 * HKV) * D, generator=gen)).to(torch.bfloat16).cuda()
-        q, k, v = qkv[:, :HQ * D], qkv[:, HQ * D:(HQ + HKV) * D], qkv[:, (HQ + HKV) * D:]
+        # RadixAttention hands q over as [tokens, heads x D], k and v viewed as [tokens, KV heads, D]
+        q = qkv[:, :HQ * D]
+        k, v = qkv[:, HQ * D:(HQ + HKV) * D].view(tokens, HKV, D), qkv[:, (HQ + HKV) * D:].view(tokens, HKV, D)
         if own_key:   # a rotary embedding that returns a new key
             k = k.contiguous()
         fb._attn_output = torch.full((tokens, HQ * D), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -74,8 +76,8 @@ def test_fresh_extend_steps_on_the_gpu(backend, own_key):
         start = 0
         for row, n in zip(rows, LENS):
             hk, hv = eng.history(layer.layer_id, row, n)   # the backend's K / V write into the pool
-            torch.testing.assert_close(hk, k[start: start + n].view(n, HKV, D))
-            torch.testing.assert_close(hv, v[start: start + n].view(n, HKV, D))
+            torch.testing.assert_close(hk, k[start: start + n])
+            torch.testing.assert_close(hv, v[start: start + n])
             want = truth(q[start: start + n].view(n, HQ, D).cpu(), hk.cpu(), hv.cpu(), torch.arange(n),
                          scale=layer.scaling)
             got = out[start: start + n].double().cpu()
