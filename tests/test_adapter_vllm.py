@@ -793,6 +793,10 @@ def test_builder_of_an_encoder_only_group(stub_vllm, monkeypatch, caplog, prepar
     cfg.scheduler_config.enable_chunked_prefill, cfg.model_config.max_model_len = True, 2048
     with pytest.raises(ValueError, match="whole prompts: chunked prefill with max_num_batched_tokens 512"):
         adapter.FiAttentionMetadataBuilder(spec, list(impls), cfg, "cuda:0")
+    cfg.scheduler_config.enable_chunked_prefill = False
+    cfg.cache_config = SimpleNamespace(enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="whole prompts: prefix caching is on"):
+        adapter.FiAttentionMetadataBuilder(spec, list(impls), cfg, "cuda:0")
     impls["layers.1.attn"] = adapter._Impl(12, 64, 0.125, 12)
     with pytest.raises(ValueError, match="mixes attention types"):
         adapter.FiAttentionMetadataBuilder(spec, list(impls), cfg, "cuda:0")

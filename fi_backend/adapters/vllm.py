@@ -55,7 +55,8 @@ Encoder-only layers (BERT-like embedding and scoring models; vLLM's EncoderOnlyA
 their builder makes one ragged prefill wrapper and plans each step non-causal over the step's own rows
 (_EncoderPlanner): forward reads key / value, the CuTe member where it applies, the tile family otherwise (key and
 value copied into one kept buffer first where their strides differ). Each prompt runs whole in one step (vLLM turns
-chunked prefill off for these models; fi-backend refuses it at start-up where it could split a prompt). No CUDA graphs
+chunked prefill and prefix caching off for these models; fi-backend refuses either at start-up where it could split a
+prompt or reuse a prefix). No CUDA graphs
 (AttentionCGSupport.NEVER: the prompts' sizes change every step). Two-sided sliding windows and ALiBi are refused.
 
 No GPU-to-CPU synchronisation per step: the plan is made from query_start_loc_cpu and
@@ -879,6 +880,10 @@ class _MetadataBuilder:
             raise ValueError(f"fi-backend runs encoder-only attention on whole prompts: chunked prefill with "
                              f"max_num_batched_tokens {sched.max_num_batched_tokens} < max_model_len {max_len} would "
                              "split them (turn chunked prefill off, vLLM's default for these models)")
+        if getattr(getattr(vllm_config, "cache_config", None), "enable_prefix_caching", False):
+            # a cached prefix's K / V would come from no cache (and bidirectional layers' K / V depend on the rest)
+            raise ValueError("fi-backend runs encoder-only attention on whole prompts: prefix caching is on (turn it "
+                             "off, vLLM's default for these models)")
         deterministic = batch_invariant()
         common = dict(device=device, num_qo_heads=s.num_qo_heads, num_kv_heads=s.num_kv_heads, head_dim=s.head_dim,
                       q_dtype=q_dtype, kv_dtype=q_dtype, page_size=1, variant=s.variant,
