@@ -56,8 +56,8 @@ their builder makes one ragged prefill wrapper and plans each step non-causal ov
 (_EncoderPlanner): forward reads key / value, the CuTe member where it applies, the tile family otherwise (key and
 value copied into one kept buffer first where their strides differ). Each prompt runs whole in one step (vLLM turns
 chunked prefill and prefix caching off for these models; fi-backend refuses either at start-up where it could split a
-prompt or reuse a prefix). No CUDA graphs
-(AttentionCGSupport.NEVER: the prompts' sizes change every step). Two-sided sliding windows and ALiBi are refused.
+prompt or reuse a prefix). No CUDA graphs (AttentionCGSupport.NEVER: the prompts' sizes change every step). Two-sided
+sliding windows and ALiBi are refused.
 
 No GPU-to-CPU synchronisation per step: the plan is made from query_start_loc_cpu and
 seq_lens_cpu_upper_bound (an upper bound is enough: the kernels read the true lengths from seq_lens on
@@ -896,10 +896,8 @@ class _MetadataBuilder:
                                     ragged=True, **common)
         except Exception as e:  # a build failure or a refused shape: say which model shape, at start-up
             raise RuntimeError(f"fi-backend cannot run this model's attention ({what}): {e}") from e
-        params = dict(s.plan_params)
-        if "alibi_slopes" in params:
-            params["alibi_slopes"] = torch.tensor(params["alibi_slopes"], dtype=torch.float32, device=device)
-        self._step = _EncoderPlanner(wrapper, sm_scale=s.sm_scale, variant_params=params,
+        # (_Impl refuses windows and ALiBi here: at most a soft-cap)
+        self._step = _EncoderPlanner(wrapper, sm_scale=s.sm_scale, variant_params=dict(s.plan_params),
                                      debug=os.environ.get("FI_BACKEND_VLLM_DEBUG") == "1")
         member = ("the CuTe member where it applies" if wrapper.cute_unsupported is None
                   else f"the tile family (no CuTe member: {wrapper.cute_unsupported})")
