@@ -168,7 +168,8 @@ def test_member_variants(name, Hq, Hkv, D, causal):
 _RAGGED_SHAPES = [(32, 8, 128, torch.bfloat16, True), (28, 4, 128, torch.bfloat16, True),
                   (24, 8, 64, torch.bfloat16, True), (32, 32, 96, torch.float16, True),
                   (8, 4, 256, torch.bfloat16, True), (12, 2, 128, torch.float16, False),
-                  (40, 8, 128, torch.bfloat16, False)]
+                  (40, 8, 128, torch.bfloat16, False),
+                  (12, 12, 64, torch.bfloat16, False)]   # BERT-base: vLLM's encoder-only layers
 _RAGGED_VARIANT_SHAPES = [("window", 32, 8, 128), ("soft_cap_window", 16, 8, 256), ("soft_cap", 32, 16, 128)]
 
 
