@@ -359,6 +359,7 @@ class BatchAttention:
         self._cute_kv_ok = False  # the KV cache's pointers and strides suit its TMA maps (16-byte multiples)
         self._v_strides = (0, 0, 0)  # V's (block, token, head) strides: K's, or (ragged) a view's of its own
         self._tile_kv_ok = True  # the tile family reads V by K's strides: not where V's differ
+        self._rows_buf = None  # ragged K / V of different strides, copied for the tile family (_equal_strides)
         self.num_head_chunks = self.group // int(self._family[0].heads_per_chunk)
         # Units: the query-head groups a work item runs for (KV head unit // num_head_chunks). The plan
         # spreads (item, unit) pairs over the whole grid, so no SM idles for want of a head's queue.
@@ -857,13 +858,8 @@ class BatchAttention:
             if rc != cute_member.CAPTURE_REFUSED:
                 self._cute.check(rc)
             # capturing: the tile family's kernel, whose plan plan() made too, goes into the graph
-        if not self._tile_kv_ok:
-            k_strides = (p.kv_stride_block, p.kv_stride_token, p.kv_stride_head)
-            raise ValueError(f"k and v with different strides (k {k_strides}, v {self._v_strides}) run on the CuTe "
-                             "member only, which "
-                             + ("does not take this step" if self._cute is None or not self._cute.planned
-                                else "cannot read them by TMA (16-byte multiples)")
-                             + "; pass k and v with the same strides")
+        if not self._tile_kv_ok:   # the tile family reads V by K's strides: these rows through one kept buffer
+            self._set_kv(self._equal_strides(kv_cache))
         rc = self._launch(self._params_ref, self._vparams_ref, self.grid[0], self.grid[1], _stream(self._dev_index))
         if rc:
             if rc == _CAPTURED:  # captured into a CUDA graph: pin what the graph reads (see plan())
@@ -895,6 +891,20 @@ class BatchAttention:
         self._params.lse_stride_row = lse.stride(0)
         self._lse_on = True
         return lse
+
+    def _equal_strides(self, kv_cache):
+        """A ragged (k, v) pair [rows, 1, heads, D] of different strides copied into this wrapper's buffer, so both
+        have its strides: for the tile family, which reads V by K's (the CuTe member reads each by its own). The
+        buffer is made at the first such step and grown only for a longer one."""
+        k, v = kv_cache
+        rows = k.shape[0]
+        if self._rows_buf is None or self._rows_buf.shape[1] < rows:
+            self._rows_buf = torch.empty((2, (rows + 1023) // 1024 * 1024, *k.shape[1:]), dtype=k.dtype,
+                                         device=k.device)
+        kb, vb = self._rows_buf[0, :rows], self._rows_buf[1, :rows]
+        kb.copy_(k)
+        vb.copy_(v)
+        return kb, vb
 
     def _set_kv(self, kv_cache) -> None:
         kp, vp, nb, strides, v_strides = self._kv_views(kv_cache)

@@ -53,10 +53,9 @@ another layer's KV cache (no key / value in forward) and batch invariance keep e
 
 Encoder-only layers (BERT-like embedding and scoring models; vLLM's EncoderOnlyAttentionSpec group, no KV cache):
 their builder makes one ragged prefill wrapper and plans each step non-causal over the step's own rows
-(_EncoderPlanner): forward reads key / value, the CuTe member where it applies, the tile family otherwise (key and
-value copied into one kept buffer first where their strides differ). Each prompt runs whole in one step (vLLM turns
-chunked prefill and prefix caching off for these models; fi-backend refuses either at start-up where it could split a
-prompt or reuse a prefix). No CUDA graphs (AttentionCGSupport.NEVER: the prompts' sizes change every step). Two-sided
+(_EncoderPlanner): forward reads key / value, the CuTe member where it applies, the tile family otherwise. Each
+prompt runs whole in one step (vLLM turns chunked prefill and prefix caching off for these models; fi-backend refuses
+either at start-up where it could split a prompt or reuse a prefix). No CUDA graphs (AttentionCGSupport.NEVER: the prompts' sizes change every step). Two-sided
 sliding windows and ALiBi are refused.
 
 No GPU-to-CPU synchronisation per step: the plan is made from query_start_loc_cpu and
@@ -557,25 +556,6 @@ def _plan_own_rows(wrapper, rows: RaggedRows, cm, qo_cpu, kv_cpu, *, causal: boo
                                fresh=True)
 
 
-_row_buffers: dict = {}   # (device, dtype, heads, head size) -> [2, rows, heads, head size], grown as steps need
-
-
-def _same_strides(k: torch.Tensor, v: torch.Tensor):
-    """k and v [rows, heads, D] copied into one kept buffer, so that they have equal strides: what the tile family
-    needs where a layer's key and value are views of different tensors (a rotary key and a fused QKV's value) and
-    the CuTe member (which reads each by its own strides) does not take the step."""
-    rows, heads, d = k.shape
-    key = (k.device, k.dtype, heads, d)
-    buf = _row_buffers.get(key)
-    if buf is None or buf.shape[1] < rows:
-        buf = _row_buffers[key] = torch.empty((2, (rows + 1023) // 1024 * 1024, heads, d), dtype=k.dtype,
-                                              device=k.device)
-    kb, vb = buf[0, :rows], buf[1, :rows]
-    kb.copy_(k)
-    vb.copy_(v)
-    return kb, vb
-
-
 def _is_encoder_only(kv_cache_spec, kinds: Optional[dict] = None) -> bool:
     """Whether an attention group is encoder-only: vLLM gives such layers an EncoderOnlyAttentionSpec (no KV cache
     behind it) and their impls attn_type "encoder_only"."""
@@ -1018,10 +998,7 @@ class _Impl:
                                       v_scale=layer._v_scale_float)
             return output
         if fresh:  # new prompts only (or encoder-only layers): their own K / V rows, not the cache
-            k, v = key[:n], value[:n]
-            if k.stride() != v.stride() and not attn_metadata.wrapper.cute_step:
-                k, v = _same_strides(k, v)   # the tile family reads V by K's strides
-            attn_metadata.wrapper.run(query, (k.unsqueeze(1), v.unsqueeze(1)), out=out)
+            attn_metadata.wrapper.run(query, (key[:n].unsqueeze(1), value[:n].unsqueeze(1)), out=out)
             return output
         kv = self._kv(kv_cache)
         attn_metadata.wrapper.run(query, kv, out=out, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float)
