@@ -251,13 +251,30 @@ def test_kv_cache_layout_as_vllm_allocates_it(stub_vllm, layout):
 
 def test_kv_cache_shape_refuses_what_the_kernels_cannot_read():
     B = adapter._Backend
-    with pytest.raises(ValueError, match="block sizes 1..256"):
+    with pytest.raises(ValueError, match="block sizes 16..256"):
         B.get_kv_cache_shape(10, 512, 8, 128)
+    with pytest.raises(ValueError, match="block sizes 16..256, got 1"):
+        B.get_kv_cache_shape(10, 1, 8, 128)
     with pytest.raises(ValueError, match="head sizes"):
         B.get_kv_cache_shape(10, 16, 8, 112)
     with pytest.raises(ValueError, match="KV-cache dtypes"):
         B.get_kv_cache_shape(10, 16, 8, 128, "fp8_e5m2")
-    assert B.get_kv_cache_shape(7, 1, 2, 64, "fp8") == (7, 1, 2, 128)
+    assert B.get_kv_cache_shape(7, 16, 2, 64, "fp8") == (7, 16, 2, 128)
+
+
+def test_sliding_window_layers_get_pages_of_16():
+    """vLLM 0.26 gives a sliding-window layer the smallest kernel block size the backend lists (attention.py's
+    _largest_kernel_block_within without a padded page): Mistral's and Phi-3's layers got pages of one, which the
+    CuTe member does not read, when the list reached down to 1. Every listed size is also one vLLM may pick for a
+    manager block of that size, so each must be one the kernels read."""
+    sizes = adapter._Backend.get_supported_kernel_block_sizes()
+    assert min(sizes) == 16 and max(sizes) == adapter.MAX_BLOCK_SIZE
+    assert all(adapter._Backend.supports_block_size(b) for b in sizes)
+    try:
+        from vllm.model_executor.layers.attention.attention import _largest_kernel_block_within
+    except ImportError:
+        return   # no vLLM here: the rule above is its, read from its source
+    assert _largest_kernel_block_within(adapter._Backend, 4096, None, 16) == 16
 
 
 # ------------------------------------------------------------------------------------ refusal reasons
@@ -272,7 +289,7 @@ LLAMA = dict(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="auto", block_s
 @pytest.mark.parametrize("change", [
     {}, {"kv_cache_dtype": "fp8"}, {"kv_cache_dtype": "fp8_e4m3"}, {"kv_cache_dtype": None},
     {"kv_cache_dtype": "bfloat16"}, {"dtype": torch.float16, "kv_cache_dtype": "float16"}, {"head_size": 64},
-    {"head_size": 256}, {"head_size": 80}, {"head_size": 96}, {"block_size": 1}, {"block_size": 256}, {"block_size": 48}, {"block_size": None},
+    {"head_size": 256}, {"head_size": 80}, {"head_size": 96}, {"block_size": 16}, {"block_size": 256}, {"block_size": 48}, {"block_size": None},
     {"has_sliding_window": True}, {"attn_type": "encoder_only"}, {"device_capability": SimpleNamespace(major=8, minor=0)},
     {"device_capability": SimpleNamespace(major=8, minor=9)},
 ])
@@ -287,6 +304,7 @@ def test_supported_configurations(change):
     ({"kv_cache_dtype": "fp8_e5m2"}, "kv_cache_dtype 'fp8_e5m2'"),
     ({"kv_cache_dtype": "float16"}, "kv_cache_dtype float16 with model dtype torch.bfloat16"),
     ({"block_size": 512}, "block size 512"),
+    ({"block_size": 8}, "block size 8 is not supported (fi-backend: 16..256)"),
     ({"attn_type": "encoder"}, "attention type encoder"),
     ({"attn_type": "encoder_decoder"}, "cross-attention"),
     ({"use_non_causal": True}, "non-causal"),

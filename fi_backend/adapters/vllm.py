@@ -94,6 +94,9 @@ DTYPES = (torch.bfloat16, torch.float16)
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3")  # "fp8" is e4m3 on CUDA
 ATTN_TYPES = ("decoder", "encoder_only")   # vLLM's AttentionType values fi-backend runs
 MAX_BLOCK_SIZE = 256                                   # the kernels' largest page (KV block width Bc)
+# vLLM gives sliding-window layers the smallest kernel block a backend lists; pages of 16 let those layers' prefill
+# run on the CuTe member (TMA boxes of whole pages) as FLASH_ATTN's do, where pages of 1 left them the tile family
+MIN_BLOCK_SIZE = 16
 # Hopper (sm_90a: warpgroup MMAs, TMA) and Ampere / Ada (mma.sync: A100, A10, L40S, RTX 4090)
 COMPUTE_CAPABILITIES = ((8, 0), (8, 6), (8, 7), (8, 9), (9, 0))
 _FP8_DTYPE = torch.float8_e4m3fn
@@ -631,8 +634,8 @@ class _Backend:
                            cache_dtype_str: str = "auto") -> tuple:
         """K and V packed in the last dim: [num_blocks, block_size, num_kv_heads, 2 * head_size].
         The kernels and the append op address it by strides, so no copy is ever made."""
-        if not 1 <= block_size <= MAX_BLOCK_SIZE:
-            raise ValueError(f"fi-backend supports block sizes 1..{MAX_BLOCK_SIZE}, got {block_size}")
+        if not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"fi-backend supports block sizes {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE}, got {block_size}")
         if head_size not in HEAD_SIZES:
             raise ValueError(f"fi-backend supports head sizes {HEAD_SIZES}, got {head_size}")
         if cache_dtype_str not in KV_CACHE_DTYPES:
@@ -652,8 +655,9 @@ class _Backend:
 
     @staticmethod
     def get_supported_kernel_block_sizes() -> list:
-        # Any size 1..256, largest first (vLLM picks the largest that divides its manager block).
-        return list(range(MAX_BLOCK_SIZE, 0, -1))
+        # Any size 16..256, largest first: vLLM picks the manager's block where listed, else the largest that divides
+        # it, and for sliding-window layers the smallest (MIN_BLOCK_SIZE).
+        return list(range(MAX_BLOCK_SIZE, MIN_BLOCK_SIZE - 1, -1))
 
     @classmethod
     def get_supported_head_sizes(cls) -> list:
@@ -669,7 +673,7 @@ class _Backend:
 
     @classmethod
     def supports_block_size(cls, block_size: Optional[int]) -> bool:
-        return block_size is None or 1 <= block_size <= MAX_BLOCK_SIZE
+        return block_size is None or MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE
 
     @classmethod
     def supports_kv_cache_dtype(cls, kv_cache_dtype: Optional[str]) -> bool:
@@ -715,7 +719,7 @@ class _Backend:
             reasons.append(f"kv_cache_dtype {kv_cache_dtype} with model dtype {dtype} is not supported: the kernels "
                            "read KV in the query's dtype or in fp8")
         if not cls.supports_block_size(block_size):
-            reasons.append(f"block size {block_size} is not supported (fi-backend: 1..{MAX_BLOCK_SIZE})")
+            reasons.append(f"block size {block_size} is not supported (fi-backend: {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE})")
         if not cls.supports_attn_type(attn_type):
             reasons.append(f"attention type {getattr(attn_type, 'value', attn_type)} is not supported: fi-backend "
                            "runs decoder self-attention and encoder-only attention (no encoder-decoder or "
