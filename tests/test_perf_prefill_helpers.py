@@ -187,3 +187,18 @@ def test_step_case_and_member_step_cells():
     before = cute_member.MIN_TILES_PER_SM, cute_member.SHORT_SHARE
     assert M.forced(lambda: (cute_member.MIN_TILES_PER_SM, cute_member.SHORT_SHARE)) == (0.0, 1.0)
     assert (cute_member.MIN_TILES_PER_SM, cute_member.SHORT_SHARE) == before
+
+
+def test_wgmma_waits_finds_where_the_pv_wait_sits():
+    """perf.tools.wgmma_waits reads cuobjdump's SASS: per wait on S, the softmax's opcodes before and after the P.V's
+    wait (here 2 FMNMX and 1 MUFU before it, 1 F2FP after, up to the next HGMMA)."""
+    from perf.tools import wgmma_waits as W
+    sass = "\n".join(f"        /*{a:04x}*/                   {t} ;" for a, t in enumerate([
+        "HGMMA.64x128x16.F32.BF16 R24, R152, gdesc[UR12].tnspB, R24, gsb0", "WARPGROUP.DEPBAR.LE gsb0, 0x1",
+        "FMNMX R4, R88, R7, !PT", "@P0 FMNMX R5, R89, R4, !PT", "MUFU.EX2 R9, R6", "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+        "F2FP.BF16.F32.PACK_AB R152, R89, R88", "HGMMA.64x128x16.F32.BF16 R88, gdesc[UR40], RZ, !UPT"], start=16))
+    ins = W.instructions(sass)
+    assert len(ins) == 8 and W.opcode(ins[3][1]) == "FMNMX"
+    (s_wait, pv_wait, before, after), = W.waits(ins)
+    assert (s_wait, pv_wait) == (0x11, 0x15)
+    assert dict(before) == {"FMNMX": 2, "MUFU": 1} and dict(after) == {"F2FP": 1}

@@ -1,9 +1,9 @@
 """The CuTe probe's warp-specialised CTA (csrc/attention/cute/attn_ws.cu: FlashAttention-3's CTA) without its
 overlap, with the intra-warpgroup overlap, with the ping-pong too, with the overlap in L2 sections of one KV head, and
 with three consumer warpgroups (the _wg3 modes, head size 64), against FlashInfer's FA3 template and our prefill
-(member 0 and the FA3 member), causal bf16, head size 128 or --head-dim, the same ragged inputs in the same process,
-alternating rounds (issue 30's design change, docs/prefill.md); and the overlapped CTA on the same K / V copied into
-pages in random order (--paged, page sizes).
+(member 0 and the FA3 member), causal (--full: no mask) bf16, head size 128 or --head-dim, the same ragged inputs in
+the same process, alternating rounds (issue 30's design change, docs/prefill.md); and the overlapped CTA on the same
+K / V copied into pages in random order (--paged, page sizes).
 
     python -m perf.tools.cute_probe [--shapes 16x1024,4x4096,1x16384] [--heads 32/8,32/32] [--head-dim 128]
 
@@ -29,10 +29,11 @@ MODES = {"cute_plain": (False, False, L2_SECTION, 2), "cute_overlap": (True, Fal
          "cute_overlap_wg3": (True, False, L2_SECTION, 3), "cute_pingpong_wg3": (True, True, L2_SECTION, 3)}
 
 
-def probe_fn(case: P.Case, overlap: bool, pingpong: bool, l2_section_bytes: int = L2_SECTION, warpgroups: int = 2):
+def probe_fn(case: P.Case, overlap: bool, pingpong: bool, l2_section_bytes: int = L2_SECTION, warpgroups: int = 2,
+             causal: bool = True):
     from fi_backend import kernels
     from fi_backend.kernels import cutlass
-    module = kernels.load(cutlass.attn_ws_spec(case.d, True, overlap=overlap, pingpong=pingpong,
+    module = kernels.load(cutlass.attn_ws_spec(case.d, causal, overlap=overlap, pingpong=pingpong,
                                                warpgroups=warpgroups))
     run = module.function("fi_cute_attn_ws", [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7 + [ctypes.c_float,
                                                                                              ctypes.c_void_p])
@@ -52,13 +53,13 @@ def probe_fn(case: P.Case, overlap: bool, pingpong: bool, l2_section_bytes: int 
 
 
 def paged_fn(case: P.Case, page_size: int, l2_section_bytes: int = L2_SECTION, warpgroups: int = 2,
-             gather: bool = False, vbox: bool = True, split: bool = True):
+             gather: bool = False, vbox: bool = True, split: bool = True, causal: bool = True):
     """The overlapped CTA reading K / V from a pool of page_size pages in random order (perf.prefill.Paged), as TMA
     boxes or (gather) rows copied by the producer's threads."""
     from fi_backend import kernels
     from fi_backend.kernels import cutlass
     paged = P.Paged(case, page_size)
-    module = kernels.load(cutlass.attn_ws_spec(case.d, True, overlap=True, pingpong=False, page_size=page_size,
+    module = kernels.load(cutlass.attn_ws_spec(case.d, causal, overlap=True, pingpong=False, page_size=page_size,
                                                warpgroups=warpgroups, gather=gather, vbox=vbox, split=split))
     run = module.function("fi_cute_attn_bsr", [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 22 +
                           [ctypes.c_float] * 2 + [ctypes.c_void_p])
@@ -108,6 +109,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vllm-fa3", action="store_true",
                     help="vLLM's FlashAttention-3 too, ragged (vllm_fa3) and on each --paged pool (vllm_fa3_paged<P>); "
                          "the anchor when there is no FlashInfer")
+    ap.add_argument("--full", action="store_true", help="no causal mask (every kernel and anchor)")
     a = ap.parse_args(argv)
     modes = [m for m in a.modes.split(",") if m]
     if any(m not in MODES for m in modes):
@@ -120,6 +122,7 @@ def main(argv=None) -> int:
         vfunc, why = P.vllm_fa3()
         if vfunc is None:
             ap.error(f"--vllm-fa3: {why}")
+    causal = not a.full
     anchor = "flashinfer_fa3" if fi_fa3 is not None else "vllm_fa3" if vfunc is not None else "ours"
     rows = []
     for heads in a.heads.split(","):
@@ -128,7 +131,7 @@ def main(argv=None) -> int:
             case = P.Case(b, s, hq, hkv, head_dim=a.head_dim, seed=b + s)
             fns, outs = {}, {}
             for name in modes:
-                fns[name], outs[name] = probe_fn(case, *MODES[name])
+                fns[name], outs[name] = probe_fn(case, *MODES[name], causal=causal)
             for page in (int(x) for x in a.paged.split(",") if x):
                 for wgs in (int(x) for x in a.paged_warpgroups.split(",")):
                     for vbox in (int(x) for x in a.paged_vbox.split(",")):
@@ -136,26 +139,28 @@ def main(argv=None) -> int:
                             name = (f"cute_overlap_paged{page}" + ("" if wgs == 2 else f"_wg{wgs}")
                                     + ("" if vbox else "_vb0") + ("" if split else "_sp0"))
                             fns[name], outs[name] = paged_fn(case, page, warpgroups=wgs, vbox=bool(vbox),
-                                                             split=bool(split))
+                                                             split=bool(split), causal=causal)
                 # the same pages through BatchAttention: the prefill family's CuTe member (the launch engines run)
                 name = f"member_paged{page}"
                 pool = P.Paged(case, page)
-                fns[name], outs[name], info = P.ours_fn(case, paged=pool)
+                fns[name], outs[name], info = P.ours_fn(case, paged=pool, causal=causal)
                 if vfunc is not None:
-                    fns[f"vllm_fa3_paged{page}"], outs[f"vllm_fa3_paged{page}"] = P.vllm_paged_fn(vfunc, case, pool)
+                    fns[f"vllm_fa3_paged{page}"], outs[f"vllm_fa3_paged{page}"] = P.vllm_paged_fn(vfunc, case, pool,
+                                                                                                   causal=causal)
                 if not info["cute_step"]:
                     raise RuntimeError(f"the CuTe member did not take the step: {info['cute_unsupported']}")
             for page in (int(x) for x in a.gather.split(",") if x):
                 for wgs in (int(x) for x in a.paged_warpgroups.split(",")):
                     name = f"cute_gather_paged{page}" + ("" if wgs == 2 else f"_wg{wgs}")
-                    fns[name], outs[name] = paged_fn(case, page, warpgroups=wgs, gather=True)
+                    fns[name], outs[name] = paged_fn(case, page, warpgroups=wgs, gather=True, causal=causal)
             if fi_fa3 is not None:
-                fns["flashinfer_fa3"], outs["flashinfer_fa3"] = fi_fa3.fn(case)
+                fns["flashinfer_fa3"], outs["flashinfer_fa3"] = fi_fa3.fn(case, causal=causal)
             if vfunc is not None:
-                fns["vllm_fa3"], outs["vllm_fa3"] = P.vllm_fn(vfunc, case)
-            fns["ours"], outs["ours"], _ = P.ours_fn(case)
+                fns["vllm_fa3"], outs["vllm_fa3"] = P.vllm_fn(vfunc, case, causal=causal)
+            fns["ours"], outs["ours"], _ = P.ours_fn(case, causal=causal)
             if case.d in PREFILL_FA3_TUNINGS:
-                fns["ours_fa3"], outs["ours_fa3"], _ = P.ours_fn(case, tuning=PREFILL_FA3_TUNINGS[case.d])
+                fns["ours_fa3"], outs["ours_fa3"], _ = P.ours_fn(case, tuning=PREFILL_FA3_TUNINGS[case.d],
+                                                                 causal=causal)
             times = time_rounds(fns, a.rounds, a.rep)
             us = {k: statistics.median(v) for k, v in times.items()}
             base = us[anchor]
@@ -168,7 +173,7 @@ def main(argv=None) -> int:
                 + f" | {anchor} time / " + ", ".join(f"{k} {v:.3f}" for k, v in r[f"{anchor}_time_over"].items()))
             del fns, outs, case
             torch.cuda.empty_cache()
-    write_result(a.name, {**stamp(), "causal": True, "head_dim": a.head_dim, "rows": rows,
+    write_result(a.name, {**stamp(), "causal": causal, "head_dim": a.head_dim, "rows": rows,
                           "anchor": "FlashInfer 0.6.14 BatchPrefillWithRaggedKVCacheWrapper(backend='fa3')"
                           if fi_fa3 is not None else "vLLM's FlashAttention-3 (flash_attn_varlen_func, ragged)"
                           if vfunc is not None else "ours: BatchAttention(kernel='prefill') on ragged K / V",

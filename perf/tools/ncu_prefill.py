@@ -7,7 +7,7 @@ ncu:
 argv: impl (ours: BatchAttention on ragged K / V, the CuTe member where it applies; fa2, fa3: FlashInfer's; vllm_fa3:
 vLLM's flash_attn_varlen_func(fa_version=3), ragged; cute: the CuTe probe's CTA with overlap and ping-pong;
 cute_pagedN: its overlapped CTA on pages of N tokens in random order, N = 0 ragged), BxS, KV heads (32 query
-heads), optionally our kernel shape as JSON. --full: no causal mask (ours, fa2, fa3, vllm_fa3)."""
+heads), optionally our kernel shape as JSON. --full: no causal mask (every impl)."""
 import json
 import sys
 
@@ -45,11 +45,11 @@ def main(argv=None) -> int:
         fn, out = vllm_fn(func, case, causal=causal)
     elif impl == "cute":
         from perf.tools.cute_probe import probe_fn
-        fn, out = probe_fn(case, True, True)
+        fn, out = probe_fn(case, True, True, causal=causal)
     elif impl.startswith("cute_paged"):  # cute_paged0: the same CTA (overlap, no ping-pong) on ragged K / V
         from perf.tools.cute_probe import paged_fn, probe_fn
         page = int(impl[len("cute_paged"):])
-        fn, out = paged_fn(case, page) if page else probe_fn(case, True, False)
+        fn, out = paged_fn(case, page, causal=causal) if page else probe_fn(case, True, False, causal=causal)
     else:
         fn, out = FlashInferRagged(impl).fn(case, causal=causal)
     profile_once(fn)
