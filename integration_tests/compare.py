@@ -35,6 +35,32 @@ def generation_diffs(ref: dict, test: dict, near_tie: bool = True) -> tuple:
     return diffs, compared, total
 
 
+def embedding_diffs(ref: dict, test: dict) -> list:
+    """|difference| of every embedding entry, over its vector's RMS in ref (records of the embed workloads)."""
+    import math
+    if len(ref["embeddings"]) != len(test["embeddings"]):
+        raise ValueError(f"the two runs embedded {len(ref['embeddings'])} and {len(test['embeddings'])} prompts: a "
+                         "record from an older workload (re-run that engine rather than reusing its record)")
+    diffs = []
+    for a, b in zip(ref["embeddings"], test["embeddings"], strict=True):
+        rms = math.sqrt(sum(x * x for x in a) / len(a))
+        diffs += [abs(x - y) / rms for x, y in zip(a, b, strict=True)]
+    return diffs
+
+
+def write_wordpiece_vocab(folder, vocab_size: int, max_len: int) -> None:
+    """A BERT WordPiece tokenizer of vocab_size entries in a dummy-weight model folder: BERT's special tokens at
+    their ids ([PAD] 0, [UNK] 100, [CLS] 101, [SEP] 102, [MASK] 103), then words w0, w1, ... (the engines build a
+    tokenizer for pooling models even when prompts are token ids; text "w5 w7" is [CLS] 109 111 [SEP])."""
+    import json
+    from pathlib import Path
+    special = ["[PAD]"] + [f"[unused{i}]" for i in range(99)] + ["[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    words = special + [f"w{i}" for i in range(vocab_size - len(special))]
+    Path(folder, "vocab.txt").write_text("\n".join(words) + "\n")
+    Path(folder, "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "BertTokenizer", "do_lower_case": True, "model_max_length": max_len}))
+
+
 def stats(diffs: list) -> dict:
     return {"max": max(diffs, default=0.0), "mean": sum(diffs) / max(len(diffs), 1), "n": len(diffs)}
 

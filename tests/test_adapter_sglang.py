@@ -292,7 +292,7 @@ def test_layer_settings_and_variant(window, cap, name, params):
     ({"head_dim": 112}, "head size 112"),
     ({"v_head_dim": 64}, "value head size 64"),
     ({"is_cross_attention": True}, "cross-attention"),
-    ({"attn_type": "encoder_only"}, "attention type encoder_only"),
+    ({"attn_type": "encoder_only", "sliding_window_size": 64}, "two-sided window"),
     ({"attn_type": "decoder_bidirectional"}, "bidirectional"),
     ({"num_kv_heads": 3}, "not a multiple of 3 KV heads"),
 ])
@@ -777,13 +777,9 @@ class FreshRefWrapper(RefWrapper):
         return super().run(q, kv_cache, out=out)
 
 
-@pytest.mark.parametrize("page", [1, 4])
-def test_fresh_extend_steps_read_their_own_k_and_v(page, monkeypatch):
-    """Where the ragged member applies, each layer group has a fresh wrapper: an extend step of new prompts only runs
-    on it over the layer's k / v; a step with a radix-cache hit, or with a one-token request (the member's rule),
-    runs on the pool as before; a layer passing no k / v in a fresh step (another layer's cache) gets its group's
-    paged plan, made then. Deterministic inference makes no fresh wrappers. Outputs are attention over each request's
-    tokens."""
+@pytest.fixture
+def fresh_ref_wrappers(monkeypatch):
+    """The adapter's wrappers as stand-ins: ragged ones FreshRefWrapper, the rest RefWrapper; the list of those made."""
     made = []
 
     def make(kernel, **kw):
@@ -791,6 +787,17 @@ def test_fresh_extend_steps_read_their_own_k_and_v(page, monkeypatch):
         made.append(w)
         return w
     monkeypatch.setattr(adapter, "_make_wrapper", make)
+    return made
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_fresh_extend_steps_read_their_own_k_and_v(page, monkeypatch, fresh_ref_wrappers):
+    """Where the ragged member applies, each layer group has a fresh wrapper: an extend step of new prompts only runs
+    on it over the layer's k / v; a step with a radix-cache hit, or with a one-token request (the member's rule),
+    runs on the pool as before; a layer passing no k / v in a fresh step (another layer's cache) gets its group's
+    paged plan, made then. Deterministic inference makes no fresh wrappers. Outputs are attention over each request's
+    tokens."""
+    made = fresh_ref_wrappers
     monkeypatch.setattr(adapter._cute_member, "unsupported", lambda *a, **kw: None)
     gen = torch.Generator().manual_seed(11 + page)
     layers = gemma2_layers()
@@ -1286,3 +1293,56 @@ def test_rank_device():
     assert rank_device("cuda", 5) == torch.device("cuda", 5)
     assert rank_device(torch.device("cuda", 2), 5) == torch.device("cuda", 2)   # an explicit index wins
     assert rank_device("cpu", 3) == torch.device("cpu")
+
+
+def test_encoder_only_layers_attend_over_each_prompts_own_k_and_v(fresh_ref_wrappers):
+    """Encoder-only layers (SGLang's BERT: attn_type ENCODER_ONLY): one group with a ragged wrapper alone (no decode
+    or paged wrappers; K / V in the model's dtype, rows of one token), planned non-causal over each step's own rows
+    (a one-token prompt is a prompt, not a decode step); outputs are bidirectional attention over each prompt's own
+    K / V (float64 reference), the KV pool untouched. A step with cached tokens (a radix-cache hit or a chunked
+    prompt) or a decode step is refused naming the flags; a layer passing no key / value is refused. At start-up the
+    radix cache and chunked prefill are refused (they split or cache prompts), with the flags that turn them off."""
+    made = fresh_ref_wrappers
+    gen = torch.Generator().manual_seed(29)
+    hq = hkv = 4
+    d = 64
+    layers = [Radix(hq, d, d ** -0.5, hkv, i, attn_type="encoder_only") for i in range(2)]
+    s, reasons = adapter.layer_settings(layers[0])
+    assert reasons == [] and not s.causal and "encoder-only" in s.describe()
+    with pytest.raises(ValueError, match="--disable-radix-cache.*--chunked-prefill-size -1"):
+        adapter._Backend(model_runner(layers, page=1, gen=gen, hkv=hkv, d=d))   # SGLang's defaults
+    runner = model_runner(layers, page=1, gen=gen, hkv=hkv, d=d,
+                          server_args={"disable_radix_cache": True, "chunked_prefill_size": -1})
+    backend = adapter._Backend(runner)
+    (g,) = backend._groups
+    assert g.decode is None and g.prefill is None and g.graph_prefill is None
+    assert isinstance(g.fresh, FreshRefWrapper) and g.fresh.kw["ragged"] and g.fresh.kw["kv_dtype"] == torch.bfloat16
+    assert [w.kernel for w in made] == ["prefill"]
+    pool_k = [runner.token_to_kv_pool.get_key_buffer(i).clone() for i in range(2)]
+    eng = Engine(runner, gen)
+    counts = adapter.plan_counts()
+    reqs = [(1, 7), (2, 1), (3, 5)]
+    fb = eng.extend(reqs)
+    backend.init_forward_metadata(fb)
+    md = backend.forward_metadata
+    assert md.kernel == "prefill" and md.fresh == (True,) and md.wrappers == (g.fresh,)
+    assert g.fresh.plans[-1]["causal"] is False
+    assert adapter.plan_counts()["encoder_only"] - counts["encoder_only"] == 1
+    tokens = 13
+    for layer in layers:
+        q, k, v = eng.qkv(tokens, hq, hkv, d)
+        out = backend.forward_extend(q, k, v, layer, fb).view(tokens, hq, d)
+        start = 0
+        for _, n in reqs:
+            qs, ks, vs = (t[start: start + n].double() for t in (q.view(tokens, hq, d), k, v))
+            p = torch.softmax(torch.einsum("qhd,khd->hqk", qs, ks) * layer.scaling, dim=-1)
+            torch.testing.assert_close(out[start: start + n].double(), torch.einsum("hqk,khd->qhd", p, vs),
+                                       rtol=1e-5, atol=1e-5)
+            start += n
+        assert torch.equal(runner.token_to_kv_pool.get_key_buffer(layer.layer_id), pool_k[layer.layer_id])
+        with pytest.raises(ValueError, match="passed no key / value"):
+            backend.forward_extend(q, None, None, layer, fb)
+    with pytest.raises(ValueError, match="--disable-radix-cache"):
+        backend.init_forward_metadata(eng.extend([(1, 3)]))   # row 1's 7 tokens are cached: 10 against 3
+    with pytest.raises(ValueError, match="not decode steps"):
+        backend.init_forward_metadata(eng.decode([2, 3]))

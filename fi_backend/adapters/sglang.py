@@ -125,7 +125,8 @@ _SGLANG_CLASSES = ("FiAttnBackend",)
 # A child of SGLang's "sglang" logger namespace (SGLang configures the root logger's handler and level).
 _log = logging.getLogger("sglang.fi_backend")
 _logged_registered = False
-_PLAN_COUNTS = {"decode": 0, "prefill": 0, "graph_steps": 0, "grouped_decode": 0, "grouped_extend": 0, "fresh": 0}
+_PLAN_COUNTS = {"decode": 0, "prefill": 0, "graph_steps": 0, "grouped_decode": 0, "grouped_extend": 0, "fresh": 0,
+                "encoder_only": 0}
 # Shared-prefix groups (docs/composable.md): the hook on ForwardBatch.init_new that finds them, and the requests a
 # step's groups hold partial states for (a larger step's groups beyond them plan single-format; the workspaces'
 # shared rows stay small for SGLang's request pools of thousands)
@@ -332,6 +333,9 @@ class LayerSettings:
     sm_scale: float
     window_left: Optional[int]      # SGLang's sliding_window_size when >= 0 (q_pos - kv_pos <= window_left)
     soft_cap: float                 # logit_cap (tanh), 0 = none
+    # False: encoder-only attention (BERT-like embedding models): each prompt's tokens see all of its tokens, over the
+    # step's own K / V (no KV cache read or written)
+    causal: bool = True
 
     def variant(self):
         """(fi_backend Variant, plan parameters), through the vLLM adapter's layer_variant (whose
@@ -346,6 +350,8 @@ class LayerSettings:
             extra += f", sliding window {self.window_left}"
         if self.soft_cap:
             extra += f", soft-cap {self.soft_cap:g}"
+        if not self.causal:
+            extra += ", encoder-only (non-causal, each step's own K / V)"
         return (f"{self.num_qo_heads} query / {self.num_kv_heads} KV heads, head_dim {self.head_dim}, "
                 f"scale {self.sm_scale:.6g}{extra}")
 
@@ -360,11 +366,12 @@ def layer_settings(layer) -> tuple:
     lid = getattr(layer, "layer_id", "?")
     hq, hkv, d = int(layer.tp_q_head_num), int(layer.tp_k_head_num), int(layer.head_dim)
     attn_type = str(_value(getattr(layer, "attn_type", "decoder"))).lower()
+    encoder_only = attn_type == "encoder_only"
     if getattr(layer, "is_cross_attention", False):
         reasons.append(f"layer {lid}: cross-attention is not supported (fi-backend runs decoder self-attention)")
-    elif attn_type != "decoder":
+    elif attn_type not in ("decoder", "encoder_only"):
         reasons.append(f"layer {lid}: attention type {attn_type} is not supported (fi-backend runs causal decoder "
-                       "self-attention: no encoder-only or bidirectional attention)")
+                       "and encoder-only self-attention: no bidirectional decoder attention)")
     if d not in HEAD_SIZES:
         reasons.append(f"layer {lid}: head size {d} is not supported (fi-backend: {', '.join(map(str, HEAD_SIZES))})")
     v_dim = getattr(layer, "v_head_dim", d)
@@ -388,7 +395,11 @@ def layer_settings(layer) -> tuple:
         reasons.append(f"layer {lid}: pos_encoding_mode {pos!r} is not supported (apply RoPE before attention)")
     window = getattr(layer, "sliding_window_size", -1)
     window = None if window is None or int(window) < 0 else int(window)
-    return LayerSettings(hq, hkv, d, float(layer.scaling), window, cap if cap > 0 else 0.0), reasons
+    if encoder_only and window is not None:
+        reasons.append(f"layer {lid}: encoder-only attention with a sliding window ({window}) is not supported (a "
+                       "two-sided window; the kernels' windows look back only)")
+    return LayerSettings(hq, hkv, d, float(layer.scaling), window, cap if cap > 0 else 0.0,
+                         causal=not encoder_only), reasons
 
 
 _LAYER_ATTRS = ("layer_id", "tp_q_head_num", "tp_k_head_num", "tp_v_head_num", "head_dim", "scaling",
@@ -429,6 +440,14 @@ def _refusal_reasons(model_runner, layers: list) -> list:
                                                                  for layer in layers):
             reasons.append("deterministic inference with the radix cache and sliding-window layers is not supported: "
                            "a cached prefix moves a window's first KV tile (pass --disable-radix-cache)")
+    if any(not layer_settings(layer)[0].causal for layer in layers):   # encoder-only: whole prompts, one step each
+        if not getattr(sa, "disable_radix_cache", False):
+            reasons.append("encoder-only models need --disable-radix-cache: a cached prefix's K / V would come from a "
+                           "KV cache these layers never write")
+        chunk = int(getattr(sa, "chunked_prefill_size", 0) or 0)
+        if chunk > 0:
+            reasons.append(f"encoder-only models need --chunked-prefill-size -1: chunked prefill ({chunk} tokens a "
+                           "step) can split a prompt over steps, and its later part would not see the earlier one")
     if getattr(sa, "enable_two_batch_overlap", False):
         reasons.append("--enable-two-batch-overlap is not supported (not tested with fi-backend)")
     if getattr(sa, "enable_pdmux", False):
@@ -514,6 +533,19 @@ class StepMetadata:
     paged: Any = None
 
 
+def _encoder_only_refusal(mode: str, decode: bool, kv_cpu: torch.Tensor, q_lens: Optional[torch.Tensor]) -> str:
+    """Why a step cannot run on encoder-only layers: a decode step, or requests with cached tokens (a radix-cache
+    hit or a chunked prompt), named with the flags that avoid them."""
+    if decode:
+        return (f"fi-backend: encoder-only attention runs prompts, not decode steps (SGLang forward mode {mode}): an "
+                "embedding model generates no tokens")
+    bad = torch.nonzero(kv_cpu != q_lens).flatten().tolist()[:8]
+    return (f"fi-backend runs encoder-only attention on whole prompts in one step (no KV cache holds a prompt's earlier "
+            f"tokens): requests {bad} have {kv_cpu[bad].tolist()} tokens against {q_lens[bad].tolist()} in this step "
+            "(a radix-cache hit or a chunked prompt: pass --disable-radix-cache, and a --chunked-prefill-size of at "
+            "least the model's context length)")
+
+
 def _cpu_int32(x, n: int, name: str) -> torch.Tensor:
     """SGLang's host-side lengths (a list or a CPU tensor) as a CPU int32 tensor of n entries."""
     if x is None:
@@ -548,6 +580,7 @@ class _StepPlanner:
         self.shared_prefix = shared_prefix and not deterministic  # composable formats (docs/composable.md)
         self.max_requests = 0
         self._fresh_rows = RaggedRows()
+        self.encoder_only = any(not g.settings.causal for g in groups)
         self.resize(max_requests)
 
     def resize(self, max_requests: int) -> None:
@@ -608,10 +641,14 @@ class _StepPlanner:
         elif mode.is_extend() and not (mode.is_target_verify() or mode.is_draft_extend_v2() or mode.is_dllm_extend()
                                        or mode.is_split_prefill()):
             q_lens = _cpu_int32(fb.extend_seq_lens_cpu, bs, "extend_seq_lens_cpu")
-            # deterministic: an extend row always on the prefill kernel, whatever its companions' lengths
-            decode = not self.deterministic and bool((q_lens == 1).all())
+            # deterministic: an extend row always on the prefill kernel, whatever its companions' lengths; encoder-only
+            # layers: one-token prompts are prompts all the same
+            decode = not self.deterministic and not self.encoder_only and bool((q_lens == 1).all())
         else:
             raise NotImplementedError(f"fi-backend does not run SGLang forward mode {mode.name}")
+        if self.encoder_only and (decode or not torch.equal(kv_cpu, q_lens)):
+            # no KV cache holds these layers' earlier tokens (and a bidirectional layer's K / V depend on the rest)
+            raise ValueError(_encoder_only_refusal(mode.name, decode, kv_cpu, q_lens if not decode else None))
         if decode:   # one query row per request: the constant arange (also what captured graphs read)
             kernel, qo_cpu, qo_dev = "decode", self._qo_decode_cpu[: bs + 1], self._qo_decode[: bs + 1]
         else:
@@ -629,6 +666,14 @@ class _StepPlanner:
                       and bool(torch.equal(kv_cpu, q_lens)))
         wrappers, partners, fresh = [], [], []
         for g in self.groups:
+            if not g.settings.causal:   # encoder-only: every step on the ragged wrapper, non-causal
+                g.fresh.plan(qo_cpu, kv_cpu, self._fresh_rows.bsr(qo_dev, self._kv_lens[:bs], int(qo_cpu[bs])),
+                             causal=False, sm_scale=g.settings.sm_scale, debug=self.debug, **g.params)
+                _PLAN_COUNTS["prefill"] += 1
+                _PLAN_COUNTS["encoder_only"] += 1
+                wrappers.append(g.fresh)
+                fresh.append(True)
+                continue
             kw = dict(causal=True, sm_scale=g.settings.sm_scale, debug=self.debug, **g.params)
             if fresh_step and g.fresh is not None and g.fresh.cute_takes(q_lens, kv_cpu):
                 g.fresh.plan(qo_cpu, kv_cpu, self._fresh_rows.bsr(qo_dev, self._kv_lens[:bs], int(qo_cpu[bs])), **kw)
@@ -797,6 +842,9 @@ class _Backend:
             common = dict(device=self.device, settings=s, variant=variant, q_dtype=self.q_dtype, kv_dtype=self.kv_dtype,
                           page_size=self.page_size, kv_layout=self.kv_layout, max_requests=max_requests,
                           deterministic=deterministic(mr.server_args))
+            if not s.causal:
+                groups.append(self._encoder_only_group(s, variant, params, common, rows, what))
+                continue
             shared = self.shared_prefix
             # steps of new prompts on the ragged CuTe member, over the layers' own k / v (docs/prefill.md)
             fresh_on = (_env.flag(_env.PREFILL_FRESH, True) and not common["deterministic"]
@@ -824,6 +872,28 @@ class _Backend:
                           "(%s) on %s", what, self.device)
             groups.append(_Group(s, params, decode, prefill, graph_prefill, fresh))
         return groups
+
+    def _encoder_only_group(self, s: LayerSettings, variant, params: dict, common: dict, rows: int,
+                            what: str) -> "_Group":
+        """Encoder-only layers: one ragged prefill wrapper over each step's own K / V (in the model's dtype, rows of
+        one token), non-causal, on the CuTe member where it takes the step, else the tile family. No decode or paged
+        wrappers: these layers neither read nor write the KV cache."""
+        from fi_backend.wrappers import BatchAttention
+        common = {**common, "kv_dtype": self.q_dtype, "page_size": 1}
+        try:
+            BatchAttention.prepare(s.num_qo_heads, s.num_kv_heads, s.head_dim, kinds=("prefill",), q_dtype=self.q_dtype,
+                                   kv_dtype=self.q_dtype, page_size=1, ragged=True, variant=variant,
+                                   deterministic=common["deterministic"], device=self.device)
+            wrapper = _make_wrapper("prefill", max_rows=rows, ragged=True, **common)
+        except Exception as e:  # a build failure or a refused shape: say which, at start-up
+            raise RuntimeError(f"fi-backend cannot run this model's attention ({what}): {e}") from e
+        member = ("the CuTe member where it takes a step" if getattr(wrapper, "cute_unsupported", None) is None
+                  else f"the tile family (no CuTe member: {wrapper.cute_unsupported})")
+        _log.info("fi-backend: encoder-only attention (%s) over each step's own K / V, non-causal, on %s, on %s",
+                  what, member, self.device)
+        for name in wrapper.module_names:
+            _log.info("fi-backend: kernel module %s ready (%s) on %s", name, what, self.device)
+        return _Group(s, params, None, None, None, wrapper)
 
     def _group_of(self, layer) -> int:
         g = self._layer_group.get(int(layer.layer_id))
@@ -906,9 +976,13 @@ class _Backend:
         g = self._group_of(layer)
         wrapper = md.wrappers[g]
         fresh = bool(md.fresh) and md.fresh[g]
+        encoder_only = not self._group_keys[g].causal
+        if encoder_only and (k is None or v is None):
+            raise ValueError(f"fi-backend: encoder-only layer {layer.layer_id} passed no key / value (its attention "
+                             "reads the step's own K / V; there is no KV cache to read)")
         if fresh and k is None:   # a layer reading another's cache in a step of new prompts: the pool, planned now
             wrapper, fresh = md.paged(g), False
-        if k is not None:
+        if k is not None and not encoder_only:   # encoder-only layers keep no KV cache
             if not save_kv_cache:
                 raise NotImplementedError("fi-backend reads K/V from the KV cache: a layer that passes K/V without "
                                           f"saving them (layer {layer.layer_id}) is not supported")

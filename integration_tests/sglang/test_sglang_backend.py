@@ -65,6 +65,18 @@ within the same bound of the one with groups. Needs llama_flashinfer_graphs and 
     IT_MODELS=shared FI_SGLANG_TEST_REUSE=1 python3 -m pytest -q integration_tests/sglang
 Result: sglang_shared_prefix.json.
 
+Encoder-only models (test_bert_embeddings_match_flashinfer, kind bert): BERT-base's shapes
+(integration_tests/vllm/configs/bert_base.json: 12 heads of 64, bidirectional), FI_SGLANG_TEST_LAYERS layers,
+is_embedding, a WordPiece vocabulary in the model folder (prompts are text of words w0, w1, ...: Engine.encode
+takes text), no radix cache, chunked prefill or CUDA graphs, context 512; embeddings of prompts of 1 to 400 words, of five of 100
+(a step the CuTe member takes) and of three short ones; fi_backend within twice flashinfer's distance from triton
+(plus the floor) of flashinfer, entries over their vector's RMS, and its plans all encoder-only:
+    python3 integration_tests/sglang/test_sglang_backend.py --engine bert_flashinfer
+    python3 integration_tests/sglang/test_sglang_backend.py --engine bert_triton
+    python3 integration_tests/sglang/test_sglang_backend.py --engine bert_fi_backend
+    IT_MODELS=bert FI_SGLANG_TEST_REUSE=1 python3 -m pytest -q integration_tests/sglang
+Result: sglang_bert_embeddings.json.
+
 (`--list` prints the engines.) fi-backend need not be installed: SGLang finds out-of-tree backends through
 the entry-point group `sglang.srt.plugins` in every process it starts (the scheduler runs in its own
 process), so this file writes fi-backend's entry point (a dist-info folder with entry_points.txt, no
@@ -117,6 +129,7 @@ from compare import bound as _bound, generation_diffs as _generation_diffs  # no
 from compare import logprob_diffs as _logprob_diffs, stats as _stats  # noqa: E402
 from compare import DET_GEN, DET_TOP, det_plan, det_report, det_workload, engine_records, optional  # noqa: E402
 from compare import check_shared_prefix, fresh_expected, require_engine_and_gpu  # noqa: E402
+from compare import embedding_diffs, write_wordpiece_vocab  # noqa: E402
 LAYERS = int(os.environ.get("FI_SGLANG_TEST_LAYERS", "4"))
 RESULTS = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "integration_tests" / "results"
 ENGINE_TIMEOUT_S = int(os.environ.get("FI_SGLANG_TEST_ENGINE_TIMEOUT", "570"))
@@ -167,6 +180,10 @@ NODET = {"enable_mixed_chunk": False}
 # Shared-prefix groups (kind shared): 8 parallel samples of 4 prompts, or 12 requests under one system prompt, decode
 # graphs for all of them
 SHARED = {"max_running_requests": 32, "cuda_graph_bs_decode": [1, 2, 4, 8, 16, 24, 32]}
+# BERT (kind bert): an embedding model whose prompts are text (Engine.encode), each whole in one step
+# (fi_backend refuses encoder-only models with the radix cache or chunked prefill: both split or cache prompts)
+BERT = {"is_embedding": True, "skip_tokenizer_init": False, "context_length": 512, "disable_radix_cache": True,
+        "chunked_prefill_size": -1, "enable_mixed_chunk": False}
 ENGINES = {
     "llama_flashinfer_graphs": ("flashinfer", True, "llama", ("logprobs",), {}),
     "llama_triton_graphs": ("triton", True, "llama", ("logprobs", "long"), {}),
@@ -198,12 +215,16 @@ ENGINES = {
     "llama_flashinfer_shared": ("flashinfer", True, "llama", ("shared",), SHARED),
     "llama_fi_backend_shared": ("fi_backend", True, "llama", ("shared",), SHARED),
     "llama_fi_backend_shared_off": ("fi_backend", True, "llama", ("shared",), SHARED),
+    # encoder-only attention (test_bert_embeddings_match_flashinfer)
+    "bert_flashinfer": ("flashinfer", False, "bert", ("embed",), BERT),
+    "bert_triton": ("triton", False, "bert", ("embed",), BERT),
+    "bert_fi_backend": ("fi_backend", False, "bert", ("embed",), BERT),
 }
 # label -> environment of that engine's process
 ENGINE_ENV = {"llama_fi_backend_append": {"FI_BACKEND_SGLANG_KV_WRITE": "append"},
               "llama_fi_backend_shared": {"FI_BACKEND_SHARED_PREFIX": "1"},
               "llama_fi_backend_shared_off": {"FI_BACKEND_SHARED_PREFIX": "0"}}
-KINDS = ("llama", "gemma2", "llama70b_tp2", "deterministic", "shared")
+KINDS = ("llama", "gemma2", "llama70b_tp2", "deterministic", "shared", "bert")
 SELECTED = tuple(k.strip() for k in os.environ.get("IT_MODELS", "").split(",") if k.strip()) or KINDS
 
 
@@ -315,12 +336,20 @@ def _llama_config() -> dict:
     return dict(LLAMA_31_8B)
 
 
+def _bert_config() -> dict:
+    return json.loads((ROOT / "integration_tests" / "vllm" / "configs" / "bert_base.json").read_text())
+
+
 def make_model_dir(kind: str) -> str:
-    """A model folder with only config.json (dummy weights, no tokenizer), in /tmp."""
-    config = {"llama": _llama_config, "llama70b": lambda: dict(LLAMA_31_70B), "gemma2": lambda: dict(GEMMA2_9B)}[kind]()
+    """A model folder with config.json (dummy weights), in /tmp; decoders get no tokenizer (prompts are token ids),
+    BERT a WordPiece vocabulary of its size (its prompts are text)."""
+    config = {"llama": _llama_config, "llama70b": lambda: dict(LLAMA_31_70B), "gemma2": lambda: dict(GEMMA2_9B),
+              "bert": _bert_config}[kind]()
     config["num_hidden_layers"] = LAYERS
     path = Path(tempfile.mkdtemp(prefix=f"fi-sglang-{kind}-"))
     (path / "config.json").write_text(json.dumps(config, indent=1))
+    if kind == "bert":
+        write_wordpiece_vocab(path, config["vocab_size"], config["max_position_embeddings"])
     return str(path)
 
 
@@ -521,6 +550,20 @@ def workload_det(engine) -> dict:
     return det_workload(det_plan(), lambda p: _det_alone(engine, p), lambda p, e: _det_busy(engine, p, e))
 
 
+def workload_embed(engine) -> dict:
+    """Embeddings (Engine.encode; BERT: the CLS token's, normalised) of prompts of 1 to 400 words in one call, of five
+    of 100 words (one step: 5 query tiles x 12 heads, one the CuTe member takes where it runs) and of three short
+    ones. A word w<i> is token 104 + i; the tokenizer adds [CLS] and [SEP]."""
+    rng = random.Random(2024)
+    batches = [[" ".join(f"w{rng.randrange(0, 30000)}" for _ in range(n)) for n in lens]
+               for lens in ((1, 7, 64, 200, 400), (100,) * 5, (3, 9, 30))]
+    vectors = []
+    for texts in batches:
+        outs = engine.encode(texts)
+        vectors += [[float(x) for x in o["embedding"]] for o in (outs if isinstance(outs, list) else [outs])]
+    return {"embeddings": vectors, "prompt_words": [len(t.split()) for b in batches for t in b]}
+
+
 def run_engine(backend: str, graphs: bool, kind: str, model: str, workloads: list, extra: dict, out: str) -> None:
     import sglang as sgl
     import torch
@@ -549,7 +592,7 @@ def run_engine(backend: str, graphs: bool, kind: str, model: str, workloads: lis
         for name in workloads:
             t0 = time.perf_counter()
             record[name] = {"logprobs": workload_logprobs, "long": workload_long, "det": workload_det,
-                            "shared": workload_shared}[name](engine)
+                            "shared": workload_shared, "embed": workload_embed}[name](engine)
             record[name + "_s"] = time.perf_counter() - t0
         record["stats"] = dump(engine)
     finally:
@@ -908,3 +951,31 @@ if __name__ == "__main__":
         run_engine(backend, graphs, kind, a.model, list(workloads), extra, a.out)
     else:
         parser.print_help()
+
+
+@pytest.mark.gpu
+def test_bert_embeddings_match_flashinfer(engines):
+    """An encoder-only model (BERT-base's shapes, module docstring): fi_backend's embeddings within twice triton's
+    distance from flashinfer (plus the floor) of flashinfer's, entries over their vector's RMS; fi-backend planned
+    encoder-only steps only; different prompts' embeddings at least 5x the bound apart (dummy weights make them
+    alike)."""
+    _selected("bert")
+    fi, triton, run = (engines(f"bert_{b}") for b in ("flashinfer", "triton", "fi_backend"))
+    stats = run["stats"]
+    assert stats["attn_backend"] == "FiAttnBackend", stats["attn_backend"]
+    assert fi["stats"]["attn_backend"] == "FlashInferAttnBackend", fi["stats"]["attn_backend"]
+    assert stats["redrawn_parameters"] > 0, "the weights were not redrawn"
+    assert stats["kernel_errors"] is None, stats["kernel_errors"]
+    assert run["log_fi_backend_active"], "SGLang's log does not say that fi-backend is active"
+    counts = stats["plan_counts"]
+    noise = _stats(embedding_diffs(fi["embed"], triton["embed"]))
+    bound = _bound(noise)
+    got = _stats(embedding_diffs(fi["embed"], run["embed"]))
+    vecs = fi["embed"]["embeddings"]
+    spread = _stats(embedding_diffs({"embeddings": vecs[:-1]}, {"embeddings": vecs[1:]}))
+    _write("bert_embeddings", {"prompt_words": fi["embed"]["prompt_words"], "noise_triton_vs_flashinfer": noise,
+                               "bound": bound, "fi_backend_vs_flashinfer": got, "flashinfer_prompt_spread": spread,
+                               "plan_counts": counts})
+    assert counts["encoder_only"] > 0 and counts["decode"] == 0 and counts["encoder_only"] == counts["prefill"], counts
+    assert spread["mean"] >= 5 * bound["mean"], ("prompts' embeddings too alike to test attention", spread, bound)
+    assert got["max"] <= bound["max"] and got["mean"] <= bound["mean"], (got, bound)

@@ -136,6 +136,7 @@ from compare import bound as _bound, generation_diffs as _generation_diffs  # no
 from compare import logprob_diffs as _logprob_diffs, stats as _stats  # noqa: E402
 from compare import DET_GEN, DET_TOP, det_plan, det_report, det_workload, engine_records, optional  # noqa: E402
 from compare import check_shared_prefix, cute_member_expected, fresh_expected, require_engine_and_gpu  # noqa: E402
+from compare import embedding_diffs, write_wordpiece_vocab  # noqa: E402
 LAYERS = int(os.environ.get("FI_VLLM_TEST_LAYERS", "4"))
 RESULTS = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "integration_tests" / "results"
 ENGINE_TIMEOUT_S = int(os.environ.get("FI_VLLM_TEST_ENGINE_TIMEOUT", "480"))
@@ -274,12 +275,7 @@ def make_model_dir(kind: str) -> str:
     path = Path(tempfile.mkdtemp(prefix=f"fi-vllm-{kind}-"))
     (path / "config.json").write_text(json.dumps(config, indent=1))
     if _encoder_only(config):
-        special = ["[PAD]"] + [f"[unused{i}]" for i in range(99)] + ["[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-        words = special + [f"w{i}" for i in range(config["vocab_size"] - len(special))]
-        (path / "vocab.txt").write_text("\n".join(words) + "\n")
-        (path / "tokenizer_config.json").write_text(json.dumps(
-            {"tokenizer_class": "BertTokenizer", "do_lower_case": True,
-             "model_max_length": config["max_position_embeddings"]}))
+        write_wordpiece_vocab(path, config["vocab_size"], config["max_position_embeddings"])
     return str(path)
 
 
@@ -897,15 +893,6 @@ def test_model_shapes_match_flash_attn(engines, kind):
     assert max(gen, default=0.0) <= bound["max"], (gen, bound)
 
 
-def _embedding_diffs(ref: dict, test: dict) -> list:
-    """|difference| of every embedding entry, over its vector's RMS in ref."""
-    diffs = []
-    for a, b in zip(ref["embeddings"], test["embeddings"], strict=True):
-        rms = math.sqrt(sum(x * x for x in a) / len(a))
-        diffs += [abs(x - y) / rms for x, y in zip(a, b, strict=True)]
-    return diffs
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", sorted(ENCODER_KINDS))
 def test_encoder_only_embeddings_match_flash_attn(engines, kind):
@@ -915,12 +902,12 @@ def test_encoder_only_embeddings_match_flash_attn(engines, kind):
     the 100-token prompts' step on the CuTe member and the rest on the tile family where the member runs here."""
     _selected(kind)
     fa, triton, custom = (engines(b, kind=kind, workloads=("embed",)) for b in ("FLASH_ATTN", "TRITON_ATTN", "CUSTOM"))
-    noise = _stats(_embedding_diffs(fa["embed"], triton["embed"]))
+    noise = _stats(embedding_diffs(fa["embed"], triton["embed"]))
     bound = _bound(noise)
-    got = _stats(_embedding_diffs(fa["embed"], custom["embed"]))
+    got = _stats(embedding_diffs(fa["embed"], custom["embed"]))
     # how far apart different prompts' embeddings are, by the same measure (each against the next prompt's)
     vecs = fa["embed"]["embeddings"]
-    spread = _stats(_embedding_diffs({"embeddings": vecs[:-1]}, {"embeddings": vecs[1:]}))
+    spread = _stats(embedding_diffs({"embeddings": vecs[:-1]}, {"embeddings": vecs[1:]}))
     counts = custom["plan_counts"]
     _write(f"encoder_only_{kind}", {"kind": kind, "config_file": ENCODER_KINDS[kind], "layers": LAYERS,
                                     "prompt_lens": fa["embed"]["prompt_lens"], "noise_triton_vs_fa": noise,
