@@ -1301,7 +1301,8 @@ def test_encoder_only_layers_attend_over_each_prompts_own_k_and_v(fresh_ref_wrap
     (a one-token prompt is a prompt, not a decode step); outputs are bidirectional attention over each prompt's own
     K / V (float64 reference), the KV pool untouched. A step with cached tokens (a radix-cache hit or a chunked
     prompt) or a decode step is refused naming the flags; a layer passing no key / value is refused. At start-up the
-    radix cache and chunked prefill are refused (they split or cache prompts), with the flags that turn them off."""
+    radix cache and chunked prefill are refused (they split or cache prompts), with the flags that turn them off, and
+    so is a model mixing encoder-only and decoder layers."""
     made = fresh_ref_wrappers
     gen = torch.Generator().manual_seed(29)
     hq = hkv = 4
@@ -1311,8 +1312,11 @@ def test_encoder_only_layers_attend_over_each_prompts_own_k_and_v(fresh_ref_wrap
     assert reasons == [] and not s.causal and "encoder-only" in s.describe()
     with pytest.raises(ValueError, match="--disable-radix-cache.*--chunked-prefill-size -1"):
         adapter._Backend(model_runner(layers, page=1, gen=gen, hkv=hkv, d=d))   # SGLang's defaults
-    runner = model_runner(layers, page=1, gen=gen, hkv=hkv, d=d,
-                          server_args={"disable_radix_cache": True, "chunked_prefill_size": -1})
+    mixed = [layers[0], Radix(hq, d, d ** -0.5, hkv, 1)]
+    off = {"disable_radix_cache": True, "chunked_prefill_size": -1}
+    reasons = adapter._refusal_reasons(model_runner(mixed, hkv=hkv, d=d, server_args=off), mixed)
+    assert any("mixing encoder-only and decoder" in r for r in reasons), reasons
+    runner = model_runner(layers, page=1, gen=gen, hkv=hkv, d=d, server_args=off)
     backend = adapter._Backend(runner)
     (g,) = backend._groups
     assert g.decode is None and g.prefill is None and g.graph_prefill is None

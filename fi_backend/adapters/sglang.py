@@ -76,9 +76,13 @@ deterministic backends but not (yet) its radix-cache ones, so SGLang turns the r
 the radix cache forced on, sliding-window layers are refused.
 Mixed chunks (--enable-mixed-chunk) are refused in this mode: their decodes would run on the prefill kernel.
 
-Refused when the backend is made (ValueError naming every reason; see _refusal_reasons): MLA, encoder /
-encoder-decoder / cross / bidirectional attention, attention sinks, speculative decoding, two-batch overlap, PD multiplexing, decode / attention context parallelism, the hybrid SWA and
-unified memory pools, KV layouts other than NHD / HND, fp8 e5m2 KV, head sizes the kernels lack, and the
+Encoder-only layers (BERT-like embedding models): one ragged prefill wrapper a group, each step non-causal over its
+own K / V, no KV written; the radix cache and chunked prefill are refused with them (whole prompts, one step each).
+
+Refused when the backend is made (ValueError naming every reason; see _refusal_reasons): MLA, encoder-decoder /
+cross / bidirectional decoder attention, encoder-only attention with a sliding window or beside decoder layers,
+attention sinks, speculative decoding, two-batch overlap, PD multiplexing, decode / attention context parallelism,
+the hybrid SWA and unified memory pools, KV layouts other than NHD / HND, fp8 e5m2 KV, head sizes the kernels lack, and the
 experimental "full" prefill CUDA graph (breakable, tc_piecewise and disabled work).
 
 Environment: FI_BACKEND_SGLANG_KV_WRITE ("sglang", default: set_kv_buffer; "append": fi_backend.ops.
@@ -440,7 +444,10 @@ def _refusal_reasons(model_runner, layers: list) -> list:
                                                                  for layer in layers):
             reasons.append("deterministic inference with the radix cache and sliding-window layers is not supported: "
                            "a cached prefix moves a window's first KV tile (pass --disable-radix-cache)")
-    if any(not layer_settings(layer)[0].causal for layer in layers):   # encoder-only: whole prompts, one step each
+    causal = {layer_settings(layer)[0].causal for layer in layers}
+    if causal == {True, False}:
+        reasons.append("models mixing encoder-only and decoder attention layers are not supported")
+    if False in causal:   # encoder-only: whole prompts, one step each
         if not getattr(sa, "disable_radix_cache", False):
             reasons.append("encoder-only models need --disable-radix-cache: a cached prefix's K / V would come from a "
                            "KV cache these layers never write")
@@ -540,10 +547,10 @@ def _encoder_only_refusal(mode: str, decode: bool, kv_cpu: torch.Tensor, q_lens:
         return (f"fi-backend: encoder-only attention runs prompts, not decode steps (SGLang forward mode {mode}): an "
                 "embedding model generates no tokens")
     bad = torch.nonzero(kv_cpu != q_lens).flatten().tolist()[:8]
-    return (f"fi-backend runs encoder-only attention on whole prompts in one step (no KV cache holds a prompt's earlier "
-            f"tokens): requests {bad} have {kv_cpu[bad].tolist()} tokens against {q_lens[bad].tolist()} in this step "
-            "(a radix-cache hit or a chunked prompt: pass --disable-radix-cache, and a --chunked-prefill-size of at "
-            "least the model's context length)")
+    return ("fi-backend runs encoder-only attention on whole prompts in one step (no KV cache holds a prompt's "
+            f"earlier tokens): requests {bad} have {kv_cpu[bad].tolist()} tokens against {q_lens[bad].tolist()} in "
+            "this step "
+            "(a radix-cache hit or a chunked prompt: pass --disable-radix-cache --chunked-prefill-size -1)")
 
 
 def _cpu_int32(x, n: int, name: str) -> torch.Tensor:
@@ -1009,7 +1016,8 @@ class _Backend:
             o_run = o3
         ks = layer.k_scale_float if self._fp8 and getattr(layer, "k_scale_float", None) is not None else 1.0
         vs = layer.v_scale_float if self._fp8 and getattr(layer, "v_scale_float", None) is not None else 1.0
-        if fresh:   # new prompts: their own K / V rows [tokens, KV heads, D] (16-bit: no scales)
+        if fresh:   # new prompts (or encoder-only): their own K / V rows [tokens, KV heads, D], 16-bit: no scales
+            ks = vs = 1.0
             hkv = layer.tp_k_head_num
             kv = (k.view(-1, hkv, d)[:n].unsqueeze(1), v.view(-1, hkv, d)[:n].unsqueeze(1))
         else:
