@@ -4,7 +4,8 @@ each wait on S (WARPGROUP.DEPBAR.LE gsb0, 0x1), counts the softmax's instruction
 (DEPBAR.LE gsb0, 0x0) and after it. FlashAttention-3's overlap needs the exponentials (MUFU) before the P.V's wait;
 ncu on the H200 found ours waiting 20% of its samples on these two waits, vLLM's FA3 2.5% (docs/prefill.md).
 
-    python -m perf.tools.wgmma_waits [--causal] [--pingpong] [--head-dim 128] [--so PATH]
+    python -m perf.tools.wgmma_waits [--causal] [--pingpong] [--head-dim 128] [--page-size P] [--warpgroups 3]
+        [--softcap] [--so PATH]
 """
 from __future__ import annotations
 
@@ -73,13 +74,16 @@ def main(argv=None) -> int:
     ap.add_argument("--pingpong", action="store_true")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--page-size", type=int, default=0)
+    ap.add_argument("--warpgroups", type=int, default=2, help="consumer warpgroups (3: head sizes 64 and 96)")
+    ap.add_argument("--softcap", action="store_true")
     ap.add_argument("--so", help="a built module's .so instead of building one")
     a = ap.parse_args(argv)
     so = a.so
     if so is None:
         os.environ.setdefault("FI_BACKEND_CUDA_ARCH_LIST", "90a")
         from fi_backend.kernels import builder, cutlass
-        spec = cutlass.attn_ws_spec(a.head_dim, a.causal, overlap=True, pingpong=a.pingpong, page_size=a.page_size)
+        spec = cutlass.attn_ws_spec(a.head_dim, a.causal, overlap=True, pingpong=a.pingpong, page_size=a.page_size,
+                                    warpgroups=a.warpgroups, softcap=a.softcap)
         print(f"building {spec.family} (minutes on two cores) ...", flush=True)
         so = str(builder.build(spec).path)
     sass = subprocess.run([cuobjdump(), "-sass", so], capture_output=True, text=True, check=True).stdout
