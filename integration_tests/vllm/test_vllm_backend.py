@@ -50,6 +50,14 @@ scaled by the whole fan-in; the per-rank attention settings and fi-backend's pla
 flags are read the same way. NCCL runs with NVLink multicast off (TP_ENV) as the GPU machines require:
     IT_MODELS=llama70b_tp2 python3 -m pytest -q integration_tests/vllm
 
+Speculative decoding (test_speculative_decoding_matches_flash_attn, kind spec): Llama-3.1-8B's shapes, CUDA graphs
+on, a draft model of the same shapes (speculative_config method draft_model, 3 tokens; its dummy weights are not
+redrawn, so most drafts are rejected, but every target step verifies 1 + 3 tokens a request: vLLM's uniform
+batches, captured in full graphs). Greedy generations of 8 prompts, CUSTOM against FLASH_ATTN (both speculating)
+within twice TRITON_ATTN's distance plus the floor, up to the first differing token (a near-tie); vLLM's
+spec-decode counters must show drafts:
+    IT_MODELS=spec python3 -m pytest -q integration_tests/vllm
+
 Batch invariance (issue 31's engine bar; kind deterministic, engines DET_ENGINES): Llama-3.1-8B's shapes, CUDA
 graphs on (vLLM's default FULL_AND_PIECEWISE; batch-invariant mode changes no graph setting), prefix caching and
 chunked prefill on. vLLM 0.26 with VLLM_BATCH_INVARIANT=1 swaps in its batch-invariant matmul / log-softmax /
@@ -173,7 +181,10 @@ SHAPES = {
 REAL_VARIANTS = os.environ.get("FI_VLLM_TEST_REAL_VARIANTS", "0") == "1"
 # Encoder-only kinds (test_encoder_only_embeddings_match_flash_attn): kind -> config file; pooling runner, embeddings
 ENCODER_KINDS = {"bert": "bert_base.json"}
-KINDS = ("llama", "window") + tuple(SHAPES) + tuple(TP_KINDS) + tuple(ENCODER_KINDS) + ("deterministic", "shared")
+KINDS = ("llama", "window") + tuple(SHAPES) + tuple(TP_KINDS) + tuple(ENCODER_KINDS) + ("deterministic", "shared",
+                                                                                       "spec")
+# kind spec: the target's own shapes as the draft model (dummy weights), 3 tokens a step
+SPEC_TOKENS = 3
 # Issue 31's engine bar (kind deterministic; module docstring): label -> (backend, the engine process's environment).
 # Llama-3.1-8B's shapes, CUDA graphs on, prefix caching and chunked prefill on as in every engine here.
 DET_ENGINES = {
@@ -407,6 +418,24 @@ def workload_embed(llm, token_hi: int) -> dict:
     return {"embeddings": vectors, "prompt_lens": [len(p) for b in batches for p in b]}
 
 
+def workload_spec(llm, token_hi: int) -> dict:
+    """Greedy generations of 48 tokens from 8 prompts of 5-300 tokens under speculative decoding, top-5 logprobs a
+    step, and vLLM's spec-decode counters (drafts proposed and accepted)."""
+    from vllm import SamplingParams, TokensPrompt
+    rng = random.Random(31)
+    prompts = [_tokens(rng, n, token_hi) for n in (5, 40, 150, 300, 17, 90, 220, 8)]
+    sp = SamplingParams(max_tokens=48, temperature=0.0, logprobs=5, ignore_eos=True, detokenize=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+    gens = [{"tokens": list(o.outputs[0].token_ids), "logprobs": [_top(d) for d in o.outputs[0].logprobs]}
+            for o in outs]
+    counters = {}
+    for m in llm.get_metrics():
+        if "spec_decode" in m.name:
+            value = getattr(m, "value", None)
+            counters[m.name] = value if value is not None else list(getattr(m, "values", []) or [])
+    return {"generations": gens, "prompt_lens": [len(p) for p in prompts], "spec_counters": counters}
+
+
 def workload_long(llm, rounds: int = 3, token_hi: int = 120000) -> dict:
     """Three rounds of 40 requests (prompts 8..600 tokens, 16..320 sampled tokens each) through 16 batch
     slots: the batch fills, mixes prefill chunks with decodes, and drains over hundreds of steps. CUDA
@@ -582,6 +611,9 @@ def run_engine(backend: str, graphs: bool, model: str, workloads: list, out: str
     shared = "shared" in workloads
     if shared:
         kwargs.update(SHARED_ARGS)
+    if "spec" in workloads:
+        kwargs["speculative_config"] = {"method": "draft_model", "model": model,
+                                        "num_speculative_tokens": SPEC_TOKENS}
     if worker_cls:
         kwargs["worker_cls"] = worker_cls
     if graphs:
@@ -615,6 +647,8 @@ def run_engine(backend: str, graphs: bool, model: str, workloads: list, out: str
             record[name] = workload_shared(llm, options["token_hi"])
         elif name == "embed":
             record[name] = workload_embed(llm, options["token_hi"])
+        elif name == "spec":
+            record[name] = workload_spec(llm, options["token_hi"])
         else:
             record[name] = workload_long(llm, token_hi=options["token_hi"])
         record[name + "_s"] = time.perf_counter() - t0
@@ -1093,3 +1127,25 @@ if __name__ == "__main__":
         if not (a.backend and a.model and a.out):
             parser.error("--backend, --model and --out (or --engine)")
         run_engine(a.backend, a.graphs, a.model, a.workloads.split(","), a.out, a.tp, a.worker_cls)
+
+
+@pytest.mark.gpu
+def test_speculative_decoding_matches_flash_attn(engines):
+    """Speculative decoding with a draft model (kind spec, module docstring): CUSTOM's greedy generations against
+    FLASH_ATTN's within twice TRITON_ATTN's distance plus the floor, up to the first differing token (a near-tie);
+    drafts were proposed (vLLM's counters) and fi-backend planned prefill steps (the verify batches)."""
+    _selected("spec")
+    fa, triton, custom = (engines(b, graphs=True, kind="spec", workloads=("spec",))
+                          for b in ("FLASH_ATTN", "TRITON_ATTN", "CUSTOM"))
+    noise_diffs, _, _ = _generation_diffs(fa["spec"], triton["spec"], near_tie=False)
+    bound = _bound(_stats(noise_diffs))
+    got, compared, total = _generation_diffs(fa["spec"], custom["spec"])
+    drafts = {k: v for k, v in custom["spec"]["spec_counters"].items() if "draft" in k}
+    _write("speculative_decoding", {"spec_tokens": SPEC_TOKENS, "bound": bound, "noise_triton_vs_fa": _stats(noise_diffs),
+                                    "custom_vs_fa": {**_stats(got), "compared": compared, "generated": total},
+                                    "spec_counters": custom["spec"]["spec_counters"],
+                                    "plan_counts": custom["plan_counts"], "cudagraph_mode": custom["cudagraph_mode"]})
+    assert any(isinstance(v, (int, float)) and v > 0 for v in drafts.values()), ("no drafts proposed", drafts)
+    assert custom["plan_counts"]["prefill"] > 0, custom["plan_counts"]
+    assert compared >= total // 4, f"only {compared} of {total} generated tokens compared before a divergence"
+    assert max(got, default=0.0) <= bound["max"], (got, bound)
