@@ -614,6 +614,7 @@ def run_engine(backend: str, graphs: bool, model: str, workloads: list, out: str
     if "spec" in workloads:
         kwargs["speculative_config"] = {"method": "draft_model", "model": model,
                                         "num_speculative_tokens": SPEC_TOKENS}
+        kwargs["disable_log_stats"] = False   # LLM.get_metrics (the spec-decode counters) needs the stats
     if worker_cls:
         kwargs["worker_cls"] = worker_cls
     if graphs:
