@@ -183,8 +183,10 @@ REAL_VARIANTS = os.environ.get("FI_VLLM_TEST_REAL_VARIANTS", "0") == "1"
 ENCODER_KINDS = {"bert": "bert_base.json"}
 KINDS = ("llama", "window") + tuple(SHAPES) + tuple(TP_KINDS) + tuple(ENCODER_KINDS) + ("deterministic", "shared",
                                                                                        "spec")
-# kind spec: the target's own shapes as the draft model (dummy weights), 3 tokens a step
+# kind spec: the target's own shapes as the draft model (dummy weights), 3 tokens a step; verify batches are 1 + 3
+# tokens a request, so the captured sizes (tokens) reach max_num_seqs x 4
 SPEC_TOKENS = 3
+SPEC_CAPTURE_SIZES = [4, 8, 16, 32, 64]
 # Issue 31's engine bar (kind deterministic; module docstring): label -> (backend, the engine process's environment).
 # Llama-3.1-8B's shapes, CUDA graphs on, prefix caching and chunked prefill on as in every engine here.
 DET_ENGINES = {
@@ -618,7 +620,8 @@ def run_engine(backend: str, graphs: bool, model: str, workloads: list, out: str
     if worker_cls:
         kwargs["worker_cls"] = worker_cls
     if graphs:
-        kwargs["compilation_config"] = {"cudagraph_capture_sizes": SHARED_CAPTURE_SIZES if shared else CAPTURE_SIZES}
+        sizes = SHARED_CAPTURE_SIZES if shared else SPEC_CAPTURE_SIZES if "spec" in workloads else CAPTURE_SIZES
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": sizes}
     else:
         kwargs["enforce_eager"] = True
     t0 = time.perf_counter()
