@@ -1108,6 +1108,28 @@ def test_batch_invariant_cached_prefix_matches_whole(det_engines):
     assert got["differing"] == 0, got
 
 
+@pytest.mark.gpu
+def test_speculative_decoding_matches_flash_attn(engines):
+    """Speculative decoding with a draft model (kind spec, module docstring): CUSTOM's greedy generations against
+    FLASH_ATTN's within twice TRITON_ATTN's distance plus the floor, up to the first differing token (a near-tie);
+    drafts were proposed (vLLM's counters) and fi-backend planned prefill steps (the verify batches)."""
+    _selected("spec")
+    fa, triton, custom = (engines(b, graphs=True, kind="spec", workloads=("spec",))
+                          for b in ("FLASH_ATTN", "TRITON_ATTN", "CUSTOM"))
+    noise_diffs, _, _ = _generation_diffs(fa["spec"], triton["spec"], near_tie=False)
+    bound = _bound(_stats(noise_diffs))
+    got, compared, total = _generation_diffs(fa["spec"], custom["spec"])
+    drafts = {k: v for k, v in custom["spec"]["spec_counters"].items() if "draft" in k}
+    _write("speculative_decoding", {"spec_tokens": SPEC_TOKENS, "bound": bound, "noise_triton_vs_fa": _stats(noise_diffs),
+                                    "custom_vs_fa": {**_stats(got), "compared": compared, "generated": total},
+                                    "spec_counters": custom["spec"]["spec_counters"],
+                                    "plan_counts": custom["plan_counts"], "cudagraph_mode": custom["cudagraph_mode"]})
+    assert any(isinstance(v, (int, float)) and v > 0 for v in drafts.values()), ("no drafts proposed", drafts)
+    assert custom["plan_counts"]["prefill"] > 0, custom["plan_counts"]
+    assert compared >= total // 4, f"only {compared} of {total} generated tokens compared before a divergence"
+    assert max(got, default=0.0) <= bound["max"], (got, bound)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="one vLLM engine run (used by the tests above)")
     parser.add_argument("--engine", choices=sorted(DET_ENGINES) + sorted(SHARED_ENGINES),
@@ -1132,24 +1154,3 @@ if __name__ == "__main__":
             parser.error("--backend, --model and --out (or --engine)")
         run_engine(a.backend, a.graphs, a.model, a.workloads.split(","), a.out, a.tp, a.worker_cls)
 
-
-@pytest.mark.gpu
-def test_speculative_decoding_matches_flash_attn(engines):
-    """Speculative decoding with a draft model (kind spec, module docstring): CUSTOM's greedy generations against
-    FLASH_ATTN's within twice TRITON_ATTN's distance plus the floor, up to the first differing token (a near-tie);
-    drafts were proposed (vLLM's counters) and fi-backend planned prefill steps (the verify batches)."""
-    _selected("spec")
-    fa, triton, custom = (engines(b, graphs=True, kind="spec", workloads=("spec",))
-                          for b in ("FLASH_ATTN", "TRITON_ATTN", "CUSTOM"))
-    noise_diffs, _, _ = _generation_diffs(fa["spec"], triton["spec"], near_tie=False)
-    bound = _bound(_stats(noise_diffs))
-    got, compared, total = _generation_diffs(fa["spec"], custom["spec"])
-    drafts = {k: v for k, v in custom["spec"]["spec_counters"].items() if "draft" in k}
-    _write("speculative_decoding", {"spec_tokens": SPEC_TOKENS, "bound": bound, "noise_triton_vs_fa": _stats(noise_diffs),
-                                    "custom_vs_fa": {**_stats(got), "compared": compared, "generated": total},
-                                    "spec_counters": custom["spec"]["spec_counters"],
-                                    "plan_counts": custom["plan_counts"], "cudagraph_mode": custom["cudagraph_mode"]})
-    assert any(isinstance(v, (int, float)) and v > 0 for v in drafts.values()), ("no drafts proposed", drafts)
-    assert custom["plan_counts"]["prefill"] > 0, custom["plan_counts"]
-    assert compared >= total // 4, f"only {compared} of {total} generated tokens compared before a divergence"
-    assert max(got, default=0.0) <= bound["max"], (got, bound)
