@@ -61,3 +61,16 @@ class RaggedRows:
                                        dtype=torch.int32, device=qo_indptr.device)
         return BSR(qo_indptr=qo_indptr, kv_indices=self._ident, kv_block_start=qo_indptr[:-1], kv_lens=kv_lens,
                    block_width=1, num_kv_blocks=rows, contiguous=True)
+
+
+def whole_prompts_refusal(kv_lens, q_lens, remedy: str):
+    """Encoder-only layers keep no KV cache, so each request of a step must be a whole prompt (its keys are its
+    queries): None where kv_lens (CPU) equals q_lens, else the error message naming up to 8 requests and `remedy`."""
+    import torch
+    kv_lens = kv_lens.to(q_lens.dtype)
+    if torch.equal(kv_lens, q_lens):
+        return None
+    bad = torch.nonzero(kv_lens != q_lens).flatten().tolist()[:8]
+    return (f"fi-backend runs encoder-only attention on each prompt whole in one step (no KV cache holds a prompt's "
+            f"earlier tokens): requests {bad} have {kv_lens[bad].tolist()} tokens against {q_lens[bad].tolist()} "
+            f"in this step ({remedy})")

@@ -82,8 +82,8 @@ own K / V, no KV written; the radix cache and chunked prefill are refused with t
 Refused when the backend is made (ValueError naming every reason; see _refusal_reasons): MLA, encoder-decoder /
 cross / bidirectional decoder attention, encoder-only attention with a sliding window or beside decoder layers,
 attention sinks, speculative decoding, two-batch overlap, PD multiplexing, decode / attention context parallelism,
-the hybrid SWA and unified memory pools, KV layouts other than NHD / HND, fp8 e5m2 KV, head sizes the kernels lack, and the
-experimental "full" prefill CUDA graph (breakable, tc_piecewise and disabled work).
+the hybrid SWA and unified memory pools, KV layouts other than NHD / HND, fp8 e5m2 KV, head sizes the kernels
+lack, and the experimental "full" prefill CUDA graph (breakable, tc_piecewise and disabled work).
 
 Environment: FI_BACKEND_SGLANG_KV_WRITE ("sglang", default: set_kv_buffer; "append": fi_backend.ops.
 append_paged_kv_cache into the pool's buffers, plain MHATokenToKVPool only); FI_BACKEND_SGLANG_DEBUG=1
@@ -106,7 +106,7 @@ import torch
 from fi_backend import cute_member as _cute_member
 from fi_backend import env as _env
 from fi_backend import ops as _ops
-from fi_backend.adapters import RaggedRows, plan_decode_step, rank_device
+from fi_backend.adapters import RaggedRows, plan_decode_step, rank_device, whole_prompts_refusal
 from fi_backend.formats import BSR, prefix_groups_from_links
 from fi_backend.wrappers import HEAD_DIMS
 
@@ -540,19 +540,6 @@ class StepMetadata:
     paged: Any = None
 
 
-def _encoder_only_refusal(mode: str, decode: bool, kv_cpu: torch.Tensor, q_lens: Optional[torch.Tensor]) -> str:
-    """Why a step cannot run on encoder-only layers: a decode step, or requests with cached tokens (a radix-cache
-    hit or a chunked prompt), named with the flags that avoid them."""
-    if decode:
-        return (f"fi-backend: encoder-only attention runs prompts, not decode steps (SGLang forward mode {mode}): an "
-                "embedding model generates no tokens")
-    bad = torch.nonzero(kv_cpu != q_lens).flatten().tolist()[:8]
-    return ("fi-backend runs encoder-only attention on whole prompts in one step (no KV cache holds a prompt's "
-            f"earlier tokens): requests {bad} have {kv_cpu[bad].tolist()} tokens against {q_lens[bad].tolist()} in "
-            "this step "
-            "(a radix-cache hit or a chunked prompt: pass --disable-radix-cache --chunked-prefill-size -1)")
-
-
 def _cpu_int32(x, n: int, name: str) -> torch.Tensor:
     """SGLang's host-side lengths (a list or a CPU tensor) as a CPU int32 tensor of n entries."""
     if x is None:
@@ -653,9 +640,14 @@ class _StepPlanner:
             decode = not self.deterministic and not self.encoder_only and bool((q_lens == 1).all())
         else:
             raise NotImplementedError(f"fi-backend does not run SGLang forward mode {mode.name}")
-        if self.encoder_only and (decode or not torch.equal(kv_cpu, q_lens)):
-            # no KV cache holds these layers' earlier tokens (and a bidirectional layer's K / V depend on the rest)
-            raise ValueError(_encoder_only_refusal(mode.name, decode, kv_cpu, q_lens if not decode else None))
+        if self.encoder_only:   # no KV cache holds these layers' earlier tokens
+            if decode:
+                raise ValueError(f"fi-backend: encoder-only attention runs prompts, not decode steps (SGLang forward "
+                                 f"mode {mode.name}): an embedding model generates no tokens")
+            why = whole_prompts_refusal(kv_cpu, q_lens, "a radix-cache hit or a chunked prompt: pass "
+                                        "--disable-radix-cache --chunked-prefill-size -1")
+            if why:
+                raise ValueError(why)
         if decode:   # one query row per request: the constant arange (also what captured graphs read)
             kernel, qo_cpu, qo_dev = "decode", self._qo_decode_cpu[: bs + 1], self._qo_decode[: bs + 1]
         else:

@@ -55,8 +55,8 @@ Encoder-only layers (BERT-like embedding and scoring models; vLLM's EncoderOnlyA
 their builder makes one ragged prefill wrapper and plans each step non-causal over the step's own rows
 (_EncoderPlanner): forward reads key / value, the CuTe member where it applies, the tile family otherwise. Each
 prompt runs whole in one step (vLLM turns chunked prefill and prefix caching off for these models; fi-backend refuses
-either at start-up where it could split a prompt or reuse a prefix). No CUDA graphs (AttentionCGSupport.NEVER: the prompts' sizes change every step). Two-sided
-sliding windows and ALiBi are refused.
+either at start-up where it could split a prompt or reuse a prefix). No CUDA graphs (AttentionCGSupport.NEVER: the
+prompts' sizes change every step). Two-sided sliding windows and ALiBi are refused.
 
 No GPU-to-CPU synchronisation per step: the plan is made from query_start_loc_cpu and
 seq_lens_cpu_upper_bound (an upper bound is enough: the kernels read the true lengths from seq_lens on
@@ -78,7 +78,7 @@ from fi_backend import cute_member as _cute_member
 from fi_backend import env as _env
 from fi_backend import ops as _ops
 from fi_backend import variants as _variants
-from fi_backend.adapters import RaggedRows, plan_decode_step, rank_device
+from fi_backend.adapters import RaggedRows, plan_decode_step, rank_device, whole_prompts_refusal
 from fi_backend.formats import BSR, prefix_groups_from_table
 from fi_backend.wrappers import HEAD_DIMS
 
@@ -588,11 +588,10 @@ class _EncoderPlanner:
         qo_cpu = cm.query_start_loc_cpu[: n + 1]
         q_lens = qo_cpu[1:] - qo_cpu[:-1]
         kv_cpu = getattr(cm, "seq_lens_cpu_upper_bound", None)
-        if kv_cpu is not None and not torch.equal(kv_cpu[:n].to(q_lens.dtype), q_lens):
-            bad = torch.nonzero(kv_cpu[:n].to(q_lens.dtype) != q_lens).flatten().tolist()[:8]
-            raise ValueError(f"encoder-only attention needs each prompt whole in one step (no KV cache holds its "
-                             f"earlier tokens); requests {bad} have KV lengths {kv_cpu[bad].tolist()} against query "
-                             f"lengths {q_lens[bad].tolist()}")
+        why = None if kv_cpu is None else whole_prompts_refusal(
+            kv_cpu[:n], q_lens, "chunked prefill or prefix caching: vLLM turns both off for these models")
+        if why:
+            raise ValueError(why)
         return _plan_own_rows(self.wrapper, self._rows, cm, qo_cpu, q_lens.to(torch.int32), causal=False,
                               sm_scale=self.sm_scale, debug=self.debug, variant_params=self.variant_params,
                               count="encoder_only")
