@@ -1006,13 +1006,13 @@ class _Backend:
             o3[n:].zero_()
         else:
             o_run = o3
-        ks = layer.k_scale_float if self._fp8 and getattr(layer, "k_scale_float", None) is not None else 1.0
-        vs = layer.v_scale_float if self._fp8 and getattr(layer, "v_scale_float", None) is not None else 1.0
         if fresh:   # new prompts (or encoder-only): their own K / V rows [tokens, KV heads, D], 16-bit: no scales
             ks = vs = 1.0
             hkv = layer.tp_k_head_num
             kv = (k.view(-1, hkv, d)[:n].unsqueeze(1), v.view(-1, hkv, d)[:n].unsqueeze(1))
         else:
+            ks = layer.k_scale_float if self._fp8 and getattr(layer, "k_scale_float", None) is not None else 1.0
+            vs = layer.v_scale_float if self._fp8 and getattr(layer, "v_scale_float", None) is not None else 1.0
             kv = self._kv(layer.layer_id)
         wrapper.run(q3, kv, out=o_run, k_scale=ks, v_scale=vs)
         if md.partners:   # a decode graph launches both wrappers; the idle one writes nothing
