@@ -67,6 +67,27 @@ def waits(ins: list) -> list:
     return rows
 
 
+def build(head_dim=128, causal=False, pingpong=False, page_size=0, warpgroups=2, softcap=False) -> str:
+    """Builds the CuTe CTA's member for sm_90a (no GPU needed) and returns its .so's path."""
+    os.environ.setdefault("FI_BACKEND_CUDA_ARCH_LIST", "90a")
+    from fi_backend.kernels import builder, cutlass
+    spec = cutlass.attn_ws_spec(head_dim, causal, overlap=True, pingpong=pingpong, page_size=page_size,
+                                warpgroups=warpgroups, softcap=softcap)
+    print(f"building {spec.family} (minutes on two cores) ...", flush=True)
+    return str(builder.build(spec).path)
+
+
+def report(so: str) -> dict:
+    """The module's SASS read: instruction, HGMMA, warpgroup-wait and local load / store counts, and waits()."""
+    sass = subprocess.run([cuobjdump(), "-sass", so], capture_output=True, text=True, check=True).stdout
+    ins = instructions(sass)
+    return dict(instructions=len(ins),
+                mmas=sum(1 for _, t in ins if opcode(t) == "HGMMA"),
+                deps=sum(1 for _, t in ins if "WARPGROUP.DEPBAR" in t),
+                spills=sum(1 for _, t in ins if opcode(t) in ("STL", "LDL")),
+                waits=waits(ins))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m perf.tools.wgmma_waits", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -78,21 +99,11 @@ def main(argv=None) -> int:
     ap.add_argument("--softcap", action="store_true")
     ap.add_argument("--so", help="a built module's .so instead of building one")
     a = ap.parse_args(argv)
-    so = a.so
-    if so is None:
-        os.environ.setdefault("FI_BACKEND_CUDA_ARCH_LIST", "90a")
-        from fi_backend.kernels import builder, cutlass
-        spec = cutlass.attn_ws_spec(a.head_dim, a.causal, overlap=True, pingpong=a.pingpong, page_size=a.page_size,
-                                    warpgroups=a.warpgroups, softcap=a.softcap)
-        print(f"building {spec.family} (minutes on two cores) ...", flush=True)
-        so = str(builder.build(spec).path)
-    sass = subprocess.run([cuobjdump(), "-sass", so], capture_output=True, text=True, check=True).stdout
-    ins = instructions(sass)
-    spills = sum(1 for _, t in ins if opcode(t) in ("STL", "LDL"))
-    mmas = sum(1 for _, t in ins if opcode(t) == "HGMMA")
-    deps = sum(1 for _, t in ins if "WARPGROUP.DEPBAR" in t)
-    print(f"{so}\n{len(ins)} instructions, {mmas} HGMMA, {deps} warpgroup waits, {spills} local loads / stores")
-    for s_wait, pv_wait, before, after in waits(ins):
+    so = a.so or build(a.head_dim, a.causal, a.pingpong, a.page_size, a.warpgroups, a.softcap)
+    r = report(so)
+    print(f"{so}\n{r['instructions']} instructions, {r['mmas']} HGMMA, {r['deps']} warpgroup waits, "
+          f"{r['spills']} local loads / stores")
+    for s_wait, pv_wait, before, after in r["waits"]:
         show = lambda c: " ".join(f"{o} {c[o]}" for o in SHOWN if c[o])  # noqa: E731
         print(f"  S wait {s_wait:05x} -> P.V wait {pv_wait:05x}: before it [{show(before)}], after [{show(after)}]")
     return 0

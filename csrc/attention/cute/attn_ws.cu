@@ -167,6 +167,9 @@ struct SharedStorage {
   cute::array_aligned<Elem, kChunkedO ? kRows * kOPitch : cosize_v<SmemLayoutO>, 1024> o;
   typename Pipeline::SharedStorage pipe_k, pipe_v;
   alignas(8) uint64_t q_full, q_empty;
+  // arrived at, never waited on: an arrive that depends on the softmax's sums pins the P.V's wait after the
+  // exponentials (ptxas keeps warpgroup waits in order with mbarrier arrives and schedules both early)
+  alignas(8) uint64_t pin;
   int tile;     // the work tile whose Q q_full announces (work: none left)
   int draw[2];  // gather, split issue: the work tile the producer's thread 0 drew for all 128 (by the draw's parity)
   int64_t row_off[kGather ? 2 : 1][kGather ? kKv : 1];  // gather: a KV tile's rows' offsets in the cache
@@ -287,6 +290,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
   if (tid == 0) {
     cutlass::arch::ClusterTransactionBarrier::init(&ss.q_full, 1);
     cutlass::arch::ClusterBarrier::init(&ss.q_empty, kConsumers);
+    cutlass::arch::ClusterBarrier::init(&ss.pin, 1);
   }
   cutlass::arch::fence_barrier_init();
   __syncthreads();  // barriers initialised before anyone waits on or arrives at them
@@ -682,6 +686,8 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
         soft_cap();
         if (needs_mask(w, n)) mask_tile(w, n);  // the second of a causal limit's two tiles, or a window's
         softmax(alpha);
+        // always true (NaN too), but ptxas cannot know: the P.V's wait below cannot move above the exponentials
+        if (lane == 0 && !(sum[0] + sum[1] < 0.f)) cutlass::arch::ClusterBarrier::arrive(&ss.pin);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tO);
         pipe_v.consumer_release(prev);
