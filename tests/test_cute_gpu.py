@@ -132,7 +132,7 @@ def test_attn_ws_paged(D, warpgroups, causal, page, gather, case):
         pytest.skip("head size 256: pages of 16 (several boxes a 64-token tile) and 256 (several tiles a page) only")
     from fi_backend import kernels
     module = kernels.load(_paged_spec(D, warpgroups, causal, page, gather))
-    run = module.function("fi_cute_attn_bsr", [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 19 +
+    run = module.function("fi_cute_attn_bsr", [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 22 +
                           [ctypes.c_float] * 2 + [ctypes.c_void_p])
     q_lens, kv_lens, heads, kv_heads = _PAGED_CASES[case]
     gen = torch.Generator().manual_seed(page * 7 + D)
@@ -160,7 +160,7 @@ def test_attn_ws_paged(D, warpgroups, causal, page, gather, case):
     k_view, v_view = cache[:, 0], cache[:, 1]
     rc = run(q.data_ptr(), o.data_ptr(), lse.data_ptr(), k_view.data_ptr(), v_view.data_ptr(), qi.data_ptr(),
              kl_dev.data_ptr(), idx.data_ptr(), start.data_ptr(), counter.data_ptr(), None, idx.numel(), q.stride(0),
-             q.stride(1), o.stride(0), o.stride(1), lse.stride(0), *k_view.stride()[:3], pool, 0, len(q_lens),
+             q.stride(1), o.stride(0), o.stride(1), lse.stride(0), *k_view.stride()[:3], *v_view.stride()[:3], pool, 0, len(q_lens),
              max(q_lens), heads, kv_heads, total_q, int(kv_indptr[-1]), 32 << 20, -1, scale, 0.0,
              torch.cuda.current_stream().cuda_stream)
     assert rc == 0, f"launch failed: {rc}"
