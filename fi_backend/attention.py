@@ -115,14 +115,21 @@ def _fastdiv(d: int) -> _FastDiv:
     return _FastDiv(d, m & 0xFFFFFFFF, s)
 
 
+# The attention module's entries' ctypes arguments (csrc/attention/attention_module.cu; tests/test_entry_signatures.py
+# checks them against the C declarations)
+_RUN_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p]
+_LAYOUT_ARGS = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
+_OCCUPANCY_ARGS = [ctypes.POINTER(ctypes.c_int)]
+_KV_MAPS_ARGS = [ctypes.c_void_p]
+
+
 class _Launcher:
     """A loaded attention module: its launcher, its ctypes VariantParams type and its kernel shape."""
 
     def __init__(self, spec: kernels.ModuleSpec, variant: Variant):
         self.module = kernels.load(spec)
-        self.run = self.module.function(
-            "fi_attention_run", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p])
-        layout_fn = self.module.function("fi_attention_layout", [ctypes.POINTER(ctypes.c_int64), ctypes.c_int])
+        self.run = self.module.function("fi_attention_run", _RUN_ARGS)
+        layout_fn = self.module.function("fi_attention_layout", _LAYOUT_ARGS)
         buf = (ctypes.c_int64 * 64)()
         n = layout_fn(buf, 64)
         vals = list(buf[:n])
@@ -135,7 +142,7 @@ class _Launcher:
         if vals[6:] != expected:
             raise RuntimeError(f"attention module {self.module.name}: the C parameter layout {vals[6:]} does not match "
                                f"fi_backend.attention's ctypes mirror {expected}; the two must change together")
-        self._occupancy = self.module.function("fi_attention_occupancy", [ctypes.POINTER(ctypes.c_int)])
+        self._occupancy = self.module.function("fi_attention_occupancy", _OCCUPANCY_ARGS)
 
     def blocks_per_sm(self) -> int:
         out = ctypes.c_int(0)
@@ -874,7 +881,7 @@ class BatchAttention:
         """Whether run() with the KV cache it was last given gives the kernel KV TMA maps (the prefill
         kernel's producer then copies whole tiles of consecutive tokens by TMA; else every tile is gathered
         with cp.async). For tests; host only."""
-        fn = self._launcher.module.function("fi_attention_kv_maps", [ctypes.c_void_p])
+        fn = self._launcher.module.function("fi_attention_kv_maps", _KV_MAPS_ARGS)
         return bool(fn(self._params_ref))
 
     def _lse_arg(self, lse, rows):

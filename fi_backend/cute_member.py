@@ -14,7 +14,6 @@ FI_BACKEND_PREFILL_CUTE=0 turns it off.
 """
 from __future__ import annotations
 
-import ctypes
 from typing import Optional
 
 import torch
@@ -141,8 +140,8 @@ class CuteMember:
     def __init__(self, head_dim: int, q_dtype: torch.dtype, page_size: int, num_qo_heads: int, num_kv_heads: int,
                  device: torch.device, variant: Variant = V.DEFAULT):
         self.modules = [kernels.load(s) for s in specs(head_dim, q_dtype, page_size, variant)]
-        argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 22 + [ctypes.c_float] * 2 + [ctypes.c_void_p]
-        self._fns = [m.function("fi_cute_attn_bsr", argtypes) for m in self.modules]
+        from .kernels.cutlass import ATTN_BSR_ARGS
+        self._fns = [m.function("fi_cute_attn_bsr", ATTN_BSR_ARGS) for m in self.modules]
         self.softcap = _softcap(variant)
         self.heads, self.kv_heads, self.wide = num_qo_heads, num_kv_heads, head_dim in WIDE_HEAD_DIMS
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count

@@ -2,7 +2,6 @@
 CuTe member in the making, docs/prefill.md) against fi_backend.reference in float64. Needs an sm_90a GPU and
 the nvidia-cutlass wheel's headers (fi_backend.kernels.cutlass); the CPU tests of the header lookup are in
 test_kernels_build.py."""
-import ctypes
 import importlib.util
 
 import pytest
@@ -85,9 +84,9 @@ def test_attn_ws(D, causal, case, overlap, pingpong, warpgroups):
     if warpgroups == 3 and D not in (64, 96):
         pytest.skip("three consumer warpgroups: head sizes 64 and 96 (96-token KV tiles) only")
     from fi_backend import kernels
+    from fi_backend.kernels import cutlass
     module = kernels.load(_ws_spec(D, causal, overlap, pingpong, warpgroups))
-    run = module.function("fi_cute_attn_ws", [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7 + [ctypes.c_float,
-                                                                                             ctypes.c_void_p])
+    run = module.function("fi_cute_attn_ws", cutlass.ATTN_WS_ARGS)
     q_lens, kv_lens, heads, kv_heads = _WS_CASES[case]
     qo_indptr = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     kv_indptr = torch.tensor([0] + kv_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
@@ -131,9 +130,9 @@ def test_attn_ws_paged(D, warpgroups, causal, page, gather, case):
     if D == 256 and page == 64 and not gather:
         pytest.skip("head size 256: pages of 16 (several boxes a 64-token tile) and 256 (several tiles a page) only")
     from fi_backend import kernels
+    from fi_backend.kernels import cutlass
     module = kernels.load(_paged_spec(D, warpgroups, causal, page, gather))
-    run = module.function("fi_cute_attn_bsr", [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 22 +
-                          [ctypes.c_float] * 2 + [ctypes.c_void_p])
+    run = module.function("fi_cute_attn_bsr", cutlass.ATTN_BSR_ARGS)
     q_lens, kv_lens, heads, kv_heads = _PAGED_CASES[case]
     gen = torch.Generator().manual_seed(page * 7 + D)
     n_pages = [(kl + page - 1) // page for kl in kv_lens]

@@ -2,7 +2,6 @@
 exponential of the step's softmax, so the exponentials overlap the P.V in flight (FlashAttention-3's overlap).
 ptxas hoisted it before them until the kernel pinned it (`ss.pin` in attn_ws.cu; docs/prefill.md, "Where the
 cycles go against vLLM's FA3"). Also: no new local memory, and no wgmma serialised (one wait a wgmma)."""
-import shutil
 
 import pytest
 

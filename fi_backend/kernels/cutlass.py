@@ -3,6 +3,7 @@ the nvidia-cutlass wheel (package `cutlass_library`), pinned to the version belo
 FI_BACKEND_CUTLASS_DIR (its include/ directory)."""
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 
@@ -10,6 +11,13 @@ from .spec import ModuleSpec
 
 VERSION = "4.2.0.0"
 ENV = "FI_BACKEND_CUTLASS_DIR"
+
+
+# The CTA's entries' ctypes arguments (csrc/attention/cute/attn_ws.cu; tests/test_entry_signatures.py checks them
+# against the C declarations): fi_cute_attn_ws, ragged K / V by indptr ...
+ATTN_WS_ARGS = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_void_p]
+# ... and fi_cute_attn_bsr, K / V through a BSR (pages or ragged rows), V by its own strides
+ATTN_BSR_ARGS = [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 22 + [ctypes.c_float] * 2 + [ctypes.c_void_p]
 
 
 class CutlassNotFound(RuntimeError):

@@ -12,7 +12,6 @@ perf/results/<name>.json (default cute_probe)."""
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import sys
 
@@ -35,8 +34,7 @@ def probe_fn(case: P.Case, overlap: bool, pingpong: bool, l2_section_bytes: int 
     from fi_backend.kernels import cutlass
     module = kernels.load(cutlass.attn_ws_spec(case.d, causal, overlap=overlap, pingpong=pingpong,
                                                warpgroups=warpgroups))
-    run = module.function("fi_cute_attn_ws", [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7 + [ctypes.c_float,
-                                                                                             ctypes.c_void_p])
+    run = module.function("fi_cute_attn_ws", cutlass.ATTN_WS_ARGS)
     out = torch.empty_like(case.q)
     lse = torch.empty(case.rows, case.hq, device=case.q.device, dtype=torch.float32)
     stream = torch.cuda.current_stream().cuda_stream
@@ -61,8 +59,7 @@ def paged_fn(case: P.Case, page_size: int, l2_section_bytes: int = L2_SECTION, w
     paged = P.Paged(case, page_size)
     module = kernels.load(cutlass.attn_ws_spec(case.d, causal, overlap=True, pingpong=False, page_size=page_size,
                                                warpgroups=warpgroups, gather=gather, vbox=vbox, split=split))
-    run = module.function("fi_cute_attn_bsr", [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 22 +
-                          [ctypes.c_float] * 2 + [ctypes.c_void_p])
+    run = module.function("fi_cute_attn_bsr", cutlass.ATTN_BSR_ARGS)
     out = torch.empty_like(case.q)
     lse = torch.empty(case.rows, case.hq, device=case.q.device, dtype=torch.float32)
     stream = torch.cuda.current_stream().cuda_stream
