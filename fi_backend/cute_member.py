@@ -40,6 +40,12 @@ WIDE_MIN_QUERY = 8192
 GATHER_BELOW = 0
 
 
+# Pages (TMA boxes): each issuing warp loads its page ids of a KV tile a tile ahead, before it waits for the stage
+# (attn_ws.cu PREFETCH), instead of just before each box. Off until measured: the member on pages of 16 took
+# 1.16-1.20x its ragged time (H200, perf/results/paged16_h200.json; docs/prefill.md "The pinned P.V wait, measured").
+PAGE_PREFETCH = False
+
+
 def gathers(page_size: int) -> bool:
     """Whether the member gathers K / V rows at this page size (else TMA boxes)."""
     return page_size < GATHER_BELOW
@@ -117,7 +123,7 @@ def specs(head_dim: int, q_dtype: torch.dtype, page_size: int, variant: Variant 
     dtype = "bf16" if q_dtype == torch.bfloat16 else "fp16"
     return [cutlass.attn_ws_spec(head_dim, causal, overlap=True, pingpong=False, page_size=page_size, dtype=dtype,
                                  softcap=_softcap(variant), warpgroups=wgs,
-                                 gather=page_size > 0 and gathers(page_size))
+                                 gather=page_size > 0 and gathers(page_size), prefetch=PAGE_PREFETCH)
             for wgs in ((2, 3) if head_dim in WIDE_HEAD_DIMS else (2,)) for causal in (False, True)]
 
 

@@ -15,10 +15,10 @@ def _ws_spec(D, causal, overlap, pingpong, warpgroups):
     return cutlass.attn_ws_spec(D, causal, overlap=bool(overlap), pingpong=bool(pingpong), warpgroups=warpgroups)
 
 
-def _paged_spec(D, warpgroups, causal, page, gather):
+def _paged_spec(D, warpgroups, causal, page, gather, prefetch=False):
     from fi_backend.kernels import cutlass
     return cutlass.attn_ws_spec(D, causal, overlap=True, pingpong=False, page_size=page, warpgroups=warpgroups,
-                                gather=gather)
+                                gather=gather, prefetch=prefetch)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -114,14 +114,17 @@ _PAGED_CASES = {  # (query lengths, KV lengths, heads, KV heads)
 
 @pytest.mark.parametrize("D,warpgroups", [(64, 2), (64, 3), (96, 2), (96, 3), (128, 2), (256, 2)])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("page,gather", [(16, False), (64, False), (256, False), (1, True), (16, True), (64, True)])
+@pytest.mark.parametrize("page,gather,prefetch", [(16, False, False), (64, False, False), (256, False, False),
+                                                  (16, False, True), (256, False, True),
+                                                  (1, True, False), (16, True, False), (64, True, False)])
 @pytest.mark.parametrize("case", sorted(_PAGED_CASES))
-def test_attn_ws_paged(D, warpgroups, causal, page, gather, case):
+def test_attn_ws_paged(D, warpgroups, causal, page, gather, prefetch, case):
     """Paged K / V (vLLM's layout: K and V of a page in one [pages, 2, page, kv_heads, D] tensor, so each view has a
     page stride of twice its page), pages of each request in random order over a pool with pages of no request,
     through the BSR entry (fi_cute_attn_bsr): a TMA box a page and 64-dim block below 128 tokens a page, several KV
     tiles a page above; the tail of a request's last page (NaN here) and the boxes past it masked, their V zeroed;
-    or (gather) rows copied by the producer warpgroup's threads, pages of one token too, rows past the KV zeros."""
+    or (gather) rows copied by the producer warpgroup's threads, pages of one token too, rows past the KV zeros;
+    prefetch: the TMA boxes' page ids loaded a KV tile ahead."""
     pytest.importorskip("cutlass_library")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm_90a only")
@@ -131,7 +134,7 @@ def test_attn_ws_paged(D, warpgroups, causal, page, gather, case):
         pytest.skip("head size 256: pages of 16 (several boxes a 64-token tile) and 256 (several tiles a page) only")
     from fi_backend import kernels
     from fi_backend.kernels import cutlass
-    module = kernels.load(_paged_spec(D, warpgroups, causal, page, gather))
+    module = kernels.load(_paged_spec(D, warpgroups, causal, page, gather, prefetch))
     run = module.function("fi_cute_attn_bsr", cutlass.ATTN_BSR_ARGS)
     q_lens, kv_lens, heads, kv_heads = _PAGED_CASES[case]
     gen = torch.Generator().manual_seed(page * 7 + D)
@@ -159,8 +162,8 @@ def test_attn_ws_paged(D, warpgroups, causal, page, gather, case):
     k_view, v_view = cache[:, 0], cache[:, 1]
     rc = run(q.data_ptr(), o.data_ptr(), lse.data_ptr(), k_view.data_ptr(), v_view.data_ptr(), qi.data_ptr(),
              kl_dev.data_ptr(), idx.data_ptr(), start.data_ptr(), counter.data_ptr(), None, idx.numel(), q.stride(0),
-             q.stride(1), o.stride(0), o.stride(1), lse.stride(0), *k_view.stride()[:3], *v_view.stride()[:3], pool, 0, len(q_lens),
-             max(q_lens), heads, kv_heads, total_q, int(kv_indptr[-1]), 32 << 20, -1, scale, 0.0,
+             q.stride(1), o.stride(0), o.stride(1), lse.stride(0), *k_view.stride()[:3], *v_view.stride()[:3], pool, 0,
+             len(q_lens), max(q_lens), heads, kv_heads, total_q, int(kv_indptr[-1]), 32 << 20, -1, scale, 0.0,
              torch.cuda.current_stream().cuda_stream)
     assert rc == 0, f"launch failed: {rc}"
     torch.cuda.synchronize()

@@ -311,16 +311,17 @@ def test_switched_off(monkeypatch):
     assert not attn.cute_step
 
 
-@pytest.mark.parametrize("gather", [False, True])
-def test_bad_bsr_is_flagged_and_never_read_past(monkeypatch, gather):
+@pytest.mark.parametrize("gather,prefetch", [(False, False), (False, True), (True, False)])
+def test_bad_bsr_is_flagged_and_never_read_past(monkeypatch, gather, prefetch):
     """A page id outside the cache and a request whose pages run past kv_indices: the member flags them in the
     wrapper's error word (check_errors names them, as the tile family's kernel does), reads zeros for those pages
     and nothing past kv_indices (compute-sanitizer memcheck in .ci/gpu's cute step), and the output stays finite;
-    TMA boxes and gathered rows alike."""
+    TMA boxes (their page ids loaded just before each box, or a tile ahead) and gathered rows alike."""
     from fi_backend import cute_member
     monkeypatch.setattr(cute_member, "GATHER_BELOW", _GATHER_BELOW if gather else 0)
+    monkeypatch.setattr(cute_member, "PAGE_PREFETCH", prefetch)
     attn = _wrapper(32, 8, 128, page=16)
-    assert all(("_ga1_" in name) == gather for name in attn._cute.module_names)
+    assert all(("_ga1_" in name) == gather and ("_pr1_" in name) == prefetch for name in attn._cute.module_names)
     bsr, qo_cpu, kv_cpu, nb = make_bsr(_KV_LENS, _Q_LENS, 16)
     cache, k, v = random_kv(nb, 16, 8, 128, torch.bfloat16)
     q = torch.randn(int(qo_cpu[-1]), 32, 128, device=DEV, dtype=torch.bfloat16)

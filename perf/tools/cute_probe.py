@@ -51,14 +51,16 @@ def probe_fn(case: P.Case, overlap: bool, pingpong: bool, l2_section_bytes: int 
 
 
 def paged_fn(case: P.Case, page_size: int, l2_section_bytes: int = L2_SECTION, warpgroups: int = 2,
-             gather: bool = False, vbox: bool = True, split: bool = True, causal: bool = True):
+             gather: bool = False, vbox: bool = True, split: bool = True, prefetch: bool = False,
+             causal: bool = True):
     """The overlapped CTA reading K / V from a pool of page_size pages in random order (perf.prefill.Paged), as TMA
     boxes or (gather) rows copied by the producer's threads."""
     from fi_backend import kernels
     from fi_backend.kernels import cutlass
     paged = P.Paged(case, page_size)
     module = kernels.load(cutlass.attn_ws_spec(case.d, causal, overlap=True, pingpong=False, page_size=page_size,
-                                               warpgroups=warpgroups, gather=gather, vbox=vbox, split=split))
+                                               warpgroups=warpgroups, gather=gather, vbox=vbox, split=split,
+                                               prefetch=prefetch))
     run = module.function("fi_cute_attn_bsr", cutlass.ATTN_BSR_ARGS)
     out = torch.empty_like(case.q)
     lse = torch.empty(case.rows, case.hq, device=case.q.device, dtype=torch.float32)
@@ -99,6 +101,9 @@ def main(argv=None) -> int:
                                                       "comma-separated: both timed side by side")
     ap.add_argument("--paged-split", default="1", help="a tile's boxes issued by the producer's four warps (1) or one "
                                                        "thread (0), comma-separated: both timed side by side")
+    ap.add_argument("--paged-prefetch", default="0", help="page ids loaded a KV tile ahead, before the producer waits "
+                                                          "for the stage (1) or just before each box (0), "
+                                                          "comma-separated: both timed side by side")
     ap.add_argument("--no-flashinfer", action="store_true",
                     help="no FlashInfer FA3 anchor (its first build at a head size is minutes): ratios to ours")
     ap.add_argument("--vllm-fa3", action="store_true",
@@ -131,10 +136,11 @@ def main(argv=None) -> int:
                 for wgs in (int(x) for x in a.paged_warpgroups.split(",")):
                     for vbox in (int(x) for x in a.paged_vbox.split(",")):
                         for split in (int(x) for x in a.paged_split.split(",")):
-                            name = (f"cute_overlap_paged{page}" + ("" if wgs == 2 else f"_wg{wgs}")
-                                    + ("" if vbox else "_vb0") + ("" if split else "_sp0"))
-                            fns[name], outs[name] = paged_fn(case, page, warpgroups=wgs, vbox=bool(vbox),
-                                                             split=bool(split), causal=causal)
+                            for pf in (int(x) for x in a.paged_prefetch.split(",")):
+                                name = (f"cute_overlap_paged{page}" + ("" if wgs == 2 else f"_wg{wgs}")
+                                        + ("" if vbox else "_vb0") + ("" if split else "_sp0") + ("_pf1" if pf else ""))
+                                fns[name], outs[name] = paged_fn(case, page, warpgroups=wgs, vbox=bool(vbox),
+                                                                 split=bool(split), prefetch=bool(pf), causal=causal)
                 # the same pages through BatchAttention: the prefill family's CuTe member (the launch engines run)
                 name = f"member_paged{page}"
                 pool = P.Paged(case, page)
