@@ -456,8 +456,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
         // at slot (n x 128 + j x kBox) % kPage; each page id loaded just before its box (one thread holding a tile's
         // ids spilled them), or with kPagePrefetch this issuer's ids a tile ahead (TilePages)
         const int mine = kSplitIssue ? warp_in_group : 0;  // split issue: this warp's pages, every kIssuers-th
-        auto box_entry = [&](int n, int jj) {
-          const int last = (w.kv_len - 1) / max(kPage, 1);
+        auto box_entry = [&](int n, int jj, int last) {  // last: the request's last page, (kv_len - 1) / kPage
           return (int64_t)w.kv_begin + min((n * kKv + jj * kBox) / max(kPage, 1), last);
         };
         // prefetched: the raw ids, checked (check_page) only where a box is issued, so no use of a load waits for it
@@ -469,10 +468,11 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
         auto fetch_pages = [&](int n) {
           TilePages p;
           p.ok = 0;
+          const int last = (w.kv_len - 1) / max(kPage, 1);
           CUTE_UNROLL
           for (int i = 0; i < kMyBoxes; ++i) {
             const int jj = i * kIssuers + mine;
-            const int64_t e = box_entry(n, jj);
+            const int64_t e = box_entry(n, jj, last);
             const bool ok = jj < kBoxes && entry_ok(e);
             p.id[i] = ok ? __ldg(a.kv_indices + e) : 0;
             p.ok |= (unsigned)ok << i;
@@ -480,12 +480,13 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
           return p;
         };
         auto load_boxes = [&](int n, const TilePages& pages, auto&& issue) {
+          const int last = (w.kv_len - 1) / max(kPage, 1);
           CUTE_UNROLL
           for (int jj = 0; jj < kBoxes; ++jj)
-            if (jj % kIssuers == mine) {
+            if (jj % kIssuers == (kSplitIssue ? warp_in_group : 0)) {
               const int slot0 = (n * kKv + jj * kBox) % max(kPage, 1), i = jj / kIssuers;
               if constexpr (kPagePrefetch) issue(jj, check_page(pages.ok >> i & 1, pages.id[i]), slot0);
-              else issue(jj, page_of(box_entry(n, jj)), slot0);
+              else issue(jj, page_of(box_entry(n, jj, last)), slot0);
             }
         };
         // KV tile n into stage `stage`, K or (is_v) V^T: one TMA copy (ragged), or a box a page and 64-dim block
