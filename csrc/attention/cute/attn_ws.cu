@@ -527,7 +527,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
             });
           }
         };
-        TilePages next_pages;
+        TilePages next_pages{};
         if constexpr (kPagePrefetch)
           if (issuer) next_pages = fetch_pages(w.ntiles - 1);
         for (int n = w.ntiles - 1; n >= w.n_lo; --n) {  // the consumers' order: the diagonal first
