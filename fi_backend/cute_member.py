@@ -44,6 +44,9 @@ GATHER_BELOW = 0
 # (attn_ws.cu PREFETCH), instead of just before each box. Off until measured: the member on pages of 16 took
 # 1.16-1.20x its ragged time (H200, perf/results/paged16_h200.json; docs/prefill.md "The pinned P.V wait, measured").
 PAGE_PREFETCH = False
+# The softmax maximum kept until a KV tile's exceeds it by more than 2^8, O rescaled only where a warp's rows moved
+# (attn_ws.cu LAZY; the tile family's kRowSumMma loop does the same). Off until measured against vLLM's FA3.
+LAZY_RESCALE = False
 
 
 def gathers(page_size: int) -> bool:
@@ -123,7 +126,8 @@ def specs(head_dim: int, q_dtype: torch.dtype, page_size: int, variant: Variant 
     dtype = "bf16" if q_dtype == torch.bfloat16 else "fp16"
     return [cutlass.attn_ws_spec(head_dim, causal, overlap=True, pingpong=False, page_size=page_size, dtype=dtype,
                                  softcap=_softcap(variant), warpgroups=wgs,
-                                 gather=page_size > 0 and gathers(page_size), prefetch=PAGE_PREFETCH)
+                                 gather=page_size > 0 and gathers(page_size), prefetch=PAGE_PREFETCH,
+                                 lazy=LAZY_RESCALE)
             for wgs in ((2, 3) if head_dim in WIDE_HEAD_DIMS else (2,)) for causal in (False, True)]
 
 

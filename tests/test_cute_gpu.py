@@ -10,9 +10,10 @@ import torch
 pytestmark = pytest.mark.gpu
 
 
-def _ws_spec(D, causal, overlap, pingpong, warpgroups):
+def _ws_spec(D, causal, overlap, pingpong, warpgroups, lazy=0):
     from fi_backend.kernels import cutlass
-    return cutlass.attn_ws_spec(D, causal, overlap=bool(overlap), pingpong=bool(pingpong), warpgroups=warpgroups)
+    return cutlass.attn_ws_spec(D, causal, overlap=bool(overlap), pingpong=bool(pingpong), warpgroups=warpgroups,
+                                lazy=bool(lazy))
 
 
 def _paged_spec(D, warpgroups, causal, page, gather, prefetch=False):
@@ -69,13 +70,14 @@ _WS_CASES = {  # (query lengths, KV lengths, heads, KV heads)
 @pytest.mark.parametrize("D", [64, 96, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("case", sorted(_WS_CASES))
-@pytest.mark.parametrize("overlap,pingpong,warpgroups", [(0, 0, 2), (1, 0, 2), (1, 1, 2), (1, 0, 3), (1, 1, 3)])
-def test_attn_ws(D, causal, case, overlap, pingpong, warpgroups):
+@pytest.mark.parametrize("overlap,pingpong,warpgroups,lazy", [(0, 0, 2, 0), (1, 0, 2, 0), (1, 1, 2, 0), (1, 0, 3, 0),
+                                                               (1, 1, 3, 0), (1, 0, 2, 1), (1, 1, 2, 1), (1, 0, 3, 1)])
+def test_attn_ws(D, causal, case, overlap, pingpong, warpgroups, lazy):
     """The warp-specialised CTA: a TMA producer warp, K and V pipelines of 2 stages, two (three: 192-row tiles, head
     size 64) consumer warpgroups, on a persistent grid; GQA by the KV head's index; ragged requests of any length (KV
     at least the query's), causal bottom-right with the masked tiles found per tile, rows past a request's end not
     stored; the intra-warpgroup overlap and the ping-pong on and off (1 x 128: one KV tile, the overlapped loop's first
-    and last steps only)."""
+    and last steps only); the lazy O rescale (a row's maximum kept until it grows by more than 2^8)."""
     pytest.importorskip("cutlass_library")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm_90a only")
@@ -85,7 +87,7 @@ def test_attn_ws(D, causal, case, overlap, pingpong, warpgroups):
         pytest.skip("three consumer warpgroups: head sizes 64 and 96 (96-token KV tiles) only")
     from fi_backend import kernels
     from fi_backend.kernels import cutlass
-    module = kernels.load(_ws_spec(D, causal, overlap, pingpong, warpgroups))
+    module = kernels.load(_ws_spec(D, causal, overlap, pingpong, warpgroups, lazy))
     run = module.function("fi_cute_attn_ws", cutlass.ATTN_WS_ARGS)
     q_lens, kv_lens, heads, kv_heads = _WS_CASES[case]
     qo_indptr = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
@@ -93,6 +95,8 @@ def test_attn_ws(D, causal, case, overlap, pingpong, warpgroups):
     total_q, total_kv, scale = int(qo_indptr[-1]), int(kv_indptr[-1]), D ** -0.5
     q = torch.randn(total_q, heads, D, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(total_kv, kv_heads, D, device="cuda", dtype=torch.bfloat16)
+    if lazy:  # keys larger the earlier they come: the KV tiles, last first, raise the maximum by up to 8x the logits
+        k *= torch.linspace(8.0, 1.0, total_kv, device="cuda", dtype=torch.bfloat16)[:, None, None]
     v = torch.randn(total_kv, kv_heads, D, device="cuda", dtype=torch.bfloat16)
     o = torch.full_like(q, float("nan"))
     lse = torch.full((total_q, heads), float("nan"), device="cuda", dtype=torch.float32)

@@ -164,6 +164,24 @@ def test_member_variants(name, Hq, Hkv, D, causal):
     assert attn.cute_step
 
 
+@pytest.mark.parametrize("name,Hq,Hkv,D,page", [(None, 32, 8, 128, 16), (None, 24, 8, 64, 64), (None, 8, 4, 256, 16),
+                                                 (None, 32, 32, 96, 16), ("soft_cap_window", 32, 16, 128, 16)])
+def test_member_lazy_rescale(monkeypatch, name, Hq, Hkv, D, page):
+    """cute_member.LAZY_RESCALE (attn_ws.cu LAZY, off by default): the member's modules keep a row's maximum until it
+    grows by more than 2^8 and skip O's rescale where a warp's rows kept theirs; the same results as the reference,
+    causal and not, a variant too (the CTA's own test has keys that raise the maximum tile after tile)."""
+    from fi_backend import cute_member
+    monkeypatch.setattr(cute_member, "LAZY_RESCALE", True)
+    variant, params = _VARIANTS[name] if name else (None, None)
+    attn = _wrapper(Hq, Hkv, D, page=page, variant=variant)
+    assert attn.cute_unsupported is None, attn.cute_unsupported
+    assert all("_la1_" in n for n in attn._cute.module_names), attn._cute.module_names
+    for causal in (True, False):
+        _check_step(attn, _Q_LENS, _KV_LENS, causal=causal, params=params,
+                    what=f"lazy {name} {Hq}/{Hkv} D={D} page={page} causal={causal}")
+        assert attn.cute_step
+
+
 # (query heads, KV heads, head size, dtype, causal) of ragged wrappers: the same models' shapes
 _RAGGED_SHAPES = [(32, 8, 128, torch.bfloat16, True), (28, 4, 128, torch.bfloat16, True),
                   (24, 8, 64, torch.bfloat16, True), (32, 32, 96, torch.float16, True),

@@ -22,18 +22,23 @@ from perf.common import diff_stats, log, stamp, time_rounds, write_result
 
 
 L2_SECTION = 32 << 20  # KV bytes a section of work tiles spans (the better in 5 of 6 cells, docs/prefill.md)
-# (overlap, ping-pong, L2 section bytes: 0 one KV head's KV, consumer warpgroups: 3 at head size 64 only)
-MODES = {"cute_plain": (False, False, L2_SECTION, 2), "cute_overlap": (True, False, L2_SECTION, 2),
-         "cute_pingpong": (True, True, L2_SECTION, 2), "cute_overlap_kv1": (True, False, 0, 2),
-         "cute_overlap_wg3": (True, False, L2_SECTION, 3), "cute_pingpong_wg3": (True, True, L2_SECTION, 3)}
+# (overlap, ping-pong, L2 section bytes: 0 one KV head's KV, consumer warpgroups: 3 at head size 64 only, the lazy
+# O rescale)
+MODES = {"cute_plain": (False, False, L2_SECTION, 2, False), "cute_overlap": (True, False, L2_SECTION, 2, False),
+         "cute_pingpong": (True, True, L2_SECTION, 2, False), "cute_overlap_kv1": (True, False, 0, 2, False),
+         "cute_overlap_wg3": (True, False, L2_SECTION, 3, False),
+         "cute_pingpong_wg3": (True, True, L2_SECTION, 3, False),
+         "cute_overlap_lazy": (True, False, L2_SECTION, 2, True),
+         "cute_pingpong_lazy": (True, True, L2_SECTION, 2, True),
+         "cute_overlap_wg3_lazy": (True, False, L2_SECTION, 3, True)}
 
 
 def probe_fn(case: P.Case, overlap: bool, pingpong: bool, l2_section_bytes: int = L2_SECTION, warpgroups: int = 2,
-             causal: bool = True):
+             lazy: bool = False, causal: bool = True):
     from fi_backend import kernels
     from fi_backend.kernels import cutlass
     module = kernels.load(cutlass.attn_ws_spec(case.d, causal, overlap=overlap, pingpong=pingpong,
-                                               warpgroups=warpgroups))
+                                               warpgroups=warpgroups, lazy=lazy))
     run = module.function("fi_cute_attn_ws", cutlass.ATTN_WS_ARGS)
     out = torch.empty_like(case.q)
     lse = torch.empty(case.rows, case.hq, device=case.q.device, dtype=torch.float32)

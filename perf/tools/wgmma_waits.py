@@ -5,7 +5,7 @@ each wait on S (WARPGROUP.DEPBAR.LE gsb0, 0x1), counts the softmax's instruction
 ncu on the H200 found ours waiting 20% of its samples on these two waits, vLLM's FA3 2.5% (docs/prefill.md).
 
     python -m perf.tools.wgmma_waits [--causal] [--pingpong] [--head-dim 128] [--page-size P] [--warpgroups 3]
-        [--softcap] [--so PATH]
+        [--softcap] [--lazy] [--so PATH]
 """
 from __future__ import annotations
 
@@ -67,12 +67,12 @@ def waits(ins: list) -> list:
     return rows
 
 
-def build(head_dim=128, causal=False, pingpong=False, page_size=0, warpgroups=2, softcap=False) -> str:
+def build(head_dim=128, causal=False, pingpong=False, page_size=0, warpgroups=2, softcap=False, lazy=False) -> str:
     """Builds the CuTe CTA's member for sm_90a (no GPU needed) and returns its .so's path."""
     os.environ.setdefault("FI_BACKEND_CUDA_ARCH_LIST", "90a")
     from fi_backend.kernels import builder, cutlass
     spec = cutlass.attn_ws_spec(head_dim, causal, overlap=True, pingpong=pingpong, page_size=page_size,
-                                warpgroups=warpgroups, softcap=softcap)
+                                warpgroups=warpgroups, softcap=softcap, lazy=lazy)
     print(f"building {spec.family} (minutes on two cores) ...", flush=True)
     return str(builder.build(spec).path)
 
@@ -97,9 +97,10 @@ def main(argv=None) -> int:
     ap.add_argument("--page-size", type=int, default=0)
     ap.add_argument("--warpgroups", type=int, default=2, help="consumer warpgroups (3: head sizes 64 and 96)")
     ap.add_argument("--softcap", action="store_true")
+    ap.add_argument("--lazy", action="store_true", help="the lazy O rescale (attn_ws.cu LAZY)")
     ap.add_argument("--so", help="a built module's .so instead of building one")
     a = ap.parse_args(argv)
-    so = a.so or build(a.head_dim, a.causal, a.pingpong, a.page_size, a.warpgroups, a.softcap)
+    so = a.so or build(a.head_dim, a.causal, a.pingpong, a.page_size, a.warpgroups, a.softcap, a.lazy)
     r = report(so)
     print(f"{so}\n{r['instructions']} instructions, {r['mmas']} HGMMA, {r['deps']} warpgroup waits, "
           f"{r['spills']} local loads / stores")

@@ -49,6 +49,11 @@ constexpr bool kBf16 = FI_CUTE_BF16;
 constexpr int kHeadDim = {{HEAD_DIM}}, kStages = {{STAGES}};
 constexpr bool kCausal = {{CAUSAL}}, kOverlap = {{OVERLAP}}, kPingPong = {{PINGPONG}};
 constexpr bool kSoftCap = {{SOFTCAP}};  // logits = cap x tanh(logits / cap) (Gemma-2's), cap from Args
+// LAZY 1: a row keeps its softmax maximum until a KV tile's exceeds it by more than 2^kLazyLog2 (in exp2), so P stays
+// below 2^8 and a warp skips O's rescale where none of its rows moved (FlashAttention-4's; the tile family's too); O,
+// the row sums and the LSE all use the kept maximum. 0: the maximum moves, and O is rescaled, every tile
+constexpr bool kLazyRescale = {{LAZY}};
+constexpr float kLazyLog2 = 8.f;
 #define FI_CUTE_PAGE {{PAGE}}
 constexpr int kPage = FI_CUTE_PAGE;  // 0: K / V ragged [tokens, kv_heads, D]; else pages of kPage tokens (a BSR)
 constexpr bool kGather = {{GATHER}};
@@ -627,7 +632,9 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
     }
   };
   // The online softmax of S in place (S becomes the tile's probabilities); alpha rescales what O and the sums held.
+  // Whether a row of this thread moved its maximum (kLazyRescale; else always true)
   auto softmax = [&](float (&alpha)[2]) {
+    bool moved = !kLazyRescale;
     float tmax[2][2] = {{mx[0], mx[1]}, {mx[0], mx[1]}};  // two chains a row: half the max's latency
     CUTE_UNROLL
     for (int i = 0; i < size(tS); ++i) {
@@ -639,9 +646,14 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
       float m = fmaxf(tmax[0][h], tmax[1][h]);
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
       m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+      if (kLazyRescale && !((m - mx[h]) * scale2 > kLazyLog2)) {  // kept (NaN: both -inf, a row with no key yet)
+        alpha[h] = 1.f;
+        continue;
+      }
       alpha[h] = mx[h] == -INFINITY ? 0.f : ptx::exp2((mx[h] - m) * scale2);
       mx[h] = m;
       sum[h] *= alpha[h];
+      moved = true;
     }
     const float base[2] = {mx[0] == -INFINITY ? 0.f : mx[0] * scale2, mx[1] == -INFINITY ? 0.f : mx[1] * scale2};
     float part[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
@@ -653,8 +665,11 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
     }
     sum[0] += part[0][0] + part[1][0];
     sum[1] += part[0][1] + part[1][1];
+    return moved;
   };
-  auto rescale_o = [&](const float (&alpha)[2]) {
+  auto rescale_o = [&](const float (&alpha)[2], bool moved) {
+    // lazy: the warp skips it where none of its rows moved (a uniform branch; alpha is 1 on the rows that kept theirs)
+    if (kLazyRescale && !__any_sync(0xffffffffu, moved)) return;
     CUTE_UNROLL
     for (int i = 0; i < size(tO); ++i) tO(i) *= alpha[(i >> 1) & 1];
   };
@@ -729,13 +744,13 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
         pipe_k.consumer_release(st);
         soft_cap();
         if (needs_mask(w, n)) mask_tile(w, n);  // the second of a causal limit's two tiles, or a window's
-        softmax(alpha);
+        const bool moved = softmax(alpha);
         // always true (NaN too), but ptxas cannot know: the P.V's wait below cannot move above the exponentials
         if (lane == 0 && !(sum[0] + sum[1] < 0.f)) cutlass::arch::ClusterBarrier::arrive(&ss.pin);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tO);
         pipe_v.consumer_release(prev);
-        rescale_o(alpha);
+        rescale_o(alpha, moved);
         to_p();
         prev = st;
         ++st;
@@ -755,8 +770,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
         pipe_k.consumer_release(st);
         soft_cap();
         if (needs_mask(w, n)) mask_tile(w, n);
-        softmax(alpha);
-        rescale_o(alpha);
+        rescale_o(alpha, softmax(alpha));
         to_p();
         wait_stage(pipe_v, st);
         if (n == ntiles - 1) zero_v_tail(w, n, st.index());
