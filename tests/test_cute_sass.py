@@ -23,16 +23,29 @@ pytestmark = [pytest.mark.skipif(kernels.find_nvcc() is None, reason="needs nvcc
               pytest.mark.skipif(not _have_cuobjdump(), reason="needs cuobjdump (the test extra's wheel)")]
 
 # (head size, causal, page size, consumer warpgroups, local loads / stores at most): the shapes whose loops differ
-# most. Head size 64's three consumer warpgroups hold fewer registers a thread: ptxas keeps 27 scalars in local
+# most, each as the member builds it (cute_member.specs: its ping-pong, lazy rescale and page-id prefetch as they
+# are set). Head size 64's three consumer warpgroups hold fewer registers a thread: ptxas keeps 27 scalars in local
 # memory there (as before the pin); more would be new spilling.
 MEMBERS = [(128, False, 0, 2, 0), (128, True, 16, 2, 0), (64, True, 0, 3, 27)]
+
+
+def _member_spec(head_dim, causal, page_size, warpgroups):
+    import torch
+
+    from fi_backend import cute_member
+    specs = [s for s in cute_member.specs(head_dim, torch.bfloat16, page_size)
+             if s.params["CAUSAL"] == str(int(causal)) and s.params["WARPGROUPS"] == str(warpgroups)]
+    assert len(specs) == 1, specs
+    return specs[0]
 
 
 @pytest.mark.parametrize("head_dim,causal,page_size,warpgroups,local_max", MEMBERS,
                          ids=[f"d{d}_{'causal' if c else 'full'}_page{p}_wg{w}" for d, c, p, w, _ in MEMBERS])
 def test_pv_wait_after_the_exponentials(head_dim, causal, page_size, warpgroups, local_max, tmp_path, monkeypatch):
     monkeypatch.setenv("FI_BACKEND_CACHE_DIR", str(tmp_path))
-    r = waits_tool.report(waits_tool.build(head_dim, causal, page_size=page_size, warpgroups=warpgroups))
+    monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", "90a")
+    from fi_backend.kernels import builder
+    r = waits_tool.report(str(builder.build(_member_spec(head_dim, causal, page_size, warpgroups)).path))
     assert r["spills"] <= local_max, f"{r['spills']} local loads / stores, at most {local_max} expected"
     assert r["mmas"] >= 8 and r["deps"] <= 6, f"wgmma serialised: {r['deps']} waits for {r['mmas']} HGMMA"
     assert r["waits"], "no wait on S with a P.V in flight: the overlap loop is gone"
