@@ -361,7 +361,8 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
         if (bad && a.error_flags != nullptr) atomicOr(a.error_flags, bad);
         return page;
       };
-      // page_of split in two (PREFETCH): the id loaded ahead, then checked where its box is issued
+      // page_of split in two (PREFETCH): the id loaded ahead, then checked where its box is issued (page_of keeps
+      // its own form: written through check_page, ptxas spilled more of the three-warpgroup producer's registers)
       auto check_page = [&](bool ok, int page) {  // ok: entry_ok(e), page: kv_indices[e] where ok
         const int bad = !ok ? 2 : (unsigned)page < (unsigned)a.num_pages ? 0 : 1;
         if (bad && a.error_flags != nullptr) atomicOr(a.error_flags, bad);
@@ -488,7 +489,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
           const int last = (w.kv_len - 1) / max(kPage, 1);
           CUTE_UNROLL
           for (int jj = 0; jj < kBoxes; ++jj)
-            if (jj % kIssuers == (kSplitIssue ? warp_in_group : 0)) {
+            if (jj % kIssuers == mine) {
               const int slot0 = (n * kKv + jj * kBox) % max(kPage, 1), i = jj / kIssuers;
               if constexpr (kPagePrefetch) issue(jj, check_page(pages.ok >> i & 1, pages.id[i]), slot0);
               else issue(jj, page_of(box_entry(n, jj, last)), slot0);
