@@ -12,6 +12,7 @@ perf/results/<name>.json (default cute_probe)."""
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 
@@ -33,12 +34,24 @@ MODES = {"cute_plain": (False, False, L2_SECTION, 2, False), "cute_overlap": (Tr
          "cute_overlap_wg3_lazy": (True, False, L2_SECTION, 3, True)}
 
 
-def probe_fn(case: P.Case, overlap: bool, pingpong: bool, l2_section_bytes: int = L2_SECTION, warpgroups: int = 2,
-             lazy: bool = False, causal: bool = True):
+def probe_spec(head_dim: int, mode: str, causal: bool):
+    from fi_backend.kernels import cutlass
+    overlap, pingpong, _, warpgroups, lazy = MODES[mode]
+    return cutlass.attn_ws_spec(head_dim, causal, overlap=overlap, pingpong=pingpong, warpgroups=warpgroups, lazy=lazy)
+
+
+def paged_spec(head_dim: int, page_size: int, causal: bool, warpgroups: int = 2, gather: bool = False,
+               vbox: bool = True, split: bool = True, prefetch: bool = False):
+    from fi_backend.kernels import cutlass
+    return cutlass.attn_ws_spec(head_dim, causal, overlap=True, pingpong=False, page_size=page_size,
+                                warpgroups=warpgroups, gather=gather, vbox=vbox, split=split, prefetch=prefetch)
+
+
+def probe_fn(case: P.Case, mode: str, causal: bool = True):
     from fi_backend import kernels
     from fi_backend.kernels import cutlass
-    module = kernels.load(cutlass.attn_ws_spec(case.d, causal, overlap=overlap, pingpong=pingpong,
-                                               warpgroups=warpgroups, lazy=lazy))
+    l2_section_bytes = MODES[mode][2]
+    module = kernels.load(probe_spec(case.d, mode, causal))
     run = module.function("fi_cute_attn_ws", cutlass.ATTN_WS_ARGS)
     out = torch.empty_like(case.q)
     lse = torch.empty(case.rows, case.hq, device=case.q.device, dtype=torch.float32)
@@ -63,9 +76,7 @@ def paged_fn(case: P.Case, page_size: int, l2_section_bytes: int = L2_SECTION, w
     from fi_backend import kernels
     from fi_backend.kernels import cutlass
     paged = P.Paged(case, page_size)
-    module = kernels.load(cutlass.attn_ws_spec(case.d, causal, overlap=True, pingpong=False, page_size=page_size,
-                                               warpgroups=warpgroups, gather=gather, vbox=vbox, split=split,
-                                               prefetch=prefetch))
+    module = kernels.load(paged_spec(case.d, page_size, causal, warpgroups, gather, vbox, split, prefetch))
     run = module.function("fi_cute_attn_bsr", cutlass.ATTN_BSR_ARGS)
     out = torch.empty_like(case.q)
     lse = torch.empty(case.rows, case.hq, device=case.q.device, dtype=torch.float32)
@@ -128,6 +139,19 @@ def main(argv=None) -> int:
         if vfunc is None:
             ap.error(f"--vllm-fa3: {why}")
     causal = not a.full
+    # every probe module at once, in parallel (one nvcc each): the timing loop below then only loads them
+    pages = [int(x) for x in a.paged.split(",") if x]
+    specs = [probe_spec(a.head_dim, m, causal) for m in modes]
+    specs += [paged_spec(a.head_dim, page, causal, int(wgs), vbox=bool(int(vb)), split=bool(int(sp)),
+                         prefetch=bool(int(pf)))
+              for page in pages for wgs in a.paged_warpgroups.split(",") for vb in a.paged_vbox.split(",")
+              for sp in a.paged_split.split(",") for pf in a.paged_prefetch.split(",")]
+    specs += [paged_spec(a.head_dim, int(page), causal, int(wgs), gather=True)
+              for page in a.gather.split(",") if page for wgs in a.paged_warpgroups.split(",")]
+    from fi_backend import kernels
+    failed = [r for r in kernels.prepare(specs, jobs=os.cpu_count()) if isinstance(r, Exception)]
+    if failed:
+        raise failed[0]
     anchor = "flashinfer_fa3" if fi_fa3 is not None else "vllm_fa3" if vfunc is not None else "ours"
     rows = []
     for heads in a.heads.split(","):
@@ -136,7 +160,7 @@ def main(argv=None) -> int:
             case = P.Case(b, s, hq, hkv, head_dim=a.head_dim, seed=b + s)
             fns, outs = {}, {}
             for name in modes:
-                fns[name], outs[name] = probe_fn(case, *MODES[name], causal=causal)
+                fns[name], outs[name] = probe_fn(case, name, causal=causal)
             for page in (int(x) for x in a.paged.split(",") if x):
                 for wgs in (int(x) for x in a.paged_warpgroups.split(",")):
                     for vbox in (int(x) for x in a.paged_vbox.split(",")):

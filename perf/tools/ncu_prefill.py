@@ -45,11 +45,11 @@ def main(argv=None) -> int:
         fn, out = vllm_fn(func, case, causal=causal)
     elif impl == "cute":
         from perf.tools.cute_probe import probe_fn
-        fn, out = probe_fn(case, True, True, causal=causal)
+        fn, out = probe_fn(case, "cute_pingpong", causal=causal)
     elif impl.startswith("cute_paged"):  # cute_paged0: the same CTA (overlap, no ping-pong) on ragged K / V
         from perf.tools.cute_probe import paged_fn, probe_fn
         page = int(impl[len("cute_paged"):])
-        fn, out = paged_fn(case, page, causal=causal) if page else probe_fn(case, True, False, causal=causal)
+        fn, out = paged_fn(case, page, causal=causal) if page else probe_fn(case, "cute_overlap", causal=causal)
     else:
         fn, out = FlashInferRagged(impl).fn(case, causal=causal)
     profile_once(fn)
