@@ -40,13 +40,18 @@ WIDE_MIN_QUERY = 8192
 GATHER_BELOW = 0
 
 
-# Pages (TMA boxes): each issuing warp loads its page ids of a KV tile a tile ahead, before it waits for the stage
-# (attn_ws.cu PREFETCH), instead of just before each box. Off until measured: the member on pages of 16 took
-# 1.16-1.20x its ragged time (H200, perf/results/paged16_h200.json; docs/prefill.md "The pinned P.V wait, measured").
-PAGE_PREFETCH = False
-# The softmax maximum kept until a KV tile's exceeds it by more than 2^8, O rescaled only where a warp's rows moved
-# (attn_ws.cu LAZY; the tile family's kRowSumMma loop does the same). Off until measured against vLLM's FA3.
-LAZY_RESCALE = False
+# Non-causal work tiles at these head sizes: the consumer warpgroups' MMAs in turns (attn_ws.cu PINGPONG) and a row's
+# maximum kept until a KV tile's exceeds it by more than 2^8, O rescaled only where a warp's rows moved (LAZY).
+# Against the plain overlap on the H200 at head size 128 (perf/results/probe_{causal,full}.json; docs/prefill.md
+# "Ping-pong, lazy rescale and page-id prefetch, measured"): non-causal 0-10% faster, causal 0-3% slower at 16x1k
+# and level above, so causal tiles keep the plain overlap. Other head sizes are not measured.
+PINGPONG_LAZY_HEAD_DIMS = (128,)
+
+
+def schedule(head_dim: int, causal: bool) -> tuple:
+    """(ping-pong, lazy O rescale) of the member's modules."""
+    on = not causal and head_dim in PINGPONG_LAZY_HEAD_DIMS
+    return on, on
 
 
 def gathers(page_size: int) -> bool:
@@ -124,10 +129,9 @@ def specs(head_dim: int, q_dtype: torch.dtype, page_size: int, variant: Variant 
     three consumer warpgroups."""
     from .kernels import cutlass
     dtype = "bf16" if q_dtype == torch.bfloat16 else "fp16"
-    return [cutlass.attn_ws_spec(head_dim, causal, overlap=True, pingpong=False, page_size=page_size, dtype=dtype,
-                                 softcap=_softcap(variant), warpgroups=wgs,
-                                 gather=page_size > 0 and gathers(page_size), prefetch=PAGE_PREFETCH,
-                                 lazy=LAZY_RESCALE)
+    return [cutlass.attn_ws_spec(head_dim, causal, overlap=True, pingpong=schedule(head_dim, causal)[0],
+                                 page_size=page_size, dtype=dtype, softcap=_softcap(variant), warpgroups=wgs,
+                                 gather=page_size > 0 and gathers(page_size), lazy=schedule(head_dim, causal)[1])
             for wgs in ((2, 3) if head_dim in WIDE_HEAD_DIMS else (2,)) for causal in (False, True)]
 
 

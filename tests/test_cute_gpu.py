@@ -16,10 +16,10 @@ def _ws_spec(D, causal, overlap, pingpong, warpgroups, lazy=0):
                                 lazy=bool(lazy))
 
 
-def _paged_spec(D, warpgroups, causal, page, gather, prefetch=False):
+def _paged_spec(D, warpgroups, causal, page, gather):
     from fi_backend.kernels import cutlass
     return cutlass.attn_ws_spec(D, causal, overlap=True, pingpong=False, page_size=page, warpgroups=warpgroups,
-                                gather=gather, prefetch=prefetch)
+                                gather=gather)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -118,17 +118,14 @@ _PAGED_CASES = {  # (query lengths, KV lengths, heads, KV heads)
 
 @pytest.mark.parametrize("D,warpgroups", [(64, 2), (64, 3), (96, 2), (96, 3), (128, 2), (256, 2)])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("page,gather,prefetch", [(16, False, False), (64, False, False), (256, False, False),
-                                                  (16, False, True), (256, False, True),
-                                                  (1, True, False), (16, True, False), (64, True, False)])
+@pytest.mark.parametrize("page,gather", [(16, False), (64, False), (256, False), (1, True), (16, True), (64, True)])
 @pytest.mark.parametrize("case", sorted(_PAGED_CASES))
-def test_attn_ws_paged(D, warpgroups, causal, page, gather, prefetch, case):
+def test_attn_ws_paged(D, warpgroups, causal, page, gather, case):
     """Paged K / V (vLLM's layout: K and V of a page in one [pages, 2, page, kv_heads, D] tensor, so each view has a
     page stride of twice its page), pages of each request in random order over a pool with pages of no request,
     through the BSR entry (fi_cute_attn_bsr): a TMA box a page and 64-dim block below 128 tokens a page, several KV
     tiles a page above; the tail of a request's last page (NaN here) and the boxes past it masked, their V zeroed;
-    or (gather) rows copied by the producer warpgroup's threads, pages of one token too, rows past the KV zeros;
-    prefetch: the TMA boxes' page ids loaded a KV tile ahead."""
+    or (gather) rows copied by the producer warpgroup's threads, pages of one token too, rows past the KV zeros."""
     pytest.importorskip("cutlass_library")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("sm_90a only")
@@ -138,7 +135,7 @@ def test_attn_ws_paged(D, warpgroups, causal, page, gather, prefetch, case):
         pytest.skip("head size 256: pages of 16 (several boxes a 64-token tile) and 256 (several tiles a page) only")
     from fi_backend import kernels
     from fi_backend.kernels import cutlass
-    module = kernels.load(_paged_spec(D, warpgroups, causal, page, gather, prefetch))
+    module = kernels.load(_paged_spec(D, warpgroups, causal, page, gather))
     run = module.function("fi_cute_attn_bsr", cutlass.ATTN_BSR_ARGS)
     q_lens, kv_lens, heads, kv_heads = _PAGED_CASES[case]
     gen = torch.Generator().manual_seed(page * 7 + D)

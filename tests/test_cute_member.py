@@ -102,10 +102,10 @@ def test_modules_of_names_the_members_modules(monkeypatch):
     from fi_backend import models
     monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", "90a")
     cute = lambda m, **kw: [s.tag for s in models.modules_of(models.find(m), **kw) if s.family == "cute_attn_ws"]
-    assert cute("Llama-3.1-8B") == ["d128_bf1_ca0_ga0_la0_ov1_pa16_pi0_pr0_so0_sp1_st2_vb1_wa2",
-                                    "d128_bf1_ca1_ga0_la0_ov1_pa16_pi0_pr0_so0_sp1_st2_vb1_wa2",
-                                    "d128_bf1_ca0_ga0_la0_ov1_pa0_pi0_pr0_so0_sp1_st2_vb1_wa2",
-                                    "d128_bf1_ca1_ga0_la0_ov1_pa0_pi0_pr0_so0_sp1_st2_vb1_wa2"]
+    assert cute("Llama-3.1-8B") == ["d128_bf1_ca0_ga0_la1_ov1_pa16_pi1_so0_sp1_st2_vb1_wa2",
+                                    "d128_bf1_ca1_ga0_la0_ov1_pa16_pi0_so0_sp1_st2_vb1_wa2",
+                                    "d128_bf1_ca0_ga0_la1_ov1_pa0_pi1_so0_sp1_st2_vb1_wa2",
+                                    "d128_bf1_ca1_ga0_la0_ov1_pa0_pi0_so0_sp1_st2_vb1_wa2"]
     assert cute("Llama-3.1-8B", ragged=False) == cute("Llama-3.1-8B")[:2]
     # head size 64: two warpgroups and three (steps of long prompts), per page size
     assert len(cute("Qwen2.5-0.5B", page_sizes=(16, 32))) == 12 and cute("Llama-3.2-1B")[0].startswith("d64_")

@@ -167,11 +167,12 @@ def test_member_variants(name, Hq, Hkv, D, causal):
 @pytest.mark.parametrize("name,Hq,Hkv,D,page", [(None, 32, 8, 128, 16), (None, 24, 8, 64, 64), (None, 8, 4, 256, 16),
                                                  (None, 32, 32, 96, 16), ("soft_cap_window", 32, 16, 128, 16)])
 def test_member_lazy_rescale(monkeypatch, name, Hq, Hkv, D, page):
-    """cute_member.LAZY_RESCALE (attn_ws.cu LAZY, off by default): the member's modules keep a row's maximum until it
-    grows by more than 2^8 and skip O's rescale where a warp's rows kept theirs; the same results as the reference,
-    causal and not, a variant too (the CTA's own test has keys that raise the maximum tile after tile)."""
+    """attn_ws.cu LAZY in every member module (cute_member.schedule has it on non-causal tiles at head size 128
+    only, with the ping-pong): the member's modules keep a row's maximum until it grows by more than 2^8 and skip O's rescale where a
+    warp's rows kept theirs; the same results as the reference, causal and not, a variant too (the CTA's own test has
+    keys that raise the maximum tile after tile)."""
     from fi_backend import cute_member
-    monkeypatch.setattr(cute_member, "LAZY_RESCALE", True)
+    monkeypatch.setattr(cute_member, "schedule", lambda head_dim, causal: (False, True))
     variant, params = _VARIANTS[name] if name else (None, None)
     attn = _wrapper(Hq, Hkv, D, page=page, variant=variant)
     assert attn.cute_unsupported is None, attn.cute_unsupported
@@ -329,17 +330,16 @@ def test_switched_off(monkeypatch):
     assert not attn.cute_step
 
 
-@pytest.mark.parametrize("gather,prefetch", [(False, False), (False, True), (True, False)])
-def test_bad_bsr_is_flagged_and_never_read_past(monkeypatch, gather, prefetch):
+@pytest.mark.parametrize("gather", [False, True])
+def test_bad_bsr_is_flagged_and_never_read_past(monkeypatch, gather):
     """A page id outside the cache and a request whose pages run past kv_indices: the member flags them in the
     wrapper's error word (check_errors names them, as the tile family's kernel does), reads zeros for those pages
     and nothing past kv_indices (compute-sanitizer memcheck in .ci/gpu's cute step), and the output stays finite;
-    TMA boxes (their page ids loaded just before each box, or a tile ahead) and gathered rows alike."""
+    TMA boxes and gathered rows alike."""
     from fi_backend import cute_member
     monkeypatch.setattr(cute_member, "GATHER_BELOW", _GATHER_BELOW if gather else 0)
-    monkeypatch.setattr(cute_member, "PAGE_PREFETCH", prefetch)
     attn = _wrapper(32, 8, 128, page=16)
-    assert all(("_ga1_" in name) == gather and ("_pr1_" in name) == prefetch for name in attn._cute.module_names)
+    assert all(("_ga1_" in name) == gather for name in attn._cute.module_names)
     bsr, qo_cpu, kv_cpu, nb = make_bsr(_KV_LENS, _Q_LENS, 16)
     cache, k, v = random_kv(nb, 16, 8, 128, torch.bfloat16)
     q = torch.randn(int(qo_cpu[-1]), 32, 128, device=DEV, dtype=torch.bfloat16)

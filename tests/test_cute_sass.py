@@ -23,9 +23,9 @@ pytestmark = [pytest.mark.skipif(kernels.find_nvcc() is None, reason="needs nvcc
               pytest.mark.skipif(not _have_cuobjdump(), reason="needs cuobjdump (the test extra's wheel)")]
 
 # (head size, causal, page size, consumer warpgroups, local loads / stores at most): the shapes whose loops differ
-# most, each as the member builds it (cute_member.specs: its ping-pong, lazy rescale and page-id prefetch as they
-# are set). Head size 64's three consumer warpgroups hold fewer registers a thread: ptxas keeps 27 scalars in local
-# memory there (as before the pin); more would be new spilling.
+# most, each as the member builds it (cute_member.specs: its ping-pong and lazy rescale as they are set). Head size
+# 64's three consumer warpgroups hold fewer registers a thread: ptxas keeps 27 scalars in local memory there (as
+# before the pin); more would be new spilling.
 MEMBERS = [(128, False, 0, 2, 0), (128, True, 16, 2, 0), (64, True, 0, 3, 27)]
 
 

@@ -67,8 +67,7 @@ def _probe_spec(name: str, head_dim: int, **params: int) -> ModuleSpec:
 
 def attn_ws_spec(head_dim: int, causal: bool, stages: int = 2, overlap: bool = True, pingpong: bool = True,
                  page_size: int = 0, dtype: str = "bf16", softcap: bool = False, warpgroups: int = 2,
-                 gather: bool = False, vbox: bool = True, split: bool = True, prefetch: bool = False,
-                 lazy: bool = False) -> ModuleSpec:
+                 gather: bool = False, vbox: bool = True, split: bool = True, lazy: bool = False) -> ModuleSpec:
     """The CuTe probe: FlashAttention-3's CTA (a TMA producer warp, K and V pipelines, two consumer warpgroups of a
     128-token tile of one query head; csrc/attention/cute/attn_ws.cu), head size 64, 96, 128 or 256, causal or not; its
     intra-warpgroup overlap and its ping-pong each on or off (ping-pong needs the overlap); K / V ragged
@@ -79,9 +78,8 @@ def attn_ws_spec(head_dim: int, causal: bool, stages: int = 2, overlap: bool = T
     K / V rows copied by the producer warpgroup's threads (cp.async), not TMA boxes, pages of any power of two (1
     included); vbox (pages below a KV tile, TMA): V in one box a page (False: a box a page and dim block, as K);
     split (the same pages): the producer's four warps issue a tile's boxes, every fourth page each (False: one thread);
-    prefetch (pages, TMA): each issuer loads its page ids of a KV tile a tile ahead, before it waits for the stage
-    (False: each id just before its box); lazy: a row keeps its softmax maximum until a tile's exceeds it by more
-    than 2^8, and a warp skips O's rescale where none of its rows moved (False: rescaled every KV tile)."""
+    lazy: a row keeps its softmax maximum until a tile's exceeds it by more than 2^8, and a warp skips O's rescale
+    where none of its rows moved (False: rescaled every KV tile)."""
     if stages not in (2, 3):
         raise ValueError(f"stages must be 2 or 3 (got {stages})")
     if pingpong and not overlap:
@@ -102,13 +100,11 @@ def attn_ws_spec(head_dim: int, causal: bool, stages: int = 2, overlap: bool = T
     return _probe_spec("attn_ws", head_dim, stages=stages, causal=int(bool(causal)), overlap=int(bool(overlap)),
                        pingpong=int(bool(pingpong)), page=int(page_size), bf16=int(dtype == "bf16"),
                        softcap=int(bool(softcap)), warpgroups=int(warpgroups), gather=int(bool(gather)),
-                       vbox=int(bool(vbox)), split=int(bool(split)), prefetch=int(bool(prefetch)),
-                       lazy=int(bool(lazy)))
+                       vbox=int(bool(vbox)), split=int(bool(split)), lazy=int(bool(lazy)))
 
 
 PAGED_PROBE_PAGES = (16, 64, 256)  # below, in and above a 128-token KV tile
 GATHER_PROBE_PAGES = (1, 16, 64)   # gathered: SGLang's pages of one token, and pages below a KV tile
-PREFETCH_PROBE_PAGES = (16, 256)   # page ids a tile ahead: several boxes a tile, several tiles a page
 
 
 def probe_specs() -> list:
@@ -126,9 +122,6 @@ def probe_specs() -> list:
         [attn_ws_spec(d, causal, overlap=True, pingpong=False, page_size=page, warpgroups=wgs, gather=True)
          for d, wgs in ((64, 2), (64, 3), (96, 2), (96, 3), (128, 2), (256, 2))
          for causal in (False, True) for page in GATHER_PROBE_PAGES] + \
-        [attn_ws_spec(d, causal, overlap=True, pingpong=False, page_size=page, warpgroups=wgs, prefetch=True)
-         for d, wgs in ((64, 2), (64, 3), (96, 2), (128, 2), (256, 2))
-         for causal in (False, True) for page in PREFETCH_PROBE_PAGES] + \
         [attn_ws_spec(d, causal, overlap=True, pingpong=pingpong, warpgroups=wgs, lazy=True)
          for d, wgs, pingpong in ((64, 2, False), (64, 2, True), (64, 3, False), (96, 2, False), (96, 3, False),
                                   (128, 2, False), (128, 2, True), (256, 2, False))

@@ -2,8 +2,8 @@
 overlap, with the intra-warpgroup overlap, with the ping-pong too, with the overlap in L2 sections of one KV head, and
 with three consumer warpgroups (the _wg3 modes, head size 64), against FlashInfer's FA3 template and our prefill
 (member 0 and the FA3 member), causal (--full: no mask) bf16, head size 128 or --head-dim, the same ragged inputs in
-the same process, alternating rounds (issue 30's design change, docs/prefill.md); and the overlapped CTA on the same
-K / V copied into pages in random order (--paged, page sizes).
+the same process, alternating rounds (issue 30's design change, docs/prefill.md); and the CTA in --paged-modes on the
+same K / V copied into pages in random order (--paged, page sizes).
 
     python -m perf.tools.cute_probe [--shapes 16x1024,4x4096,1x16384] [--heads 32/8,32/32] [--head-dim 128]
 
@@ -40,11 +40,12 @@ def probe_spec(head_dim: int, mode: str, causal: bool):
     return cutlass.attn_ws_spec(head_dim, causal, overlap=overlap, pingpong=pingpong, warpgroups=warpgroups, lazy=lazy)
 
 
-def paged_spec(head_dim: int, page_size: int, causal: bool, warpgroups: int = 2, gather: bool = False,
-               vbox: bool = True, split: bool = True, prefetch: bool = False):
+def paged_spec(head_dim: int, page_size: int, causal: bool, mode: str = "cute_overlap", gather: bool = False,
+               vbox: bool = True, split: bool = True):
     from fi_backend.kernels import cutlass
-    return cutlass.attn_ws_spec(head_dim, causal, overlap=True, pingpong=False, page_size=page_size,
-                                warpgroups=warpgroups, gather=gather, vbox=vbox, split=split, prefetch=prefetch)
+    overlap, pingpong, _, warpgroups, lazy = MODES[mode]
+    return cutlass.attn_ws_spec(head_dim, causal, overlap=overlap, pingpong=pingpong, page_size=page_size,
+                                warpgroups=warpgroups, gather=gather, vbox=vbox, split=split, lazy=lazy)
 
 
 def probe_fn(case: P.Case, mode: str, causal: bool = True):
@@ -68,15 +69,15 @@ def probe_fn(case: P.Case, mode: str, causal: bool = True):
     return fn, out
 
 
-def paged_fn(case: P.Case, page_size: int, l2_section_bytes: int = L2_SECTION, warpgroups: int = 2,
-             gather: bool = False, vbox: bool = True, split: bool = True, prefetch: bool = False,
-             causal: bool = True):
-    """The overlapped CTA reading K / V from a pool of page_size pages in random order (perf.prefill.Paged), as TMA
-    boxes or (gather) rows copied by the producer's threads."""
+def paged_fn(case: P.Case, page_size: int, mode: str = "cute_overlap", gather: bool = False, vbox: bool = True,
+             split: bool = True, causal: bool = True):
+    """The CTA in a mode (MODES) reading K / V from a pool of page_size pages in random order (perf.prefill.Paged), as
+    TMA boxes or (gather) rows copied by the producer's threads."""
     from fi_backend import kernels
     from fi_backend.kernels import cutlass
     paged = P.Paged(case, page_size)
-    module = kernels.load(paged_spec(case.d, page_size, causal, warpgroups, gather, vbox, split, prefetch))
+    l2_section_bytes = MODES[mode][2]
+    module = kernels.load(paged_spec(case.d, page_size, causal, mode, gather, vbox, split))
     run = module.function("fi_cute_attn_bsr", cutlass.ATTN_BSR_ARGS)
     out = torch.empty_like(case.q)
     lse = torch.empty(case.rows, case.hq, device=case.q.device, dtype=torch.float32)
@@ -111,15 +112,12 @@ def main(argv=None) -> int:
     ap.add_argument("--gather", default="", help="page sizes to time the CTA gathering K / V rows on (any power of "
                                                   "two, 1 included), comma-separated; empty: none")
     ap.add_argument("--head-dim", type=int, default=P.D, help="head size (64, 96, 128 or 256)")
-    ap.add_argument("--paged-warpgroups", default="2", help="consumer warpgroups of the paged CTA, comma-separated "
-                                                            "(3: head size 64 only)")
+    ap.add_argument("--paged-modes", default="cute_overlap",
+                    help="the CTA's modes on pages (and gathered), comma-separated, of the --modes names")
     ap.add_argument("--paged-vbox", default="1", help="V in one TMA box a page (1) or a box a page and dim block (0), "
                                                       "comma-separated: both timed side by side")
     ap.add_argument("--paged-split", default="1", help="a tile's boxes issued by the producer's four warps (1) or one "
                                                        "thread (0), comma-separated: both timed side by side")
-    ap.add_argument("--paged-prefetch", default="0", help="page ids loaded a KV tile ahead, before the producer waits "
-                                                          "for the stage (1) or just before each box (0), "
-                                                          "comma-separated: both timed side by side")
     ap.add_argument("--no-flashinfer", action="store_true",
                     help="no FlashInfer FA3 anchor (its first build at a head size is minutes): ratios to ours")
     ap.add_argument("--vllm-fa3", action="store_true",
@@ -128,8 +126,9 @@ def main(argv=None) -> int:
     ap.add_argument("--full", action="store_true", help="no causal mask (every kernel and anchor)")
     a = ap.parse_args(argv)
     modes = [m for m in a.modes.split(",") if m]
-    if any(m not in MODES for m in modes):
-        ap.error(f"--modes: {modes}; accepted: {', '.join(MODES)}")
+    paged_modes = [m for m in a.paged_modes.split(",") if m]
+    if any(m not in MODES for m in modes + paged_modes):
+        ap.error(f"--modes, --paged-modes: {modes}, {paged_modes}; accepted: {', '.join(MODES)}")
     from fi_backend.shapes import PREFILL_FA3_TUNINGS
     from perf.zoo import parse_shapes
     fi_fa3 = None if a.no_flashinfer else P.FlashInferRagged("fa3")
@@ -142,12 +141,11 @@ def main(argv=None) -> int:
     # every probe module at once, in parallel (one nvcc each): the timing loop below then only loads them
     pages = [int(x) for x in a.paged.split(",") if x]
     specs = [probe_spec(a.head_dim, m, causal) for m in modes]
-    specs += [paged_spec(a.head_dim, page, causal, int(wgs), vbox=bool(int(vb)), split=bool(int(sp)),
-                         prefetch=bool(int(pf)))
-              for page in pages for wgs in a.paged_warpgroups.split(",") for vb in a.paged_vbox.split(",")
-              for sp in a.paged_split.split(",") for pf in a.paged_prefetch.split(",")]
-    specs += [paged_spec(a.head_dim, int(page), causal, int(wgs), gather=True)
-              for page in a.gather.split(",") if page for wgs in a.paged_warpgroups.split(",")]
+    specs += [paged_spec(a.head_dim, page, causal, m, vbox=bool(int(vb)), split=bool(int(sp)))
+              for page in pages for m in paged_modes for vb in a.paged_vbox.split(",")
+              for sp in a.paged_split.split(",")]
+    specs += [paged_spec(a.head_dim, int(page), causal, m, gather=True)
+              for page in a.gather.split(",") if page for m in paged_modes]
     from fi_backend import kernels
     failed = [r for r in kernels.prepare(specs, jobs=os.cpu_count()) if isinstance(r, Exception)]
     if failed:
@@ -161,15 +159,13 @@ def main(argv=None) -> int:
             fns, outs = {}, {}
             for name in modes:
                 fns[name], outs[name] = probe_fn(case, name, causal=causal)
-            for page in (int(x) for x in a.paged.split(",") if x):
-                for wgs in (int(x) for x in a.paged_warpgroups.split(",")):
+            for page in pages:
+                for m in paged_modes:
                     for vbox in (int(x) for x in a.paged_vbox.split(",")):
                         for split in (int(x) for x in a.paged_split.split(",")):
-                            for pf in (int(x) for x in a.paged_prefetch.split(",")):
-                                name = (f"cute_overlap_paged{page}" + ("" if wgs == 2 else f"_wg{wgs}")
-                                        + ("" if vbox else "_vb0") + ("" if split else "_sp0") + ("_pf1" if pf else ""))
-                                fns[name], outs[name] = paged_fn(case, page, warpgroups=wgs, vbox=bool(vbox),
-                                                                 split=bool(split), prefetch=bool(pf), causal=causal)
+                            name = f"{m}_paged{page}" + ("" if vbox else "_vb0") + ("" if split else "_sp0")
+                            fns[name], outs[name] = paged_fn(case, page, m, vbox=bool(vbox), split=bool(split),
+                                                             causal=causal)
                 # the same pages through BatchAttention: the prefill family's CuTe member (the launch engines run)
                 name = f"member_paged{page}"
                 pool = P.Paged(case, page)
@@ -180,9 +176,9 @@ def main(argv=None) -> int:
                 if not info["cute_step"]:
                     raise RuntimeError(f"the CuTe member did not take the step: {info['cute_unsupported']}")
             for page in (int(x) for x in a.gather.split(",") if x):
-                for wgs in (int(x) for x in a.paged_warpgroups.split(",")):
-                    name = f"cute_gather_paged{page}" + ("" if wgs == 2 else f"_wg{wgs}")
-                    fns[name], outs[name] = paged_fn(case, page, warpgroups=wgs, gather=True, causal=causal)
+                for m in paged_modes:
+                    name = f"{m}_gather{page}"
+                    fns[name], outs[name] = paged_fn(case, page, m, gather=True, causal=causal)
             if fi_fa3 is not None:
                 fns["flashinfer_fa3"], outs["flashinfer_fa3"] = fi_fa3.fn(case, causal=causal)
             if vfunc is not None:

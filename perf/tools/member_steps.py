@@ -53,6 +53,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rep", type=int, default=30)
     ap.add_argument("--name", default="member_steps")
+    ap.add_argument("--variants", default="causal",
+                    help="perf.prefill.flex_specs names, comma-separated (causal, soft_cap_30, sliding_window_1024; "
+                         "the member does not compute alibi): each cell once a variant")
     a = ap.parse_args(argv)
     try:
         cells = [(c, *parse_cell(c)) for c in a.cells.split(",") if c]
@@ -63,15 +66,25 @@ def main(argv=None) -> int:
     from fi_backend import env
     from fi_backend.wrappers import BatchAttention
     hq, hkv, d = (int(x) for x in a.heads.split("/"))
-    BatchAttention.prepare(hq, hkv, d, q_dtype=torch.bfloat16, page_size=a.page, kinds=("prefill",), device="cuda")
+    specs = P.flex_specs(None)
+    variants = [v for v in a.variants.split(",") if v]
+    if any(v not in specs or v == "alibi" for v in variants):
+        ap.error(f"--variants: {variants}; accepted: {', '.join(k for k in specs if k != 'alibi')}")
+    for v in variants:
+        BatchAttention.prepare(hq, hkv, d, q_dtype=torch.bfloat16, page_size=a.page, kinds=("prefill",),
+                               device="cuda", variant=specs[v][0])
     rows, misses = [], []
-    for cell, q_lens, kv_lens in cells:
+    for (cell, q_lens, kv_lens), vname in ((c, v) for c in cells for v in variants):
+        variant, params = specs[vname][:2]
+        if vname != "causal":
+            cell = f"{cell} {vname}"
         case = P.StepCase(q_lens, kv_lens, hq, hkv, d, page_size=a.page)
         fns, outs = {}, {}
-        fns["rule"], outs["rule"], info = P.ours_fn(case, paged=case.pool)
-        fns["member"], outs["member"], minfo = forced(lambda: P.ours_fn(case, paged=case.pool))
+        kw = {"paged": case.pool, "variant": variant, "params": params}
+        fns["rule"], outs["rule"], info = P.ours_fn(case, **kw)
+        fns["member"], outs["member"], minfo = forced(lambda: P.ours_fn(case, **kw))
         with env.setting(env.PREFILL_CUTE, "0"):
-            fns["family"], outs["family"], _ = P.ours_fn(case, paged=case.pool)
+            fns["family"], outs["family"], _ = P.ours_fn(case, **kw)
         if not minfo["cute_step"]:
             log(f"{cell}: the member cannot take this step ({minfo['cute_unsupported'] or 'its KV'}); skipped")
             continue
@@ -84,7 +97,7 @@ def main(argv=None) -> int:
         us = {k: statistics.median(v) for k, v in times.items()}
         faster = "member" if us["member"] < us["family"] else "family"
         takes = bool(info["cute_step"])
-        r = {"cell": cell, **case.shape(), "us": us, "us_per_round": times, "rule_takes": takes, "faster": faster,
+        r = {"cell": cell, "variant": vname, **case.shape(), "us": us, "us_per_round": times, "rule_takes": takes, "faster": faster,
              "family_over_member": us["family"] / us["member"], "rule_right": takes == (faster == "member"),
              "checks": checks}
         rows.append(r)
@@ -93,6 +106,7 @@ def main(argv=None) -> int:
         log(f"{cell}: member {us['member']:.1f} us, family {us['family']:.1f} us (x{r['family_over_member']:.3f}), "
             f"rule takes it: {takes}{'' if r['rule_right'] else '  MISS'}")
     write_result(a.name, {**stamp(), "device": device_info(), "heads": a.heads, "page_size": a.page,
+                          "variants": variants,
                           "rule": "fi_backend.cute_member.CuteMember.takes_step", "rows": rows, "misses": misses,
                           "ratio": "family_over_member: the tile family's time / the forced member's (> 1: member "
                                    "faster)"})

@@ -103,10 +103,6 @@ constexpr bool kVPageBox = {{VBOX}} && kBoxes > 1 && kHeadDim > kDimBlock;
 // each behind its page id and coordinates, left the consumers waiting on K (ncu: docs/prefill.md)
 constexpr bool kSplitIssue = {{SPLIT}} && kBoxes > 1 && !kGather;
 constexpr int kIssuers = kSplitIssue ? 4 : 1;
-// Pages (TMA boxes): PREFETCH 1 loads an issuer's page ids of a KV tile a tile ahead, before it waits for the stage,
-// so the lookups' latency is off the stage's refill (0: each id loaded just before its box, after the wait)
-constexpr bool kPagePrefetch = {{PREFETCH}} && kPage != 0 && !kGather;
-constexpr int kMyBoxes = (kBoxes + kIssuers - 1) / kIssuers;  // the boxes of a tile one issuer loads
 constexpr int kDimBlocks = kHeadDim / kDimBlock;
 using VtPage = decltype(tile_to_shape(AtomMN{}, Shape<D, Int<kBox>>{}, Step<_2, _1>{}));
 // The same page as the box's (dims of a block, tokens, blocks): V's view for its TMA map, D split in two modes
@@ -350,23 +346,15 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
       };
       // A bad BSR is flagged (fi_backend's ErrorBits) and never read past: an entry outside kv_indices or a page id
       // outside the cache is page num_pages, past the TMA map's end: boxes of zeros (gathered: publish_row's zeros)
-      auto entry_ok = [&](int64_t e) { return e >= 0 && e < a.num_kv_indices; };
       auto page_of = [&](int64_t e) {
         int page = a.num_pages, bad = 2;
-        if (entry_ok(e)) {
+        if (e >= 0 && e < a.num_kv_indices) {
           page = __ldg(a.kv_indices + e);
           bad = (unsigned)page < (unsigned)a.num_pages ? 0 : 1;
           if (bad) page = a.num_pages;
         }
         if (bad && a.error_flags != nullptr) atomicOr(a.error_flags, bad);
         return page;
-      };
-      // page_of split in two (PREFETCH): the id loaded ahead, then checked where its box is issued (page_of keeps
-      // its own form: written through check_page, ptxas spilled more of the three-warpgroup producer's registers)
-      auto check_page = [&](bool ok, int page) {  // ok: entry_ok(e), page: kv_indices[e] where ok
-        const int bad = !ok ? 2 : (unsigned)page < (unsigned)a.num_pages ? 0 : 1;
-        if (bad && a.error_flags != nullptr) atomicOr(a.error_flags, bad);
-        return bad ? a.num_pages : page;
       };
       if constexpr (kGather) {
         // A KV tile's K or V^T into a stage (gather(cache, stage, parity)): 16-byte chunks of token rows, thread i
@@ -460,47 +448,21 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
         }();
         // paged: box j of KV tile n is the request's page (n x 128 + j x kBox) / kPage (its last page past the end),
         // at slot (n x 128 + j x kBox) % kPage; each page id loaded just before its box (one thread holding a tile's
-        // ids spilled them), or with kPagePrefetch this issuer's ids a tile ahead (TilePages)
-        const int mine = kSplitIssue ? warp_in_group : 0;  // split issue: this warp's pages, every kIssuers-th
-        auto box_entry = [&](int n, int jj, int last) {  // last: the request's last page, (kv_len - 1) / kPage
-          return (int64_t)w.kv_begin + min((n * kKv + jj * kBox) / max(kPage, 1), last);
-        };
-        // prefetched: the raw ids, checked (check_page) only where a box is issued, so no use of a load waits for it
-        // before the stage's wait
-        struct TilePages {
-          int id[kMyBoxes];
-          unsigned ok;  // bit i: box i's entry within kv_indices
-        };
-        auto fetch_pages = [&](int n) {
-          TilePages p;
-          p.ok = 0;
-          const int last = (w.kv_len - 1) / max(kPage, 1);
-          CUTE_UNROLL
-          for (int i = 0; i < kMyBoxes; ++i) {
-            const int jj = i * kIssuers + mine;
-            const int64_t e = box_entry(n, jj, last);
-            const bool ok = jj < kBoxes && entry_ok(e);
-            p.id[i] = ok ? __ldg(a.kv_indices + e) : 0;
-            p.ok |= (unsigned)ok << i;
-          }
-          return p;
-        };
-        auto load_boxes = [&](int n, const TilePages& pages, auto&& issue) {
+        // ids spilled them; loading an issuer's ids a tile ahead, before the stage's wait, was slower: docs/prefill.md)
+        auto load_boxes = [&](int n, auto&& issue) {
           const int last = (w.kv_len - 1) / max(kPage, 1);
           CUTE_UNROLL
           for (int jj = 0; jj < kBoxes; ++jj)
-            if (jj % kIssuers == mine) {
-              const int slot0 = (n * kKv + jj * kBox) % max(kPage, 1), i = jj / kIssuers;
-              if constexpr (kPagePrefetch) issue(jj, check_page(pages.ok >> i & 1, pages.id[i]), slot0);
-              else issue(jj, page_of(box_entry(n, jj, last)), slot0);
-            }
+            if (jj % kIssuers == (kSplitIssue ? warp_in_group : 0))  // split issue: this warp's pages
+              issue(jj, page_of((int64_t)w.kv_begin + min((n * kKv + jj * kBox) / max(kPage, 1), last)),
+                    (n * kKv + jj * kBox) % max(kPage, 1));
         };
         // KV tile n into stage `stage`, K or (is_v) V^T: one TMA copy (ragged), or a box a page and 64-dim block
         // (paged; boxes past the request's last page read that page again: their keys are masked, V zeroed by the
         // consumers). K's tiles are (token, dim), V^T's (dim, token): `order` puts a (token, dim) pair in the
         // operand's modes
         auto load_kv = [&](auto is_v, auto const& tma, auto const& gmem, auto& smem, int n, int stage,
-                           uint64_t* bar, const TilePages& pages) {
+                           uint64_t* bar) {
           auto order = [](auto token, auto dim) {
             if constexpr (decltype(is_v)::value) return make_coord(dim, token);
             else return make_coord(token, dim);
@@ -512,7 +474,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
                                           group_modes<0, 2>(g));
             copy(tma.with(*bar), tg, ts);
           } else if constexpr (decltype(is_v)::value && kVPageBox) {  // one box a page
-            load_boxes(n, pages, [&](int jj, int page, int) {
+            load_boxes(n, [&](int jj, int page, int) {
               // page jj of the stage (a whole number of swizzle periods from the stage's start), as the box's view
               Tensor sb = make_tensor(make_smem_ptr(&smem(0, make_coord(0, jj), stage)), VtPageBox{});
               auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 3>(sb),
@@ -520,7 +482,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
               copy(tma.with(*bar), tg, ts);
             });
           } else {
-            load_boxes(n, pages, [&](int jj, int page, int slot0) {
+            load_boxes(n, [&](int jj, int page, int slot0) {
               CUTE_UNROLL
               for (int c = 0; c < kDimBlocks; ++c) {
                 Tensor g = local_tile(gmem(_, _, kv_head, page), order(Int<kBox>{}, DimBlock{}),
@@ -533,22 +495,16 @@ __global__ void __launch_bounds__(kThreads, 1) attn_ws(CUTE_GRID_CONSTANT TmaQ c
             });
           }
         };
-        TilePages next_pages{};
-        if constexpr (kPagePrefetch)
-          if (issuer) next_pages = fetch_pages(w.ntiles - 1);
         for (int n = w.ntiles - 1; n >= w.n_lo; --n) {  // the consumers' order: the diagonal first
           // split issue: each warp's issuer waits for the stage and issues its pages; thread 0 (the pipeline's
           // leader) also posts the stage's bytes, which may come after another warp's boxes have landed (the
           // phase waits for its arrival)
           if (issuer) {
-            const TilePages pages = next_pages;
-            if constexpr (kPagePrefetch)
-              if (n > w.n_lo) next_pages = fetch_pages(n - 1);  // in flight under the waits below
             pipe_k.producer_acquire(st);
-            load_kv(cute::false_type{}, tma_k, mK, sK, n, st.index(), pipe_k.producer_get_barrier(st), pages);
+            load_kv(cute::false_type{}, tma_k, mK, sK, n, st.index(), pipe_k.producer_get_barrier(st));
             if (n == w.ntiles - 1) load_q();
             pipe_v.producer_acquire(st);
-            load_kv(cute::true_type{}, tma_v, mVt, sVt, n, st.index(), pipe_v.producer_get_barrier(st), pages);
+            load_kv(cute::true_type{}, tma_v, mVt, sVt, n, st.index(), pipe_v.producer_get_barrier(st));
           }
           ++st;
         }
