@@ -40,18 +40,25 @@ WIDE_MIN_QUERY = 8192
 GATHER_BELOW = 0
 
 
-# Non-causal work tiles at these head sizes: the consumer warpgroups' MMAs in turns (attn_ws.cu PINGPONG) and a row's
-# maximum kept until a KV tile's exceeds it by more than 2^8, O rescaled only where a warp's rows moved (LAZY).
-# Against the plain overlap on the H200 at head size 128 (perf/results/probe_{causal,full}.json; docs/prefill.md
-# "Ping-pong, lazy rescale and page-id prefetch, measured"): non-causal 0-10% faster, causal 0-3% slower at 16x1k
-# and level above, so causal tiles keep the plain overlap. Other head sizes are not measured.
+# At these head sizes the consumer warpgroups issue their MMAs in turns (attn_ws.cu PINGPONG) and a row keeps its
+# maximum until a KV tile's exceeds it by more than 2^8, O rescaled only where a warp's rows moved (LAZY). Against the
+# plain overlap on the H200 at head size 128 (perf/results/probe_*_pp.json; docs/prefill.md "Ping-pong, lazy rescale
+# and page-id prefetch, measured"): on pages of 16 1-6% faster in all 12 cells, causal or not; ragged level. Other
+# head sizes are not measured.
 PINGPONG_LAZY_HEAD_DIMS = (128,)
 
 
 def schedule(head_dim: int, causal: bool) -> tuple:
     """(ping-pong, lazy O rescale) of the member's modules."""
-    on = not causal and head_dim in PINGPONG_LAZY_HEAD_DIMS
+    on = head_dim in PINGPONG_LAZY_HEAD_DIMS
     return on, on
+
+
+# A sliding window narrower than WINDOW_MIN_KEYS keys (and than the step's longest KV) leaves the step to the tile
+# family: a window of 1024 keys on pages of 16 ran 0.94-0.96x the family (H200, 32/8/128, 16x1k / 4x4k / 1x16k,
+# perf/results/flex_member_h200.json). 2048 (16 KV tiles a query tile) is where causal steps turn the member's way
+# (4x4k: 1.04x), not a measured window.
+WINDOW_MIN_KEYS = 2048
 
 
 def gathers(page_size: int) -> bool:
@@ -192,6 +199,8 @@ class CuteMember:
         Not allowed: forget the last step's (the lengths may be None)."""
         self._step = None
         if not allowed or (self.softcap and not logits_soft_cap > 0) or not self.takes_step(q_lens, kv_lens, causal):
+            return False
+        if 0 <= window_left < WINDOW_MIN_KEYS - 1 and window_left + 1 < int(kv_lens.max()):
             return False
         total_q, live = int(q_lens.sum()), int((q_lens > 0).sum())
         wide = self.wide and total_q >= WIDE_MIN_QUERY * live  # the modules of three warpgroups: 2, 3

@@ -63,8 +63,12 @@ def _t(xs):
 
 def test_takes_step():
     m = _Member()
-    assert m.plan(_t([1000, 333]), _t([1000, 2000]), causal=True, window_left=99)
-    assert m.planned and m._step == (1, 2, 1000, 1333, 3000, 99, 0.0)
+    assert m.plan(_t([1000, 333]), _t([1000, 2000]), causal=True, window_left=2047)
+    assert m.planned and m._step == (1, 2, 1000, 1333, 3000, 2047, 0.0)
+    # a window narrower than WINDOW_MIN_KEYS and than the longest KV goes to the family; one covering every KV does not
+    assert not m.plan(_t([1000, 333]), _t([1000, 2000]), causal=True, window_left=99) and not m.planned
+    assert m.plan(_t([1000, 333]), _t([1000, 1200]), causal=True, window_left=1199)
+    assert not m.plan(_t([1000, 333]), _t([1000, 1200]), causal=True, window_left=1198)
     # too few tiles for 132 SMs: 1 x 32 heads (0.4 an SM: at least 53); 2 x 32 heads are enough
     assert not m.plan(_t([128]), _t([128]), causal=True) and not m.planned
     assert m.plan(_t([200]), _t([200]), causal=True)
@@ -103,9 +107,9 @@ def test_modules_of_names_the_members_modules(monkeypatch):
     monkeypatch.setenv("FI_BACKEND_CUDA_ARCH_LIST", "90a")
     cute = lambda m, **kw: [s.tag for s in models.modules_of(models.find(m), **kw) if s.family == "cute_attn_ws"]
     assert cute("Llama-3.1-8B") == ["d128_bf1_ca0_ga0_la1_ov1_pa16_pi1_so0_sp1_st2_vb1_wa2",
-                                    "d128_bf1_ca1_ga0_la0_ov1_pa16_pi0_so0_sp1_st2_vb1_wa2",
+                                    "d128_bf1_ca1_ga0_la1_ov1_pa16_pi1_so0_sp1_st2_vb1_wa2",
                                     "d128_bf1_ca0_ga0_la1_ov1_pa0_pi1_so0_sp1_st2_vb1_wa2",
-                                    "d128_bf1_ca1_ga0_la0_ov1_pa0_pi0_so0_sp1_st2_vb1_wa2"]
+                                    "d128_bf1_ca1_ga0_la1_ov1_pa0_pi1_so0_sp1_st2_vb1_wa2"]
     assert cute("Llama-3.1-8B", ragged=False) == cute("Llama-3.1-8B")[:2]
     # head size 64: two warpgroups and three (steps of long prompts), per page size
     assert len(cute("Qwen2.5-0.5B", page_sizes=(16, 32))) == 12 and cute("Llama-3.2-1B")[0].startswith("d64_")

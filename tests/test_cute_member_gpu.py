@@ -142,10 +142,11 @@ def test_member_gathers(monkeypatch, Hq, Hkv, D, page):
     assert attn.cute_step
 
 
-_VARIANTS = {"window": (V.SLIDING_WINDOW, {"window_left": 299}),
+_VARIANTS = {"window": (V.SLIDING_WINDOW, {"window_left": 2047}),     # its KV tiles skipped in the 3001-token one
              "window_wide": (V.SLIDING_WINDOW, {"window_left": 4095}),    # wider than every request: nothing skipped
              "soft_cap": (V.SOFT_CAP, {"logits_soft_cap": 5.0}),           # low: the cap changes the logits
-             "soft_cap_window": (V.BUILTIN_VARIANTS["soft_cap_window"], {"logits_soft_cap": 5.0, "window_left": 130})}
+             "soft_cap_window": (V.BUILTIN_VARIANTS["soft_cap_window"], {"logits_soft_cap": 5.0, "window_left": 2100}),
+             "window_narrow": (V.SLIDING_WINDOW, {"window_left": 299})}   # below cute_member.WINDOW_MIN_KEYS
 # (variant, query heads, KV heads, head size): Mistral-7B's window, Gemma-2-27B's soft-cap + window, Phi-3-mini's
 # window at head size 96, Gemma-2-9B's soft-cap + window at 256
 _VARIANT_SHAPES = [("window", 32, 8, 128), ("window_wide", 32, 8, 128), ("soft_cap", 32, 16, 128),
@@ -161,6 +162,19 @@ def test_member_variants(name, Hq, Hkv, D, causal):
     attn = _wrapper(Hq, Hkv, D, page=16, variant=variant)
     assert attn.cute_unsupported is None, attn.cute_unsupported
     _check_step(attn, _Q_LENS, _KV_LENS, causal=causal, params=params, what=f"{name} {Hq}/{Hkv} D={D} causal={causal}")
+    assert attn.cute_step
+
+
+@pytest.mark.parametrize("D", [128, 256])
+def test_narrow_window_goes_to_the_family(D):
+    """A window narrower than cute_member.WINDOW_MIN_KEYS and than the step's longest KV: the tile family runs the
+    step (the member was slower there), right against the reference; the same wrapper's next step without a window
+    that narrow goes back to the member."""
+    variant, params = _VARIANTS["window_narrow"]
+    attn = _wrapper(32, 8, D, page=16, variant=variant)
+    _check_step(attn, _Q_LENS, _KV_LENS, params=params, what=f"narrow window D={D}")
+    assert not attn.cute_step
+    _check_step(attn, _Q_LENS, _KV_LENS, params=_VARIANTS["window"][1], what=f"window D={D}")
     assert attn.cute_step
 
 
