@@ -41,10 +41,10 @@ GATHER_BELOW = 0
 
 
 # At these head sizes the consumer warpgroups issue their MMAs in turns (attn_ws.cu PINGPONG) and a row keeps its
-# maximum until a KV tile's exceeds it by more than 2^8, O rescaled only where a warp's rows moved (LAZY). Against the
-# plain overlap on the H200 at head size 128 (perf/results/probe_*_pp.json; docs/prefill.md "Ping-pong, lazy rescale
-# and page-id prefetch, measured"): on pages of 16 1-6% faster in all 12 cells, causal or not; ragged level. Other
-# head sizes are not measured.
+# maximum until a KV tile's exceeds it by more than 2^8, O rescaled only where a warp's rows moved (LAZY). Against
+# the plain overlap on the H200 at head size 128 (perf/results/probe_{causal,full}_pp_h200.json; docs/prefill.md
+# "Ping-pong, lazy rescale and page-id prefetch, measured"): on pages of 16 1-6% faster in all 12 cells, causal or
+# not; ragged level. Other head sizes are not measured.
 PINGPONG_LAZY_HEAD_DIMS = (128,)
 
 

@@ -27,11 +27,15 @@ def _built(request):
     from fi_backend.specs import attention_specs
     names = {torch.bfloat16: "bf16", torch.float16: "fp16"}
     bf16 = torch.bfloat16
-    # test name -> its (variant, query heads, KV heads, head size, page (0: ragged), dtype, gathered) from its params
+    # test name -> its (variant, query heads, KV heads, head size, page (0: ragged), dtype, how the test sets the
+    # member: "gather" (GATHER_BELOW), "lazy" (schedule), or "") from its params
     of = {
         "test_member_matches_reference": lambda p: [(V.DEFAULT, p["Hq"], p["Hkv"], p["D"], p["page"], p["dtype"], 0)],
         "test_member_wide_steps": lambda p: [(V.DEFAULT, 4, 1, 64, 16, bf16, 0)],
-        "test_member_gathers": lambda p: [(V.DEFAULT, p["Hq"], p["Hkv"], p["D"], p["page"], bf16, 1)],
+        "test_member_gathers": lambda p: [(V.DEFAULT, p["Hq"], p["Hkv"], p["D"], p["page"], bf16, "gather")],
+        "test_member_lazy_rescale": lambda p: [(_VARIANTS[p["name"]][0] if p["name"] else V.DEFAULT, p["Hq"], p["Hkv"],
+                                                p["D"], p["page"], bf16, "lazy")],
+        "test_narrow_window_goes_to_the_family": lambda p: [(V.SLIDING_WINDOW, 32, 8, p["D"], 16, bf16, 0)],
         "test_member_variants": lambda p: [(_VARIANTS[p["name"]][0], p["Hq"], p["Hkv"], p["D"], 16, bf16, 0)],
         "test_member_ragged": lambda p: [(V.DEFAULT, p["Hq"], p["Hkv"], p["D"], 0, p["dtype"], 0)],
         "test_member_ragged_variants": lambda p: [(_VARIANTS[p["name"]][0], p["Hq"], p["Hkv"], p["D"], 0, bf16, 0)],
@@ -39,7 +43,8 @@ def _built(request):
         "test_ragged_bad_bsr_is_flagged": lambda p: [(V.DEFAULT, 32, 8, 128, 0, bf16, 0)],
         "test_member_ragged_key_of_its_own": lambda p: [(V.DEFAULT, p["Hq"], p["Hkv"], p["D"], 0, p["dtype"], 0)],
         "test_ragged_different_strides_off_the_member": lambda p: [(V.DEFAULT, 32, 8, 128, 0, bf16, 0)],
-        "test_bad_bsr_is_flagged_and_never_read_past": lambda p: [(V.DEFAULT, 32, 8, 128, 16, bf16, int(p["gather"]))],
+        "test_bad_bsr_is_flagged_and_never_read_past":
+            lambda p: [(V.DEFAULT, 32, 8, 128, 16, bf16, "gather" if p["gather"] else 0)],
     }
     default = [(V.DEFAULT, 32, 8, 128, 16, bf16, 0)]  # the other tests' wrappers
     wanted = []
@@ -48,15 +53,18 @@ def _built(request):
             params = getattr(getattr(item, "callspec", None), "params", {})
             wanted += of.get(getattr(item, "originalname", item.name), lambda p: default)(params)
     specs = {}
-    for variant, Hq, Hkv, D, page, dtype, gathered in wanted:  # (specs, by memo_key, come once)
-        below = _GATHER_BELOW if gathered else cute_member.GATHER_BELOW
-        saved, cute_member.GATHER_BELOW = cute_member.GATHER_BELOW, below
+    for variant, Hq, Hkv, D, page, dtype, how in wanted:  # (specs, by memo_key, come once)
+        saved = cute_member.GATHER_BELOW, cute_member.schedule
+        if how == "gather":
+            cute_member.GATHER_BELOW = _GATHER_BELOW
+        if how == "lazy":
+            cute_member.schedule = _LAZY_SCHEDULE
         try:
             for s in cute_member.specs(D, dtype, page, variant) + attention_specs(
                     variant, D, names[dtype], names[dtype], Hq // Hkv, None, "prefill", False):
                 specs[s.memo_key] = s
         finally:
-            cute_member.GATHER_BELOW = saved
+            cute_member.GATHER_BELOW, cute_member.schedule = saved
     failed = [(s.tag, r) for s, r in zip(specs.values(), kernels.build_many(list(specs.values())))
               if isinstance(r, Exception)]
     assert not failed, f"modules failed to build: {failed}"
@@ -178,15 +186,19 @@ def test_narrow_window_goes_to_the_family(D):
     assert attn.cute_step
 
 
+def _LAZY_SCHEDULE(head_dim, causal):  # test_member_lazy_rescale's cute_member.schedule: lazy, no ping-pong
+    return False, True
+
+
 @pytest.mark.parametrize("name,Hq,Hkv,D,page", [(None, 32, 8, 128, 16), (None, 24, 8, 64, 64), (None, 8, 4, 256, 16),
                                                  (None, 32, 32, 96, 16), ("soft_cap_window", 32, 16, 128, 16)])
 def test_member_lazy_rescale(monkeypatch, name, Hq, Hkv, D, page):
-    """attn_ws.cu LAZY in every member module (cute_member.schedule has it on non-causal tiles at head size 128
-    only, with the ping-pong): the member's modules keep a row's maximum until it grows by more than 2^8 and skip O's rescale where a
+    """attn_ws.cu LAZY without the ping-pong in every member module (cute_member.schedule has both at head size 128
+    only): the member's modules keep a row's maximum until it grows by more than 2^8 and skip O's rescale where a
     warp's rows kept theirs; the same results as the reference, causal and not, a variant too (the CTA's own test has
     keys that raise the maximum tile after tile)."""
     from fi_backend import cute_member
-    monkeypatch.setattr(cute_member, "schedule", lambda head_dim, causal: (False, True))
+    monkeypatch.setattr(cute_member, "schedule", _LAZY_SCHEDULE)
     variant, params = _VARIANTS[name] if name else (None, None)
     attn = _wrapper(Hq, Hkv, D, page=page, variant=variant)
     assert attn.cute_unsupported is None, attn.cute_unsupported

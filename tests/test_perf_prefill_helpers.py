@@ -184,9 +184,10 @@ def test_step_case_and_member_step_cells():
     for bad in ("2x1024", "1x4096x1024", "0x1x1", "ax1x1", "1x1x1+x"):
         with pytest.raises(ValueError, match=bad.replace("+", r"\+")):
             M.parse_cell(bad)
-    before = cute_member.MIN_TILES_PER_SM, cute_member.SHORT_SHARE
-    assert M.forced(lambda: (cute_member.MIN_TILES_PER_SM, cute_member.SHORT_SHARE)) == (0.0, 1.0)
-    assert (cute_member.MIN_TILES_PER_SM, cute_member.SHORT_SHARE) == before
+    now = lambda: (cute_member.MIN_TILES_PER_SM, cute_member.SHORT_SHARE, cute_member.WINDOW_MIN_KEYS)
+    before = now()
+    assert M.forced(now) == (0.0, 1.0, 0)
+    assert now() == before
 
 
 def test_wgmma_waits_finds_where_the_pv_wait_sits():

@@ -35,14 +35,14 @@ def parse_cell(cell: str) -> tuple:
 
 
 def forced(fn):
-    """fn() with the member's step thresholds lifted (it takes every step whose KV covers its queries)."""
+    """fn() with the member's step thresholds lifted (it takes every step whose KV covers its queries, any window)."""
     from fi_backend import cute_member
-    saved = cute_member.MIN_TILES_PER_SM, cute_member.SHORT_SHARE
-    cute_member.MIN_TILES_PER_SM, cute_member.SHORT_SHARE = 0.0, 1.0
+    saved = cute_member.MIN_TILES_PER_SM, cute_member.SHORT_SHARE, cute_member.WINDOW_MIN_KEYS
+    cute_member.MIN_TILES_PER_SM, cute_member.SHORT_SHARE, cute_member.WINDOW_MIN_KEYS = 0.0, 1.0, 0
     try:
         return fn()
     finally:
-        cute_member.MIN_TILES_PER_SM, cute_member.SHORT_SHARE = saved
+        cute_member.MIN_TILES_PER_SM, cute_member.SHORT_SHARE, cute_member.WINDOW_MIN_KEYS = saved
 
 
 def main(argv=None) -> int:
@@ -97,9 +97,9 @@ def main(argv=None) -> int:
         us = {k: statistics.median(v) for k, v in times.items()}
         faster = "member" if us["member"] < us["family"] else "family"
         takes = bool(info["cute_step"])
-        r = {"cell": cell, "variant": vname, **case.shape(), "us": us, "us_per_round": times, "rule_takes": takes, "faster": faster,
-             "family_over_member": us["family"] / us["member"], "rule_right": takes == (faster == "member"),
-             "checks": checks}
+        r = {"cell": cell, "variant": vname, **case.shape(), "us": us, "us_per_round": times, "rule_takes": takes,
+             "faster": faster, "family_over_member": us["family"] / us["member"],
+             "rule_right": takes == (faster == "member"), "checks": checks}
         rows.append(r)
         if not r["rule_right"]:
             misses.append(cell)
