@@ -702,7 +702,7 @@ class _StepPlanner:
         if any(fresh):
             planned = set()   # the groups whose prefill wrapper this step has planned (once each)
 
-            def paged(i, qo_cpu=qo_cpu, kv_cpu=kv_cpu, bsr=bsr):
+            def plan_paged(i, qo_cpu=qo_cpu, kv_cpu=kv_cpu, bsr=bsr):
                 g = self.groups[i]
                 if i not in planned:
                     planned.add(i)
@@ -710,6 +710,7 @@ class _StepPlanner:
                                    **g.params)
                     _PLAN_COUNTS["prefill"] += 1
                 return g.prefill
+            paged = plan_paged
         return StepMetadata(kernel=kernel, wrappers=tuple(wrappers), num_rows=int(qo_cpu[bs]), partners=tuple(partners),
                             fresh=tuple(fresh) if any(fresh) else (), paged=paged)
 
