@@ -98,6 +98,34 @@ def paged_fn(case: P.Case, page_size: int, mode: str = "cute_overlap", gather: b
     return fn, out
 
 
+def staged_pages(pool: P.Paged) -> torch.Tensor:
+    """The pool's pages in the requests' order (int64): index_select by them gives the case's K / V rows."""
+    return pool.table.reshape(-1).long()
+
+
+def staged_fn(case: P.Case, pool: P.Paged, causal: bool = True):
+    """The pages copied back into contiguous K / V rows (torch.index_select, one page of [P, Hkv, D] a row of the
+    copy), then the ragged member over those rows, both inside the timed call: what staging a step's pages would cost
+    against the member reading them as TMA boxes. Whole pages only (seq_len a multiple of the page size)."""
+    import copy
+    if case.seq_len % pool.page_size:
+        raise ValueError(f"staged: seq_len {case.seq_len} is not a multiple of the page size {pool.page_size}")
+    pages = staged_pages(pool)
+    k = torch.empty((pages.numel(),) + tuple(pool.k.shape[1:]), dtype=pool.k.dtype, device=pool.k.device)
+    v = torch.empty_like(k)
+    staged = copy.copy(case)
+    staged.k, staged.v = k.view(case.rows, case.hkv, case.d), v.view(case.rows, case.hkv, case.d)
+    member, out, info = P.ours_fn(staged, causal=causal)
+    if not info["cute_step"]:
+        raise RuntimeError(f"the ragged member did not take the staged step: {info['cute_unsupported']}")
+
+    def fn():
+        torch.index_select(pool.k, 0, pages, out=k)
+        torch.index_select(pool.v, 0, pages, out=v)
+        member()
+    return fn, out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m perf.tools.cute_probe", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -118,6 +146,9 @@ def main(argv=None) -> int:
                                                       "comma-separated: both timed side by side")
     ap.add_argument("--paged-split", default="1", help="a tile's boxes issued by the producer's four warps (1) or one "
                                                        "thread (0), comma-separated: both timed side by side")
+    ap.add_argument("--staged", action="store_true",
+                    help="also each --paged pool's pages copied into contiguous rows and the ragged member over them, "
+                         "copy included (member_staged<P>)")
     ap.add_argument("--no-flashinfer", action="store_true",
                     help="no FlashInfer FA3 anchor (its first build at a head size is minutes): ratios to ours")
     ap.add_argument("--vllm-fa3", action="store_true",
@@ -170,6 +201,8 @@ def main(argv=None) -> int:
                 name = f"member_paged{page}"
                 pool = P.Paged(case, page)
                 fns[name], outs[name], info = P.ours_fn(case, paged=pool, causal=causal)
+                if a.staged:
+                    fns[f"member_staged{page}"], outs[f"member_staged{page}"] = staged_fn(case, pool, causal=causal)
                 if vfunc is not None:
                     fns[f"vllm_fa3_paged{page}"], outs[f"vllm_fa3_paged{page}"] = P.vllm_paged_fn(vfunc, case, pool,
                                                                                                    causal=causal)
