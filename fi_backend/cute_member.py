@@ -174,13 +174,16 @@ class CuteMember:
     def module_names(self) -> list:
         return [m.name for m in self.modules]
 
-    def takes_step(self, q_lens: torch.Tensor, kv_lens: torch.Tensor, causal: bool) -> bool:
+    def takes_step(self, q_lens: torch.Tensor, kv_lens: torch.Tensor, causal: bool, window_left: int = -1) -> bool:
         """Whether the member runs a step of these query / KV lengths (CPU int32 [B]; no per-request Python):
-        every request's KV covers its queries (at least one key), its tiles fill the GPU (MIN_TILES_PER_SM) and
-        short requests cost at most SHORT_SHARE of its tile pairs."""
+        every request's KV covers its queries (at least one key), its tiles fill the GPU (MIN_TILES_PER_SM), short
+        requests cost at most SHORT_SHARE of its tile pairs, and a sliding window (window_left >= 0) is at least
+        WINDOW_MIN_KEYS keys wide or covers every request's KV."""
         if q_lens.numel() == 0:
             return False
         q, kv = q_lens.to(torch.int64), kv_lens.to(torch.int64)
+        if 0 <= window_left < WINDOW_MIN_KEYS - 1 and window_left + 1 < int(kv.max()):
+            return False
         live = q > 0
         need = torch.where(live, q.clamp(min=1) if causal else torch.ones_like(q), torch.zeros_like(q))
         if bool((kv < need).any()):
@@ -198,9 +201,8 @@ class CuteMember:
         of a soft-capping variant) where the member takes the step (allowed, and takes_step); whether it does.
         Not allowed: forget the last step's (the lengths may be None)."""
         self._step = None
-        if not allowed or (self.softcap and not logits_soft_cap > 0) or not self.takes_step(q_lens, kv_lens, causal):
-            return False
-        if 0 <= window_left < WINDOW_MIN_KEYS - 1 and window_left + 1 < int(kv_lens.max()):
+        if (not allowed or (self.softcap and not logits_soft_cap > 0)
+                or not self.takes_step(q_lens, kv_lens, causal, int(window_left))):
             return False
         total_q, live = int(q_lens.sum()), int((q_lens > 0).sum())
         wide = self.wide and total_q >= WIDE_MIN_QUERY * live  # the modules of three warpgroups: 2, 3

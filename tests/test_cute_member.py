@@ -69,6 +69,8 @@ def test_takes_step():
     assert not m.plan(_t([1000, 333]), _t([1000, 2000]), causal=True, window_left=99) and not m.planned
     assert m.plan(_t([1000, 333]), _t([1000, 1200]), causal=True, window_left=1199)
     assert not m.plan(_t([1000, 333]), _t([1000, 1200]), causal=True, window_left=1198)
+    assert not m.takes_step(_t([1000, 333]), _t([1000, 1200]), True, 1198)   # what cute_takes asks, for adapters
+    assert m.takes_step(_t([1000, 333]), _t([1000, 1200]), True, 1199) and m.takes_step(_t([1000]), _t([3000]), True)
     # too few tiles for 132 SMs: 1 x 32 heads (0.4 an SM: at least 53); 2 x 32 heads are enough
     assert not m.plan(_t([128]), _t([128]), causal=True) and not m.planned
     assert m.plan(_t([200]), _t([200]), causal=True)
