@@ -48,7 +48,7 @@ def forced(fn):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m perf.tools.member_steps", description=__doc__.split("\n\n")[0])
     ap.add_argument("--cells", default=CELLS)
-    ap.add_argument("--heads", default="32/8/128", help="query heads / KV heads / head_dim")
+    ap.add_argument("--heads", default="32/8/128", help="query heads / KV heads / head_dim, comma-separated")
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rep", type=int, default=30)
@@ -65,19 +65,25 @@ def main(argv=None) -> int:
 
     from fi_backend import env
     from fi_backend.wrappers import BatchAttention
-    hq, hkv, d = (int(x) for x in a.heads.split("/"))
+    try:
+        heads = [tuple(int(x) for x in h.split("/")) for h in a.heads.split(",") if h]
+        assert heads and all(len(h) == 3 for h in heads)
+    except (ValueError, AssertionError):
+        ap.error(f"--heads: {a.heads!r}; expected Hq/Hkv/D[,Hq/Hkv/D...]")
     specs = P.flex_specs(None)
     variants = [v for v in a.variants.split(",") if v]
     if any(v not in specs or v == "alibi" for v in variants):
         ap.error(f"--variants: {variants}; accepted: {', '.join(k for k in specs if k != 'alibi')}")
-    for v in variants:
+    for (hq, hkv, d), v in ((h, v) for h in heads for v in variants):
         BatchAttention.prepare(hq, hkv, d, q_dtype=torch.bfloat16, page_size=a.page, kinds=("prefill",),
                                device="cuda", variant=specs[v][0])
     rows, misses = [], []
-    for (cell, q_lens, kv_lens), vname in ((c, v) for c in cells for v in variants):
+    for (hq, hkv, d), (cell, q_lens, kv_lens), vname in ((h, c, v) for h in heads for c in cells for v in variants):
         variant, params = specs[vname][:2]
         if vname != "causal":
             cell = f"{cell} {vname}"
+        if len(heads) > 1:
+            cell = f"{hq}/{hkv}/{d} {cell}"
         case = P.StepCase(q_lens, kv_lens, hq, hkv, d, page_size=a.page)
         fns, outs = {}, {}
         kw = {"paged": case.pool, "variant": variant, "params": params}
