@@ -443,13 +443,13 @@ class BatchAttention:
         family then runs it)."""
         return self._cute is not None and self._cute.planned
 
-    def cute_takes(self, q_lens: torch.Tensor, kv_lens: torch.Tensor, causal: bool = True,
-                   window_left: int = -1) -> bool:
-        """Whether plan() would give a step of these query / KV lengths (CPU int32 [B]) and sliding window (the
-        plan's window_left, -1 none) to the CuTe member (False without one): an engine may split a mixed step so
-        that its prefill part goes there (adapters/vllm.py)."""
+    def cute_takes(self, q_lens: torch.Tensor, kv_lens: torch.Tensor, causal: bool = True, **variant_params) -> bool:
+        """Whether plan() would give a step of these query / KV lengths (CPU int32 [B]) to the CuTe member (False
+        without one): an engine may split a mixed step so that its prefill part goes there (adapters/vllm.py).
+        variant_params: the variant's plan() parameters, as plan() gets them (the member reads window_left)."""
         return (self._cute is not None and self._frozen is None
-                and self._cute.takes_step(q_lens.to(torch.int32), kv_lens.to(torch.int32), causal, int(window_left)))
+                and self._cute.takes_step(q_lens.to(torch.int32), kv_lens.to(torch.int32), causal,
+                                          int(variant_params.get("window_left", -1))))
 
     def _use_member(self, member: int) -> None:
         """Make family member `member` the kernel that plan() plans for and run() launches."""

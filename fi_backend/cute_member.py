@@ -48,7 +48,7 @@ GATHER_BELOW = 0
 PINGPONG_LAZY_HEAD_DIMS = (128,)
 
 
-def schedule(head_dim: int, causal: bool) -> tuple:
+def schedule(head_dim: int) -> tuple:
     """(ping-pong, lazy O rescale) of the member's modules."""
     on = head_dim in PINGPONG_LAZY_HEAD_DIMS
     return on, on
@@ -136,9 +136,10 @@ def specs(head_dim: int, q_dtype: torch.dtype, page_size: int, variant: Variant 
     three consumer warpgroups."""
     from .kernels import cutlass
     dtype = "bf16" if q_dtype == torch.bfloat16 else "fp16"
-    return [cutlass.attn_ws_spec(head_dim, causal, overlap=True, pingpong=schedule(head_dim, causal)[0],
-                                 page_size=page_size, dtype=dtype, softcap=_softcap(variant), warpgroups=wgs,
-                                 gather=page_size > 0 and gathers(page_size), lazy=schedule(head_dim, causal)[1])
+    pingpong, lazy = schedule(head_dim)
+    return [cutlass.attn_ws_spec(head_dim, causal, overlap=True, pingpong=pingpong, page_size=page_size, dtype=dtype,
+                                 softcap=_softcap(variant), warpgroups=wgs,
+                                 gather=page_size > 0 and gathers(page_size), lazy=lazy)
             for wgs in ((2, 3) if head_dim in WIDE_HEAD_DIMS else (2,)) for causal in (False, True)]
 
 

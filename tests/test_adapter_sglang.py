@@ -763,7 +763,7 @@ class FreshRefWrapper(RefWrapper):
     """The ragged prefill wrapper's contract (BatchAttention(ragged=True)): contiguous BSRs over the layer's k / v
     rows; its CuTe member (a stand-in rule) takes steps with no one-row request."""
 
-    def cute_takes(self, q_lens, kv_lens, causal=True, window_left=-1):
+    def cute_takes(self, q_lens, kv_lens, causal=True, **variant_params):
         return bool(q_lens.numel()) and bool((q_lens >= 2).all())
 
     def plan(self, qo_indptr, kv_lens, bsr, **kw):

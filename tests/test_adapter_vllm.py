@@ -608,7 +608,7 @@ class CuteRefWrapper(RefWrapper):
 
     cute_unsupported = None
 
-    def cute_takes(self, q_lens, kv_lens, causal=True, window_left=-1):
+    def cute_takes(self, q_lens, kv_lens, causal=True, **variant_params):
         return bool(q_lens.numel()) and bool((q_lens >= 2).all())
 
     def plan(self, qo_indptr, kv_lens, bsr, **kw):

@@ -674,8 +674,7 @@ class _StepPlanner:
                 fresh.append(True)
                 continue
             kw = dict(causal=True, sm_scale=g.settings.sm_scale, debug=self.debug, **g.params)
-            if (fresh_step and g.fresh is not None
-                    and g.fresh.cute_takes(q_lens, kv_cpu, window_left=int(g.params.get("window_left", -1)))):
+            if fresh_step and g.fresh is not None and g.fresh.cute_takes(q_lens, kv_cpu, **g.params):
                 g.fresh.plan(qo_cpu, kv_cpu, self._fresh_rows.bsr(qo_dev, self._kv_lens[:bs], int(qo_cpu[bs])), **kw)
                 _PLAN_COUNTS["prefill"] += 1
                 _PLAN_COUNTS["fresh"] += 1

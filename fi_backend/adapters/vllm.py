@@ -328,7 +328,6 @@ class _StepPlanner:
         self.page_size = page_size
         self.sm_scale = sm_scale
         self.variant_params = variant_params
-        self._window_left = int(variant_params.get("window_left", -1))  # the member's window rule (cute_takes)
         self.debug = debug
         self._table_key = None      # (data_ptr, row stride) of the block-table buffer bound below
         self._kv_indices = None
@@ -387,10 +386,9 @@ class _StepPlanner:
             if self.deterministic and int(one.sum()) != nd:
                 _warn_unordered()
             fresh = not capture and self._fresh_takes(q_lens[nd:], kv_cpu[nd:n])
-            w = self._window_left
-            if nd and (self.deterministic or fresh or (not self.prefill.cute_takes(q_lens, kv_cpu, window_left=w)
-                                                       and self.prefill.cute_takes(q_lens[nd:], kv_cpu[nd:n],
-                                                                                   window_left=w))):
+            vp = self.variant_params
+            if nd and (self.deterministic or fresh or (not self.prefill.cute_takes(q_lens, kv_cpu, **vp)
+                                                       and self.prefill.cute_takes(q_lens[nd:], kv_cpu[nd:n], **vp))):
                 return self._plan_mixed(cm, qo_cpu, kv_cpu, nd, fresh)
             if fresh:
                 return self._plan_fresh(cm, qo_cpu, kv_cpu)
@@ -421,8 +419,8 @@ class _StepPlanner:
         length, an upper bound, equals its query length) and the ragged member takes the step."""
         if self.fresh is None or self.deterministic or q_lens.numel() == 0:
             return False
-        return bool(torch.equal(kv_cpu.to(q_lens.dtype), q_lens)) and self.fresh.cute_takes(
-            q_lens, kv_cpu, window_left=self._window_left)
+        return bool(torch.equal(kv_cpu.to(q_lens.dtype), q_lens)) and self.fresh.cute_takes(q_lens, kv_cpu,
+                                                                                             **self.variant_params)
 
     def _plan_fresh(self, cm, qo_cpu, kv_cpu) -> FiAttentionMetadata:
         """A step of new prompts only, on the fresh wrapper over forward's key / value."""
