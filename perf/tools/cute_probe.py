@@ -31,7 +31,8 @@ MODES = {"cute_plain": (False, False, L2_SECTION, 2, False), "cute_overlap": (Tr
          "cute_pingpong_wg3": (True, True, L2_SECTION, 3, False),
          "cute_overlap_lazy": (True, False, L2_SECTION, 2, True),
          "cute_pingpong_lazy": (True, True, L2_SECTION, 2, True),
-         "cute_overlap_wg3_lazy": (True, False, L2_SECTION, 3, True)}
+         "cute_overlap_wg3_lazy": (True, False, L2_SECTION, 3, True),
+         "cute_pingpong_wg3_lazy": (True, True, L2_SECTION, 3, True)}
 
 
 def probe_spec(head_dim: int, mode: str, causal: bool):
