@@ -40,17 +40,18 @@ WIDE_MIN_QUERY = 8192
 GATHER_BELOW = 0
 
 
-# At these head sizes the consumer warpgroups issue their MMAs in turns (attn_ws.cu PINGPONG) and a row keeps its
-# maximum until a KV tile's exceeds it by more than 2^8, O rescaled only where a warp's rows moved (LAZY). Against
-# the plain overlap on the H200 at head size 128 (perf/results/probe_{causal,full}_pp_h200.json; docs/prefill.md
-# "Ping-pong, lazy rescale and page-id prefetch, measured"): on pages of 16 1-6% faster in all 12 cells, causal or
-# not; ragged level. Other head sizes are not measured.
-PINGPONG_LAZY_HEAD_DIMS = (128,)
+# At these (head size, paged) pairs the consumer warpgroups issue their MMAs in turns (attn_ws.cu PINGPONG) and a
+# row keeps its maximum until a KV tile's exceeds it by more than 2^8, O rescaled only where a warp's rows moved
+# (LAZY). Against the plain overlap on the H200 (docs/prefill.md "Ping-pong, lazy rescale and page-id prefetch,
+# measured"): at head size 128 on pages of 16 1-6% faster in all 12 cells, causal or not, ragged level
+# (perf/results/probe_{causal,full}_pp_h200.json); at head size 64 on pages of 16 0-4% faster on two and three
+# warpgroups, ragged 1-4% slower (causal, perf/results/probe_d64_pp_h200.json). Other pairs are not measured.
+PINGPONG_LAZY = ((128, False), (128, True), (64, True))
 
 
-def schedule(head_dim: int) -> tuple:
-    """(ping-pong, lazy O rescale) of the member's modules."""
-    on = head_dim in PINGPONG_LAZY_HEAD_DIMS
+def schedule(head_dim: int, paged: bool) -> tuple:
+    """(ping-pong, lazy O rescale) of the member's modules at this head size, on pages or ragged K / V."""
+    on = (head_dim, bool(paged)) in PINGPONG_LAZY
     return on, on
 
 
@@ -71,7 +72,9 @@ def gathers(page_size: int) -> bool:
 # tiles) 1.33-1.85x (H100, page 16, heads 32/8, 32/32, 28/4: perf/results/member_steps_*.json) ...
 MIN_TILES_PER_SM = 0.4
 # ... and where requests of fewer than SHORT_QUERY rows (decode rows of a mixed step: each takes a whole 128-row tile
-# a query head, GQA not packed) cost at most SHORT_SHARE of its tile pairs.
+# a query head, GQA not packed) cost at most SHORT_SHARE of its tile pairs. Without GQA (one query head a KV head)
+# the tile family packs no heads either, and the member ran such steps 1.19-1.30x faster (H200, 32/32/128, 1 x 2048
+# over 8192 + 16..256 decode rows; with 8 or 7 query heads a KV head 0.28-0.75x: perf/results/member_steps_h200.json).
 SHORT_QUERY = 64
 SHORT_SHARE = 0.1
 # KV of (request, head) pairs a tile section spans: the CTAs at work at once read it from L2 (32 MB beat one KV head
@@ -136,7 +139,7 @@ def specs(head_dim: int, q_dtype: torch.dtype, page_size: int, variant: Variant 
     three consumer warpgroups."""
     from .kernels import cutlass
     dtype = "bf16" if q_dtype == torch.bfloat16 else "fp16"
-    pingpong, lazy = schedule(head_dim)
+    pingpong, lazy = schedule(head_dim, page_size > 0)
     return [cutlass.attn_ws_spec(head_dim, causal, overlap=True, pingpong=pingpong, page_size=page_size, dtype=dtype,
                                  softcap=_softcap(variant), warpgroups=wgs,
                                  gather=page_size > 0 and gathers(page_size), lazy=lazy)
@@ -178,7 +181,7 @@ class CuteMember:
     def takes_step(self, q_lens: torch.Tensor, kv_lens: torch.Tensor, causal: bool, window_left: int = -1) -> bool:
         """Whether the member runs a step of these query / KV lengths (CPU int32 [B]; no per-request Python):
         every request's KV covers its queries (at least one key), its tiles fill the GPU (MIN_TILES_PER_SM), short
-        requests cost at most SHORT_SHARE of its tile pairs, and a sliding window (window_left >= 0) is at least
+        requests cost at most SHORT_SHARE of its tile pairs (with GQA), and a sliding window (window_left >= 0) is at least
         WINDOW_MIN_KEYS keys wide or covers every request's KV."""
         if q_lens.numel() == 0:
             return False
@@ -193,6 +196,8 @@ class CuteMember:
         if int(q_tiles.sum()) * self.heads < MIN_TILES_PER_SM * self.sms:
             return False
         pairs = q_tiles * ((kv + KV_TILE - 1) // KV_TILE)
+        if self.heads == self.kv_heads:
+            return True
         short = int(pairs[live & (q < SHORT_QUERY)].sum())
         return short <= SHORT_SHARE * int(pairs.sum())
 

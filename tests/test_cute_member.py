@@ -84,6 +84,8 @@ def test_takes_step():
     # decode rows: a few ride along, many go to the tile family
     assert m.plan(_t([4000] + [1] * 4), _t([4000] + [2000] * 4), causal=True)
     assert not m.plan(_t([700] + [1] * 60), _t([1500] + [900] * 60), causal=True)
+    # ... unless there is no GQA to pack: then the family's tiles of decode rows are no fuller than the member's
+    assert _Member(kv_heads=32).plan(_t([700] + [1] * 60), _t([1500] + [900] * 60), causal=True)
     assert not m.plan(_t([1000]), _t([1000]), causal=True, allowed=False)
     assert not m.plan(_t([]), _t([]), causal=True)
     # a soft-capping member with no cap (> 0) leaves the step to the family

@@ -186,7 +186,7 @@ def test_narrow_window_goes_to_the_family(D):
     assert attn.cute_step
 
 
-def _LAZY_SCHEDULE(head_dim):  # test_member_lazy_rescale's cute_member.schedule: lazy, no ping-pong
+def _LAZY_SCHEDULE(head_dim, paged):  # test_member_lazy_rescale's cute_member.schedule: lazy, no ping-pong
     return False, True
 
 
