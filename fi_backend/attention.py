@@ -443,6 +443,11 @@ class BatchAttention:
         family then runs it)."""
         return self._cute is not None and self._cute.planned
 
+    @property
+    def cute_staged(self) -> bool:
+        """Whether the planned step is the CuTe member's with its pages staged into rows (cute_member.STAGE_*)."""
+        return self._cute is not None and self._cute.staged
+
     def cute_takes(self, q_lens: torch.Tensor, kv_lens: torch.Tensor, causal: bool = True, **variant_params) -> bool:
         """Whether plan() would give a step of these query / KV lengths (CPU int32 [B]) to the CuTe member (False
         without one): an engine may split a mixed step so that its prefill part goes there (adapters/vllm.py).

@@ -10,10 +10,13 @@ BatchAttention(kernel="prefill") loads it where it applies (`unsupported` says w
 window, soft-cap or soft-cap + window variant, head size 64, 96, 128 or 256, 16-bit KV, ragged K / V or pages of
 16..256 tokens (1..256 where gathered), a power of two, the CUTLASS headers) and plan() gives it the steps it runs
 well (`takes_step`); every other step, and every step captured in a CUDA graph, runs the tile family as before.
-FI_BACKEND_PREFILL_CUTE=0 turns it off.
+On pages of 16..127 tokens, a step whose keys many queries read (STAGE_MIN_REUSE) is staged: its pages copied into
+contiguous rows (entry fi_cute_stage_pages of the ragged modules), then the ragged CTA runs over them
+(FI_BACKEND_PREFILL_STAGE=0: never). FI_BACKEND_PREFILL_CUTE=0 turns the member off.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -38,6 +41,15 @@ WIDE_MIN_QUERY = 8192
 # tokens (SGLang's of one) only so. Off (0): gathering took 1.11-1.19x the boxes' time at pages of 16, and at pages of
 # one 1.19-1.27x the tile family's (H100, 32/8/128, perf/results/cute_probe_gather_fast.json; docs/prefill.md)
 GATHER_BELOW = 0
+# Paged steps are staged (pages of STAGE_PAGES tokens: K in more TMA boxes a KV tile than ragged rows take) where each
+# staged key serves at least STAGE_MIN_REUSE (query head, query row) pairs: the step's pages copied into contiguous
+# rows (attn_ws.cu fi_cute_stage_pages), the ragged CTA run over them. Against the CTA on pages of 16 (H200, causal,
+# head size 128, copy included, perf/results/probe_staged_h200.json): reuse 512 0.82x, 2048 0.99-1.04x, 8192
+# 1.09-1.12x, 32768 1.12x. At most STAGE_BYTES of K and V rows a wrapper (made by its first staged step, grown with
+# larger ones); steps of more rows read their pages.
+STAGE_PAGES = range(16, 128)
+STAGE_MIN_REUSE = 3072
+STAGE_BYTES = 256 << 20
 
 
 # At these (head size, paged) pairs the consumer warpgroups issue their MMAs in turns (attn_ws.cu PINGPONG) and a
@@ -134,16 +146,32 @@ def unsupported(variant: Variant, head_dim: int, q_dtype: torch.dtype, kv_dtype:
     return None
 
 
+def stages(page_size: int) -> bool:
+    """Whether the member stages steps on pages of this size (some: STAGE_MIN_REUSE) into rows for its ragged CTA."""
+    return page_size in STAGE_PAGES and not gathers(page_size) and STAGE_BYTES > 0 and env.flag(env.PREFILL_STAGE, True)
+
+
 def specs(head_dim: int, q_dtype: torch.dtype, page_size: int, variant: Variant = V.DEFAULT) -> list:
     """The member's modules for a variant it computes: non-causal and causal, then (WIDE_HEAD_DIMS) the same with
-    three consumer warpgroups."""
+    three consumer warpgroups; where it stages pages (`stages`), the same list again for ragged K / V."""
     from .kernels import cutlass
     dtype = "bf16" if q_dtype == torch.bfloat16 else "fp16"
-    pingpong, lazy = schedule(head_dim, page_size > 0)
-    return [cutlass.attn_ws_spec(head_dim, causal, overlap=True, pingpong=pingpong, page_size=page_size, dtype=dtype,
-                                 softcap=_softcap(variant), warpgroups=wgs,
-                                 gather=page_size > 0 and gathers(page_size), lazy=lazy)
-            for wgs in ((2, 3) if head_dim in WIDE_HEAD_DIMS else (2,)) for causal in (False, True)]
+
+    def of(page):
+        pingpong, lazy = schedule(head_dim, page > 0)
+        return [cutlass.attn_ws_spec(head_dim, causal, overlap=True, pingpong=pingpong, page_size=page, dtype=dtype,
+                                     softcap=_softcap(variant), warpgroups=wgs, gather=page > 0 and gathers(page),
+                                     lazy=lazy)
+                for wgs in ((2, 3) if head_dim in WIDE_HEAD_DIMS else (2,)) for causal in (False, True)]
+    return of(page_size) + (of(0) if stages(page_size) else [])
+
+
+def stage_reuse(q_lens: torch.Tensor, kv_lens: torch.Tensor, causal: bool, group: int, page_size: int) -> float:
+    """(query head, query row) pairs a staged key serves in a step of these lengths (int64 CPU [B]): group x the
+    step's (query, key) pairs (causal: each row sees the keys up to its own) over its rows staged by whole pages."""
+    pairs = q_lens * kv_lens - (q_lens * (q_lens - 1) // 2 if causal else 0)
+    rows = int(((kv_lens + page_size - 1) // page_size).sum()) * page_size
+    return group * int(pairs.sum()) / max(1, rows)
 
 
 def specs_for(variant: Variant, head_dim: int, q_dtype: str, kv_dtype: str, page_size: int, *,
@@ -165,14 +193,28 @@ class CuteMember:
     def __init__(self, head_dim: int, q_dtype: torch.dtype, page_size: int, num_qo_heads: int, num_kv_heads: int,
                  device: torch.device, variant: Variant = V.DEFAULT):
         self.modules = [kernels.load(s) for s in specs(head_dim, q_dtype, page_size, variant)]
-        from .kernels.cutlass import ATTN_BSR_ARGS
-        self._fns = [m.function("fi_cute_attn_bsr", ATTN_BSR_ARGS) for m in self.modules]
+        from .kernels.cutlass import ATTN_BSR_ARGS, STAGE_PAGES_ARGS
+        fns = [m.function("fi_cute_attn_bsr", ATTN_BSR_ARGS) for m in self.modules]
+        staging = stages(page_size)
+        # on pages: the paged modules', then (staging) the ragged modules' entries
+        self._fns, self._staged_fns = (fns[:len(fns) // 2], fns[len(fns) // 2:]) if staging else (fns, [])
         self.softcap = _softcap(variant)
         self.heads, self.kv_heads, self.wide = num_qo_heads, num_kv_heads, head_dim in WIDE_HEAD_DIMS
+        self.head_dim, self.page, self._dtype = head_dim, page_size, q_dtype
         self.sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)  # zeroed by each launch, on its stream
         # (module: causal + 2 x wide, batch, max_q_len, total_q, total_kv, window_left, soft-cap) planned, or None
         self._step = None
+        # Staging: at most _stage_rows K and V rows, [2, rows, kv_heads, D] made by the first step staged and grown
+        # by a larger one (a wrapper that never stages holds none); each request's first staged row (pinned host,
+        # device; copied asynchronously by plan(), which waits for the last copy before rewriting the host's); the
+        # planned step's staged page count (None: it reads its pages)
+        self._stage_kv = self._stage_fn = None
+        self._stage_rows = STAGE_BYTES // (2 * num_kv_heads * head_dim * 2) // page_size * page_size if staging else 0
+        self._start_host = self._start_dev = self._start_copied = None
+        self._staged = None
+        if staging:
+            self._stage_fn = self.modules[len(fns) // 2].function("fi_cute_stage_pages", STAGE_PAGES_ARGS)
 
     @property
     def module_names(self) -> list:
@@ -214,7 +256,53 @@ class CuteMember:
         wide = self.wide and total_q >= WIDE_MIN_QUERY * live  # the modules of three warpgroups: 2, 3
         self._step = (int(bool(causal)) + 2 * wide, q_lens.numel(), int(q_lens.max()), total_q, int(kv_lens.sum()),
                       max(-1, int(window_left)), float(logits_soft_cap))
+        self._staged = None
+        if self._stage_rows:
+            q, kv = q_lens.to(torch.int64), kv_lens.to(torch.int64)
+            pages = (kv + self.page - 1) // self.page
+            staged = int(pages.sum())
+            if (staged * self.page <= self._stage_rows
+                    and stage_reuse(q, kv, causal, self.heads // self.kv_heads, self.page) >= STAGE_MIN_REUSE
+                    and self._stage_room(staged * self.page)):
+                self._plan_starts(pages)
+                self._staged = staged
         return True
+
+    def _stage_room(self, rows: int) -> bool:
+        """Whether the staging rows hold `rows` (made or grown here: a power of two from 4096 rows up, at most
+        _stage_rows); a device out of memory turns staging off for this wrapper, with a warning."""
+        if self._stage_kv is not None and self._stage_kv.shape[1] >= rows:
+            return True
+        size = min(self._stage_rows, max(4096, 1 << (rows - 1).bit_length()))
+        self._stage_kv = None
+        try:
+            self._stage_kv = torch.empty((2, size, self.kv_heads, self.head_dim), dtype=self._dtype,
+                                         device=self.counter.device)
+        except torch.OutOfMemoryError:
+            self._stage_rows = 0
+            warnings.warn(f"fi-backend: no device memory for the CuTe member's staging rows ({size} rows); its steps "
+                          f"read their pages from now on")
+            return False
+        return True
+
+    def _plan_starts(self, pages: torch.Tensor) -> None:
+        """Each request's first staged row (page counts' prefix sum x page size) into the device buffer, by an
+        asynchronous copy on the current stream from pinned memory; the buffers grow (only) for a larger batch."""
+        n = pages.numel() + 1
+        dev = self.counter.device
+        if self._start_dev is None or self._start_dev.numel() < n:
+            size = max(256, 1 << (n - 1).bit_length())
+            self._start_host = torch.empty(size, dtype=torch.int32, pin_memory=True)
+            self._start_dev = torch.empty(size, dtype=torch.int32, device=dev)
+            self._start_copied = None
+        elif self._start_copied is not None:
+            self._start_copied.synchronize()  # the last copy may still read the host buffer
+        host = self._start_host[:n]
+        host[0] = 0
+        host[1:] = torch.cumsum(pages * self.page, 0)
+        self._start_dev[:n].copy_(host, non_blocking=True)
+        self._start_copied = torch.cuda.Event()
+        self._start_copied.record(torch.cuda.current_stream(dev))
 
     @property
     def planned(self) -> bool:
@@ -224,12 +312,38 @@ class CuteMember:
         """The planned step on the BatchAttention's Params `p` (its q / out / lse / KV / BSR fields, as run() set
         them; V by v_strides, (block, token, head)): 0, CAPTURE_REFUSED, or a CUDA error code."""
         module, batch, max_q, total_q, total_kv, window, cap = self._step
+        if self._staged is not None:
+            return self._launch_staged(p, v_strides, stream)
         return self._fns[module](
             p.q, p.out, p.lse, p.k, p.v, p.qo_indptr, p.kv_lens, p.kv_indices, p.kv_block_start,
             self.counter.data_ptr(), p.error_flags, p.num_kv_indices, p.q_stride_row, p.q_stride_head,
             p.out_stride_row, p.out_stride_head, p.lse_stride_row, p.kv_stride_block, p.kv_stride_token,
             p.kv_stride_head, *v_strides, p.num_kv_blocks, p.kv_block_start_int64, batch, max_q, self.heads,
             self.kv_heads, total_q, total_kv, L2_SECTION_BYTES, window, p.logits_scale, cap, stream)
+
+    @property
+    def staged(self) -> bool:
+        """Whether the planned step's pages are staged into rows for the ragged CTA."""
+        return self._step is not None and self._staged is not None
+
+    def _launch_staged(self, p, v_strides: tuple, stream: int) -> int:
+        """The planned step's pages copied into the staging rows, then the ragged CTA over them (request b's keys
+        at rows _start_dev[b] ..): 0, CAPTURE_REFUSED or a CUDA error code."""
+        module, batch, max_q, total_q, total_kv, window, cap = self._step
+        kp, vp = self._stage_kv[0].data_ptr(), self._stage_kv[1].data_ptr()
+        starts = self._start_dev.data_ptr()
+        rc = self._stage_fn(p.k, p.v, kp, vp, p.kv_lens, p.kv_indices, p.kv_block_start, starts, p.error_flags,
+                            p.num_kv_indices, p.num_kv_blocks, p.kv_stride_block, p.kv_stride_token, p.kv_stride_head,
+                            *v_strides, p.kv_block_start_int64, batch, self.kv_heads, self.page, self._staged, stream)
+        if rc:
+            return rc
+        row = self.kv_heads * self.head_dim
+        return self._staged_fns[module](
+            p.q, p.out, p.lse, kp, vp, p.qo_indptr, p.kv_lens, p.kv_indices, starts,
+            self.counter.data_ptr(), p.error_flags, p.num_kv_indices, p.q_stride_row, p.q_stride_head,
+            p.out_stride_row, p.out_stride_head, p.lse_stride_row, row, row, self.head_dim, row, row, self.head_dim,
+            self._staged * self.page, 0, batch, max_q, self.heads, self.kv_heads, total_q, total_kv,
+            L2_SECTION_BYTES, window, p.logits_scale, cap, stream)
 
     def check(self, rc: int) -> None:
         self.modules[0].check(rc, "fi_cute_attn_bsr")

@@ -41,6 +41,9 @@ FI_BACKEND_SHARED_PREFIX    "0": the vLLM adapter plans every step single-format
                             register() and backend; composable formats, docs/composable.md)
 FI_BACKEND_PREFILL_CUTE     "0": prefill wrappers do not load the CuTe member (FlashAttention-3's CTA,
                             fi_backend.cute_member) and run every step on the tile family; read when a wrapper is made
+FI_BACKEND_PREFILL_STAGE    "0": the CuTe member reads every paged step's pages (by default it copies the pages of
+                            steps whose keys many queries read into rows for its ragged CTA: cute_member.STAGE_*);
+                            read when a wrapper is made
 FI_BACKEND_PREFILL_FRESH    "0": the adapters run steps of new prompts over the KV cache like every other step (by
                             default they run them on the ragged CuTe member over the layers' own key / value rows);
                             read when vLLM's metadata builder or SGLang's backend is made
@@ -69,6 +72,7 @@ VLLM_BATCH_INVARIANT = "VLLM_BATCH_INVARIANT"  # vLLM's own switch (the adapter 
 SHARED_PREFIX = "FI_BACKEND_SHARED_PREFIX"
 PREFILL_CUTE = "FI_BACKEND_PREFILL_CUTE"
 PREFILL_FRESH = "FI_BACKEND_PREFILL_FRESH"
+PREFILL_STAGE = "FI_BACKEND_PREFILL_STAGE"
 
 _FALSE = ("0", "false", "no", "off")
 

@@ -241,7 +241,8 @@ def ours_fn(case, *, paged=None, variant=None, params=None, tuning=None, num_cta
     def fn():
         attn.run(case.q, kv, out=out)
     return fn, out, {"num_ctas": num_ctas, "rows_per_tile": int(attn.rows_per_tile), "plan_ms": plan_ms,
-                     "cute_step": attn.cute_step, "cute_unsupported": attn.cute_unsupported}
+                     "cute_step": attn.cute_step, "cute_staged": attn.cute_staged,
+                     "cute_unsupported": attn.cute_unsupported}
 
 
 class FlashInferRagged:

@@ -54,7 +54,7 @@ def test_variants_it_computes():
 class _Member(C.CuteMember):
     def __init__(self, heads=32, kv_heads=8, sms=132, softcap=False, wide=False):  # the step rule only: no modules
         self.heads, self.kv_heads, self.sms, self._step, self.softcap = heads, kv_heads, sms, None, softcap
-        self.wide = wide
+        self.wide, self._stage_rows, self._staged = wide, 0, None
 
 
 def _t(xs):
@@ -114,10 +114,16 @@ def test_modules_of_names_the_members_modules(monkeypatch):
                                     "d128_bf1_ca1_ga0_la1_ov1_pa16_pi1_so0_sp1_st2_vb1_wa2",
                                     "d128_bf1_ca0_ga0_la1_ov1_pa0_pi1_so0_sp1_st2_vb1_wa2",
                                     "d128_bf1_ca1_ga0_la1_ov1_pa0_pi1_so0_sp1_st2_vb1_wa2"]
+    # a paged wrapper stages its steps of many queries a key into rows for the ragged modules (cute_member.stages)
+    assert cute("Llama-3.1-8B", ragged=False) == cute("Llama-3.1-8B")
+    monkeypatch.setenv("FI_BACKEND_PREFILL_STAGE", "0")
     assert cute("Llama-3.1-8B", ragged=False) == cute("Llama-3.1-8B")[:2]
-    # head size 64: two warpgroups and three (steps of long prompts), per page size
-    assert len(cute("Qwen2.5-0.5B", page_sizes=(16, 32))) == 12 and cute("Llama-3.2-1B")[0].startswith("d64_")
+    # head size 64: two warpgroups and three (steps of long prompts), per page size; ping-pong + lazy on pages only
     assert [t[-3:] for t in cute("Llama-3.2-1B", ragged=False)] == ["wa2", "wa2", "wa3", "wa3"]
+    assert all("_pi1_" in t and "_la1_" in t for t in cute("Llama-3.2-1B", ragged=False))
+    monkeypatch.delenv("FI_BACKEND_PREFILL_STAGE")
+    assert len(cute("Qwen2.5-0.5B", page_sizes=(16, 32))) == 12 and cute("Llama-3.2-1B")[0].startswith("d64_")
+    assert ["_pa0_pi0_" in t for t in cute("Llama-3.2-1B", ragged=False)] == [False] * 4 + [True] * 4
     assert len(cute("Gemma-2-9B")) == 4 and all(t.startswith("d256_") for t in cute("Gemma-2-9B"))
     assert len(cute("Gemma-2-27B")) == 4 and all("_so1_" in t for t in cute("Gemma-2-27B"))  # soft-cap (+ window)
     assert cute("Mistral-7B") == cute("Llama-3.1-8B")  # a window: the same modules
@@ -179,3 +185,23 @@ def test_wrappers_modules_are_prepared_in_parallel(monkeypatch, capsys):
     monkeypatch.setenv("FI_BACKEND_QUIET", "1")
     kernels.prepare(decode)
     assert capsys.readouterr().err == ""
+
+
+def test_staging_rule(monkeypatch):
+    """Which pages the member stages (16..127 tokens, boxes not gathers, the switch on) and the reuse a step's
+    staged key gets: group x (query, key) pairs over whole pages' rows, the figure STAGE_MIN_REUSE bounds."""
+    assert C.stages(16) and C.stages(64) and not C.stages(128) and not C.stages(0) and not C.stages(8)
+    monkeypatch.setattr(C, "GATHER_BELOW", 32)
+    assert not C.stages(16) and C.stages(32)
+    monkeypatch.setenv("FI_BACKEND_PREFILL_STAGE", "0")
+    assert not C.stages(32)
+    i64 = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
+    # the probe's cells: 16 x 1k causal at 32/8 (group 4) reuses a key 2050 times, 4 x 4k 8194, at 32/32 a quarter
+    assert C.stage_reuse(i64([1024] * 16), i64([1024] * 16), True, 4, 16) == 4 * 1025 / 2
+    assert C.stage_reuse(i64([4096] * 4), i64([4096] * 4), True, 1, 16) == 4097 / 2
+    assert C.stage_reuse(i64([4096] * 4), i64([4096] * 4), False, 1, 16) == 4096
+    # a 2048-row chunk over 16k cached keys: about the chunk's rows x group; a partial page counts whole
+    assert C.stage_reuse(i64([2048]), i64([18432]), True, 4, 16) == 4 * (2048 * 18432 - 2048 * 2047 // 2) / 18432
+    assert C.stage_reuse(i64([1]), i64([17]), True, 4, 16) == 4 * 17 / 32
+    # decode rows riding along add keys and almost no pairs
+    assert C.stage_reuse(i64([2048] + [1] * 64), i64([18432] + [16384] * 64), True, 4, 16) < C.STAGE_MIN_REUSE

@@ -44,7 +44,7 @@ def _built(request):
         "test_member_ragged_key_of_its_own": lambda p: [(V.DEFAULT, p["Hq"], p["Hkv"], p["D"], 0, p["dtype"], 0)],
         "test_ragged_different_strides_off_the_member": lambda p: [(V.DEFAULT, 32, 8, 128, 0, bf16, 0)],
         "test_bad_bsr_is_flagged_and_never_read_past":
-            lambda p: [(V.DEFAULT, 32, 8, 128, 16, bf16, "gather" if p["gather"] else 0)],
+            lambda p: [(V.DEFAULT, 32, 8, 128, 16, bf16, "gather" if p["how"] == "gather" else 0)],
     }
     default = [(V.DEFAULT, 32, 8, 128, 16, bf16, 0)]  # the other tests' wrappers
     wanted = []
@@ -129,6 +129,52 @@ def test_member_wide_steps(causal):
     q_lens = [cute_member.WIDE_MIN_QUERY + 4000, cute_member.WIDE_MIN_QUERY + 3000, 2000]
     _check_step(attn, q_lens, [q + 37 for q in q_lens], causal=causal, what=f"wide causal={causal}")
     assert attn.cute_step and attn._cute._step[0] == int(causal) + 2, "the step should have run three warpgroups"
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,page,dtype,layout,packed,causal",
+                         [s for s in _SHAPES if 16 <= s[3] < 128])
+def test_member_stages_pages(monkeypatch, Hq, Hkv, D, page, dtype, layout, packed, causal):
+    """Every step staged (STAGE_MIN_REUSE 0): the pages copied into rows, the slots past each request's KV written as
+    zeros (here NaN in the cache: 0 x NaN in P.V would show), then the ragged CTA over the rows, against the
+    reference; the same wrapper's next step below the reuse bound reads its pages again."""
+    from fi_backend import cute_member
+    monkeypatch.setattr(cute_member, "STAGE_MIN_REUSE", 0)
+    attn = _wrapper(Hq, Hkv, D, page=page, dtype=dtype, layout=layout)
+    assert attn.cute_unsupported is None, attn.cute_unsupported
+    what = f"staged {Hq}/{Hkv} D={D} page={page} {layout}{' packed' if packed else ''} causal={causal}"
+    _check_step(attn, _Q_LENS, _KV_LENS, dtype=dtype, packed=packed, causal=causal, what=what)
+    assert attn.cute_step and attn.cute_staged
+    monkeypatch.setattr(cute_member, "STAGE_MIN_REUSE", 1 << 60)
+    _check_step(attn, _Q_LENS, _KV_LENS, dtype=dtype, packed=packed, causal=causal, what=what + " unstaged")
+    assert attn.cute_step and not attn.cute_staged
+
+
+@pytest.mark.parametrize("name", ["window", "soft_cap_window"])
+def test_member_stages_variants(monkeypatch, name):
+    """Staged pages with the window (its KV tiles skipped on the staged rows) and the soft-cap + window."""
+    from fi_backend import cute_member
+    monkeypatch.setattr(cute_member, "STAGE_MIN_REUSE", 0)
+    variant, params = _VARIANTS[name]
+    attn = _wrapper(32, 16, 128, page=16, variant=variant)
+    _check_step(attn, _Q_LENS, _KV_LENS, params=params, what=f"staged {name}")
+    assert attn.cute_step and attn.cute_staged
+
+
+def test_staging_bound(monkeypatch):
+    """A step with more staged rows than the wrapper's STAGE_BYTES holds reads its pages, right; the rule's reuse
+    bound decides by default (these lengths' reuse is below it)."""
+    from fi_backend import cute_member
+    attn = _wrapper(32, 8, 128, page=16)
+    _check_step(attn, _Q_LENS, _KV_LENS, what="default reuse bound")
+    assert attn.cute_step and not attn.cute_staged
+    monkeypatch.setattr(cute_member, "STAGE_MIN_REUSE", 0)
+    monkeypatch.setattr(cute_member, "STAGE_BYTES", 2 * 8 * 128 * 2 * 4096)  # 4096 rows: fewer than these steps'
+    small = _wrapper(32, 8, 128, page=16)
+    assert small._cute._stage_rows == 4096 and small._cute._stage_kv is None  # made by the first staged step
+    _check_step(small, _Q_LENS, _KV_LENS, what="past the staging bound")
+    assert small.cute_step and not small.cute_staged
+    _check_step(small, [1000, 333], [1000, 410], what="within the staging bound")
+    assert small.cute_staged and small._cute._stage_kv.shape[1] == 4096
 
 
 # (query heads, KV heads, head size, page) gathered with GATHER_BELOW = _GATHER_BELOW
@@ -356,22 +402,23 @@ def test_switched_off(monkeypatch):
     assert not attn.cute_step
 
 
-@pytest.mark.parametrize("gather", [False, True])
-def test_bad_bsr_is_flagged_and_never_read_past(monkeypatch, gather):
+@pytest.mark.parametrize("how", ["boxes", "gather", "staged"])
+def test_bad_bsr_is_flagged_and_never_read_past(monkeypatch, how):
     """A page id outside the cache and a request whose pages run past kv_indices: the member flags them in the
     wrapper's error word (check_errors names them, as the tile family's kernel does), reads zeros for those pages
     and nothing past kv_indices (compute-sanitizer memcheck in .ci/gpu's cute step), and the output stays finite;
-    TMA boxes and gathered rows alike."""
+    TMA boxes, gathered rows and staged pages alike."""
     from fi_backend import cute_member
-    monkeypatch.setattr(cute_member, "GATHER_BELOW", _GATHER_BELOW if gather else 0)
+    monkeypatch.setattr(cute_member, "GATHER_BELOW", _GATHER_BELOW if how == "gather" else 0)
+    monkeypatch.setattr(cute_member, "STAGE_MIN_REUSE", 0 if how == "staged" else 1 << 60)
     attn = _wrapper(32, 8, 128, page=16)
-    assert all(("_ga1_" in name) == gather for name in attn._cute.module_names)
+    assert all(("_ga1_" in name) == (how == "gather") for name in attn._cute.module_names)
     bsr, qo_cpu, kv_cpu, nb = make_bsr(_KV_LENS, _Q_LENS, 16)
     cache, k, v = random_kv(nb, 16, 8, 128, torch.bfloat16)
     q = torch.randn(int(qo_cpu[-1]), 32, 128, device=DEV, dtype=torch.bfloat16)
     bsr.kv_indices[int(bsr.kv_block_start[1]) + 3] = nb + 1000
     attn.plan(qo_cpu, kv_cpu, bsr, causal=True)
-    assert attn.cute_step
+    assert attn.cute_step and attn.cute_staged == (how == "staged")
     out = attn.run(q, cache)
     torch.cuda.synchronize()
     with pytest.raises(RuntimeError, match="outside"):
@@ -388,9 +435,13 @@ def test_bad_bsr_is_flagged_and_never_read_past(monkeypatch, gather):
     assert torch.isfinite(out).all()
 
 
-def test_graph_capture_runs_the_family():
-    """run() captured in a CUDA graph on a step the member takes: the member refuses the capturing stream and the
-    tile family's kernel (planned too) goes into the graph, which replays right; later plans keep the family."""
+@pytest.mark.parametrize("staged", [False, True])
+def test_graph_capture_runs_the_family(monkeypatch, staged):
+    """run() captured in a CUDA graph on a step the member takes (its pages staged or not): the member refuses the
+    capturing stream and the tile family's kernel (planned too) goes into the graph, which replays right; later plans
+    keep the family."""
+    from fi_backend import cute_member
+    monkeypatch.setattr(cute_member, "STAGE_MIN_REUSE", 0 if staged else 1 << 60)
     attn = _wrapper(32, 8, 128, page=16)
     bsr, qo_cpu, kv_cpu, nb = make_bsr(_KV_LENS, _Q_LENS, 16)
     cache, k, v = random_kv(nb, 16, 8, 128, torch.bfloat16)
@@ -398,7 +449,7 @@ def test_graph_capture_runs_the_family():
     q = torch.randn(rows, 32, 128, device=DEV, dtype=torch.bfloat16)
     out = torch.empty_like(q)
     attn.plan(qo_cpu, kv_cpu, bsr, causal=True)
-    assert attn.cute_step
+    assert attn.cute_step and attn.cute_staged == staged
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

@@ -34,7 +34,8 @@ def _member_spec(head_dim, causal, page_size, warpgroups):
 
     from fi_backend import cute_member
     specs = [s for s in cute_member.specs(head_dim, torch.bfloat16, page_size)
-             if s.params["CAUSAL"] == str(int(causal)) and s.params["WARPGROUPS"] == str(warpgroups)]
+             if s.params["CAUSAL"] == str(int(causal)) and s.params["WARPGROUPS"] == str(warpgroups)
+             and s.params["PAGE"] == str(page_size)]  # a paged member's list holds its staging's ragged modules too
     assert len(specs) == 1, specs
     return specs[0]
 

@@ -17,6 +17,7 @@ CSRC = Path(__file__).resolve().parents[1] / "csrc"
 CHECKED = {
     "fi_cute_attn_ws": cutlass.ATTN_WS_ARGS,
     "fi_cute_attn_bsr": cutlass.ATTN_BSR_ARGS,
+    "fi_cute_stage_pages": cutlass.STAGE_PAGES_ARGS,
     "fi_attention_run": attention._RUN_ARGS,
     "fi_attention_layout": attention._LAYOUT_ARGS,
     "fi_attention_occupancy": attention._OCCUPANCY_ARGS,

@@ -203,14 +203,3 @@ def test_wgmma_waits_finds_where_the_pv_wait_sits():
     (s_wait, pv_wait, before, after), = W.waits(ins)
     assert (s_wait, pv_wait) == (0x11, 0x15)
     assert dict(before) == {"FMNMX": 2, "MUFU": 1} and dict(after) == {"F2FP": 1}
-
-
-def test_staged_pages_give_back_the_rows():
-    """cute_probe's staged measurement: the pool's pages in staged_pages' order are the case's K / V rows again."""
-    from perf import prefill as P
-    from perf.tools.cute_probe import staged_pages
-    case = P.Case(3, 64, 8, 2, head_dim=64, device="cpu")
-    pool = P.Paged(case, 16)
-    pages = staged_pages(pool)
-    for cache, rows in ((pool.k, case.k), (pool.v, case.v)):
-        assert torch.equal(torch.index_select(cache, 0, pages).view_as(rows), rows)

@@ -18,6 +18,8 @@ ENV = "FI_BACKEND_CUTLASS_DIR"
 ATTN_WS_ARGS = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 7 + [ctypes.c_float, ctypes.c_void_p]
 # ... and fi_cute_attn_bsr, K / V through a BSR (pages or ragged rows), V by its own strides
 ATTN_BSR_ARGS = [ctypes.c_void_p] * 11 + [ctypes.c_int64] * 22 + [ctypes.c_float] * 2 + [ctypes.c_void_p]
+# ... and fi_cute_attn_bsr's ragged modules' fi_cute_stage_pages, a paged step's KV copied into rows
+STAGE_PAGES_ARGS = [ctypes.c_void_p] * 9 + [ctypes.c_int64] * 13 + [ctypes.c_void_p]
 
 
 class CutlassNotFound(RuntimeError):

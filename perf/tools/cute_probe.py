@@ -99,31 +99,23 @@ def paged_fn(case: P.Case, page_size: int, mode: str = "cute_overlap", gather: b
     return fn, out
 
 
-def staged_pages(pool: P.Paged) -> torch.Tensor:
-    """The pool's pages in the requests' order (int64): index_select by them gives the case's K / V rows."""
-    return pool.table.reshape(-1).long()
-
-
-def staged_fn(case: P.Case, pool: P.Paged, causal: bool = True):
-    """The pages copied back into contiguous K / V rows (torch.index_select, one page of [P, Hkv, D] a row of the
-    copy), then the ragged member over those rows, both inside the timed call: what staging a step's pages would cost
-    against the member reading them as TMA boxes. Whole pages only (seq_len a multiple of the page size)."""
-    import copy
-    if case.seq_len % pool.page_size:
-        raise ValueError(f"staged: seq_len {case.seq_len} is not a multiple of the page size {pool.page_size}")
-    pages = staged_pages(pool)
-    k = torch.empty((pages.numel(),) + tuple(pool.k.shape[1:]), dtype=pool.k.dtype, device=pool.k.device)
-    v = torch.empty_like(k)
-    staged = copy.copy(case)
-    staged.k, staged.v = k.view(case.rows, case.hkv, case.d), v.view(case.rows, case.hkv, case.d)
-    member, out, info = P.ours_fn(staged, causal=causal)
-    if not info["cute_step"]:
-        raise RuntimeError(f"the ragged member did not take the staged step: {info['cute_unsupported']}")
-
-    def fn():
-        torch.index_select(pool.k, 0, pages, out=k)
-        torch.index_select(pool.v, 0, pages, out=v)
-        member()
+def member_fn(case: P.Case, pool: P.Paged, causal: bool, staged: bool):
+    """The member on the pool's pages through BatchAttention: reading them (staged False: FI_BACKEND_PREFILL_STAGE=0
+    for the wrapper) or staging every step into rows for its ragged CTA (STAGE_MIN_REUSE 0 for the plan)."""
+    from fi_backend import cute_member, env
+    saved_env, saved_reuse = os.environ.get(env.PREFILL_STAGE), cute_member.STAGE_MIN_REUSE
+    os.environ[env.PREFILL_STAGE] = "1" if staged else "0"
+    cute_member.STAGE_MIN_REUSE = 0
+    try:
+        fn, out, info = P.ours_fn(case, paged=pool, causal=causal)
+    finally:
+        cute_member.STAGE_MIN_REUSE = saved_reuse
+        if saved_env is None:
+            os.environ.pop(env.PREFILL_STAGE)
+        else:
+            os.environ[env.PREFILL_STAGE] = saved_env
+    if not info["cute_step"] or info["cute_staged"] != staged:
+        raise RuntimeError(f"the member did not take the step as asked (staged {staged}): {info}")
     return fn, out
 
 
@@ -148,8 +140,8 @@ def main(argv=None) -> int:
     ap.add_argument("--paged-split", default="1", help="a tile's boxes issued by the producer's four warps (1) or one "
                                                        "thread (0), comma-separated: both timed side by side")
     ap.add_argument("--staged", action="store_true",
-                    help="also each --paged pool's pages copied into contiguous rows and the ragged member over them, "
-                         "copy included (member_staged<P>)")
+                    help="also the member staging each --paged pool's pages into rows for its ragged CTA, copy "
+                         "included (member_staged<P>; member_paged<P> reads the pages)")
     ap.add_argument("--no-flashinfer", action="store_true",
                     help="no FlashInfer FA3 anchor (its first build at a head size is minutes): ratios to ours")
     ap.add_argument("--vllm-fa3", action="store_true",
@@ -158,6 +150,8 @@ def main(argv=None) -> int:
     ap.add_argument("--full", action="store_true", help="no causal mask (every kernel and anchor)")
     a = ap.parse_args(argv)
     modes = [m for m in a.modes.split(",") if m]
+    if a.modes == ap.get_default("modes") and a.head_dim not in (64, 96):  # three warpgroups: head sizes 64, 96
+        modes = [m for m in modes if MODES[m][3] == 2]
     paged_modes = [m for m in a.paged_modes.split(",") if m]
     if any(m not in MODES for m in modes + paged_modes):
         ap.error(f"--modes, --paged-modes: {modes}, {paged_modes}; accepted: {', '.join(MODES)}")
@@ -201,14 +195,12 @@ def main(argv=None) -> int:
                 # the same pages through BatchAttention: the prefill family's CuTe member (the launch engines run)
                 name = f"member_paged{page}"
                 pool = P.Paged(case, page)
-                fns[name], outs[name], info = P.ours_fn(case, paged=pool, causal=causal)
+                fns[name], outs[name] = member_fn(case, pool, causal, staged=False)
                 if a.staged:
-                    fns[f"member_staged{page}"], outs[f"member_staged{page}"] = staged_fn(case, pool, causal=causal)
+                    fns[f"member_staged{page}"], outs[f"member_staged{page}"] = member_fn(case, pool, causal, True)
                 if vfunc is not None:
                     fns[f"vllm_fa3_paged{page}"], outs[f"vllm_fa3_paged{page}"] = P.vllm_paged_fn(vfunc, case, pool,
                                                                                                    causal=causal)
-                if not info["cute_step"]:
-                    raise RuntimeError(f"the CuTe member did not take the step: {info['cute_unsupported']}")
             for page in (int(x) for x in a.gather.split(",") if x):
                 for m in paged_modes:
                     name = f"{m}_gather{page}"

@@ -927,3 +927,82 @@ FI_EXPORT int fi_cute_attn_bsr(const void* q, void* o, float* lse, const void* k
     }
   }
 }
+
+#if FI_CUTE_PAGE == 0
+// Staged pages (fi_backend.cute_member STAGE_*): a paged step's KV copied into contiguous rows, for this ragged CTA,
+// where the pages' TMA boxes (two a page of K at head size 128) cost more than the copy. Staged page g holds rows
+// g x page_size ..: request b's pages kv_indices[kv_block_start[b] ..] at rows stage_start[b] .. (a multiple of
+// page_size; stage_start [batch + 1]). k_out / v_out [rows, kv_heads, D] contiguous; K / V read by their strides
+// (elements; 16-byte rows). Rows past a request's KV, and those of a bad entry (flagged in error_flags as the CTA
+// flags them), are written as zeros: the CTA multiplies masked P by every V row of a tile, and 0 x NaN is NaN.
+namespace fi {
+namespace cute_probe {
+struct StageArgs {
+  const Elem *k, *v;
+  Elem *k_out, *v_out;
+  const int *kv_lens, *kv_indices, *stage_start;
+  const void* kv_block_start;
+  int* error_flags;
+  int64_t num_kv_indices, num_kv_blocks, k_block, k_token, k_head, v_block, v_token, v_head;
+  int kv_block_start_int64, batch, kv_heads, page;
+};
+
+__global__ void __launch_bounds__(256) stage_pages_kernel(StageArgs a) {
+  const int64_t row0 = (int64_t)blockIdx.x * a.page;
+  int lo = 0, hi = a.batch - 1;  // the last request whose rows start at or before row0
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (__ldg(a.stage_start + mid) <= row0) lo = mid; else hi = mid - 1;
+  }
+  const int j = (int)((row0 - __ldg(a.stage_start + lo)) / a.page);
+  const int64_t e = (a.kv_block_start_int64 ? __ldg(static_cast<const int64_t*>(a.kv_block_start) + lo)
+                                            : (int64_t)__ldg(static_cast<const int*>(a.kv_block_start) + lo)) + j;
+  int bad = 0;
+  int64_t page = 0;
+  if (e < 0 || e >= a.num_kv_indices) bad = 2;
+  else if ((page = __ldg(a.kv_indices + e)) < 0 || page >= a.num_kv_blocks) bad = 1;
+  if (bad && threadIdx.x == 0 && a.error_flags != nullptr) atomicOr(a.error_flags, bad);
+  const int valid = bad ? 0 : min(a.page, __ldg(a.kv_lens + lo) - j * a.page);
+  constexpr int kChunks = kHeadDim / 8;  // 16 bytes each
+  const int total = a.page * a.kv_heads * kChunks;
+  for (int i = threadIdx.x; i < total; i += blockDim.x) {
+    const int c = i % kChunks, h = (i / kChunks) % a.kv_heads, t = i / (kChunks * a.kv_heads);
+    uint4 kx = make_uint4(0, 0, 0, 0), vx = kx;
+    if (t < valid) {
+      kx = __ldg(reinterpret_cast<const uint4*>(a.k + page * a.k_block + t * a.k_token + h * a.k_head) + c);
+      vx = __ldg(reinterpret_cast<const uint4*>(a.v + page * a.v_block + t * a.v_token + h * a.v_head) + c);
+    }
+    const int64_t dst = ((row0 + t) * a.kv_heads + h) * kHeadDim;
+    reinterpret_cast<uint4*>(a.k_out + dst)[c] = kx;
+    reinterpret_cast<uint4*>(a.v_out + dst)[c] = vx;
+  }
+}
+}  // namespace cute_probe
+}  // namespace fi
+
+FI_EXPORT int fi_cute_stage_pages(const void* k, const void* v, void* k_out, void* v_out, const int* kv_lens,
+                                  const int* kv_indices, const void* kv_block_start, const int* stage_start,
+                                  int* error_flags, int64_t num_kv_indices, int64_t num_kv_blocks,
+                                  int64_t kv_stride_block, int64_t kv_stride_token, int64_t kv_stride_head,
+                                  int64_t v_stride_block, int64_t v_stride_token, int64_t v_stride_head,
+                                  int64_t kv_block_start_int64, int64_t batch, int64_t kv_heads, int64_t page_size,
+                                  int64_t staged_pages, void* stream) {
+  using namespace fi::cute_probe;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cudaError_t e = cudaStreamIsCapturing((cudaStream_t)stream, &capture);
+  if (e != cudaSuccess) return (int)e;
+  if (capture != cudaStreamCaptureStatusNone) return kCaptureRefused;
+  if (staged_pages <= 0) return 0;
+  if (batch <= 0 || kv_heads <= 0 || page_size <= 0 || staged_pages >= (1ll << 31) ||
+      page_size * kv_heads * kHeadDim >= (1ll << 31) ||
+      ((kv_stride_block | kv_stride_token | kv_stride_head | v_stride_block | v_stride_token | v_stride_head) & 7) ||
+      (((uintptr_t)k | (uintptr_t)v | (uintptr_t)k_out | (uintptr_t)v_out) & 15))
+    return (int)cudaErrorInvalidValue;
+  StageArgs a{static_cast<const Elem*>(k), static_cast<const Elem*>(v), static_cast<Elem*>(k_out),
+              static_cast<Elem*>(v_out), kv_lens, kv_indices, stage_start, kv_block_start, error_flags,
+              num_kv_indices, num_kv_blocks, kv_stride_block, kv_stride_token, kv_stride_head, v_stride_block,
+              v_stride_token, v_stride_head, (int)kv_block_start_int64, (int)batch, (int)kv_heads, (int)page_size};
+  stage_pages_kernel<<<(unsigned)staged_pages, 256, 0, (cudaStream_t)stream>>>(a);
+  return (int)cudaGetLastError();
+}
+#endif
