@@ -10,7 +10,7 @@ BatchAttention(kernel="prefill") loads it where it applies (`unsupported` says w
 window, soft-cap or soft-cap + window variant, head size 64, 96, 128 or 256, 16-bit KV, ragged K / V or pages of
 16..256 tokens (1..256 where gathered), a power of two, the CUTLASS headers) and plan() gives it the steps it runs
 well (`takes_step`); every other step, and every step captured in a CUDA graph, runs the tile family as before.
-On pages of 16..127 tokens, a step whose keys many queries read (STAGE_MIN_REUSE) is staged: its pages copied into
+On pages of 16..127 tokens, a step whose keys many queries read (stage_min_reuse) is staged: its pages copied into
 contiguous rows (entry fi_cute_stage_pages of the ragged modules), then the ragged CTA runs over them
 (FI_BACKEND_PREFILL_STAGE=0: never). FI_BACKEND_PREFILL_CUTE=0 turns the member off.
 """
@@ -43,12 +43,17 @@ WIDE_MIN_QUERY = 8192
 GATHER_BELOW = 0
 # Paged steps are staged (pages of STAGE_PAGES tokens: K in more TMA boxes a KV tile than ragged rows take) where each
 # staged key serves at least STAGE_MIN_REUSE (query head, query row) pairs: the step's pages copied into contiguous
-# rows (attn_ws.cu fi_cute_stage_pages), the ragged CTA run over them. Against the CTA on pages of 16 (H200, causal,
-# head size 128, copy included, perf/results/probe_staged_h200.json): reuse 512 0.82x, 2048 0.99-1.04x, 8192
-# 1.09-1.12x, 32768 1.12x. At most STAGE_BYTES of K and V rows a wrapper (made by its first staged step, grown with
-# larger ones); steps of more rows read their pages.
+# rows (attn_ws.cu fi_cute_stage_pages), the ragged CTA run over them. Against the CTA on pages of 16 (H200, copy
+# included, perf/results/probe_staged_{causal,full}_h200.json), head size 128: reuse 512 0.83x, 1024 0.92x, 2048
+# 0.99-1.04x, 4096 1.12x, 8192 1.08-1.22x, 16384 and more 1.11-1.18x; head size 64 (probe_d64_staged_h200.json): 512
+# 0.94x, 2048 1.12-1.15x, 8192 and more 1.18-1.20x; head size 256 (probe_d256_staged_h200.json) as 128.
+# Pages of 32 cost less (K in half the boxes): 2048 0.93-0.99x, 8192 1.01-1.05x, 32768 1.05x. So the bound is
+# STAGE_MIN_REUSE at head size 128 on pages of 16, scaled by STAGE_REUSE_SCALE at other head sizes and by the page
+# size over 16. At most STAGE_BYTES of K and V rows a wrapper (made by its first staged step, grown with larger
+# ones); steps of more rows read their pages.
 STAGE_PAGES = range(16, 128)
 STAGE_MIN_REUSE = 3072
+STAGE_REUSE_SCALE = {64: 1 / 3}
 STAGE_BYTES = 256 << 20
 
 
@@ -57,8 +62,9 @@ STAGE_BYTES = 256 << 20
 # (LAZY). Against the plain overlap on the H200 (docs/prefill.md "Ping-pong, lazy rescale and page-id prefetch,
 # measured"): at head size 128 on pages of 16 1-6% faster in all 12 cells, causal or not, ragged level
 # (perf/results/probe_{causal,full}_pp_h200.json); at head size 64 on pages of 16 0-4% faster on two and three
-# warpgroups, ragged 1-4% slower (causal, perf/results/probe_d64_pp_h200.json). Other pairs are not measured.
-PINGPONG_LAZY = ((128, False), (128, True), (64, True))
+# warpgroups, ragged 1-4% slower (causal, perf/results/probe_d64_pp_h200.json); at head size 256 1-5% faster ragged
+# and 3-6% on pages of 16 (causal, 32/8 and 32/32, probe_d256_staged_h200.json). Head size 96 is not measured.
+PINGPONG_LAZY = ((128, False), (128, True), (64, True), (256, False), (256, True))
 
 
 def schedule(head_dim: int, paged: bool) -> tuple:
@@ -166,6 +172,11 @@ def specs(head_dim: int, q_dtype: torch.dtype, page_size: int, variant: Variant 
     return of(page_size) + (of(0) if stages(page_size) else [])
 
 
+def stage_min_reuse(head_dim: int, page_size: int) -> float:
+    """The reuse (stage_reuse) from which the member stages a step's pages of this size at this head size."""
+    return STAGE_MIN_REUSE * STAGE_REUSE_SCALE.get(head_dim, 1) * page_size / 16
+
+
 def stage_reuse(q_lens: torch.Tensor, kv_lens: torch.Tensor, causal: bool, group: int, page_size: int) -> float:
     """(query head, query row) pairs a staged key serves in a step of these lengths (int64 CPU [B]): group x the
     step's (query, key) pairs (causal: each row sees the keys up to its own) over its rows staged by whole pages."""
@@ -262,7 +273,8 @@ class CuteMember:
             pages = (kv + self.page - 1) // self.page
             staged = int(pages.sum())
             if (staged * self.page <= self._stage_rows
-                    and stage_reuse(q, kv, causal, self.heads // self.kv_heads, self.page) >= STAGE_MIN_REUSE
+                    and stage_reuse(q, kv, causal, self.heads // self.kv_heads, self.page)
+                    >= stage_min_reuse(self.head_dim, self.page)
                     and self._stage_room(staged * self.page)):
                 self._plan_starts(pages)
                 self._staged = staged

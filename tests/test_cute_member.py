@@ -203,5 +203,8 @@ def test_staging_rule(monkeypatch):
     # a 2048-row chunk over 16k cached keys: about the chunk's rows x group; a partial page counts whole
     assert C.stage_reuse(i64([2048]), i64([18432]), True, 4, 16) == 4 * (2048 * 18432 - 2048 * 2047 // 2) / 18432
     assert C.stage_reuse(i64([1]), i64([17]), True, 4, 16) == 4 * 17 / 32
+    # the bound: 3072 at head size 128 on pages of 16, a third at 64, twice on pages of 32
+    assert C.stage_min_reuse(128, 16) == 3072 and C.stage_min_reuse(64, 16) == 1024
+    assert C.stage_min_reuse(256, 32) == 6144 and C.stage_min_reuse(96, 64) == 12288
     # decode rows riding along add keys and almost no pairs
     assert C.stage_reuse(i64([2048] + [1] * 64), i64([18432] + [16384] * 64), True, 4, 16) < C.STAGE_MIN_REUSE

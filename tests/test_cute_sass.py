@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.skipif(kernels.find_nvcc() is None, reason="needs nvcc
 # most, each as the member builds it (cute_member.specs: its ping-pong and lazy rescale as they are set). Head size
 # 64's three consumer warpgroups hold fewer registers a thread: ptxas keeps 27 scalars in local memory there (as
 # before the pin); more would be new spilling.
-MEMBERS = [(128, False, 0, 2, 0), (128, True, 16, 2, 0), (64, True, 0, 3, 27)]
+MEMBERS = [(128, False, 0, 2, 0), (128, True, 16, 2, 0), (64, True, 0, 3, 27), (256, True, 16, 2, 56)]
 
 
 def _member_spec(head_dim, causal, page_size, warpgroups):
