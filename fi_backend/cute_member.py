@@ -234,8 +234,8 @@ class CuteMember:
     def takes_step(self, q_lens: torch.Tensor, kv_lens: torch.Tensor, causal: bool, window_left: int = -1) -> bool:
         """Whether the member runs a step of these query / KV lengths (CPU int32 [B]; no per-request Python):
         every request's KV covers its queries (at least one key), its tiles fill the GPU (MIN_TILES_PER_SM), short
-        requests cost at most SHORT_SHARE of its tile pairs (with GQA), and a sliding window (window_left >= 0) is at least
-        WINDOW_MIN_KEYS keys wide or covers every request's KV."""
+        requests cost at most SHORT_SHARE of its tile pairs (with GQA), and a sliding window (window_left >= 0) is
+        at least WINDOW_MIN_KEYS keys wide or covers every request's KV."""
         if q_lens.numel() == 0:
             return False
         q, kv = q_lens.to(torch.int64), kv_lens.to(torch.int64)
@@ -248,9 +248,9 @@ class CuteMember:
         q_tiles = (q + ROWS - 1) // ROWS
         if int(q_tiles.sum()) * self.heads < MIN_TILES_PER_SM * self.sms:
             return False
-        pairs = q_tiles * ((kv + KV_TILE - 1) // KV_TILE)
         if self.heads == self.kv_heads:
             return True
+        pairs = q_tiles * ((kv + KV_TILE - 1) // KV_TILE)
         short = int(pairs[live & (q < SHORT_QUERY)].sum())
         return short <= SHORT_SHARE * int(pairs.sum())
 
