@@ -554,6 +554,9 @@ def test_sglang_engine_kwargs_and_backends():
     assert kw["tp_size"] == 4 and kw["attention_backend"] == "fi_backend" and kw["load_format"] == "dummy"
     assert kw["skip_tokenizer_init"] and kw["context_length"] == 18432 and kw["mem_fraction_static"] == 0.8
     assert kw["disable_cuda_graph"] and kw["max_running_requests"] == 64 and "chunked_prefill_size" not in kw
+    assert "page_size" not in kw  # the engine's default page size
+    plan["settings"]["block_size"] = 32
+    assert SG.engine_kwargs(plan, "fi_backend")["page_size"] == 32
     assert S.parse_backends("FI_BACKEND,triton", SG.ENGINE) == ["fi_backend", "triton"]
     with pytest.raises(ValueError, match="accepted: fi_backend, triton, flashinfer"):
         S.parse_backends("CUSTOM", SG.ENGINE)

@@ -172,7 +172,7 @@ def build_plan(a: argparse.Namespace, engine: Engine) -> dict:
         "num_prompts": counts, "seed": a.seed, "smoke": a.smoke,
         "max_model_len": a.max_model_len, "gpu_memory_utilization": a.gpu_memory_utilization,
         "max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_num_batched_tokens,
-        "enforce_eager": a.enforce_eager, "warmup_requests": a.warmup,
+        "block_size": a.block_size, "enforce_eager": a.enforce_eager, "warmup_requests": a.warmup,
         "tensor_parallel_size": a.tp, **engine.settings,
         "sampling": ("temperature=0 (vLLM with n > 1: temperature=1, seeded per request), ignore_eos=True, "
                      "max_tokens=output_len, detokenize=False, output_kind=DELTA"),
@@ -440,13 +440,14 @@ def _fmt(x, spec=".1f"):
 
 def markdown(r: dict, engine: Engine) -> str:
     s = r["settings"]
+    page = "" if s.get("block_size") is None else f", KV page size {s['block_size']}"
     lines = [f"# End-to-end serving on {engine.label} {r.get(engine.name)}, {r['device'].get('name')}, {r['date'][:10]}, "
              f"commit {str(r['commit'])[:12]}", "",
              f"Model: {', '.join(r['model'].get('architectures') or ['?'])} shapes, {r['model']['num_hidden_layers']} layers, dummy "
              f"weights ({r['model']['config_source']}). {engine.method} Token-id prompts, Poisson arrivals, "
              f"streamed tokens; metrics as `vllm bench serve` defines them. Tensor parallel "
              f"{s.get('tensor_parallel_size', 1)}, CUDA graphs {'off' if s.get('enforce_eager') else 'on'}, max_model_len {s['max_model_len']}, "
-             f"gpu_memory_utilization {s['gpu_memory_utilization']}; {s['sampling']}; seed {s['seed']}.", ""]
+             f"gpu_memory_utilization {s['gpu_memory_utilization']}{page}; {s['sampling']}; seed {s['seed']}.", ""]
     lines += ["| backend | status | start-up s | warm-up s | wall s | cudagraph mode | KV blocks |",
               "|---|---|---|---|---|---|---|"]
     for b, info in r["backends"].items():
@@ -551,6 +552,8 @@ def build_parser(engine: Engine, doc: str) -> argparse.ArgumentParser:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--max-num-seqs", type=int, help="most requests running at once (default: the engine's)")
     ap.add_argument("--max-num-batched-tokens", type=int, help="tokens a step (chunked prefill; default: the engine's)")
+    ap.add_argument("--block-size", type=int, help="KV cache page size in tokens (vLLM's block_size, SGLang's "
+                                                   "page_size; default: the engine's)")
     ap.add_argument("--enforce-eager", action="store_true", help="CUDA graphs off (debugging only)")
     ap.add_argument("--warmup", type=int, default=8, help="warm-up requests per engine before measuring")
     ap.add_argument("--smoke", action="store_true", help="2 layers, 16 prompts, the first rate only")

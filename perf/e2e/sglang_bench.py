@@ -70,6 +70,8 @@ def engine_kwargs(plan: dict, backend: str) -> dict:
         kw["max_running_requests"] = s["max_num_seqs"]
     if s["max_num_batched_tokens"] is not None:
         kw["chunked_prefill_size"] = s["max_num_batched_tokens"]
+    if s.get("block_size") is not None:
+        kw["page_size"] = s["block_size"]
     return kw
 
 

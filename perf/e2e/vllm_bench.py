@@ -136,8 +136,8 @@ async def _serve(plan: dict, backend: str, result: dict, out_path: Path, t_child
     s = plan["settings"]
     result["vllm"] = vllm.__version__
     kw = {}
-    for key in ("max_num_seqs", "max_num_batched_tokens"):
-        if s[key] is not None:
+    for key in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        if s.get(key) is not None:
             kw[key] = s[key]
     args = AsyncEngineArgs(model=plan["model_dir"], load_format="dummy", skip_tokenizer_init=True,
                            max_model_len=s["max_model_len"], gpu_memory_utilization=s["gpu_memory_utilization"],
