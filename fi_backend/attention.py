@@ -878,6 +878,8 @@ class BatchAttention:
         if rc:
             if rc == _CAPTURED:  # captured into a CUDA graph: pin what the graph reads (see plan())
                 self._frozen = (self._bsr_ptrs, self._settings)
+                if self._cute is not None:  # the member takes no step again
+                    self._cute.release_staging()
                 if self.kernel == "decode":
                     self._captured[self._requests] = self._member
             else:

@@ -152,9 +152,11 @@ def unsupported(variant: Variant, head_dim: int, q_dtype: torch.dtype, kv_dtype:
     return None
 
 
-def stages(page_size: int) -> bool:
-    """Whether the member stages steps on pages of this size (some: STAGE_MIN_REUSE) into rows for its ragged CTA."""
-    return page_size in STAGE_PAGES and not gathers(page_size) and STAGE_BYTES > 0 and env.flag(env.PREFILL_STAGE, True)
+def stages(page_size: int, head_dim: int) -> bool:
+    """Whether the member stages steps on pages of this size (some: stage_min_reuse) into rows for its ragged CTA:
+    pages shorter than its KV tile (64 keys at head size 256), where K takes more TMA boxes a tile than rows do."""
+    return (page_size in STAGE_PAGES and page_size < (64 if head_dim == 256 else 128) and not gathers(page_size)
+            and STAGE_BYTES > 0 and env.flag(env.PREFILL_STAGE, True))
 
 
 def specs(head_dim: int, q_dtype: torch.dtype, page_size: int, variant: Variant = V.DEFAULT) -> list:
@@ -169,7 +171,7 @@ def specs(head_dim: int, q_dtype: torch.dtype, page_size: int, variant: Variant 
                                      softcap=_softcap(variant), warpgroups=wgs, gather=page > 0 and gathers(page),
                                      lazy=lazy)
                 for wgs in ((2, 3) if head_dim in WIDE_HEAD_DIMS else (2,)) for causal in (False, True)]
-    return of(page_size) + (of(0) if stages(page_size) else [])
+    return of(page_size) + (of(0) if stages(page_size, head_dim) else [])
 
 
 def stage_min_reuse(head_dim: int, page_size: int) -> float:
@@ -177,11 +179,27 @@ def stage_min_reuse(head_dim: int, page_size: int) -> float:
     return STAGE_MIN_REUSE * STAGE_REUSE_SCALE.get(head_dim, 1) * page_size / 16
 
 
-def stage_reuse(q_lens: torch.Tensor, kv_lens: torch.Tensor, causal: bool, group: int, page_size: int) -> float:
+def stage_pages(q_lens: torch.Tensor, kv_lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The pages staged for each request (int64 CPU [B]): all of its KV's, none for a request without query rows."""
+    return torch.where(q_lens > 0, (kv_lens + page_size - 1) // page_size, torch.zeros_like(kv_lens))
+
+
+def stage_reuse(q_lens: torch.Tensor, kv_lens: torch.Tensor, causal: bool, group: int, page_size: int,
+                window_left: int = -1) -> float:
     """(query head, query row) pairs a staged key serves in a step of these lengths (int64 CPU [B]): group x the
-    step's (query, key) pairs (causal: each row sees the keys up to its own) over its rows staged by whole pages."""
-    pairs = q_lens * kv_lens - (q_lens * (q_lens - 1) // 2 if causal else 0)
-    rows = int(((kv_lens + page_size - 1) // page_size).sum()) * page_size
+    step's (query, key) pairs over its staged rows (stage_pages' whole pages). Causal: row i of a request sees
+    kv - q + 1 + i keys, at most window_left + 1 with a window; not causal: every key, or window_left + 1."""
+    if causal:
+        first = kv_lens - q_lens + 1  # keys of each request's first row
+        if window_left >= 0:
+            w = window_left + 1
+            m = (w - first + 1).clamp(min=0).minimum(q_lens)  # rows below the window's width
+            pairs = m * first + m * (m - 1) // 2 + (q_lens - m) * w
+        else:
+            pairs = q_lens * first + q_lens * (q_lens - 1) // 2
+    else:
+        pairs = q_lens * (kv_lens if window_left < 0 else kv_lens.clamp(max=window_left + 1))
+    rows = int(stage_pages(q_lens, kv_lens, page_size).sum()) * page_size
     return group * int(pairs.sum()) / max(1, rows)
 
 
@@ -206,7 +224,7 @@ class CuteMember:
         self.modules = [kernels.load(s) for s in specs(head_dim, q_dtype, page_size, variant)]
         from .kernels.cutlass import ATTN_BSR_ARGS, STAGE_PAGES_ARGS
         fns = [m.function("fi_cute_attn_bsr", ATTN_BSR_ARGS) for m in self.modules]
-        staging = stages(page_size)
+        staging = stages(page_size, head_dim)
         # on pages: the paged modules', then (staging) the ragged modules' entries
         self._fns, self._staged_fns = (fns[:len(fns) // 2], fns[len(fns) // 2:]) if staging else (fns, [])
         self.softcap = _softcap(variant)
@@ -270,10 +288,10 @@ class CuteMember:
         self._staged = None
         if self._stage_rows:
             q, kv = q_lens.to(torch.int64), kv_lens.to(torch.int64)
-            pages = (kv + self.page - 1) // self.page
+            pages = stage_pages(q, kv, self.page)
             staged = int(pages.sum())
             if (staged * self.page <= self._stage_rows
-                    and stage_reuse(q, kv, causal, self.heads // self.kv_heads, self.page)
+                    and stage_reuse(q, kv, causal, self.heads // self.kv_heads, self.page, int(window_left))
                     >= stage_min_reuse(self.head_dim, self.page)
                     and self._stage_room(staged * self.page)):
                 self._plan_starts(pages)
@@ -357,5 +375,9 @@ class CuteMember:
             self._staged * self.page, 0, batch, max_q, self.heads, self.kv_heads, total_q, total_kv,
             L2_SECTION_BYTES, window, p.logits_scale, cap, stream)
 
+    def release_staging(self) -> None:
+        """Give back the staging rows and stage no more (a wrapper a CUDA graph froze to the tile family)."""
+        self._stage_kv, self._stage_rows, self._staged = None, 0, None
+
     def check(self, rc: int) -> None:
-        self.modules[0].check(rc, "fi_cute_attn_bsr")
+        self.modules[0].check(rc, "fi_cute_stage_pages + fi_cute_attn_bsr" if self.staged else "fi_cute_attn_bsr")

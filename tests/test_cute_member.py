@@ -190,11 +190,12 @@ def test_wrappers_modules_are_prepared_in_parallel(monkeypatch, capsys):
 def test_staging_rule(monkeypatch):
     """Which pages the member stages (16..127 tokens, boxes not gathers, the switch on) and the reuse a step's
     staged key gets: group x (query, key) pairs over whole pages' rows, the figure STAGE_MIN_REUSE bounds."""
-    assert C.stages(16) and C.stages(64) and not C.stages(128) and not C.stages(0) and not C.stages(8)
+    assert C.stages(16, 128) and C.stages(64, 128) and not C.stages(128, 128) and not C.stages(0, 128)
+    assert not C.stages(8, 128) and C.stages(32, 256) and not C.stages(64, 256)  # 64-key tiles at 256: one box
     monkeypatch.setattr(C, "GATHER_BELOW", 32)
-    assert not C.stages(16) and C.stages(32)
+    assert not C.stages(16, 128) and C.stages(32, 128)
     monkeypatch.setenv("FI_BACKEND_PREFILL_STAGE", "0")
-    assert not C.stages(32)
+    assert not C.stages(32, 128)
     i64 = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
     # the probe's cells: 16 x 1k causal at 32/8 (group 4) reuses a key 2050 times, 4 x 4k 8194, at 32/32 a quarter
     assert C.stage_reuse(i64([1024] * 16), i64([1024] * 16), True, 4, 16) == 4 * 1025 / 2
@@ -206,5 +207,20 @@ def test_staging_rule(monkeypatch):
     # the bound: 3072 at head size 128 on pages of 16, a third at 64, twice on pages of 32
     assert C.stage_min_reuse(128, 16) == 3072 and C.stage_min_reuse(64, 16) == 1024
     assert C.stage_min_reuse(256, 32) == 6144 and C.stage_min_reuse(96, 64) == 12288
+    # a window: each row's keys at most window_left + 1 (brute force over rows and keys); a request without query
+    # rows stages nothing
+    def brute(q, kv, causal, w):
+        n = 0
+        for qi, ki in zip(q, kv):
+            for i in range(qi):
+                hi = ki - qi + i if causal else ki - 1
+                lo = max(0, hi - w) if w >= 0 else 0
+                n += hi - lo + 1 if causal else (min(ki, w + 1) if w >= 0 else ki)
+        return n
+    for q, kv, causal, w in (([300, 5, 77], [4100, 900, 77], True, 1000), ([300, 5], [4100, 900], True, -1),
+                             ([40], [40], True, 10), ([300, 7], [1000, 2000], False, 511), ([3], [9], True, 0)):
+        rows = sum(-(-k // 16) * 16 for qi, k in zip(q, kv) if qi > 0)
+        assert C.stage_reuse(i64(q), i64(kv), causal, 2, 16, w) == 2 * brute(q, kv, causal, w) / rows, (q, kv, w)
+    assert C.stage_pages(i64([0, 5, 3]), i64([100, 17, 16]), 16).tolist() == [0, 2, 1]
     # decode rows riding along add keys and almost no pairs
     assert C.stage_reuse(i64([2048] + [1] * 64), i64([18432] + [16384] * 64), True, 4, 16) < C.STAGE_MIN_REUSE

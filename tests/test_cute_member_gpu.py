@@ -31,6 +31,8 @@ def _built(request):
     # member: "gather" (GATHER_BELOW), "lazy" (schedule), or "") from its params
     of = {
         "test_member_matches_reference": lambda p: [(V.DEFAULT, p["Hq"], p["Hkv"], p["D"], p["page"], p["dtype"], 0)],
+        "test_member_stages_pages": lambda p: [(V.DEFAULT, p["Hq"], p["Hkv"], p["D"], p["page"], p["dtype"], 0)],
+        "test_member_stages_variants": lambda p: [(_VARIANTS[p["name"]][0], 32, 16, 128, 16, bf16, 0)],
         "test_member_wide_steps": lambda p: [(V.DEFAULT, 4, 1, 64, 16, bf16, 0)],
         "test_member_gathers": lambda p: [(V.DEFAULT, p["Hq"], p["Hkv"], p["D"], p["page"], bf16, "gather")],
         "test_member_lazy_rescale": lambda p: [(_VARIANTS[p["name"]][0] if p["name"] else V.DEFAULT, p["Hq"], p["Hkv"],
@@ -162,7 +164,8 @@ def test_member_stages_variants(monkeypatch, name):
 
 def test_staging_bound(monkeypatch):
     """A step with more staged rows than the wrapper's STAGE_BYTES holds reads its pages, right; the rule's reuse
-    bound decides by default (these lengths' reuse is below it)."""
+    bound decides by default (these lengths' reuse is below it); the rows grow with a larger step, the start offsets
+    with a batch of more than 256 requests."""
     from fi_backend import cute_member
     attn = _wrapper(32, 8, 128, page=16)
     _check_step(attn, _Q_LENS, _KV_LENS, what="default reuse bound")
@@ -175,6 +178,32 @@ def test_staging_bound(monkeypatch):
     assert small.cute_step and not small.cute_staged
     _check_step(small, [1000, 333], [1000, 410], what="within the staging bound")
     assert small.cute_staged and small._cute._stage_kv.shape[1] == 4096
+    monkeypatch.setattr(cute_member, "STAGE_BYTES", 256 << 20)
+    grows = _wrapper(32, 8, 128, page=16, max_tokens=17000)
+    _check_step(grows, [1000, 333], [1000, 410], what="first staged step")
+    assert grows.cute_staged and grows._cute._stage_kv.shape[1] == 4096
+    _check_step(grows, _Q_LENS, _KV_LENS, what="a larger staged step")  # 6560 rows
+    assert grows.cute_staged and grows._cute._stage_kv.shape[1] == 8192
+    _check_step(grows, [64] * 260, [100 + i % 37 for i in range(260)], what="260 requests staged")
+    assert grows.cute_staged and grows._cute._start_dev.numel() >= 261
+
+
+def test_staged_requests_without_queries(monkeypatch):
+    """Requests with no query rows this step (one with KV, one empty) get no staged pages: their table entries are
+    never read, so bad ones there are not flagged (as on pages); the others' results are right."""
+    from fi_backend import cute_member
+    monkeypatch.setattr(cute_member, "STAGE_MIN_REUSE", 0)
+    attn = _wrapper(32, 8, 128, page=16)
+    q_lens, kv_lens = [1000, 0, 333, 0, 77], [1000, 500, 410, 0, 3001]
+    bsr, qo_cpu, kv_cpu, nb = make_bsr(kv_lens, q_lens, 16)
+    cache, k, v = random_kv(nb, 16, 8, 128, torch.bfloat16)
+    poison_unused(k, v, bsr)
+    start = int(bsr.kv_block_start[1])
+    bsr.kv_indices[start:start + 32] = nb + 1000  # request 1's pages: outside the cache, never to be read
+    plan_run_check(attn, bsr, qo_cpu, kv_cpu, cache, k, v, dtype=torch.bfloat16, kv_dtype=torch.bfloat16,
+                   causal=True, what="staged, requests without queries")
+    assert attn.cute_staged and attn._cute._staged == (1000 + 15) // 16 + (410 + 15) // 16 + (3001 + 15) // 16
+    attn.check_errors()
 
 
 # (query heads, KV heads, head size, page) gathered with GATHER_BELOW = _GATHER_BELOW
