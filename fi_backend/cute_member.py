@@ -241,6 +241,7 @@ class CuteMember:
         self._stage_kv = self._stage_fn = None
         self._stage_rows = STAGE_BYTES // (2 * num_kv_heads * head_dim * 2) // page_size * page_size if staging else 0
         self._start_host = self._start_dev = self._start_copied = None
+        self._start_pending = False
         self._staged = None
         if staging:
             self._stage_fn = self.modules[len(fns) // 2].function("fi_cute_stage_pages", STAGE_PAGES_ARGS)
@@ -324,15 +325,15 @@ class CuteMember:
             size = max(256, 1 << (n - 1).bit_length())
             self._start_host = torch.empty(size, dtype=torch.int32, pin_memory=True)
             self._start_dev = torch.empty(size, dtype=torch.int32, device=dev)
-            self._start_copied = None
-        elif self._start_copied is not None:
+            self._start_copied, self._start_pending = torch.cuda.Event(), False
+        elif self._start_pending:
             self._start_copied.synchronize()  # the last copy may still read the host buffer
         host = self._start_host[:n]
         host[0] = 0
         host[1:] = torch.cumsum(pages * self.page, 0)
         self._start_dev[:n].copy_(host, non_blocking=True)
-        self._start_copied = torch.cuda.Event()
         self._start_copied.record(torch.cuda.current_stream(dev))
+        self._start_pending = True
 
     @property
     def planned(self) -> bool:

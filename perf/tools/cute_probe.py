@@ -103,17 +103,12 @@ def member_fn(case: P.Case, pool: P.Paged, causal: bool, staged: bool):
     """The member on the pool's pages through BatchAttention: reading them (staged False: FI_BACKEND_PREFILL_STAGE=0
     for the wrapper) or staging every step into rows for its ragged CTA (STAGE_MIN_REUSE 0 for the plan)."""
     from fi_backend import cute_member, env
-    saved_env, saved_reuse = os.environ.get(env.PREFILL_STAGE), cute_member.STAGE_MIN_REUSE
-    os.environ[env.PREFILL_STAGE] = "1" if staged else "0"
-    cute_member.STAGE_MIN_REUSE = 0
+    saved_reuse, cute_member.STAGE_MIN_REUSE = cute_member.STAGE_MIN_REUSE, 0
     try:
-        fn, out, info = P.ours_fn(case, paged=pool, causal=causal)
+        with env.setting(env.PREFILL_STAGE, "1" if staged else "0"):
+            fn, out, info = P.ours_fn(case, paged=pool, causal=causal)
     finally:
         cute_member.STAGE_MIN_REUSE = saved_reuse
-        if saved_env is None:
-            os.environ.pop(env.PREFILL_STAGE)
-        else:
-            os.environ[env.PREFILL_STAGE] = saved_env
     if not info["cute_step"] or info["cute_staged"] != staged:
         if staged and info["cute_step"]:  # more rows than cute_member.STAGE_BYTES holds: not timed
             log(f"{case.shape()}: the member does not stage {pool.page_size}-token pages of this step (more rows "
